@@ -1,0 +1,18 @@
+"""dtcompile: DTensor programs compiled into per-rank programs.
+
+``dtcompile.jit(model)`` traces a call once below DTensor (DTensor's own sharding
+propagation decides placements and collectives), then runs the recorded per-rank program
+of local ops and collectives, with no DTensor dispatch left at run time.
+"""
+
+from .capture import TracingError, TrainingNotSupportedError, UnsupportedInputError
+from .jit import (
+    RankMismatchError, cache_hits, cache_misses, compile_seconds, jit, last_epilogue, last_prologue, last_traces,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RankMismatchError", "TracingError", "TrainingNotSupportedError", "UnsupportedInputError", "cache_hits",
+    "cache_misses", "compile_seconds", "jit", "last_epilogue", "last_prologue", "last_traces",
+]

@@ -1,0 +1,12 @@
+"""Turning a call into a per-rank trace, below DTensor."""
+
+from .inputs import (
+    ConstantInput, DictInput, DTensorInput, InputNode, PytreeInput, SequenceInput, TensorInput,
+    TensorMeta, UnsupportedInputError, iter_leaves,
+)
+from .outputs import (
+    ConstantOutput, DictOutput, DTensorOutput, OutputNode, PytreeOutput, SequenceOutput, TensorOutput,
+)
+from .placements import describe_placement, describe_placements
+from .recorder import TracingError
+from .tracer import CallInputs, CapturedCall, TrainingNotSupportedError, capture_call

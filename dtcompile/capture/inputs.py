@@ -1,0 +1,168 @@
+"""Turning the values of a call into proxies, and describing what was seen.
+
+Each argument becomes what the traced program receives: a TensorProxy for a tensor, a
+DTensor wrapped around a TensorProxy for a DTensor, the value itself for a Python
+constant. Beside it, an :class:`InputNode` tree records what the trace assumed about
+the argument; the prologue's guards are generated from that tree.
+"""
+
+from __future__ import annotations
+
+import keyword
+import re
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
+
+from ..core import InputPath, TensorProxy
+from .recorder import Recording
+
+CONSTANT_TYPES = (bool, int, float, complex, str, type(None))
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+class UnsupportedInputError(TypeError):
+    """An argument dtcompile cannot take as an input."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """The local metadata a trace assumed of a tensor."""
+
+    type: type
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    @staticmethod
+    def of(t: torch.Tensor) -> TensorMeta:
+        return TensorMeta(type(t), tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
+
+
+@dataclass
+class InputNode:
+    """What the trace assumed about one value of the call, at ``path``."""
+
+    path: InputPath
+
+
+@dataclass
+class ConstantInput(InputNode):
+    value: object
+
+
+@dataclass
+class TensorInput(InputNode):
+    proxy: TensorProxy
+    meta: TensorMeta
+
+
+@dataclass
+class DTensorInput(InputNode):
+    proxy: TensorProxy  # the local tensor's proxy, at ``path._local_tensor``
+    spec: object  # the DTensorSpec (mesh, placements, global shape and stride)
+    meta: TensorMeta  # of the local tensor
+    requires_grad: bool
+
+
+@dataclass
+class SequenceInput(InputNode):
+    type: type
+    children: list[InputNode]
+
+
+@dataclass
+class DictInput(InputNode):
+    keys: tuple
+    children: list[InputNode]
+
+
+@dataclass
+class PytreeInput(InputNode):
+    """A container registered with torch's pytree (namedtuple, dataclass, ModelOutput)."""
+
+    type: type
+    context: object
+    children: list[InputNode]
+
+
+def identifier(text: str, taken: set[str]) -> str:
+    """A fresh Python identifier that reads like ``text``."""
+    name = re.sub(r"\W+", "_", text).strip("_") or "x"
+    if name[0].isdigit() or keyword.iskeyword(name) or re.fullmatch(r"t\d+", name) or name in {"torch", "aten"}:
+        name = "in_" + name
+    candidate, n = name, 1
+    while candidate in taken:
+        candidate, n = f"{name}_{n}", n + 1
+    taken.add(candidate)
+    return candidate
+
+
+class InputProxifier:
+    """Makes the traced program's view of each input, with its provenance and node."""
+
+    def __init__(self, recording: Recording):
+        self.recording = recording
+        self.taken: set[str] = recording.used_names
+        self.dtensor_inputs: list[DTensorInput] = []
+
+    def proxify(self, value: object, path: InputPath, name_hint: str) -> tuple[object, InputNode]:
+        if isinstance(value, DTensor):
+            return self._dtensor(value, path, name_hint)
+        if isinstance(value, torch.Tensor):
+            if type(value) not in PLAIN_TENSOR_TYPES:
+                raise UnsupportedInputError(
+                    f"dtcompile.jit: {path} is a {type(value).__name__}; tensor subclasses other "
+                    "than DTensor and nn.Parameter are not supported"
+                )
+            proxy = self.recording.input_proxy(value, identifier(name_hint, self.taken), path)
+            return proxy, TensorInput(path, proxy, TensorMeta.of(value))
+        if isinstance(value, CONSTANT_TYPES):
+            return value, ConstantInput(path, value)
+        if type(value) in (tuple, list):
+            pairs = [self.proxify(v, path.index(i), f"{name_hint}_{i}") for i, v in enumerate(value)]
+            values = type(value)(p for p, _ in pairs)
+            return values, SequenceInput(path, type(value), [n for _, n in pairs])
+        if type(value) is dict:
+            pairs = [self.proxify(v, path.key(k), f"{name_hint}_{k}") for k, v in value.items()]
+            values = dict(zip(value.keys(), (p for p, _ in pairs)))
+            return values, DictInput(path, tuple(value.keys()), [n for _, n in pairs])
+        if type(value) in pytree.SUPPORTED_NODES:
+            node = pytree.SUPPORTED_NODES[type(value)]
+            children, context = node.flatten_fn(value)
+            pairs = [self.proxify(v, path.index(i), f"{name_hint}_{i}") for i, v in enumerate(children)]
+            rebuilt = node.unflatten_fn([p for p, _ in pairs], context)
+            return rebuilt, PytreeInput(path, type(value), context, [n for _, n in pairs])
+        raise UnsupportedInputError(
+            f"dtcompile.jit: {path} is a {type(value).__name__}; inputs must be tensors, DTensors, "
+            "numbers, strings, None, or tuples, lists and dicts of those"
+        )
+
+    def _dtensor(self, value: DTensor, path: InputPath, name_hint: str) -> tuple[DTensor, DTensorInput]:
+        mesh = value.device_mesh
+        if mesh.get_coordinate() is None:
+            raise UnsupportedInputError(
+                f"dtcompile.jit: {path} is a DTensor on {mesh}, which does not include this "
+                f"process (rank {torch.distributed.get_rank()})"
+            )
+        local = value._local_tensor
+        local_path = path.attr("_local_tensor")
+        proxy = self.recording.input_proxy(local, identifier(name_hint, self.taken), local_path)
+        wrapped = DTensor(proxy, value._spec, requires_grad=value.requires_grad)
+        node = DTensorInput(path, proxy, value._spec, TensorMeta.of(local), value.requires_grad)
+        self.dtensor_inputs.append(node)
+        return wrapped, node
+
+
+def iter_leaves(node: InputNode):
+    """The tensor and constant nodes of a tree, in order."""
+    children = getattr(node, "children", None)
+    if children is None:
+        yield node
+        return
+    for child in children:
+        yield from iter_leaves(child)

@@ -1,0 +1,86 @@
+"""Describing what a traced call returned, so the epilogue can rebuild it.
+
+The computation returns a flat tuple of local tensors; an :class:`OutputNode` tree says
+how to rebuild the call's result from it: which leaves become DTensors (with the spec
+DTensor's propagation gave them at trace time), which stay plain tensors, which are
+constants, and the containers around them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
+
+from ..core import TensorProxy
+
+
+@dataclass
+class OutputNode:
+    pass
+
+
+@dataclass
+class ConstantOutput(OutputNode):
+    value: object
+
+
+@dataclass
+class TensorOutput(OutputNode):
+    index: int  # into the computation's flat result
+
+
+@dataclass
+class DTensorOutput(OutputNode):
+    index: int
+    spec: object
+    requires_grad: bool
+
+
+@dataclass
+class SequenceOutput(OutputNode):
+    type: type
+    children: list[OutputNode]
+
+
+@dataclass
+class DictOutput(OutputNode):
+    keys: tuple
+    children: list[OutputNode]
+
+
+@dataclass
+class PytreeOutput(OutputNode):
+    type: type
+    context: object
+    children: list[OutputNode]
+
+
+class OutputCollector:
+    """Collects the local proxies a call returned, in order, and describes the result."""
+
+    def __init__(self):
+        self.proxies: list[TensorProxy] = []
+
+    def _slot(self, proxy: TensorProxy) -> int:
+        self.proxies.append(proxy)
+        return len(self.proxies) - 1
+
+    def describe(self, value: object) -> OutputNode:
+        if isinstance(value, DTensor) and isinstance(value._local_tensor, TensorProxy):
+            return DTensorOutput(self._slot(value._local_tensor), value._spec, value.requires_grad)
+        if isinstance(value, TensorProxy):
+            return TensorOutput(self._slot(value))
+        if isinstance(value, torch.Tensor):
+            return ConstantOutput(value)  # a tensor the program closes over, returned as is
+        if type(value) in (tuple, list):
+            return SequenceOutput(type(value), [self.describe(v) for v in value])
+        if type(value) is dict:
+            return DictOutput(tuple(value.keys()), [self.describe(v) for v in value.values()])
+        if type(value) in pytree.SUPPORTED_NODES:
+            node = pytree.SUPPORTED_NODES[type(value)]
+            children, context = node.flatten_fn(value)
+            return PytreeOutput(type(value), context, [self.describe(v) for v in children])
+        return ConstantOutput(value)

@@ -1,0 +1,191 @@
+"""Recording a call below DTensor.
+
+Two modes are active while a call is traced:
+
+* :class:`OpRecorder`, a TorchDispatchMode, sees every aten op. An op with a DTensor
+  argument is left to DTensor (``NotImplemented``): DTensor propagates sharding, issues
+  its redistributions and calls local ops, which come back here with TensorProxy
+  arguments and are recorded. Ops with no tensor argument (``arange``, ``zeros``) are
+  recorded too. The output metadata comes from running the op on FakeTensors.
+* :class:`CallAnnotator`, a TorchFunctionMode, sees each torch-level call the user's
+  code makes (``F.linear``, ``Tensor.view``) and notes it, with the placements of its
+  DTensor inputs and outputs, on the symbols recorded while it ran.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode, resolve_name
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..core import BoundSymbol, InputPath, NoProvenance, Note, TensorProxy, aten_symbol
+from .placements import describe_placements
+
+
+class TracingError(RuntimeError):
+    """The traced program does something dtcompile cannot record."""
+
+
+_FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
+_DATA_DEPENDENT_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
+
+
+class Recording:
+    """The state of one trace being recorded: its symbols, names and captured constants."""
+
+    def __init__(self, fake_mode: FakeTensorMode):
+        self.fake_mode = fake_mode
+        self.bound_symbols: list[BoundSymbol] = []
+        self.captured: list[torch.Tensor] = []  # real tensors the program closes over
+        self.captured_proxies: list[TensorProxy] = []
+        self._captured_index: dict[int, TensorProxy] = {}
+        self._names = itertools.count()
+        self.used_names: set[str] = set()
+
+    def new_name(self) -> str:
+        while True:
+            name = f"t{next(self._names)}"
+            if name not in self.used_names:
+                self.used_names.add(name)
+                return name
+
+    def input_proxy(self, real: torch.Tensor, name: str, provenance: InputPath) -> TensorProxy:
+        """A proxy for a real tensor that enters the trace from the call."""
+        self.used_names.add(name)
+        fake = self.fake_mode.from_tensor(real)
+        return TensorProxy(fake, name, provenance, requires_grad=real.requires_grad)
+
+    def capture(self, real: torch.Tensor) -> TensorProxy:
+        """The proxy of a real tensor the program uses without receiving it in the call."""
+        proxy = self._captured_index.get(id(real))
+        if proxy is None:
+            index = len(self.captured)
+            name = f"captured{index}"
+            proxy = self.input_proxy(real, name, InputPath("captured").index(index))
+            self.captured.append(real)
+            self.captured_proxies.append(proxy)
+            self._captured_index[id(real)] = proxy
+        return proxy
+
+    def record(self, func, args: tuple, kwargs: dict):
+        if func in _DATA_DEPENDENT_OPS:
+            raise TracingError(
+                f"{func} needs a tensor's value at trace time (.item(), .tolist() or Python "
+                "control flow on tensor data); dtcompile traces shapes, not values"
+            )
+        leaves, _ = tree_flatten((args, kwargs))
+        if not any(isinstance(x, TensorProxy) for x in leaves) and any(isinstance(x, torch.Tensor) for x in leaves):
+            # Only real tensors: a constant the program computes from what it closes over.
+            return func(*args, **kwargs)
+
+        def to_proxy(x):
+            if isinstance(x, torch.Tensor) and not isinstance(x, TensorProxy):
+                return self.capture(x)
+            return x
+
+        args, kwargs = tree_map(to_proxy, (args, kwargs))
+
+        def to_fake(x):
+            return x.fake if isinstance(x, TensorProxy) else x
+
+        fake_args, fake_kwargs = tree_map(to_fake, (args, kwargs))
+        try:
+            with self.fake_mode:
+                fake_out = func(*fake_args, **fake_kwargs)
+        except DataDependentOutputException as error:
+            raise TracingError(f"{func} has a data-dependent output; dtcompile cannot trace it") from error
+
+        made_by = NoProvenance(str(func))
+
+        def to_output_proxy(x):
+            if isinstance(x, torch.Tensor):
+                return TensorProxy(x, self.new_name(), made_by, requires_grad=x.requires_grad)
+            return x
+
+        output = tree_map(to_output_proxy, fake_out)
+        self.bound_symbols.append(BoundSymbol(aten_symbol(func), tuple(args), dict(kwargs), output, op=func))
+        return output
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records the local ops below DTensor (see the module docstring)."""
+
+    def __init__(self, recording: Recording):
+        super().__init__()
+        self.recording = recording
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch._C._get_dispatch_mode(_FAKE_MODE_KEY) is not None:
+            # DTensor's sharding propagation computing metadata under its own fake mode:
+            # not part of the program.
+            return func(*args, **kwargs)
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        return self.recording.record(func, args, kwargs)
+
+
+def _short_name(func) -> str:
+    name = resolve_name(func) or getattr(func, "__name__", repr(func))
+    for prefix, short in (("torch.nn.functional.", "F."), ("torch.Tensor.", "Tensor."), ("torch._C._nn.", "F.")):
+        if name.startswith(prefix):
+            return short + name[len(prefix):]
+    return name
+
+
+def _describe(value, proxies: list) -> str | None:
+    """A note template for one argument; the proxies it names are appended to ``proxies``."""
+    if isinstance(value, DTensor):
+        local = value._local_tensor
+        placements = describe_placements(value.placements)
+        if not isinstance(local, TensorProxy):
+            return f"<constant>: {placements}"
+        proxies.append(local)
+        return f"{{{len(proxies) - 1}}}: {placements}"
+    if isinstance(value, TensorProxy):
+        proxies.append(value)
+        return f"{{{len(proxies) - 1}}}"
+    if isinstance(value, (list, tuple)):
+        inner = [d for d in (_describe(v, proxies) for v in value) if d is not None]
+        return f"[{', '.join(inner)}]" if inner else None
+    return None
+
+
+def _describe_output(value) -> str:
+    if isinstance(value, DTensor):
+        return describe_placements(value.placements)
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(_describe_output(v) for v in value) + ")"
+    if isinstance(value, torch.Tensor):
+        return "Tensor"
+    return type(value).__name__
+
+
+class CallAnnotator(TorchFunctionMode):
+    """Notes on each recorded symbol the torch-level call it came from."""
+
+    def __init__(self, recording: Recording):
+        super().__init__()
+        self.recording = recording
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in ("__get__", "__set__"):
+            return func(*args, **kwargs)
+        start = len(self.recording.bound_symbols)
+        out = func(*args, **kwargs)
+        new = self.recording.bound_symbols[start:]
+        if new:
+            proxies: list[TensorProxy] = []
+            inputs = [d for d in (_describe(v, proxies) for v in (*args, *kwargs.values())) if d is not None]
+            name = _short_name(func).replace("{", "{{").replace("}", "}}")
+            note = Note(f"{name}({', '.join(inputs)}) -> {_describe_output(out)}", tuple(proxies))
+            for bsym in new:
+                if bsym.note is None:
+                    bsym.note = note
+        return out

@@ -1,0 +1,138 @@
+"""Tracing one call: from a function and its arguments to a per-rank trace.
+
+The call runs once on proxies, below DTensor (see ``recorder.py``). What comes out is a
+:class:`CapturedCall`: the computation trace, the tree of inputs the prologue guards,
+the tree of outputs the epilogue rebuilds, and the constants the program closes over.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch._dispatch.python import enable_python_dispatcher
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
+
+from ..core import InputPath, Trace, verify
+from .inputs import DictInput, DTensorInput, InputNode, InputProxifier, SequenceInput, iter_leaves
+from .outputs import OutputCollector, OutputNode
+from .placements import describe_placements
+from .recorder import CallAnnotator, OpRecorder, Recording
+
+
+class TrainingNotSupportedError(NotImplementedError):
+    """Grad mode is on and something requires grad: not compiled yet."""
+
+
+@dataclass
+class CallInputs:
+    """The inputs of a call: positional, keyword, and a module's parameters and buffers."""
+
+    args: InputNode
+    kwargs: InputNode
+    params: list[tuple[str, InputNode]] = field(default_factory=list)
+    buffers: list[tuple[str, InputNode]] = field(default_factory=list)
+
+    def nodes(self) -> list[InputNode]:
+        return [self.args, self.kwargs] + [n for _, n in self.params] + [n for _, n in self.buffers]
+
+
+@dataclass
+class CapturedCall:
+    trace: Trace
+    inputs: CallInputs
+    output: OutputNode
+    captured: list[torch.Tensor]
+    grad_enabled: bool
+    meshes: list  # the DeviceMeshes of the DTensor inputs, without repeats
+
+
+def _parameter_names(fn) -> list[str]:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _rank_line() -> str:
+    if dist.is_available() and dist.is_initialized():
+        return f"per-rank program of rank {dist.get_rank()} of {dist.get_world_size()}"
+    return "program of a single process"
+
+
+def capture_call(fn, args: tuple, kwargs: dict, module: torch.nn.Module | None = None) -> CapturedCall:
+    """Trace ``fn(*args, **kwargs)`` (or ``module(*args, **kwargs)``) into a per-rank trace."""
+    recording = Recording(FakeTensorMode())
+    proxifier = InputProxifier(recording)
+    names = _parameter_names(module.forward if module is not None else fn)
+    arg_pairs = [
+        proxifier.proxify(a, InputPath("args").index(i), names[i] if i < len(names) else f"arg{i}")
+        for i, a in enumerate(args)
+    ]
+    kwarg_pairs = [proxifier.proxify(v, InputPath("kwargs").key(k), k) for k, v in kwargs.items()]
+    inputs = CallInputs(
+        SequenceInput(InputPath("args"), tuple, [n for _, n in arg_pairs]),
+        DictInput(InputPath("kwargs"), tuple(kwargs.keys()), [n for _, n in kwarg_pairs]),
+    )
+    proxy_args = tuple(p for p, _ in arg_pairs)
+    proxy_kwargs = dict(zip(kwargs.keys(), (p for p, _ in kwarg_pairs)))
+    state: dict[str, object] = {}
+    if module is not None:
+        for kind, named in (("params", module.named_parameters()), ("buffers", module.named_buffers())):
+            for name, tensor in named:
+                proxy, node = proxifier.proxify(tensor, InputPath(kind).key(name), name)
+                getattr(inputs, kind).append((name, node))
+                state[name] = proxy
+
+    grad_enabled = torch.is_grad_enabled()
+    if grad_enabled and any(
+        getattr(n, "requires_grad", False) or getattr(getattr(n, "meta", None), "requires_grad", False)
+        for top in inputs.nodes()
+        for n in iter_leaves(top)
+    ):
+        raise TrainingNotSupportedError(
+            "dtcompile: grad mode is on and an input or parameter requires grad; compiled "
+            "training is not implemented yet. Call the jitted function under torch.no_grad() "
+            "or torch.inference_mode()."
+        )
+
+    with enable_python_dispatcher(), CallAnnotator(recording), OpRecorder(recording):
+        if module is not None:
+            result = functional_call(module, state, proxy_args, proxy_kwargs, strict=True)
+        else:
+            result = fn(*proxy_args, **proxy_kwargs)
+
+    collector = OutputCollector()
+    output = collector.describe(result)
+
+    leaves = [n for top in inputs.nodes() for n in iter_leaves(top)]
+    proxies = [n.proxy for n in leaves if hasattr(n, "proxy")] + recording.captured_proxies
+    trace = Trace(
+        fn_name="computation",
+        inputs=proxies,
+        bound_symbols=recording.bound_symbols,
+        output=tuple(collector.proxies),
+        title="computation, as recorded below DTensor",
+        header_notes=[_rank_line()],
+        input_notes={n.proxy.label: _input_note(n) for n in leaves if hasattr(n, "proxy")},
+    )
+    verify(trace)
+    meshes = []
+    for node in proxifier.dtensor_inputs:
+        if not any(node.spec.mesh is m for m in meshes):
+            meshes.append(node.spec.mesh)
+    return CapturedCall(trace, inputs, output, recording.captured, grad_enabled, meshes)
+
+
+def _input_note(node) -> str:
+    if isinstance(node, DTensorInput):
+        meta = node.spec.tensor_meta
+        shape = ", ".join(str(s) for s in meta.shape)
+        return f"{node.proxy.provenance}  local of DTensor[{shape}] {describe_placements(node.spec.placements)}"
+    return str(node.proxy.provenance)
+
+

@@ -1,0 +1,11 @@
+"""The IR: proxies, provenance, symbols, traces. Imports nothing above it."""
+
+from .provenance import InputPath, NoProvenance, Provenance, Step
+from .proxy import TensorProxy
+from .symbol import BoundSymbol, Note, Symbol, aten_symbol
+from .trace import Trace, TraceError, verify
+
+__all__ = [
+    "BoundSymbol", "InputPath", "NoProvenance", "Note", "Provenance", "Step", "Symbol",
+    "TensorProxy", "Trace", "TraceError", "aten_symbol", "verify",
+]

@@ -1,0 +1,41 @@
+"""Compiling generated Python source, with the source kept for tracebacks."""
+
+from __future__ import annotations
+
+import itertools
+import linecache
+
+_ids = itertools.count()
+
+
+def compile_function(source: str, fn_name: str, namespace: dict):
+    """Define ``fn_name`` by running ``source`` in ``namespace``; tracebacks show the source."""
+    filename = f"<dtcompile {fn_name} {next(_ids)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace[fn_name]
+
+
+class GeneratedFunction:
+    """A generated Python function that prints as its own source.
+
+    ``globals`` maps each name the source uses to the object it is given; objects with
+    no literal (a DTensorSpec, a module list) are listed as comments when printed.
+    """
+
+    def __init__(self, fn_name: str, lines: list[str], globals: dict[str, object], title: str = ""):
+        self.fn_name = fn_name
+        self.source = "\n".join(lines) + "\n"
+        self.globals = globals
+        self.title = title
+        self.fn = compile_function(self.source, fn_name, dict(globals))
+
+    def __str__(self) -> str:
+        header = [f"# {self.title}"] if self.title else []
+        header += [f"# {name}: {_short_repr(obj)}" for name, obj in self.globals.items()]
+        return "\n".join(header) + "\n" + self.source
+
+
+def _short_repr(obj: object) -> str:
+    text = repr(obj).replace("\n", " ")
+    return text if len(text) <= 160 else text[:157] + "..."

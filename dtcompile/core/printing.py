@@ -1,0 +1,60 @@
+"""Python source for the values that appear in traces."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .proxy import TensorProxy
+
+
+class Unprintable(TypeError):
+    """A trace value that has no Python literal (an object the program must be given)."""
+
+
+def python_literal(value: object) -> str:
+    """The source text that evaluates to ``value`` in a trace's globals."""
+    if isinstance(value, TensorProxy):
+        return value.label
+    if value is None or isinstance(value, (bool, str)):
+        return repr(value)
+    if isinstance(value, int):
+        return repr(int(value))
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return f"float('{value}')"
+        return repr(value)
+    if isinstance(value, complex):
+        return f"complex({python_literal(value.real)}, {python_literal(value.imag)})"
+    if isinstance(value, torch.Size):
+        return "[" + ", ".join(python_literal(v) for v in value) + "]"
+    if isinstance(value, list):
+        return "[" + ", ".join(python_literal(v) for v in value) + "]"
+    if isinstance(value, tuple):
+        inner = ", ".join(python_literal(v) for v in value)
+        return f"({inner},)" if len(value) == 1 else f"({inner})"
+    if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+        return str(value)  # torch.float32, torch.strided, torch.contiguous_format
+    if isinstance(value, torch.device):
+        return f"torch.device({str(value)!r})"
+    raise Unprintable(f"no Python literal for {type(value).__name__} {value!r}")
+
+
+def call_source(callee: str, args: tuple, kwargs: dict) -> str:
+    """``callee(a, b, key=c)`` with every argument printed as a literal."""
+    parts = [python_literal(a) for a in args]
+    parts += [f"{k}={python_literal(v)}" for k, v in kwargs.items()]
+    return f"{callee}({', '.join(parts)})"
+
+
+def output_target(output: object) -> str:
+    """The left-hand side that binds an op's output: ``t3`` or ``t3, t4``; ``_`` for none."""
+    if isinstance(output, TensorProxy):
+        return output.label
+    if isinstance(output, (tuple, list)):
+        names = [o.label if isinstance(o, TensorProxy) else "_" for o in output]
+        if not names:
+            return "_"
+        return names[0] + "," if len(names) == 1 else ", ".join(names)
+    return "_"

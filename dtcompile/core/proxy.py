@@ -1,0 +1,78 @@
+"""TensorProxy: the stand-in for a local tensor while a call is traced.
+
+A TensorProxy is a ``torch.Tensor`` wrapper subclass, so DTensor can hold it as its
+``_local_tensor`` and run its own dispatch on it. It carries a FakeTensor (the meta:
+shape, strides, dtype, device exactly as eager produces them), a name in the trace and
+its provenance. It never holds data; its ops are recorded by the active recorder.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .provenance import Provenance
+
+DTYPE_ABBREVIATIONS = {
+    torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
+    torch.uint8: "u8", torch.bool: "b8", torch.complex64: "c64", torch.complex128: "c128",
+}
+
+
+def is_contiguous_stride(shape, stride) -> bool:
+    """True when ``stride`` is the row-major stride of ``shape`` (size-1 dims ignored)."""
+    expected = 1
+    for size, st in zip(reversed(tuple(shape)), reversed(tuple(stride))):
+        if size != 1 and st != expected:
+            return False
+        expected *= size
+    return True
+
+
+class TensorProxy(torch.Tensor):
+    """A named, metadata-only tensor whose operations become bound symbols of a trace."""
+
+    fake: torch.Tensor
+    label: str
+    provenance: Provenance
+
+    # Torch functions reach the dispatcher untouched; recording happens at dispatch.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, fake: torch.Tensor, name: str, provenance: Provenance, requires_grad: bool = False):
+        proxy = torch.Tensor._make_wrapper_subclass(
+            cls,
+            fake.shape,
+            strides=fake.stride(),
+            storage_offset=fake.storage_offset(),
+            dtype=fake.dtype,
+            device=fake.device,
+            layout=fake.layout,
+            requires_grad=requires_grad,
+        )
+        proxy.fake = fake
+        proxy.label = name
+        proxy.provenance = provenance
+        return proxy
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # The recorder (a dispatch mode) sees every op first while tracing. Reaching here
+        # means a proxy escaped its trace.
+        names = [a.label for a in args if isinstance(a, TensorProxy)]
+        raise RuntimeError(
+            f"dtcompile: {func} was called on proxy {', '.join(names)} outside of tracing; "
+            "proxies only exist while a call is being traced"
+        )
+
+    def type_string(self) -> str:
+        """``f32[4, 16]``, with the strides added when they are not row-major."""
+        dtype = DTYPE_ABBREVIATIONS.get(self.dtype, str(self.dtype).removeprefix("torch."))
+        text = f"{dtype}[{', '.join(str(s) for s in self.shape)}]"
+        if not is_contiguous_stride(self.shape, self.stride()):
+            text += f" stride=({', '.join(str(s) for s in self.stride())})"
+        return text
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"TensorProxy({self.label}: {self.type_string()}, {self.provenance})"

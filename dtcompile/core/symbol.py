@@ -1,0 +1,107 @@
+"""Symbols and bound symbols: the instructions of a trace.
+
+A :class:`Symbol` is something a trace can call: an aten op while the trace is being
+built, an executor's implementation once it is lowered. A :class:`BoundSymbol` is one
+call of a symbol: its arguments (proxies and constants), its output and a :class:`Note`
+that says which DTensor-level op it came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .printing import call_source, output_target
+from .proxy import TensorProxy
+
+
+@dataclass(frozen=True)
+class Note:
+    """The torch-level call a bound symbol came from, with the DTensor placements of its
+    inputs and outputs: ``F.linear(x: Replicate(), up_weight: Shard(0)) -> Shard(1)``.
+
+    ``template`` has a ``{i}`` where ``proxies[i]``'s name goes, so that a pass that
+    renames a value renames it in the note too.
+    """
+
+    template: str
+    proxies: tuple = ()
+
+    def __str__(self) -> str:
+        return self.template.format(*(p.label for p in self.proxies))
+
+    def renamed(self, mapping: dict[str, TensorProxy]) -> Note:
+        if not any(p.label in mapping for p in self.proxies):
+            return self
+        return Note(self.template, tuple(mapping.get(p.label, p) for p in self.proxies))
+
+
+@dataclass(frozen=True)
+class Symbol:
+    """A callable a trace can refer to.
+
+    ``name`` is how calls print (``aten.mm.default``, ``torch.mm``); ``impl`` is what
+    runs. A symbol with ``method=True`` prints as a method of its first argument
+    (``t0.view([4, 16])``). ``globals`` maps the names the printed call needs to
+    ``(object, source)`` pairs, ``source`` being how the trace's header recreates it.
+    """
+
+    name: str
+    impl: Callable
+    method: bool = False
+    globals: tuple[tuple[str, object, str], ...] = ()
+
+    def call(self, args: tuple, kwargs: dict) -> str:
+        if self.method:
+            return call_source(f"{args[0].label}.{self.name}", args[1:], kwargs)
+        return call_source(self.name, args, kwargs)
+
+    def lines(self, bsym: BoundSymbol) -> list[str]:
+        """The statements that run ``bsym``; lowered symbols may emit several."""
+        return [f"{output_target(bsym.output)} = {self.call(bsym.args, bsym.kwargs)}"]
+
+
+def aten_symbol(op: torch._ops.OpOverload) -> Symbol:
+    """The symbol of an OpOverload, printed by its qualified name (``aten.mm.default``)."""
+    namespace = op.namespace
+    return Symbol(
+        name=f"{namespace}.{op._opname}.{op._overloadname}",
+        impl=op,
+        globals=((namespace, getattr(torch.ops, namespace), f"torch.ops.{namespace}"),),
+    )
+
+
+@dataclass
+class BoundSymbol:
+    """One call in a trace: ``output = symbol(*args, **kwargs)``."""
+
+    symbol: Symbol
+    args: tuple
+    kwargs: dict
+    output: object
+    note: Note | None = None
+    op: torch._ops.OpOverload | None = None  # the aten op this call runs or was lowered from
+    extra: dict = field(default_factory=dict)  # per-executor facts (e.g. a collective's work name)
+
+    def input_proxies(self) -> list[TensorProxy]:
+        leaves, _ = tree_flatten((self.args, self.kwargs))
+        return [x for x in leaves if isinstance(x, TensorProxy)]
+
+    def output_proxies(self) -> list[TensorProxy]:
+        leaves, _ = tree_flatten(self.output)
+        return [x for x in leaves if isinstance(x, TensorProxy)]
+
+    def lines(self) -> list[str]:
+        return self.symbol.lines(self)
+
+    def with_inputs_renamed(self, mapping: dict[str, TensorProxy]) -> BoundSymbol:
+        """A copy whose proxy arguments are swapped by name through ``mapping``."""
+
+        def swap(x):
+            return mapping.get(x.label, x) if isinstance(x, TensorProxy) else x
+
+        note = self.note.renamed(mapping) if self.note is not None else None
+        return replace(self, args=tree_map(swap, self.args), kwargs=tree_map(swap, self.kwargs), note=note)

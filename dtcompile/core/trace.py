@@ -1,0 +1,123 @@
+"""Traces: a function as a list of bound symbols, printable as runnable Python.
+
+A trace has named inputs (proxies, each with its provenance), bound symbols in program
+order, and an output (a pytree of proxies and constants). ``str(trace)`` is its Python
+source; :meth:`Trace.compile` runs exactly that source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .codegen import compile_function
+from .printing import python_literal
+from .proxy import TensorProxy
+from .symbol import BoundSymbol
+
+@dataclass
+class Trace:
+    """A straight-line program over proxies.
+
+    ``globals`` maps names the body uses to ``(object, source)``: ``source`` is the
+    header line's right-hand side that recreates the object, or ``None`` when the object
+    has no literal (it is then described in a comment and given to the compiled code).
+    """
+
+    fn_name: str
+    inputs: list[TensorProxy]
+    bound_symbols: list[BoundSymbol]
+    output: object
+    title: str = ""
+    header_notes: list[str] = field(default_factory=list)
+    input_notes: dict[str, str] = field(default_factory=dict)
+    globals: dict[str, tuple[object, str | None]] = field(default_factory=dict)
+
+    def derive(self, title: str, bound_symbols: list[BoundSymbol], output: object | None = None) -> Trace:
+        """A new trace with the same inputs and header, made by a pass called ``title``."""
+        return Trace(
+            fn_name=self.fn_name,
+            inputs=list(self.inputs),
+            bound_symbols=bound_symbols,
+            output=self.output if output is None else output,
+            title=title,
+            header_notes=list(self.header_notes),
+            input_notes=dict(self.input_notes),
+            globals=dict(self.globals),
+        )
+
+    def all_globals(self) -> dict[str, tuple[object, str | None]]:
+        merged = dict(self.globals)
+        for bsym in self.bound_symbols:
+            for name, obj, source in bsym.symbol.globals:
+                merged.setdefault(name, (obj, source))
+        return merged
+
+    def body_lines(self) -> list[str]:
+        lines = [f"def {self.fn_name}({', '.join(p.label for p in self.inputs)}):"]
+        for proxy in self.inputs:
+            note = self.input_notes.get(proxy.label, str(proxy.provenance))
+            lines.append(f"    # {proxy.label}: {proxy.type_string()}  {note}")
+        last_note = None
+        for bsym in self.bound_symbols:
+            note = None if bsym.note is None else str(bsym.note)
+            if note is not None and note != last_note:
+                lines.append(f"    # {note}")
+            last_note = note
+            statements = bsym.lines()
+            types = ", ".join(p.type_string() for p in bsym.output_proxies())
+            for i, statement in enumerate(statements):
+                suffix = f"  # {types}" if types and i == len(statements) - 1 else ""
+                lines.append(f"    {statement}{suffix}")
+        lines.append(f"    return {python_literal(self.output)}")
+        return lines
+
+    def header_lines(self) -> list[str]:
+        lines = [f"# {line}" for line in ([self.title] if self.title else []) + self.header_notes]
+        lines.append("import torch")
+        for name, (obj, source) in sorted(self.all_globals().items()):
+            if name == "torch":
+                continue
+            if source is None:
+                lines.append(f"# {name}: {obj!r} (given to the program)")
+            else:
+                lines.append(f"{name} = {source}")
+        return lines
+
+    def python(self) -> str:
+        return "\n".join(self.header_lines() + [""] + self.body_lines()) + "\n"
+
+    __str__ = python
+
+    def compile(self):
+        """The Python function this trace prints as, compiled from its own source."""
+        source = "\n".join(self.body_lines()) + "\n"
+        namespace = {"torch": torch, **{name: obj for name, (obj, _) in self.all_globals().items()}}
+        return compile_function(source, self.fn_name, namespace)
+
+
+class TraceError(AssertionError):
+    """A trace that breaks an invariant of the IR."""
+
+
+def verify(trace: Trace) -> None:
+    """Check that each name is defined once, before it is used, and that outputs exist."""
+    defined: set[str] = set()
+    for proxy in trace.inputs:
+        if proxy.label in defined:
+            raise TraceError(f"input {proxy.label} is defined twice")
+        defined.add(proxy.label)
+    for index, bsym in enumerate(trace.bound_symbols):
+        for proxy in bsym.input_proxies():
+            if proxy.label not in defined:
+                raise TraceError(f"symbol {index} ({bsym.symbol.name}) uses {proxy.label} before it is defined")
+        for proxy in bsym.output_proxies():
+            if proxy.label in defined:
+                raise TraceError(f"symbol {index} ({bsym.symbol.name}) redefines {proxy.label}")
+            defined.add(proxy.label)
+    leaves, _ = tree_flatten(trace.output)
+    for leaf in leaves:
+        if isinstance(leaf, TensorProxy) and leaf.label not in defined:
+            raise TraceError(f"output {leaf.label} is never defined")

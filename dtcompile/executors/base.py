@@ -1,0 +1,88 @@
+"""The executor interface and the lowering of a trace onto an ordered list of executors.
+
+Each bound symbol goes to the first executor that claims it; the executor returns the
+bound symbols that run it (usually one, with a faster or more specific symbol). A symbol
+no executor claims runs through its OpOverload, as recorded. The lowered trace prints as
+the Python that runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from torch.utils._pytree import tree_flatten
+
+from ..core import BoundSymbol, TensorProxy, Trace
+from ..transforms import mutates, returns_alias
+
+
+class NoExecutorError(RuntimeError):
+    """No executor in the list claims a symbol."""
+
+
+@dataclass
+class LoweringContext:
+    """Facts about the whole trace that an executor may need to lower one symbol."""
+
+    trace: Trace
+    group_labels: dict[str, str]  # process-group name -> identifier in the generated code
+    last_use: dict[str, int] = field(default_factory=dict)  # label -> index of its last reader
+    base: dict[str, str] = field(default_factory=dict)  # label -> the label whose memory it views
+    fresh_bases: set[str] = field(default_factory=set)  # bases made inside the trace
+    work_of: dict[str, str] = field(default_factory=dict)  # collective output -> its work handle
+
+    def __post_init__(self):
+        never = len(self.trace.bound_symbols)
+        leaves, _ = tree_flatten(self.trace.output)
+        for proxy in self.trace.inputs:
+            self.base[proxy.label] = proxy.label
+        for index, bsym in enumerate(self.trace.bound_symbols):
+            inputs = bsym.input_proxies()
+            for proxy in inputs:
+                self.last_use[proxy.label] = index
+            aliasing = returns_alias(bsym) or mutates(bsym)
+            for out in bsym.output_proxies():
+                if aliasing and inputs:
+                    self.base[out.label] = self.base.get(inputs[0].label, inputs[0].label)
+                else:
+                    self.base[out.label] = out.label
+                    self.fresh_bases.add(out.label)
+        for leaf in leaves:
+            if isinstance(leaf, TensorProxy):
+                self.last_use[leaf.label] = never
+
+    def dead_after(self, proxy: TensorProxy, index: int) -> bool:
+        """True when ``proxy``'s memory is made in the trace and nothing reads it, or any
+        view of it, after symbol ``index``: its buffer may be reused in place."""
+        base = self.base.get(proxy.label)
+        if base not in self.fresh_bases:
+            return False
+        return all(self.last_use.get(label, -1) <= index for label, b in self.base.items() if b == base)
+
+
+class Executor(Protocol):
+    name: str
+
+    def claims(self, bsym: BoundSymbol) -> bool: ...
+
+    def lower(self, bsym: BoundSymbol, index: int, context: LoweringContext) -> list[BoundSymbol]: ...
+
+
+def lower(trace: Trace, executors: list[Executor], group_labels: dict[str, str]) -> Trace:
+    """The execution trace: every symbol replaced by what its executor runs."""
+    context = LoweringContext(trace, group_labels)
+    lowered: list[BoundSymbol] = []
+    for index, bsym in enumerate(trace.bound_symbols):
+        for executor in executors:
+            if executor.claims(bsym):
+                lowered.extend(executor.lower(bsym, index, context))
+                break
+        else:
+            if bsym.op is None:
+                raise NoExecutorError(
+                    f"no executor in {[e.name for e in executors]} can run {bsym.symbol.name} ({bsym.note})"
+                )
+            lowered.append(bsym)  # runs through its OpOverload, exactly as recorded
+    names = ", ".join(e.name for e in executors)
+    return trace.derive(f"execution trace (what runs), executors: {names}", lowered)

@@ -1,0 +1,126 @@
+"""The collectives executor: DTensor's functional collectives on the mesh's process groups.
+
+DTensor records a collective as a functional op (``_c10d_functional.all_reduce``: a new
+tensor) and a ``wait_tensor``. This executor runs the pair as an async torch.distributed
+call on the process group the DeviceMesh already holds (Gloo on CPU, NCCL on GPU) and an
+explicit ``work.wait()``. An all_reduce works in place when its input is a buffer the
+trace made and nothing reads afterwards; otherwise it reduces a contiguous copy, which is
+what the functional op returns. Collectives it does not know stay functional ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from ..core import BoundSymbol, Symbol, TensorProxy
+from ..core.printing import python_literal
+from .base import LoweringContext
+
+functional = torch.ops._c10d_functional
+_REDUCE_OPS = {"sum": "SUM", "product": "PRODUCT", "min": "MIN", "max": "MAX"}
+_DIST = ("dist", dist, "torch.distributed")
+# Newer releases rename two collectives and deprecate the old names.
+_REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
+@dataclass(frozen=True)
+class StartCollective(Symbol):
+    """``work = dist.<collective>(..., async_op=True)``: the output is not ready until waited."""
+
+    kind: str = ""
+    work: str = ""
+    group: str = ""
+    in_place: bool = False
+
+    def lines(self, bsym: BoundSymbol) -> list[str]:
+        source, out = bsym.args[0].label, bsym.output.label
+        async_args = f"group={self.group}, async_op=True"
+        if self.kind == "all_reduce":
+            op = f"dist.ReduceOp.{_REDUCE_OPS[bsym.args[1]]}"
+            if self.in_place:
+                return [f"{self.work} = dist.all_reduce({source}, op={op}, {async_args})", f"{out} = {source}"]
+            return [
+                f"{out} = {source}.clone(memory_format=torch.contiguous_format)",
+                f"{self.work} = dist.all_reduce({out}, op={op}, {async_args})",
+            ]
+        empty = f"{out} = {source}.new_empty({python_literal(list(bsym.output.shape))})"
+        if self.kind == "all_gather_into_tensor":
+            return [empty, f"{self.work} = dist.{_ALL_GATHER}({out}, {source}, {async_args})"]
+        if self.kind == "reduce_scatter_tensor":
+            op = f"dist.ReduceOp.{_REDUCE_OPS[bsym.args[1]]}"
+            return [empty, f"{self.work} = dist.{_REDUCE_SCATTER}({out}, {source}, op={op}, {async_args})"]
+        if self.kind == "all_to_all_single":
+            out_splits, in_splits = python_literal(bsym.args[1]), python_literal(bsym.args[2])
+            return [
+                empty,
+                f"{self.work} = dist.all_to_all_single({out}, {source}, {out_splits}, {in_splits}, {async_args})",
+            ]
+        raise AssertionError(self.kind)
+
+
+@dataclass(frozen=True)
+class WaitCollective(Symbol):
+    """``work.wait()``; the collective's output is then ready under its new name."""
+
+    work: str = ""
+
+    def lines(self, bsym: BoundSymbol) -> list[str]:
+        return [f"{self.work}.wait()", f"{bsym.output.label} = {bsym.args[0].label}"]
+
+
+def _group_position(op) -> int:
+    """Where the group name is among a functional collective's arguments."""
+    return {
+        functional.all_reduce.default: 2,
+        functional.all_gather_into_tensor.default: 2,
+        functional.reduce_scatter_tensor.default: 3,
+        functional.all_to_all_single.default: 3,
+    }[op]
+
+
+class CollectivesExecutor:
+    """Claims DTensor's functional collectives and their waits."""
+
+    name = "collectives"
+    _KINDS = {
+        functional.all_reduce.default: "all_reduce",
+        functional.all_gather_into_tensor.default: "all_gather_into_tensor",
+        functional.reduce_scatter_tensor.default: "reduce_scatter_tensor",
+        functional.all_to_all_single.default: "all_to_all_single",
+    }
+
+    def claims(self, bsym: BoundSymbol) -> bool:
+        return bsym.op in self._KINDS or bsym.op is functional.wait_tensor.default
+
+    def lower(self, bsym: BoundSymbol, index: int, context: LoweringContext) -> list[BoundSymbol]:
+        if bsym.op is functional.wait_tensor.default:
+            work = context.work_of.get(bsym.args[0].label)
+            if work is None:  # the collective stayed functional
+                return [bsym]
+            return [BoundSymbol(WaitCollective("wait", None, work=work), bsym.args, {}, bsym.output, bsym.note, bsym.op)]
+        source = bsym.args[0]
+        kind = self._KINDS[bsym.op]
+        reduce_op = bsym.args[1] if kind in ("all_reduce", "reduce_scatter_tensor") else "sum"
+        if not isinstance(source, TensorProxy) or not source.is_contiguous() or reduce_op not in _REDUCE_OPS:
+            return [bsym]  # the functional op itself handles these
+        group_name = bsym.args[_group_position(bsym.op)]
+        group = context.group_labels.get(group_name) or f"group_{group_name}"
+        work = f"{bsym.output.label}_work"
+        context.work_of[bsym.output.label] = work
+        in_place = kind == "all_reduce" and context.dead_after(source, index)
+        symbol = StartCollective(
+            name=kind,
+            impl=None,
+            globals=(_DIST, (group, _resolve_process_group(group_name),
+                             f"torch.distributed.distributed_c10d._resolve_process_group({group_name!r})")),
+            kind=kind,
+            work=work,
+            group=group,
+            in_place=in_place,
+        )
+        return [BoundSymbol(symbol, bsym.args, bsym.kwargs, bsym.output, bsym.note, bsym.op)]

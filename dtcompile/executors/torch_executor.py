@@ -1,0 +1,75 @@
+"""The torch executor: generated Python that calls each op directly.
+
+Calling the public binding (``torch.mm``, ``t.view``) costs about half of calling the
+OpOverload (``torch.ops.aten.mm.default``), so the hot ops whose public binding takes
+exactly the aten schema's arguments are called that way; every other op is called
+through its OpOverload. Either way the same kernel runs, so values and strides are
+eager's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..core import BoundSymbol, Symbol
+
+aten = torch.ops.aten
+_TORCH = (("torch", torch, "torch"),)
+
+# aten op -> public function with the same arguments (printed as ``torch.<name>``).
+_FUNCTIONS = {
+    aten.mm.default: "mm", aten.bmm.default: "bmm", aten.addmm.default: "addmm",
+    aten.baddbmm.default: "baddbmm", aten.t.default: "t", aten.transpose.int: "transpose",
+    aten.permute.default: "permute", aten.unsqueeze.default: "unsqueeze",
+    aten.squeeze.dim: "squeeze", aten.select.int: "select", aten.clone.default: "clone",
+    aten.add.Tensor: "add", aten.sub.Tensor: "sub", aten.mul.Tensor: "mul", aten.div.Tensor: "div",
+    aten.neg.default: "neg", aten.exp.default: "exp", aten.rsqrt.default: "rsqrt",
+    aten.sqrt.default: "sqrt", aten.pow.Tensor_Scalar: "pow", aten.mean.dim: "mean",
+    aten.sum.dim_IntList: "sum", aten.sum.default: "sum", aten.relu.default: "relu",
+    aten.tanh.default: "tanh", aten.sigmoid.default: "sigmoid", aten._softmax.default: "_softmax",
+    aten._log_softmax.default: "_log_softmax", aten.cat.default: "cat",
+    aten.embedding.default: "embedding", aten.where.self: "where",
+    aten.ones_like.default: "ones_like", aten.zeros_like.default: "zeros_like",
+    aten.empty_like.default: "empty_like", aten.full_like.default: "full_like",
+    aten.cos.default: "cos", aten.sin.default: "sin", aten.erf.default: "erf",
+    aten.reciprocal.default: "reciprocal", aten.narrow.default: "narrow",
+    aten.constant_pad_nd.default: "constant_pad_nd", aten.native_layer_norm.default: "native_layer_norm",
+}
+# aten op -> function of torch._C._nn (printed as ``torch._C._nn.<name>``).
+_NN_FUNCTIONS = {aten.gelu.default: "gelu", aten.silu.default: "silu"}
+# aten op -> Tensor method with the same arguments (printed as ``t0.<name>(...)``).
+_METHODS = {aten.view.default: "view", aten.split_with_sizes.default: "split_with_sizes"}
+
+
+def _fast_symbol(op) -> Symbol | None:
+    if op in _FUNCTIONS:
+        name = _FUNCTIONS[op]
+        return Symbol(f"torch.{name}", getattr(torch, name), globals=_TORCH)
+    if op in _NN_FUNCTIONS:
+        name = _NN_FUNCTIONS[op]
+        return Symbol(f"torch._C._nn.{name}", getattr(torch._C._nn, name), globals=_TORCH)
+    if op in _METHODS:
+        name = _METHODS[op]
+        return Symbol(name, getattr(torch.Tensor, name), method=True)
+    return None
+
+
+class TorchExecutor:
+    """Runs the local ops. Collectives are left to the collectives executor; where no
+    executor claims a symbol, ``lower`` runs it through its OpOverload."""
+
+    name = "torch"
+
+    def __init__(self):
+        self._symbols: dict = {}
+
+    def claims(self, bsym: BoundSymbol) -> bool:
+        return bsym.op is not None and bsym.op.namespace != "_c10d_functional"
+
+    def lower(self, bsym: BoundSymbol, index: int, context) -> list[BoundSymbol]:
+        if bsym.op not in self._symbols:
+            self._symbols[bsym.op] = _fast_symbol(bsym.op)
+        fast = self._symbols[bsym.op]
+        return [bsym if fast is None else replace(bsym, symbol=fast)]

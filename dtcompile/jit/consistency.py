@@ -1,0 +1,121 @@
+"""Checking at compile time that the ranks compiled the same per-rank program.
+
+Ranks that run different collectives deadlock at the first one that differs. So after
+each compilation the ranks of the program's meshes exchange their programs through the
+process group's store (not through a collective: a rank that did not compile must not
+make the others hang) and compare them. Local sizes may differ between ranks (uneven
+shards), and so may the pads and narrows DTensor adds for them; nothing else may.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections import defaultdict
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..core import TensorProxy, Trace
+from ..core.printing import Unprintable, python_literal
+
+# Ops DTensor adds on some ranks only, for uneven shards (pad before a collective,
+# narrow after it); a rank whose shard needs no padding skips them.
+_UNEVEN_SHARD_OPS = {"aten.constant_pad_nd.default", "aten.pad.default", "aten.narrow.default",
+                     "aten.slice.Tensor", "aten.contiguous.default", "aten.clone.default"}
+
+
+class RankMismatchError(RuntimeError):
+    """Ranks compiled different per-rank programs."""
+
+
+def _normalize(value: object, group_labels: dict[str, str]) -> str:
+    if isinstance(value, TensorProxy):
+        return "T"
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, int):
+        return "#"  # sizes may differ between ranks
+    if isinstance(value, str):
+        return repr(group_labels.get(value, value))
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_normalize(v, group_labels) for v in value) + "]"
+    try:
+        return python_literal(value)
+    except Unprintable:
+        return type(value).__name__
+
+
+def program_lines(trace: Trace, group_labels: dict[str, str]) -> list[str]:
+    """The trace as lines that are equal on every rank of an SPMD program."""
+    lines = []
+    for bsym in trace.bound_symbols:
+        args = ", ".join(_normalize(a, group_labels) for a in bsym.args)
+        kwargs = ", ".join(f"{k}={_normalize(v, group_labels)}" for k, v in bsym.kwargs.items())
+        lines.append(f"{bsym.symbol.name}({args}{', ' if args and kwargs else ''}{kwargs})")
+    return lines
+
+
+def first_difference(mine: list[str], theirs: list[str]) -> tuple[int, str, str] | None:
+    """The first line where two programs differ, ignoring uneven-shard padding ops."""
+    matcher = difflib.SequenceMatcher(a=mine, b=theirs, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            continue
+        extra = mine[i1:i2] + theirs[j1:j2]
+        if tag in ("insert", "delete") and all(line.split("(")[0] in _UNEVEN_SHARD_OPS for line in extra):
+            continue
+        return i1, "\n".join(mine[i1:i2]) or "(nothing)", "\n".join(theirs[j1:j2]) or "(nothing)"
+    return None
+
+
+_sequence: dict[tuple[int, ...], int] = defaultdict(int)
+
+
+def _timeout() -> timedelta:
+    return timedelta(seconds=float(os.environ.get("DTCOMPILE_SYNC_TIMEOUT", "120")))
+
+
+def check_ranks_agree(trace: Trace, meshes: list, group_labels: dict[str, str], what: str) -> None:
+    """Raise :class:`RankMismatchError` unless every rank of ``meshes`` compiled the same
+    program as this one. A no-op without a real multi-process group."""
+    if not meshes or not dist.is_initialized() or dist.get_backend() == "fake":
+        return
+    ranks = tuple(sorted({int(r) for mesh in meshes for r in mesh.mesh.flatten().tolist()}))
+    if len(ranks) < 2:
+        return
+    rank = dist.get_rank()
+    key = f"dtcompile/{'-'.join(map(str, ranks))}/{_sequence[ranks]}"
+    _sequence[ranks] += 1
+    store = dist.distributed_c10d._get_default_store()
+    mine = program_lines(trace, group_labels)
+    store.set(f"{key}/{rank}", "\n".join([what, *mine]))
+    keys = [f"{key}/{r}" for r in ranks]
+    try:
+        store.wait(keys, _timeout())
+    except Exception as error:  # the store raises a generic error on timeout
+        missing = [r for r in ranks if not store.check([f"{key}/{r}"])]
+        raise RankMismatchError(
+            f"dtcompile: rank {rank} compiled {what}, but ranks {missing} did not compile a program "
+            f"within {_timeout().total_seconds():.0f} s (they hit a cache entry this rank missed, "
+            "failed, or run other code); the ranks' programs would not match"
+        ) from error
+    programs = {r: store.get(f"{key}/{r}").decode().split("\n") for r in ranks}
+    groups: dict[tuple[str, ...], list[int]] = defaultdict(list)
+    for r, lines in programs.items():
+        groups[tuple(lines)].append(r)
+    if len(groups) == 1:
+        return
+    for r, lines in programs.items():
+        if r == rank:
+            continue
+        difference = first_difference([programs[rank][0], *mine], lines)
+        if difference is None:
+            continue
+        line, here, there = difference
+        raise RankMismatchError(
+            f"dtcompile: ranks compiled different per-rank programs for {what}: "
+            f"{'; '.join(f'ranks {g}' for g in groups.values())}. First difference, at line {line} "
+            f"of the program:\n  rank {rank}: {here}\n  rank {r}: {there}\n"
+            "Programs that differ in their ops or collectives would deadlock at run time."
+        )

@@ -1,0 +1,147 @@
+"""Generating a prologue: the function that guards a call and unpacks its inputs.
+
+The prologue receives ``(module, args, kwargs)`` as the user passed them. It checks
+everything the trace assumed (the :class:`InputNode` tree from capture, grad mode, the
+training flags of a module's submodules) and returns the computation's inputs in order,
+or ``None`` as soon as one assumption fails, so the next cache entry can be tried.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..capture import (
+    CallInputs, ConstantInput, DictInput, DTensorInput, PytreeInput, SequenceInput, TensorInput, TensorMeta,
+)
+from ..core.codegen import GeneratedFunction
+from ..core.printing import Unprintable, python_literal
+from .guards import spec_matches
+
+
+class _Builder:
+    def __init__(self):
+        self.lines: list[str] = []
+        self.globals: dict[str, object] = {"torch": torch, "DTensor": DTensor, "spec_matches": spec_matches}
+        self.results: list[str] = []
+        self._count = 0
+
+    def fresh(self, prefix: str) -> str:
+        self._count += 1
+        return f"{prefix}{self._count}"
+
+    def constant(self, obj: object, prefix: str) -> str:
+        """Source for ``obj``: a literal when it has one, else a global given to the code."""
+        try:
+            return python_literal(obj)
+        except Unprintable:
+            name = self.fresh(prefix)
+            self.globals[name] = obj
+            return name
+
+    def fail_if(self, condition: str) -> None:
+        self.lines.append(f"    if {condition}: return None")
+
+    def bind(self, expr: str, prefix: str = "v") -> str:
+        name = self.fresh(prefix)
+        self.lines.append(f"    {name} = {expr}")
+        return name
+
+    def tensor_meta(self, var: str, meta: TensorMeta) -> None:
+        tensor_type = self.constant(meta.type, "TYPE")
+        device = self.fresh("DEVICE")  # a global: a literal would build a device per call
+        self.globals[device] = meta.device
+        self.fail_if(f"type({var}) is not {tensor_type}")
+        self.fail_if(
+            f"{var}.dtype is not {python_literal(meta.dtype)} or {var}.shape != {python_literal(meta.shape)}"
+            f" or {var}.stride() != {python_literal(meta.stride)} or {var}.device != {device}"
+            f" or {var}.requires_grad is not {meta.requires_grad}"
+        )
+
+    def node(self, node, expr: str) -> None:
+        if isinstance(node, ConstantInput):
+            self._constant(node.value, expr)
+        elif isinstance(node, TensorInput):
+            var = self.bind(expr)
+            self.tensor_meta(var, node.meta)
+            self.results.append(var)
+        elif isinstance(node, DTensorInput):
+            var = self.bind(expr)
+            self.fail_if(f"type({var}) is not DTensor")
+            spec = self.bind(f"{var}._spec", "spec")
+            expected = self.constant(node.spec, "SPEC")
+            self.fail_if(f"{spec} is not {expected} and not spec_matches({spec}, {expected})")
+            self.fail_if(f"{var}.requires_grad is not {node.requires_grad}")
+            local = self.bind(f"{var}._local_tensor", "local")
+            self.tensor_meta(local, node.meta)
+            self.results.append(local)
+        elif isinstance(node, SequenceInput):
+            if expr == "args":  # always the tuple of positional arguments
+                var = expr
+                self.fail_if(f"len(args) != {len(node.children)}")
+            else:
+                var = self.bind(expr)
+                self.fail_if(f"type({var}) is not {node.type.__name__} or len({var}) != {len(node.children)}")
+            for i, child in enumerate(node.children):
+                self.node(child, f"{var}[{i}]")
+        elif isinstance(node, DictInput):
+            var = expr if expr == "kwargs" else self.bind(expr)
+            if not node.keys and expr == "kwargs":
+                self.fail_if("kwargs")
+            else:
+                keys = self.constant(frozenset(node.keys), "KEYS") if node.keys else "()"
+                self.fail_if(f"type({var}) is not dict or {var}.keys() != {keys}")
+            for key, child in zip(node.keys, node.children):
+                self.node(child, f"{var}[{key!r}]")
+        elif isinstance(node, PytreeInput):
+            var = self.bind(expr)
+            self.fail_if(f"type({var}) is not {self.constant(node.type, 'TYPE')}")
+            flatten = self.constant(torch.utils._pytree.SUPPORTED_NODES[node.type].flatten_fn, "FLATTEN")
+            children, context = self.fresh("children"), self.fresh("context")
+            self.lines.append(f"    {children}, {context} = {flatten}({var})")
+            self.fail_if(f"len({children}) != {len(node.children)} or {context} != {self.constant(node.context, 'CONTEXT')}")
+            for i, child in enumerate(node.children):
+                self.node(child, f"{children}[{i}]")
+        else:
+            raise TypeError(f"unknown input node {node!r}")
+
+    def _constant(self, value: object, expr: str) -> None:
+        if value is None:
+            self.fail_if(f"{expr} is not None")
+        elif isinstance(value, float) and math.isnan(value):
+            self.fail_if(f"type({expr}) is not float or {expr} == {expr}")
+        else:
+            self.fail_if(f"type({expr}) is not {type(value).__name__} or {expr} != {self.constant(value, 'CONST')}")
+
+
+def _module_expr(root: str, dotted: str, kind: str) -> str:
+    *owners, leaf = dotted.split(".")
+    expr = root + "".join(f"._modules[{o!r}]" for o in owners)
+    return f"{expr}.{kind}[{leaf!r}]"
+
+
+def build_prologue(
+    inputs: CallInputs, grad_enabled: bool, captured: list[torch.Tensor], module: torch.nn.Module | None
+) -> GeneratedFunction:
+    """The prologue of one cache entry (see the module docstring)."""
+    b = _Builder()
+    b.fail_if(f"torch.is_grad_enabled() is not {grad_enabled}")
+    if module is not None:
+        # Every submodule's training flag can change what forward does (dropout, norms).
+        for i, submodule in enumerate(module.modules()):
+            name = f"MODULE{i}"
+            b.globals[name] = submodule
+            b.fail_if(f"{name}.training is not {submodule.training}")
+    b.node(inputs.args, "args")
+    b.node(inputs.kwargs, "kwargs")
+    for kind, pairs in (("_parameters", inputs.params), ("_buffers", inputs.buffers)):
+        for name, node in pairs:
+            b.node(node, _module_expr("module", name, kind))
+    for i, tensor in enumerate(captured):
+        b.globals[f"CAPTURED{i}"] = tensor
+        b.results.append(f"CAPTURED{i}")
+    returned = ", ".join(b.results)
+    lines = ["def prologue(module, args, kwargs):", *b.lines, f"    return ({returned}{',' if len(b.results) == 1 else ''})"]
+    return GeneratedFunction("prologue", lines, b.globals, "prologue: guards the call and unpacks its inputs")

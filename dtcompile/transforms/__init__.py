@@ -1,0 +1,8 @@
+"""Passes over traces. Each takes a trace and returns a new one; none mutates its input."""
+
+from .cse import cse
+from .dce import dce
+from .effects import has_side_effects, mutates, returns_alias
+from .views import remove_identity_views
+
+__all__ = ["cse", "dce", "has_side_effects", "mutates", "remove_identity_views", "returns_alias"]

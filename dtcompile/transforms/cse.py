@@ -1,0 +1,45 @@
+"""Common-subexpression elimination: one symbol per distinct (op, arguments)."""
+
+from __future__ import annotations
+
+from torch.utils._pytree import tree_flatten, tree_map, tree_structure
+
+from ..core import TensorProxy, Trace
+from ..core.printing import Unprintable, python_literal
+from .effects import has_side_effects, mutates
+
+
+def _key(bsym) -> str | None:
+    try:
+        return f"{bsym.symbol.name}|{python_literal(tuple(bsym.args))}|{python_literal(tuple(bsym.kwargs.items()))}"
+    except Unprintable:
+        return None
+
+
+def cse(trace: Trace) -> Trace:
+    """Merge repeated pure computations. Off for traces that mutate anything: a value read
+    before and after a mutation is not the same value."""
+    if any(mutates(b) for b in trace.bound_symbols):
+        return trace.derive("computation, after CSE (skipped: the trace mutates tensors)", list(trace.bound_symbols))
+    seen: dict[str, object] = {}
+    renames: dict[str, TensorProxy] = {}
+    kept = []
+    for bsym in trace.bound_symbols:
+        bsym = bsym.with_inputs_renamed(renames) if renames else bsym
+        key = None if has_side_effects(bsym) else _key(bsym)
+        earlier = seen.get(key) if key is not None else None
+        if earlier is not None and tree_structure(earlier.output) == tree_structure(bsym.output):
+            old, _ = tree_flatten(bsym.output)
+            new, _ = tree_flatten(earlier.output)
+            for o, n in zip(old, new):
+                if isinstance(o, TensorProxy):
+                    renames[o.label] = n
+            continue
+        if key is not None:
+            seen[key] = bsym
+        kept.append(bsym)
+
+    def rename(x):
+        return renames.get(x.label, x) if isinstance(x, TensorProxy) else x
+
+    return trace.derive("computation, after common-subexpression elimination", kept, tree_map(rename, trace.output))

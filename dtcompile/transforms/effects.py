@@ -1,0 +1,28 @@
+"""What a pass may and may not do with a bound symbol."""
+
+from __future__ import annotations
+
+import torch
+
+from ..core import BoundSymbol
+
+
+def mutates(bsym: BoundSymbol) -> bool:
+    """True for in-place and ``out=`` ops: they change a tensor other symbols may read."""
+    return bsym.op is not None and bsym.op._schema.is_mutable
+
+
+def is_random(bsym: BoundSymbol) -> bool:
+    """True for ops that draw from a generator: dropping or merging them changes the stream."""
+    return bsym.op is not None and torch.Tag.nondeterministic_seeded in bsym.op.tags
+
+
+def has_side_effects(bsym: BoundSymbol) -> bool:
+    return bsym.op is None or mutates(bsym) or is_random(bsym)
+
+
+def returns_alias(bsym: BoundSymbol) -> bool:
+    """True when an output may share memory with an input (views, in-place results)."""
+    if bsym.op is None:
+        return True
+    return any(ret.alias_info is not None for ret in bsym.op._schema.returns)

@@ -1,0 +1,43 @@
+"""Removal of views that change nothing (DTensor's ``from_local`` issues ``view_as(x)``)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..core import TensorProxy, Trace
+
+aten = torch.ops.aten
+_VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.alias.default, aten.reshape.default}
+
+
+def _is_identity_view(bsym) -> bool:
+    if bsym.op not in _VIEW_OPS or not bsym.args or not isinstance(bsym.args[0], TensorProxy):
+        return False
+    source, result = bsym.args[0], bsym.output
+    return (
+        isinstance(result, TensorProxy)
+        and result.shape == source.shape
+        and result.stride() == source.stride()
+        and result.storage_offset() == source.storage_offset()
+    )
+
+
+def remove_identity_views(trace: Trace) -> Trace:
+    """Replace each identity view by its source, except where the view itself is returned
+    (the caller then gets a distinct tensor, as in eager)."""
+    leaves, _ = tree_flatten(trace.output)
+    returned = {x.label for x in leaves if isinstance(x, TensorProxy)}
+    renames: dict[str, TensorProxy] = {}
+    kept = []
+    for bsym in trace.bound_symbols:
+        bsym = bsym.with_inputs_renamed(renames) if renames else bsym
+        if _is_identity_view(bsym) and bsym.output.label not in returned:
+            renames[bsym.output.label] = bsym.args[0]
+            continue
+        kept.append(bsym)
+
+    def rename(x):
+        return renames.get(x.label, x) if isinstance(x, TensorProxy) else x
+
+    return trace.derive("computation, after removing identity views", kept, tree_map(rename, trace.output))
