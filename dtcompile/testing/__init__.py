@@ -1,0 +1,1 @@
+"""Models and helpers shared by the tests, the scripts and the docs. Not used by the compiler."""

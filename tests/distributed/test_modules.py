@@ -1,0 +1,71 @@
+"""Tensor-parallel modules compiled and compared with eager DTensor on Gloo ranks."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import dtcompile
+from dtcompile.testing.models import parallel_block, parallel_mlp
+
+
+def _compare(jitted, eager_module, x):
+    with torch.no_grad():
+        expected = eager_module(x)
+        got = jitted(x)
+        again = jitted(x)
+    # Eager may return an AsyncCollectiveTensor (a lazily waited plain tensor); we return
+    # the plain tensor itself.
+    assert isinstance(got, DTensor) == isinstance(expected, DTensor)
+    if isinstance(expected, DTensor):
+        assert got.placements == expected.placements
+        assert got.shape == expected.shape and got.stride() == expected.stride()
+        got_local, expected_local = got._local_tensor, expected._local_tensor
+    else:
+        assert type(got) is torch.Tensor
+        got_local, expected_local = got, expected
+    assert got_local.shape == expected_local.shape
+    assert got_local.stride() == expected_local.stride()
+    torch.testing.assert_close(got_local, expected_local)
+    torch.testing.assert_close(again if not isinstance(again, DTensor) else again._local_tensor, expected_local)
+    return dtcompile.cache_misses(jitted), dtcompile.cache_hits(jitted)
+
+
+def mlp_case(mesh_shape):
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp")[-len(mesh_shape):])
+    tp = mesh["tp"] if len(mesh_shape) == 2 else mesh
+    model = parallel_mlp(tp, dim=32, hidden=64)
+    torch.manual_seed(100 + dist.get_rank() // tp.size())  # dp ranks see different data
+    x = torch.randn(4, 8, 32)
+    return _compare(dtcompile.jit(model), model, x)
+
+
+def block_case(mesh_shape, sequence_parallel):
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp")[-len(mesh_shape):])
+    tp = mesh["tp"] if len(mesh_shape) == 2 else mesh
+    model = parallel_block(tp, dim=32, n_heads=4, hidden=64, sequence_parallel=sequence_parallel)
+    torch.manual_seed(100 + dist.get_rank() // tp.size())
+    seq = 8
+    x = torch.randn(2, seq, 32)
+    if sequence_parallel:  # each rank passes its sequence shard
+        x = x.chunk(tp.size(), dim=1)[tp.get_local_rank()].contiguous()
+    return _compare(dtcompile.jit(model), model, x)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_mlp_1d(world, ranks2, ranks4):
+    pool = ranks2 if world == 2 else ranks4
+    assert pool.run(mlp_case, (world,)) == [(1, 1)] * world
+
+
+def test_mlp_2d(ranks4):
+    assert ranks4.run(mlp_case, (2, 2)) == [(1, 1)] * 4
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)])
+def test_llama_block(mesh_shape, sequence_parallel, ranks2, ranks4):
+    pool = ranks2 if mesh_shape == (2,) else ranks4
+    world = 2 if mesh_shape == (2,) else 4
+    assert pool.run(block_case, mesh_shape, sequence_parallel) == [(1, 1)] * world
