@@ -1,4 +1,8 @@
-"""Removal of views that change nothing (DTensor's ``from_local`` issues ``view_as(x)``)."""
+"""Removal of views that change nothing.
+
+DTensor's ``from_local`` issues ``view_as(x)``; factory ops under grad mode come back
+``detach``ed. Compiled programs run without autograd, so these are the same tensor.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..core import TensorProxy, Trace
 
 aten = torch.ops.aten
-_VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.alias.default, aten.reshape.default}
+_VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.alias.default, aten.reshape.default,
+             aten.detach.default}
 
 
 def _is_identity_view(bsym) -> bool:
