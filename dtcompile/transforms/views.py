@@ -29,17 +29,25 @@ def _is_identity_view(bsym) -> bool:
 
 
 def remove_identity_views(trace: Trace) -> Trace:
-    """Replace each identity view by its source, except where the view itself is returned
-    (the caller then gets a distinct tensor, as in eager)."""
+    """Replace each identity view by its source. A returned view stays when its source is
+    a trace input or is returned too, so that the caller never gets its own input back, or
+    one tensor twice, where eager gives distinct tensors."""
     leaves, _ = tree_flatten(trace.output)
     returned = {x.label for x in leaves if isinstance(x, TensorProxy)}
+    inputs = {p.label for p in trace.inputs}
     renames: dict[str, TensorProxy] = {}
     kept = []
     for bsym in trace.bound_symbols:
         bsym = bsym.with_inputs_renamed(renames) if renames else bsym
-        if _is_identity_view(bsym) and bsym.output.label not in returned:
-            renames[bsym.output.label] = bsym.args[0]
-            continue
+        if _is_identity_view(bsym):
+            source, label = bsym.args[0], bsym.output.label
+            if label not in returned:
+                renames[label] = source
+                continue
+            if source.label not in inputs and source.label not in returned:
+                renames[label] = source
+                returned.add(source.label)
+                continue
         kept.append(bsym)
 
     def rename(x):
