@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from timing import completed, init_gloo, interleaved_medians, print0
+from timing import completed, finish, init_gloo, interleaved_medians, print0, sync
 from torch.distributed.device_mesh import init_device_mesh
 
 import dtcompile
@@ -65,7 +65,7 @@ def hand_written_block(model):
 
 def bench(name, model, hand_written, x, calls):
     with torch.no_grad():
-        dist.barrier()
+        sync()
         start = time.perf_counter()
         jmodel = dtcompile.jit(model)
         completed(jmodel(x))
@@ -97,7 +97,7 @@ def main() -> None:
     bench("MLP", mlp, hand_written_mlp(mlp), x, calls)
     block = parallel_block(mesh, dim=256, n_heads=8, hidden=512)
     bench("Llama block", block, hand_written_block(block), x, calls)
-    dist.destroy_process_group()
+    finish()
 
 
 def launch_all() -> None:

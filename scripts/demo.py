@@ -5,7 +5,7 @@ Run: torchrun --nproc-per-node 2 scripts/demo.py      (CPU ranks, Gloo)
 
 import torch
 import torch.distributed as dist
-from timing import init_gloo, interleaved_medians, print0
+from timing import finish, init_gloo, interleaved_medians, print0
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -43,7 +43,7 @@ def main() -> None:
     print0(f"per call on {world} ranks: eager DTensor {eager * 1e3:.3f} ms, dtcompile {compiled * 1e3:.3f} ms "
            f"({eager / compiled:.2f}x faster); compiled in {dtcompile.compile_seconds(jmodel)[0] * 1e3:.0f} ms, "
            f"{dtcompile.cache_misses(jmodel)} compilation, {dtcompile.cache_hits(jmodel)} cache hits")
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 
+def sync() -> None:
+    """A barrier made of a one-element all_reduce (Gloo's barrier holds on to every earlier
+    collective's tensors until a worker thread gets round to it; see ``finish``)."""
+    dist.all_reduce(torch.zeros(1))
+
+
 def init_gloo() -> int:
     """Join the torchrun job with Gloo, one thread per rank; returns this rank."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -43,7 +49,7 @@ def interleaved_medians(variants: dict, calls: int, warmup: int = 10) -> dict[st
     times: dict[str, list[float]] = {name: [] for name in variants}
     for i in range(warmup + calls):
         for name, fn in variants.items():
-            dist.barrier()
+            sync()
             start = time.perf_counter()
             completed(fn())
             elapsed = time.perf_counter() - start
@@ -58,3 +64,13 @@ def interleaved_medians(variants: dict, calls: int, warmup: int = 10) -> dict[st
 def print0(*args) -> None:
     if dist.get_rank() == 0:
         print(*args, flush=True)
+
+
+def finish() -> None:
+    """Leave the job together, through the store rather than a collective: Gloo's worker
+    threads let go of a collective's tensors just after it completes, and a process that
+    exits in that moment aborts (pytorch/pytorch#190489)."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"finish/{dist.get_rank()}", "done")
+    store.wait([f"finish/{rank}" for rank in range(dist.get_world_size())])
+    dist.destroy_process_group()

@@ -119,6 +119,12 @@ class InputProxifier:
                     f"dtcompile.jit: {path} is a {type(value).__name__}; tensor subclasses other "
                     "than DTensor and nn.Parameter are not supported"
                 )
+            if value.layout is not torch.strided:
+                # Sparse and other layouts are plain Tensors by type, but FakeTensor metadata,
+                # the prologue's stride guards and the executors all assume strided tensors.
+                raise UnsupportedInputError(
+                    f"dtcompile.jit: {path} is a tensor with layout {value.layout}; only strided tensors are supported"
+                )
             proxy = self.recording.input_proxy(value, identifier(name_hint, self.taken), path)
             return proxy, TensorInput(path, proxy, TensorMeta.of(value))
         if isinstance(value, CONSTANT_TYPES):

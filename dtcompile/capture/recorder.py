@@ -14,7 +14,9 @@ Two modes are active while a call is traced:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
@@ -35,6 +37,21 @@ _FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
 _DATA_DEPENDENT_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
 
 
+_FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+
+
+@contextlib.contextmanager
+def _fake_errors_unlogged():
+    """FakeTensorMode logs a traceback for every op that raises, then re-raises. The
+    error reaches the user as eager's own; the log would only print it twice."""
+    disabled = _FAKE_TENSOR_LOG.disabled
+    _FAKE_TENSOR_LOG.disabled = True
+    try:
+        yield
+    finally:
+        _FAKE_TENSOR_LOG.disabled = disabled
+
+
 class Recording:
     """The state of one trace being recorded: its symbols, names and captured constants."""
 
@@ -46,6 +63,8 @@ class Recording:
         self._captured_index: dict[int, TensorProxy] = {}
         self._names = itertools.count()
         self.used_names: set[str] = set()
+        # How many torch-level calls with DTensor arguments are running (see CallAnnotator).
+        self.dtensor_calls = 0
 
     def new_name(self) -> str:
         while True:
@@ -73,14 +92,21 @@ class Recording:
         return proxy
 
     def record(self, func, args: tuple, kwargs: dict):
+        leaves, _ = tree_flatten((args, kwargs))
+        if not any(isinstance(x, TensorProxy) for x in leaves) and any(isinstance(x, torch.Tensor) for x in leaves):
+            # Only real tensors: a constant the program computes from what it closes over,
+            # or DTensor's index arithmetic (``int(offsets[0])``); reading its value is fine.
+            return func(*args, **kwargs)
         if func in _DATA_DEPENDENT_OPS:
             raise TracingError(
                 f"{func} needs a tensor's value at trace time (.item(), .tolist() or Python "
                 "control flow on tensor data); dtcompile traces shapes, not values"
             )
-        leaves, _ = tree_flatten((args, kwargs))
-        if not any(isinstance(x, TensorProxy) for x in leaves) and any(isinstance(x, torch.Tensor) for x in leaves):
-            # Only real tensors: a constant the program computes from what it closes over.
+        if self.dtensor_calls and not any(isinstance(x, torch.Tensor) for x in leaves):
+            # A factory op made by DTensor while it handles an op: meta tensors for its
+            # sharding propagation, or index arithmetic it reads back (``arange(n).tolist()``
+            # of a _StridedShard). DTensor needs real values; where the program uses one, it
+            # is captured as a constant.
             return func(*args, **kwargs)
 
         def to_proxy(x):
@@ -95,7 +121,7 @@ class Recording:
 
         fake_args, fake_kwargs = tree_map(to_fake, (args, kwargs))
         try:
-            with self.fake_mode:
+            with self.fake_mode, _fake_errors_unlogged():
                 fake_out = func(*fake_args, **fake_kwargs)
         except DataDependentOutputException as error:
             raise TracingError(f"{func} has a data-dependent output; dtcompile cannot trace it") from error
@@ -167,7 +193,8 @@ def _describe_output(value) -> str:
 
 
 class CallAnnotator(TorchFunctionMode):
-    """Notes on each recorded symbol the torch-level call it came from."""
+    """Notes on each recorded symbol the torch-level call it came from, and tells the
+    recording when DTensor is handling a call (its factory ops are then its own)."""
 
     def __init__(self, recording: Recording):
         super().__init__()
@@ -178,7 +205,13 @@ class CallAnnotator(TorchFunctionMode):
         if getattr(func, "__name__", "") in ("__get__", "__set__"):
             return func(*args, **kwargs)
         start = len(self.recording.bound_symbols)
-        out = func(*args, **kwargs)
+        leaves, _ = tree_flatten((args, kwargs))
+        handled_by_dtensor = any(isinstance(x, DTensor) for x in leaves)
+        self.recording.dtensor_calls += handled_by_dtensor
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.recording.dtensor_calls -= handled_by_dtensor
         new = self.recording.bound_symbols[start:]
         if new:
             proxies: list[TensorProxy] = []

@@ -7,6 +7,7 @@ the tree of outputs the epilogue rebuilds, and the constants the program closes 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass, field
 
@@ -14,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.func import functional_call
 
 from ..core import InputPath, Trace, verify
 from .inputs import DictInput, DTensorInput, InputNode, InputProxifier, SequenceInput, iter_leaves
@@ -35,9 +35,11 @@ class CallInputs:
     kwargs: InputNode
     params: list[tuple[str, InputNode]] = field(default_factory=list)
     buffers: list[tuple[str, InputNode]] = field(default_factory=list)
+    attributes: list[tuple[str, InputNode]] = field(default_factory=list)  # tensors in a module's __dict__
 
     def nodes(self) -> list[InputNode]:
-        return [self.args, self.kwargs] + [n for _, n in self.params] + [n for _, n in self.buffers]
+        module_state = self.params + self.buffers + self.attributes
+        return [self.args, self.kwargs] + [n for _, n in module_state]
 
 
 @dataclass
@@ -80,13 +82,16 @@ def capture_call(fn, args: tuple, kwargs: dict, module: torch.nn.Module | None =
     )
     proxy_args = tuple(p for p, _ in arg_pairs)
     proxy_kwargs = dict(zip(kwargs.keys(), (p for p, _ in kwarg_pairs)))
-    state: dict[str, object] = {}
+    state: dict[int, object] = {}  # id of a tensor the module holds -> what the traced module holds
     if module is not None:
-        for kind, named in (("params", module.named_parameters()), ("buffers", module.named_buffers())):
+        for kind, named in (("params", module.named_parameters()), ("buffers", module.named_buffers()),
+                            ("attributes", _tensor_attributes(module))):
             for name, tensor in named:
+                if id(tensor) in state:  # the same tensor under a second name
+                    continue
                 proxy, node = proxifier.proxify(tensor, InputPath(kind).key(name), name)
                 getattr(inputs, kind).append((name, node))
-                state[name] = proxy
+                state[id(tensor)] = proxy
 
     grad_enabled = torch.is_grad_enabled()
     if grad_enabled and any(
@@ -102,7 +107,8 @@ def capture_call(fn, args: tuple, kwargs: dict, module: torch.nn.Module | None =
 
     with enable_python_dispatcher(), CallAnnotator(recording), OpRecorder(recording):
         if module is not None:
-            result = functional_call(module, state, proxy_args, proxy_kwargs, strict=True)
+            with _state_swapped(module, state):
+                result = module(*proxy_args, **proxy_kwargs)
         else:
             result = fn(*proxy_args, **proxy_kwargs)
 
@@ -126,6 +132,40 @@ def capture_call(fn, args: tuple, kwargs: dict, module: torch.nn.Module | None =
         if not any(node.spec.mesh is m for m in meshes):
             meshes.append(node.spec.mesh)
     return CapturedCall(trace, inputs, output, recording.captured, grad_enabled, meshes)
+
+
+def _tensor_attributes(module: torch.nn.Module):
+    """``(dotted name, tensor)`` for each plain tensor attribute of the module and its
+    submodules (a cached mask, say): neither parameters nor buffers, but read at every
+    call like them, so that assigning a new tensor is seen."""
+    for owner_name, owner in module.named_modules():
+        for attr, value in vars(owner).items():
+            if isinstance(value, torch.Tensor):
+                yield (f"{owner_name}.{attr}" if owner_name else attr), value
+
+
+@contextlib.contextmanager
+def _state_swapped(module: torch.nn.Module, state: dict[int, object]):
+    """The module's parameters, buffers and tensor attributes replaced by their proxies
+    while it is traced, and restored afterwards, even if tracing fails.
+
+    Every place that holds a tensor gets its proxy, so tied weights stay tied. This is not
+    ``torch.func.functional_call``: that leaves the proxies in a module registered under
+    two names (``self.b = self.a``), since it saves the second name's "original" after
+    setting the first, which is the same attribute of the same module.
+    """
+    saved = []
+    for owner in module.modules():  # each module object once, however many names it has
+        for table in (owner._parameters, owner._buffers, vars(owner)):
+            for leaf, tensor in list(table.items()):
+                if isinstance(tensor, torch.Tensor) and id(tensor) in state:
+                    saved.append((table, leaf, tensor))
+                    table[leaf] = state[id(tensor)]
+    try:
+        yield
+    finally:
+        for table, leaf, tensor in saved:
+            table[leaf] = tensor
 
 
 def _input_note(node) -> str:

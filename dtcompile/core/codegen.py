@@ -9,11 +9,16 @@ _ids = itertools.count()
 
 
 def compile_function(source: str, fn_name: str, namespace: dict):
-    """Define ``fn_name`` by running ``source`` in ``namespace``; tracebacks show the source."""
+    """Define ``fn_name`` by running ``source`` in ``namespace``; tracebacks show the source.
+
+    The function is taken out of its namespace so that the two do not form a reference
+    cycle: a compiled program, and the meshes and process groups its constants hold, is
+    then freed as soon as its last user lets go of it, not at some later garbage
+    collection (or at exit, where Gloo's threads die with the interpreter)."""
     filename = f"<dtcompile {fn_name} {next(_ids)}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     exec(compile(source, filename, "exec"), namespace)
-    return namespace[fn_name]
+    return namespace.pop(fn_name)
 
 
 class GeneratedFunction:

@@ -58,8 +58,13 @@ class TensorProxy(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        # The recorder (a dispatch mode) sees every op first while tracing. Reaching here
-        # means a proxy escaped its trace.
+        # The recorder (a dispatch mode) sees every op first while tracing, and leaves ops
+        # with a DTensor argument to DTensor. The dispatcher then tries each subclass in
+        # argument order, so a proxy passed beside a DTensor (``proxy * dtensor``) gets here
+        # before DTensor does: defer to the other subclass, as the recorder did.
+        if any(not issubclass(t, TensorProxy) for t in types):
+            return NotImplemented
+        # Otherwise reaching here means a proxy escaped its trace.
         names = [a.label for a in args if isinstance(a, TensorProxy)]
         raise RuntimeError(
             f"dtcompile: {func} was called on proxy {', '.join(names)} outside of tracing; "

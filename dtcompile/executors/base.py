@@ -14,7 +14,7 @@ from typing import Protocol
 from torch.utils._pytree import tree_flatten
 
 from ..core import BoundSymbol, TensorProxy, Trace
-from ..transforms import mutates, returns_alias
+from ..transforms import storage_bases
 
 
 class NoExecutorError(RuntimeError):
@@ -26,7 +26,6 @@ class LoweringContext:
     """Facts about the whole trace that an executor may need to lower one symbol."""
 
     trace: Trace
-    group_labels: dict[str, str]  # process-group name -> identifier in the generated code
     last_use: dict[str, int] = field(default_factory=dict)  # label -> index of its last reader
     base: dict[str, str] = field(default_factory=dict)  # label -> the label whose memory it views
     fresh_bases: set[str] = field(default_factory=set)  # bases made inside the trace
@@ -35,19 +34,12 @@ class LoweringContext:
     def __post_init__(self):
         never = len(self.trace.bound_symbols)
         leaves, _ = tree_flatten(self.trace.output)
-        for proxy in self.trace.inputs:
-            self.base[proxy.label] = proxy.label
+        self.base = storage_bases(self.trace)
+        inputs = {p.label for p in self.trace.inputs}
+        self.fresh_bases = {label for label, base in self.base.items() if label == base and label not in inputs}
         for index, bsym in enumerate(self.trace.bound_symbols):
-            inputs = bsym.input_proxies()
-            for proxy in inputs:
+            for proxy in bsym.input_proxies():
                 self.last_use[proxy.label] = index
-            aliasing = returns_alias(bsym) or mutates(bsym)
-            for out in bsym.output_proxies():
-                if aliasing and inputs:
-                    self.base[out.label] = self.base.get(inputs[0].label, inputs[0].label)
-                else:
-                    self.base[out.label] = out.label
-                    self.fresh_bases.add(out.label)
         for leaf in leaves:
             if isinstance(leaf, TensorProxy):
                 self.last_use[leaf.label] = never
@@ -69,9 +61,9 @@ class Executor(Protocol):
     def lower(self, bsym: BoundSymbol, index: int, context: LoweringContext) -> list[BoundSymbol]: ...
 
 
-def lower(trace: Trace, executors: list[Executor], group_labels: dict[str, str]) -> Trace:
+def lower(trace: Trace, executors: list[Executor]) -> Trace:
     """The execution trace: every symbol replaced by what its executor runs."""
-    context = LoweringContext(trace, group_labels)
+    context = LoweringContext(trace)
     lowered: list[BoundSymbol] = []
     for index, bsym in enumerate(trace.bound_symbols):
         for executor in executors:

@@ -40,7 +40,10 @@ _FUNCTIONS = {
 # aten op -> function of torch._C._nn (printed as ``torch._C._nn.<name>``).
 _NN_FUNCTIONS = {aten.gelu.default: "gelu", aten.silu.default: "silu"}
 # aten op -> Tensor method with the same arguments (printed as ``t0.<name>(...)``).
-_METHODS = {aten.view.default: "view", aten.split_with_sizes.default: "split_with_sizes"}
+# ``_unsafe_view`` differs from ``view`` only in autograd's view tracking, and compiled
+# programs run without autograd.
+_METHODS = {aten.view.default: "view", aten._unsafe_view.default: "view",
+            aten.split_with_sizes.default: "split_with_sizes"}
 
 
 def _fast_symbol(op) -> Symbol | None:

@@ -24,24 +24,34 @@ class JittedFunction:
 
 
 def _jitted_module_call(self, *args, **kwargs):
-    return type(self)._dtcompile(self, args, kwargs)
+    return self._dtcompile(self, args, kwargs)
+
+
+_jitted_classes: dict[type, type] = {}
+
+
+def _jitted_class(cls: type) -> type:
+    """``Jitted<cls>``: ``cls`` with a compiled ``__call__`` and a slot for the compiled
+    function. A slot, not an attribute: the instance shares the module's ``__dict__``."""
+    jitted_cls = _jitted_classes.get(cls)
+    if jitted_cls is None:
+        namespace = {
+            "__call__": _jitted_module_call, "__slots__": ("_dtcompile",),
+            "__module__": cls.__module__, "__qualname__": f"Jitted{cls.__qualname__}",
+        }
+        jitted_cls = _jitted_classes[cls] = type(f"Jitted{cls.__name__}", (cls,), namespace)
+    return jitted_cls
 
 
 def _jit_module(module: torch.nn.Module, cache: str, executors) -> torch.nn.Module:
     """The module, compiled: an object of a subclass of the module's class that shares the
     module's ``__dict__`` (so its parameters, buffers, submodules, training flag, hooks and
     attributes are the module's own) and whose call runs the compiled program."""
-    cls = type(module)
-    jitted_cls = type(
-        f"Jitted{cls.__name__}",
-        (cls,),
-        {"__call__": _jitted_module_call, "__module__": cls.__module__, "__qualname__": f"Jitted{cls.__qualname__}"},
-    )
     compiled = CompiledFunction(module, module=module, cache=cache, executors=executors)
-    compiled.name = cls.__qualname__
-    jitted_cls._dtcompile = compiled
-    jitted = object.__new__(jitted_cls)
+    compiled.name = type(module).__qualname__
+    jitted = object.__new__(_jitted_class(type(module)))
     object.__setattr__(jitted, "__dict__", module.__dict__)
+    object.__setattr__(jitted, "_dtcompile", compiled)
     return jitted
 
 
@@ -61,8 +71,7 @@ def jit(fn_or_module, *, cache: str = "constant values", executors=None):
 
 
 def _compiled(jfn) -> CompiledFunction:
-    compiled = getattr(type(jfn), "_dtcompile", None) if isinstance(jfn, torch.nn.Module) else None
-    compiled = compiled or getattr(jfn, "_dtcompile", None)
+    compiled = getattr(jfn, "_dtcompile", None)
     if not isinstance(compiled, CompiledFunction):
         raise TypeError(f"{jfn!r} was not made by dtcompile.jit")
     return compiled

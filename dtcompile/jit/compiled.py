@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..capture import capture_call
 from ..core import Trace, verify
@@ -42,14 +44,13 @@ class CompileStats:
 
 
 def group_labels(meshes) -> dict[str, str]:
-    """A readable identifier for each process group of the meshes: ``pg_tp`` for a named
-    dim, ``pg_mesh0_dim1`` otherwise."""
+    """A rank-independent label for each process group of the meshes: the mesh dim's name
+    (``tp``), or ``mesh0.dim1`` for unnamed dims."""
     labels = {}
     for m, mesh in enumerate(meshes):
         names = mesh.mesh_dim_names
         for d in range(mesh.ndim):
-            label = f"pg_{names[d]}" if names else f"pg_mesh{m}_dim{d}"
-            labels.setdefault(mesh.get_group(d).group_name, label)
+            labels.setdefault(mesh.get_group(d).group_name, names[d] if names else f"mesh{m}.dim{d}")
     return labels
 
 
@@ -96,7 +97,11 @@ class CompiledFunction:
             verify(traces[-1])
         labels = group_labels(captured.meshes)
         check_ranks_agree(traces[-1], captured.meshes, labels, self.name)
-        execution = lower(traces[-1], self.executors, labels)
+        execution = lower(traces[-1], self.executors)
+        execution.header_notes += [
+            f"process group {name!r}: mesh dim {label}, ranks {dist.get_process_group_ranks(_resolve_process_group(name))}"
+            for name, label in labels.items()
+        ]
         traces.append(execution)
         entry = CacheEntry(
             prologue=build_prologue(captured.inputs, captured.grad_enabled, captured.captured, self.module),

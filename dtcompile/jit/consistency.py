@@ -15,6 +15,7 @@ from collections import defaultdict
 from datetime import timedelta
 
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..core import TensorProxy, Trace
 from ..core.printing import Unprintable, python_literal
@@ -69,6 +70,24 @@ def first_difference(mine: list[str], theirs: list[str]) -> tuple[int, str, str]
     return None
 
 
+def _collective_ranks(trace: Trace) -> set[int]:
+    """The ranks of the process groups the trace's collectives run on. A DTensor the
+    function makes itself (``DTensor.from_local`` of a plain tensor argument) has no mesh
+    among the inputs, but its collectives still need every rank of their group."""
+    ranks: set[int] = set()
+    for bsym in trace.bound_symbols:
+        if bsym.op is None or bsym.op.namespace != "_c10d_functional":
+            continue
+        names = [a.name for a in bsym.op._schema.arguments]
+        if "group_name" not in names:
+            continue
+        position = names.index("group_name")
+        group_name = bsym.kwargs.get("group_name", bsym.args[position] if position < len(bsym.args) else None)
+        if isinstance(group_name, str):
+            ranks.update(dist.get_process_group_ranks(_resolve_process_group(group_name)))
+    return ranks
+
+
 _sequence: dict[tuple[int, ...], int] = defaultdict(int)
 
 
@@ -77,11 +96,13 @@ def _timeout() -> timedelta:
 
 
 def check_ranks_agree(trace: Trace, meshes: list, group_labels: dict[str, str], what: str) -> None:
-    """Raise :class:`RankMismatchError` unless every rank of ``meshes`` compiled the same
-    program as this one. A no-op without a real multi-process group."""
-    if not meshes or not dist.is_initialized() or dist.get_backend() == "fake":
+    """Raise :class:`RankMismatchError` unless every rank of ``meshes``, and of the process
+    groups the trace's collectives run on, compiled the same program as this one. A no-op
+    without a real multi-process group."""
+    if not dist.is_initialized() or dist.get_backend() == "fake":
         return
-    ranks = tuple(sorted({int(r) for mesh in meshes for r in mesh.mesh.flatten().tolist()}))
+    mesh_ranks = {int(r) for mesh in meshes for r in mesh.mesh.flatten().tolist()}
+    ranks = tuple(sorted(mesh_ranks | _collective_ranks(trace)))
     if len(ranks) < 2:
         return
     rank = dist.get_rank()

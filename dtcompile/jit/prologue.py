@@ -112,14 +112,20 @@ class _Builder:
             self.fail_if(f"{expr} is not None")
         elif isinstance(value, float) and math.isnan(value):
             self.fail_if(f"type({expr}) is not float or {expr} == {expr}")
+        elif isinstance(value, float) and value == 0.0:
+            # 0.0 == -0.0, but 1 / x tells them apart.
+            self.globals["math"] = math
+            self.fail_if(f"type({expr}) is not float or {expr} != 0.0 or math.copysign(1.0, {expr}) != {math.copysign(1.0, value)}")
         else:
             self.fail_if(f"type({expr}) is not {type(value).__name__} or {expr} != {self.constant(value, 'CONST')}")
 
 
-def _module_expr(root: str, dotted: str, kind: str) -> str:
+def _module_expr(root: str, dotted: str, table: str) -> str:
+    """``module._modules['up']._parameters.get('weight')``: ``None`` (a guard failure, so
+    a recompilation) if the name is gone."""
     *owners, leaf = dotted.split(".")
     expr = root + "".join(f"._modules[{o!r}]" for o in owners)
-    return f"{expr}.{kind}[{leaf!r}]"
+    return f"{expr}.{table}.get({leaf!r})"
 
 
 def build_prologue(
@@ -136,9 +142,10 @@ def build_prologue(
             b.fail_if(f"{name}.training is not {submodule.training}")
     b.node(inputs.args, "args")
     b.node(inputs.kwargs, "kwargs")
-    for kind, pairs in (("_parameters", inputs.params), ("_buffers", inputs.buffers)):
+    for table, pairs in (("_parameters", inputs.params), ("_buffers", inputs.buffers),
+                         ("__dict__", inputs.attributes)):
         for name, node in pairs:
-            b.node(node, _module_expr("module", name, kind))
+            b.node(node, _module_expr("module", name, table))
     for i, tensor in enumerate(captured):
         b.globals[f"CAPTURED{i}"] = tensor
         b.results.append(f"CAPTURED{i}")

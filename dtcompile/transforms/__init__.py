@@ -2,7 +2,7 @@
 
 from .cse import cse
 from .dce import dce
-from .effects import has_side_effects, mutates, returns_alias
+from .effects import has_side_effects, mutates, returns_alias, storage_bases
 from .views import remove_identity_views
 
-__all__ = ["cse", "dce", "has_side_effects", "mutates", "remove_identity_views", "returns_alias"]
+__all__ = ["cse", "dce", "has_side_effects", "mutates", "remove_identity_views", "returns_alias", "storage_bases"]

@@ -6,7 +6,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_structure
 
 from ..core import TensorProxy, Trace
 from ..core.printing import Unprintable, python_literal
-from .effects import has_side_effects, mutates
+from .effects import has_side_effects, mutates, storage_bases
 
 
 def _key(bsym) -> str | None:
@@ -18,9 +18,17 @@ def _key(bsym) -> str | None:
 
 def cse(trace: Trace) -> Trace:
     """Merge repeated pure computations. Off for traces that mutate anything: a value read
-    before and after a mutation is not the same value."""
+    before and after a mutation is not the same value.
+
+    Two computations whose results (or views of them) are both returned stay apart: eager
+    returns distinct tensors there, and merging them would hand the caller one tensor
+    twice, or two outputs that share memory, so that writing to one changes the other.
+    """
     if any(mutates(b) for b in trace.bound_symbols):
         return trace.derive("computation, after CSE (skipped: the trace mutates tensors)", list(trace.bound_symbols))
+    base = storage_bases(trace)
+    leaves, _ = tree_flatten(trace.output)
+    returned = {base[x.label] for x in leaves if isinstance(x, TensorProxy)}  # storages the caller gets
     seen: dict[str, object] = {}
     renames: dict[str, TensorProxy] = {}
     kept = []
@@ -31,11 +39,14 @@ def cse(trace: Trace) -> Trace:
         if earlier is not None and tree_structure(earlier.output) == tree_structure(bsym.output):
             old, _ = tree_flatten(bsym.output)
             new, _ = tree_flatten(earlier.output)
-            for o, n in zip(old, new):
-                if isinstance(o, TensorProxy):
+            pairs = [(o, n) for o, n in zip(old, new) if isinstance(o, TensorProxy)]
+            if not any(base[o.label] in returned and base[n.label] in returned for o, n in pairs):
+                for o, n in pairs:
                     renames[o.label] = n
-            continue
-        if key is not None:
+                    if base[o.label] in returned:  # the caller now gets the earlier one's storage
+                        returned.add(base[n.label])
+                continue
+        if key is not None and earlier is None:
             seen[key] = bsym
         kept.append(bsym)
 

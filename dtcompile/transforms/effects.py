@@ -26,3 +26,16 @@ def returns_alias(bsym: BoundSymbol) -> bool:
     if bsym.op is None:
         return True
     return any(ret.alias_info is not None for ret in bsym.op._schema.returns)
+
+
+def storage_bases(trace) -> dict[str, str]:
+    """For each value of ``trace``, the value whose memory it shares: itself for a trace
+    input or a fresh result, its first tensor argument's base for a view or an in-place
+    result."""
+    base = {p.label: p.label for p in trace.inputs}
+    for bsym in trace.bound_symbols:
+        inputs = bsym.input_proxies()
+        aliasing = bool(inputs) and (returns_alias(bsym) or mutates(bsym))
+        for out in bsym.output_proxies():
+            base[out.label] = base.get(inputs[0].label, inputs[0].label) if aliasing else out.label
+    return base

@@ -1,0 +1,225 @@
+"""Per-rank traces for large meshes, in one process with a fake process group.
+
+With the fake process group collectives do nothing, so values are garbage: these tests
+check what was recorded (exactly the collectives eager DTensor issues, in eager's order
+and on eager's process groups) and the metadata of the outputs (placements, shapes,
+strides), never values.
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+import dtcompile
+from dtcompile.core import InputPath, NoProvenance
+from dtcompile.testing.models import parallel_block, parallel_mlp
+
+functional = torch.ops._c10d_functional
+COLLECTIVES = {
+    functional.all_reduce.default, functional.all_gather_into_tensor.default,
+    functional.reduce_scatter_tensor.default, functional.all_to_all_single.default,
+}
+
+
+@pytest.fixture
+def fake_world():
+    """``fake_world(n, rank)`` starts a fake process group of ``n`` ranks, this process
+    being ``rank``; it is destroyed after the test, so that tests are independent."""
+
+    def start(world_size: int, rank: int = 0):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _forget_dtensor_caches()
+
+
+def _forget_dtensor_caches():
+    """DTensor caches sharding propagation and redistribution plans by DTensorSpec, and
+    specs compare meshes by layout, not by process group: a mesh of a later fake world
+    would get the process groups of an earlier one's (destroyed) equal mesh."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor import debug as dtensor_debug
+
+    # Private helpers, so each is looked up: releases differ in which caches they have.
+    for owner, name in ((dtensor_debug, "_clear_sharding_prop_cache"),  # Python's and the C++ fast path's
+                        (_redistribute, "clear_redistribute_planner_cache")):
+        getattr(owner, name, lambda: None)()
+    getattr(_redistribute._gen_transform_infos, "cache_clear", lambda: None)()
+
+
+def _group_name(op, args, kwargs) -> str:
+    names = [a.name for a in op._schema.arguments]
+    index = names.index("group_name")
+    return kwargs["group_name"] if "group_name" in kwargs else args[index]
+
+
+class CollectiveLog(TorchDispatchMode):
+    """Logs eager DTensor's functional collectives, in order, with their process groups.
+    Ops on DTensors are left to DTensor (``NotImplemented``), so its local ops, the
+    collectives among them, come back here."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        if func in COLLECTIVES:
+            self.calls.append((func._opname, _group_name(func, args, kwargs)))
+        return func(*args, **kwargs)
+
+
+def _wait(value):
+    """Eager returns collectives' outputs unwaited (AsyncCollectiveTensor): wait for them."""
+    local = value._local_tensor if isinstance(value, DTensor) else value
+    if isinstance(local, AsyncCollectiveTensor):
+        local.wait()
+
+
+def run_eager(fn, *args):
+    """``fn(*args)`` in eager DTensor; the result, CommDebugMode's counts (by op name) and
+    the ordered log of collectives."""
+    counter, log = CommDebugMode(), CollectiveLog()
+    with torch.no_grad(), counter, log:
+        result = fn(*args)
+    tree_map(_wait, result)
+    counts = Counter({packet._qualified_op_name.split("::")[-1]: n for packet, n in counter.get_comm_counts().items()})
+    return result, counts, log.calls
+
+
+def trace_collectives(trace) -> list[tuple[str, str]]:
+    return [(b.op._opname, _group_name(b.op, b.args, b.kwargs)) for b in trace.bound_symbols if b.op in COLLECTIVES]
+
+
+def assert_same_metadata(got, expected):
+    """Placements, global and local shapes and strides; values are garbage here."""
+    if isinstance(expected, (tuple, list)):
+        assert type(got) is type(expected) and len(got) == len(expected)
+        for g, e in zip(got, expected):
+            assert_same_metadata(g, e)
+        return
+    assert isinstance(got, DTensor) == isinstance(expected, DTensor)
+    assert got.shape == expected.shape and got.stride() == expected.stride() and got.dtype == expected.dtype
+    if isinstance(expected, DTensor):
+        assert got.placements == expected.placements
+        assert got.device_mesh == expected.device_mesh
+        got, expected = got._local_tensor, expected._local_tensor
+        assert got.shape == expected.shape and got.stride() == expected.stride()
+    assert type(got) is torch.Tensor
+
+
+def assert_provenance(trace):
+    """Inputs come from the call (a DTensor's through ``._local_tensor``); everything else
+    is marked as made by its op."""
+    for proxy in trace.inputs:
+        assert isinstance(proxy.provenance, InputPath), proxy
+        assert proxy.provenance.root in ("args", "params", "buffers")
+    for bsym in trace.bound_symbols:
+        for proxy in bsym.output_proxies():
+            assert proxy.provenance == NoProvenance(str(bsym.op)), proxy
+
+
+def check_against_eager(fn, *args):
+    """Compile ``fn``, call it once and compare its traces and outputs with eager's;
+    returns the collectives the program runs, by op name."""
+    expected, eager_counts, eager_calls = run_eager(fn, *args)
+    jitted = dtcompile.jit(fn)
+    with torch.no_grad():
+        got = jitted(*args)
+    assert_same_metadata(got, expected)
+    traces = dtcompile.last_traces(jitted)
+    assert_provenance(traces[0])
+    dce_trace = next(t for t in traces if "dead-code" in t.title)
+    for trace in (traces[0], dce_trace, traces[-1]):  # as recorded, after the passes, what runs
+        calls = trace_collectives(trace)
+        assert Counter(op for op, _ in calls) == eager_counts, trace
+        assert calls == eager_calls, trace
+    return eager_counts
+
+
+def _mesh(shape):
+    """A 1-D mesh, or the "tp" dim of a 2-D ("dp", "tp") mesh."""
+    if len(shape) == 1:
+        return init_device_mesh("cpu", shape)
+    return init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))["tp"]
+
+
+MESH_SHAPES = [(8,), (64,), (8, 8)]
+
+
+@pytest.mark.parametrize("mesh_shape", MESH_SHAPES, ids=str)
+def test_tp_mlp(fake_world, mesh_shape):
+    fake_world(torch.Size(mesh_shape).numel())
+    model = parallel_mlp(_mesh(mesh_shape), dim=64, hidden=128)
+    counts = check_against_eager(model, torch.randn(2, 8, 64))
+    assert counts == {"all_reduce": 1}  # ColwiseParallel then RowwiseParallel: one all-reduce
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("mesh_shape", MESH_SHAPES, ids=str)
+def test_llama_block(fake_world, mesh_shape, sequence_parallel):
+    fake_world(torch.Size(mesh_shape).numel())
+    tp = _mesh(mesh_shape)
+    model = parallel_block(tp, dim=128, n_heads=64, hidden=128, sequence_parallel=sequence_parallel)
+    seq = 64 // tp.size() if sequence_parallel else 64  # with sequence parallelism: this rank's shard
+    counts = check_against_eager(model, torch.randn(2, seq, 128))
+    if sequence_parallel:
+        assert counts == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+    else:
+        assert counts == {"all_reduce": 2}
+
+
+def _matmul_then_reduce(x, w):
+    """On a 2-D mesh: a local matmul, a sum that leaves a Partial, and the reductions and
+    gathers that make it Replicate on both dims."""
+    y = (x @ w).sum(-1)
+    return y.redistribute(y.device_mesh, [Replicate(), Replicate()]), x.sum()
+
+
+def _regather(x, w):
+    return x.redistribute(x.device_mesh, [Replicate(), Replicate()]) * 2, torch.softmax(w, dim=1)
+
+
+@pytest.mark.parametrize("rank", [0, 37])
+def test_2d_mesh_redistributions(fake_world, rank):
+    fake_world(64, rank)
+    mesh = init_device_mesh("cpu", (8, 8), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    x = distribute_tensor(torch.randn(16, 32), mesh, [Shard(0), Replicate()])
+    w = distribute_tensor(torch.randn(32, 64), mesh, [Replicate(), Shard(1)])
+    counts = check_against_eager(_matmul_then_reduce, x, w)
+    assert counts["all_reduce"] >= 1 and counts["all_gather_into_tensor"] >= 1
+    xs = distribute_tensor(torch.randn(16, 32), mesh, [Shard(0), Shard(1)])
+    counts = check_against_eager(_regather, xs, w)
+    assert sum(counts.values()) >= 3
+
+
+@pytest.mark.parametrize("world_size", [8, 64])
+def test_1d_mesh_outputs_keep_eager_placements(fake_world, world_size):
+    fake_world(world_size)
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def fn(x, w):
+        partial = x @ w  # Shard(1) @ Shard(0): Partial(sum)
+        return partial, partial.redistribute(mesh, [Shard(0)]), torch.softmax(x, dim=1), (x * 2).t()
+
+    x = distribute_tensor(torch.randn(world_size, 2 * world_size), mesh, [Shard(1)])
+    w = distribute_tensor(torch.randn(2 * world_size, 8), mesh, [Shard(0)])
+    with torch.no_grad():
+        eager = fn(x, w)
+    assert eager[0].placements == (Partial(),) and eager[1].placements == (Shard(0),)
+    counts = check_against_eager(fn, x, w)
+    assert counts["reduce_scatter_tensor"] == 1
