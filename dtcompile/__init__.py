@@ -7,12 +7,28 @@ of local ops and collectives, with no DTensor dispatch left at run time.
 
 from .capture import TracingError, TrainingNotSupportedError, UnsupportedInputError
 from .jit import (
-    RankMismatchError, cache_hits, cache_misses, compile_seconds, jit, last_epilogue, last_prologue, last_traces,
+    RankMismatchError,
+    cache_hits,
+    cache_misses,
+    compile_seconds,
+    jit,
+    last_epilogue,
+    last_prologue,
+    last_traces,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "RankMismatchError", "TracingError", "TrainingNotSupportedError", "UnsupportedInputError", "cache_hits",
-    "cache_misses", "compile_seconds", "jit", "last_epilogue", "last_prologue", "last_traces",
+    "RankMismatchError",
+    "TracingError",
+    "TrainingNotSupportedError",
+    "UnsupportedInputError",
+    "cache_hits",
+    "cache_misses",
+    "compile_seconds",
+    "jit",
+    "last_epilogue",
+    "last_prologue",
+    "last_traces",
 ]

@@ -91,8 +91,10 @@ def main() -> None:
     torch.manual_seed(0)
     x = torch.randn(4, 32, 256)
     if dist.get_rank() == 0 and world == 1:
-        print(f"{'model':<14} {'ranks':>5} {'eager ms':>9} {'dtcompile':>10} {'hand-written':>13}"
-              f" {'dtc/hand':>15} {'eager/dtc':>16} {'1st call ms':>11}")
+        print(
+            f"{'model':<14} {'ranks':>5} {'eager ms':>9} {'dtcompile':>10} {'hand-written':>13}"
+            f" {'dtc/hand':>15} {'eager/dtc':>16} {'1st call ms':>11}"
+        )
     mlp = parallel_mlp(mesh, dim=256, hidden=1024)
     bench("MLP", mlp, hand_written_mlp(mlp), x, calls)
     block = parallel_block(mesh, dim=256, n_heads=8, hidden=512)

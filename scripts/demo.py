@@ -34,15 +34,19 @@ def main() -> None:
     assert isinstance(y, DTensor) and y.placements == expected.placements
     assert y.shape == expected.shape and y._local_tensor.stride() == expected._local_tensor.stride()
     torch.testing.assert_close(y.full_tensor(), expected.full_tensor())
-    print0(f"output: DTensor{tuple(y.shape)} {y.placements}, local {tuple(y._local_tensor.shape)} "
-           f"stride {y._local_tensor.stride()}: equal to eager DTensor's")
+    print0(
+        f"output: DTensor{tuple(y.shape)} {y.placements}, local {tuple(y._local_tensor.shape)} "
+        f"stride {y._local_tensor.stride()}: equal to eager DTensor's"
+    )
 
     with torch.no_grad():
         medians = interleaved_medians({"eager DTensor": lambda: model(x), "dtcompile": lambda: jmodel(x)}, calls=50)
     eager, compiled = medians["eager DTensor"], medians["dtcompile"]
-    print0(f"per call on {world} ranks: eager DTensor {eager * 1e3:.3f} ms, dtcompile {compiled * 1e3:.3f} ms "
-           f"({eager / compiled:.2f}x faster); compiled in {dtcompile.compile_seconds(jmodel)[0] * 1e3:.0f} ms, "
-           f"{dtcompile.cache_misses(jmodel)} compilation, {dtcompile.cache_hits(jmodel)} cache hits")
+    print0(
+        f"per call on {world} ranks: eager DTensor {eager * 1e3:.3f} ms, dtcompile {compiled * 1e3:.3f} ms "
+        f"({eager / compiled:.2f}x faster); compiled in {dtcompile.compile_seconds(jmodel)[0] * 1e3:.0f} ms, "
+        f"{dtcompile.cache_misses(jmodel)} compilation, {dtcompile.cache_hits(jmodel)} cache hits"
+    )
     finish()
 
 

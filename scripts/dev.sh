@@ -37,6 +37,7 @@ case "$job" in
   test)
     "$VENV/bin/python" -m pytest -n "${PYTEST_WORKERS:-2}" -q "$@"
     "$VENV/bin/ruff" check dtcompile tests scripts
+    "$VENV/bin/ruff" format --check dtcompile tests scripts
     ;;
   bench) exec "$VENV/bin/python" scripts/bench_overhead.py "$@" ;;
   *) echo "unknown job: $job (demo, test, bench, setup)" >&2; exit 2 ;;

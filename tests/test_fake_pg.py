@@ -25,8 +25,10 @@ from dtcompile.testing.models import parallel_block, parallel_mlp
 
 functional = torch.ops._c10d_functional
 COLLECTIVES = {
-    functional.all_reduce.default, functional.all_gather_into_tensor.default,
-    functional.reduce_scatter_tensor.default, functional.all_to_all_single.default,
+    functional.all_reduce.default,
+    functional.all_gather_into_tensor.default,
+    functional.reduce_scatter_tensor.default,
+    functional.all_to_all_single.default,
 }
 
 
@@ -52,8 +54,10 @@ def _forget_dtensor_caches():
     from torch.distributed.tensor import debug as dtensor_debug
 
     # Private helpers, so each is looked up: releases differ in which caches they have.
-    for owner, name in ((dtensor_debug, "_clear_sharding_prop_cache"),  # Python's and the C++ fast path's
-                        (_redistribute, "clear_redistribute_planner_cache")):
+    for owner, name in (
+        (dtensor_debug, "_clear_sharding_prop_cache"),  # Python's and the C++ fast path's
+        (_redistribute, "clear_redistribute_planner_cache"),
+    ):
         getattr(owner, name, lambda: None)()
     getattr(_redistribute._gen_transform_infos, "cache_clear", lambda: None)()
 

@@ -193,8 +193,14 @@ def test_python_constants_are_guarded():
     jitted = dtcompile.jit(fn)
     x = torch.randn(3)
     calls = [
-        (2, "mul", None, True), (2, "mul", None, True), (3, "mul", None, True), (2, "add", None, True),
-        (2, "mul", 0.5, True), (2, "mul", None, 1), (2.0, "mul", None, True), (3, "mul", None, True),
+        (2, "mul", None, True),
+        (2, "mul", None, True),
+        (3, "mul", None, True),
+        (2, "add", None, True),
+        (2, "mul", 0.5, True),
+        (2, "mul", None, 1),
+        (2.0, "mul", None, True),
+        (3, "mul", None, True),
     ]
     misses = []
     for n, mode, offset, flag in calls:
@@ -247,8 +253,10 @@ def test_inputs_carry_their_path_into_the_call():
     trace = traced(fn, x, (x, {"w": x}), mask=x)
     paths = {p.label: p.provenance for p in trace.inputs}
     assert list(paths.values()) == [
-        InputPath("args").index(0), InputPath("args").index(1).index(0),
-        InputPath("args").index(1).index(1).key("w"), InputPath("kwargs").key("mask"),
+        InputPath("args").index(0),
+        InputPath("args").index(1).index(0),
+        InputPath("args").index(1).index(1).key("w"),
+        InputPath("kwargs").key("mask"),
     ]
     assert [str(p) for p in paths.values()] == ["args[0]", "args[1][0]", "args[1][1]['w']", "kwargs['mask']"]
 

@@ -1,12 +1,53 @@
 """Turning a call into a per-rank trace, below DTensor."""
 
 from .inputs import (
-    ConstantInput, DictInput, DTensorInput, InputNode, PytreeInput, SequenceInput, TensorInput,
-    TensorMeta, UnsupportedInputError, iter_leaves,
+    ConstantInput,
+    DictInput,
+    DTensorInput,
+    InputNode,
+    PytreeInput,
+    SequenceInput,
+    TensorInput,
+    TensorMeta,
+    UnsupportedInputError,
+    iter_leaves,
 )
 from .outputs import (
-    ConstantOutput, DictOutput, DTensorOutput, OutputNode, PytreeOutput, SequenceOutput, TensorOutput,
+    ConstantOutput,
+    DictOutput,
+    DTensorOutput,
+    OutputNode,
+    PytreeOutput,
+    SequenceOutput,
+    TensorOutput,
 )
 from .placements import describe_placement, describe_placements
 from .recorder import TracingError
 from .tracer import CallInputs, CapturedCall, TrainingNotSupportedError, capture_call
+
+__all__ = [
+    "CallInputs",
+    "CapturedCall",
+    "ConstantInput",
+    "ConstantOutput",
+    "DTensorInput",
+    "DTensorOutput",
+    "DictInput",
+    "DictOutput",
+    "InputNode",
+    "OutputNode",
+    "PytreeInput",
+    "PytreeOutput",
+    "SequenceInput",
+    "SequenceOutput",
+    "TensorInput",
+    "TensorMeta",
+    "TensorOutput",
+    "TracingError",
+    "TrainingNotSupportedError",
+    "UnsupportedInputError",
+    "capture_call",
+    "describe_placement",
+    "describe_placements",
+    "iter_leaves",
+]

@@ -127,7 +127,7 @@ class InputProxifier:
                 )
             proxy = self.recording.input_proxy(value, identifier(name_hint, self.taken), path)
             return proxy, TensorInput(path, proxy, TensorMeta.of(value))
-        if isinstance(value, CONSTANT_TYPES):
+        if isinstance(value, CONSTANT_TYPES) or type(value) is torch.Size:
             return value, ConstantInput(path, value)
         if type(value) in (tuple, list):
             pairs = [self.proxify(v, path.index(i), f"{name_hint}_{i}") for i, v in enumerate(value)]

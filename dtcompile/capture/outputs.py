@@ -37,6 +37,9 @@ class DTensorOutput(OutputNode):
     index: int
     spec: object
     requires_grad: bool
+    # (placement index, slot of its mask): a row-sharded embedding's output is a
+    # _MaskPartial whose reduction needs the mask of each call's indices.
+    masks: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -63,6 +66,7 @@ class OutputCollector:
 
     def __init__(self):
         self.proxies: list[TensorProxy] = []
+        self.mask_buffers: list = []  # filled with proxies by tracing; emptied by release_masks
 
     def _slot(self, proxy: TensorProxy) -> int:
         self.proxies.append(proxy)
@@ -70,11 +74,20 @@ class OutputCollector:
 
     def describe(self, value: object) -> OutputNode:
         if isinstance(value, DTensor) and isinstance(value._local_tensor, TensorProxy):
-            return DTensorOutput(self._slot(value._local_tensor), value._spec, value.requires_grad)
+            slot = self._slot(value._local_tensor)
+            masks = []
+            for i, placement in enumerate(value.placements):
+                buffer = getattr(placement, "mask_buffer", None)
+                if buffer is not None and isinstance(buffer.data, TensorProxy):
+                    masks.append((i, self._slot(buffer.data)))
+                    self.mask_buffers.append(buffer)
+            return DTensorOutput(slot, value._spec, value.requires_grad, tuple(masks))
         if isinstance(value, TensorProxy):
             return TensorOutput(self._slot(value))
         if isinstance(value, torch.Tensor):
             return ConstantOutput(value)  # a tensor the program closes over, returned as is
+        if isinstance(value, torch.Size):
+            return ConstantOutput(value)  # sizes are constants; pytree would rebuild a tuple
         if type(value) in (tuple, list):
             return SequenceOutput(type(value), [self.describe(v) for v in value])
         if type(value) is dict:
@@ -84,3 +97,9 @@ class OutputCollector:
             children, context = node.flatten_fn(value)
             return PytreeOutput(type(value), context, [self.describe(v) for v in children])
         return ConstantOutput(value)
+
+    def release_masks(self) -> None:
+        """Empty the mask buffers tracing filled with proxies: at run time the epilogue
+        fills them with each call's real mask, as eager DTensor does."""
+        for buffer in self.mask_buffers:
+            buffer.data, buffer.refcount = None, 0

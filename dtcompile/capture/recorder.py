@@ -65,6 +65,7 @@ class Recording:
         self.used_names: set[str] = set()
         # How many torch-level calls with DTensor arguments are running (see CallAnnotator).
         self.dtensor_calls = 0
+        self.valued: list[TensorProxy] = []  # proxies whose trace-time value is known
 
     def new_name(self) -> str:
         while True:
@@ -91,23 +92,51 @@ class Recording:
             self._captured_index[id(real)] = proxy
         return proxy
 
+    def trace_time_value(self, func, args: tuple, kwargs: dict, proxies: list[TensorProxy]):
+        """The op's real result when every proxy among its arguments has a known value, so
+        that code reading values made from constants only works while tracing (DTensor's
+        ``arange(n)...tolist()`` index arithmetic in ``redistribute``); else None. Random
+        ops get none: drawing at trace time would move the generator."""
+        if torch.Tag.nondeterministic_seeded in func.tags or any(p.value is None for p in proxies):
+            if func._schema.is_mutable:
+                # The op may change a valued tensor, or a view of one, in a way not computed here.
+                for proxy in self.valued:
+                    proxy.value = None
+                self.valued.clear()
+            return None
+
+        def to_value(x):
+            return x.value if isinstance(x, TensorProxy) else x
+
+        return func(*tree_map(to_value, args), **tree_map(to_value, kwargs))
+
+    def forget_values(self) -> None:
+        """Drop the trace-time values once tracing is over: they are not part of the program."""
+        for proxy in self.valued:
+            proxy.value = None
+        self.valued.clear()
+
     def record(self, func, args: tuple, kwargs: dict):
         leaves, _ = tree_flatten((args, kwargs))
-        if not any(isinstance(x, TensorProxy) for x in leaves) and any(isinstance(x, torch.Tensor) for x in leaves):
+        proxies = [x for x in leaves if isinstance(x, TensorProxy)]
+        if not proxies and any(isinstance(x, torch.Tensor) for x in leaves):
             # Only real tensors: a constant the program computes from what it closes over,
             # or DTensor's index arithmetic (``int(offsets[0])``); reading its value is fine.
             return func(*args, **kwargs)
-        if func in _DATA_DEPENDENT_OPS:
-            raise TracingError(
-                f"{func} needs a tensor's value at trace time (.item(), .tolist() or Python "
-                "control flow on tensor data); dtcompile traces shapes, not values"
-            )
         if self.dtensor_calls and not any(isinstance(x, torch.Tensor) for x in leaves):
             # A factory op made by DTensor while it handles an op: meta tensors for its
             # sharding propagation, or index arithmetic it reads back (``arange(n).tolist()``
             # of a _StridedShard). DTensor needs real values; where the program uses one, it
             # is captured as a constant.
             return func(*args, **kwargs)
+        value = self.trace_time_value(func, args, kwargs, proxies)
+        if value is not None and not any(isinstance(v, torch.Tensor) for v in tree_flatten(value)[0]):
+            return value  # ``.item()``, ``equal`` of values made from constants: known now
+        if func in _DATA_DEPENDENT_OPS:
+            raise TracingError(
+                f"{func} needs a tensor's value at trace time (.item(), .tolist() or Python "
+                "control flow on tensor data); dtcompile traces shapes, not values"
+            )
 
         def to_proxy(x):
             if isinstance(x, torch.Tensor) and not isinstance(x, TensorProxy):
@@ -134,6 +163,11 @@ class Recording:
             return x
 
         output = tree_map(to_output_proxy, fake_out)
+        if value is not None:
+            for proxy, real in zip(tree_flatten(output)[0], tree_flatten(value)[0]):
+                if isinstance(proxy, TensorProxy):
+                    proxy.value = real
+                    self.valued.append(proxy)
         self.bound_symbols.append(BoundSymbol(aten_symbol(func), tuple(args), dict(kwargs), output, op=func))
         return output
 
@@ -160,7 +194,7 @@ def _short_name(func) -> str:
     name = resolve_name(func) or getattr(func, "__name__", repr(func))
     for prefix, short in (("torch.nn.functional.", "F."), ("torch.Tensor.", "Tensor."), ("torch._C._nn.", "F.")):
         if name.startswith(prefix):
-            return short + name[len(prefix):]
+            return short + name[len(prefix) :]
     return name
 
 

@@ -84,8 +84,11 @@ def capture_call(fn, args: tuple, kwargs: dict, module: torch.nn.Module | None =
     proxy_kwargs = dict(zip(kwargs.keys(), (p for p, _ in kwarg_pairs)))
     state: dict[int, object] = {}  # id of a tensor the module holds -> what the traced module holds
     if module is not None:
-        for kind, named in (("params", module.named_parameters()), ("buffers", module.named_buffers()),
-                            ("attributes", _tensor_attributes(module))):
+        for kind, named in (
+            ("params", module.named_parameters()),
+            ("buffers", module.named_buffers()),
+            ("attributes", _tensor_attributes(module)),
+        ):
             for name, tensor in named:
                 if id(tensor) in state:  # the same tensor under a second name
                     continue
@@ -106,14 +109,18 @@ def capture_call(fn, args: tuple, kwargs: dict, module: torch.nn.Module | None =
         )
 
     with enable_python_dispatcher(), CallAnnotator(recording), OpRecorder(recording):
-        if module is not None:
-            with _state_swapped(module, state):
-                result = module(*proxy_args, **proxy_kwargs)
-        else:
-            result = fn(*proxy_args, **proxy_kwargs)
+        try:
+            if module is not None:
+                with _state_swapped(module, state):
+                    result = module(*proxy_args, **proxy_kwargs)
+            else:
+                result = fn(*proxy_args, **proxy_kwargs)
+        finally:
+            recording.forget_values()
 
     collector = OutputCollector()
     output = collector.describe(result)
+    collector.release_masks()
 
     leaves = [n for top in inputs.nodes() for n in iter_leaves(top)]
     proxies = [n.proxy for n in leaves if hasattr(n, "proxy")] + recording.captured_proxies
@@ -174,5 +181,3 @@ def _input_note(node) -> str:
         shape = ", ".join(str(s) for s in meta.shape)
         return f"{node.proxy.provenance}  local of DTensor[{shape}] {describe_placements(node.spec.placements)}"
     return str(node.proxy.provenance)
-
-

@@ -6,6 +6,16 @@ from .symbol import BoundSymbol, Note, Symbol, aten_symbol
 from .trace import Trace, TraceError, verify
 
 __all__ = [
-    "BoundSymbol", "InputPath", "NoProvenance", "Note", "Provenance", "Step", "Symbol",
-    "TensorProxy", "Trace", "TraceError", "aten_symbol", "verify",
+    "BoundSymbol",
+    "InputPath",
+    "NoProvenance",
+    "Note",
+    "Provenance",
+    "Step",
+    "Symbol",
+    "TensorProxy",
+    "Trace",
+    "TraceError",
+    "aten_symbol",
+    "verify",
 ]

@@ -28,7 +28,8 @@ def python_literal(value: object) -> str:
     if isinstance(value, complex):
         return f"complex({python_literal(value.real)}, {python_literal(value.imag)})"
     if isinstance(value, torch.Size):
-        return "[" + ", ".join(python_literal(v) for v in value) + "]"
+        # A torch.Size, not a list: a returned or guarded Size must stay a Size.
+        return "torch.Size([" + ", ".join(python_literal(v) for v in value) + "])"
     if isinstance(value, list):
         return "[" + ", ".join(python_literal(v) for v in value) + "]"
     if isinstance(value, tuple):

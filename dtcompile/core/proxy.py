@@ -13,9 +13,18 @@ import torch
 from .provenance import Provenance
 
 DTYPE_ABBREVIATIONS = {
-    torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
-    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
-    torch.uint8: "u8", torch.bool: "b8", torch.complex64: "c64", torch.complex128: "c128",
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "b8",
+    torch.complex64: "c64",
+    torch.complex128: "c128",
 }
 
 
@@ -35,6 +44,7 @@ class TensorProxy(torch.Tensor):
     fake: torch.Tensor
     label: str
     provenance: Provenance
+    value: torch.Tensor | None  # the real value at trace time, for values made from constants only
 
     # Torch functions reach the dispatcher untouched; recording happens at dispatch.
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -54,6 +64,7 @@ class TensorProxy(torch.Tensor):
         proxy.fake = fake
         proxy.label = name
         proxy.provenance = provenance
+        proxy.value = None
         return proxy
 
     @classmethod
@@ -70,6 +81,16 @@ class TensorProxy(torch.Tensor):
             f"dtcompile: {func} was called on proxy {', '.join(names)} outside of tracing; "
             "proxies only exist while a call is being traced"
         )
+
+    def tolist(self):
+        """The value as (nested) lists, for a proxy made from constants only (the recorder
+        knows its value while tracing); any other proxy has no value to read."""
+        if self.value is None:
+            raise RuntimeError(
+                f"dtcompile: .tolist() of {self.label} needs its value at trace time; dtcompile traces "
+                "shapes, not values"
+            )
+        return self.value.tolist()
 
     def type_string(self) -> str:
         """``f32[4, 16]``, with the strides added when they are not row-major."""

@@ -8,8 +8,8 @@ that says which DTensor-level op it came from.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map

@@ -17,6 +17,7 @@ from .printing import python_literal
 from .proxy import TensorProxy
 from .symbol import BoundSymbol
 
+
 @dataclass
 class Trace:
     """A straight-line program over proxies.

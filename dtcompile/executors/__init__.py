@@ -21,5 +21,13 @@ def resolve_executors(names) -> list[Executor]:
     return chosen
 
 
-__all__ = ["AVAILABLE", "CollectivesExecutor", "Executor", "LoweringContext", "NoExecutorError",
-           "TorchExecutor", "lower", "resolve_executors"]
+__all__ = [
+    "AVAILABLE",
+    "CollectivesExecutor",
+    "Executor",
+    "LoweringContext",
+    "NoExecutorError",
+    "TorchExecutor",
+    "lower",
+    "resolve_executors",
+]

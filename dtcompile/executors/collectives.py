@@ -27,8 +27,7 @@ from .base import LoweringContext
 functional = torch.ops._c10d_functional
 _REDUCE_OPS = {"sum": "SUM", "product": "PRODUCT", "min": "MIN", "max": "MAX"}
 _DIST = ("dist", dist, "torch.distributed")
-_PROCESS_GROUP = ("process_group", _resolve_process_group,
-                  "torch.distributed.distributed_c10d._resolve_process_group")
+_PROCESS_GROUP = ("process_group", _resolve_process_group, "torch.distributed.distributed_c10d._resolve_process_group")
 # Newer releases rename two collectives and deprecate the old names.
 _REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
@@ -108,7 +107,9 @@ class CollectivesExecutor:
             work = context.work_of.get(bsym.args[0].label)
             if work is None:  # the collective stayed functional
                 return [bsym]
-            return [BoundSymbol(WaitCollective("wait", None, work=work), bsym.args, {}, bsym.output, bsym.note, bsym.op)]
+            return [
+                BoundSymbol(WaitCollective("wait", None, work=work), bsym.args, {}, bsym.output, bsym.note, bsym.op)
+            ]
         source = bsym.args[0]
         kind = self._KINDS[bsym.op]
         reduce_op = bsym.args[1] if kind in ("all_reduce", "reduce_scatter_tensor") else "sum"

@@ -20,30 +20,59 @@ _TORCH = (("torch", torch, "torch"),)
 
 # aten op -> public function with the same arguments (printed as ``torch.<name>``).
 _FUNCTIONS = {
-    aten.mm.default: "mm", aten.bmm.default: "bmm", aten.addmm.default: "addmm",
-    aten.baddbmm.default: "baddbmm", aten.t.default: "t", aten.transpose.int: "transpose",
-    aten.permute.default: "permute", aten.unsqueeze.default: "unsqueeze",
-    aten.squeeze.dim: "squeeze", aten.select.int: "select", aten.clone.default: "clone",
-    aten.add.Tensor: "add", aten.sub.Tensor: "sub", aten.mul.Tensor: "mul", aten.div.Tensor: "div",
-    aten.neg.default: "neg", aten.exp.default: "exp", aten.rsqrt.default: "rsqrt",
-    aten.sqrt.default: "sqrt", aten.pow.Tensor_Scalar: "pow", aten.mean.dim: "mean",
-    aten.sum.dim_IntList: "sum", aten.sum.default: "sum", aten.relu.default: "relu",
-    aten.tanh.default: "tanh", aten.sigmoid.default: "sigmoid", aten._softmax.default: "_softmax",
-    aten._log_softmax.default: "_log_softmax", aten.cat.default: "cat",
-    aten.embedding.default: "embedding", aten.where.self: "where",
-    aten.ones_like.default: "ones_like", aten.zeros_like.default: "zeros_like",
-    aten.empty_like.default: "empty_like", aten.full_like.default: "full_like",
-    aten.cos.default: "cos", aten.sin.default: "sin", aten.erf.default: "erf",
-    aten.reciprocal.default: "reciprocal", aten.narrow.default: "narrow",
-    aten.constant_pad_nd.default: "constant_pad_nd", aten.native_layer_norm.default: "native_layer_norm",
+    aten.mm.default: "mm",
+    aten.bmm.default: "bmm",
+    aten.addmm.default: "addmm",
+    aten.baddbmm.default: "baddbmm",
+    aten.t.default: "t",
+    aten.transpose.int: "transpose",
+    aten.permute.default: "permute",
+    aten.unsqueeze.default: "unsqueeze",
+    aten.squeeze.dim: "squeeze",
+    aten.select.int: "select",
+    aten.clone.default: "clone",
+    aten.add.Tensor: "add",
+    aten.sub.Tensor: "sub",
+    aten.mul.Tensor: "mul",
+    aten.div.Tensor: "div",
+    aten.neg.default: "neg",
+    aten.exp.default: "exp",
+    aten.rsqrt.default: "rsqrt",
+    aten.sqrt.default: "sqrt",
+    aten.pow.Tensor_Scalar: "pow",
+    aten.mean.dim: "mean",
+    aten.sum.dim_IntList: "sum",
+    aten.sum.default: "sum",
+    aten.relu.default: "relu",
+    aten.tanh.default: "tanh",
+    aten.sigmoid.default: "sigmoid",
+    aten._softmax.default: "_softmax",
+    aten._log_softmax.default: "_log_softmax",
+    aten.cat.default: "cat",
+    aten.embedding.default: "embedding",
+    aten.where.self: "where",
+    aten.ones_like.default: "ones_like",
+    aten.zeros_like.default: "zeros_like",
+    aten.empty_like.default: "empty_like",
+    aten.full_like.default: "full_like",
+    aten.cos.default: "cos",
+    aten.sin.default: "sin",
+    aten.erf.default: "erf",
+    aten.reciprocal.default: "reciprocal",
+    aten.narrow.default: "narrow",
+    aten.constant_pad_nd.default: "constant_pad_nd",
+    aten.native_layer_norm.default: "native_layer_norm",
 }
 # aten op -> function of torch._C._nn (printed as ``torch._C._nn.<name>``).
 _NN_FUNCTIONS = {aten.gelu.default: "gelu", aten.silu.default: "silu"}
 # aten op -> Tensor method with the same arguments (printed as ``t0.<name>(...)``).
 # ``_unsafe_view`` differs from ``view`` only in autograd's view tracking, and compiled
 # programs run without autograd.
-_METHODS = {aten.view.default: "view", aten._unsafe_view.default: "view",
-            aten.split_with_sizes.default: "split_with_sizes"}
+_METHODS = {
+    aten.view.default: "view",
+    aten._unsafe_view.default: "view",
+    aten.split_with_sizes.default: "split_with_sizes",
+}
 
 
 def _fast_symbol(op) -> Symbol | None:

@@ -1,9 +1,25 @@
 """The public entry: jit, the cache, prologues and epilogues."""
 
 from .api import (
-    JittedFunction, cache_hits, cache_misses, compile_seconds, jit, last_epilogue, last_prologue, last_traces,
+    JittedFunction,
+    cache_hits,
+    cache_misses,
+    compile_seconds,
+    jit,
+    last_epilogue,
+    last_prologue,
+    last_traces,
 )
 from .consistency import RankMismatchError
 
-__all__ = ["JittedFunction", "RankMismatchError", "cache_hits", "cache_misses", "compile_seconds", "jit",
-           "last_epilogue", "last_prologue", "last_traces"]
+__all__ = [
+    "JittedFunction",
+    "RankMismatchError",
+    "cache_hits",
+    "cache_misses",
+    "compile_seconds",
+    "jit",
+    "last_epilogue",
+    "last_prologue",
+    "last_traces",
+]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -36,8 +36,10 @@ def _jitted_class(cls: type) -> type:
     jitted_cls = _jitted_classes.get(cls)
     if jitted_cls is None:
         namespace = {
-            "__call__": _jitted_module_call, "__slots__": ("_dtcompile",),
-            "__module__": cls.__module__, "__qualname__": f"Jitted{cls.__qualname__}",
+            "__call__": _jitted_module_call,
+            "__slots__": ("_dtcompile",),
+            "__module__": cls.__module__,
+            "__qualname__": f"Jitted{cls.__qualname__}",
         }
         jitted_cls = _jitted_classes[cls] = type(f"Jitted{cls.__name__}", (cls,), namespace)
     return jitted_cls

@@ -83,8 +83,7 @@ class CompiledFunction:
         inputs = entry.prologue.fn(module, args, kwargs)
         if inputs is None:
             raise AssertionError(
-                "dtcompile: the prologue of a fresh entry rejected the call it was compiled for:\n"
-                f"{entry.prologue}"
+                f"dtcompile: the prologue of a fresh entry rejected the call it was compiled for:\n{entry.prologue}"
             )
         return entry.epilogue.fn(entry.computation(*inputs))
 

@@ -22,8 +22,14 @@ from ..core.printing import Unprintable, python_literal
 
 # Ops DTensor adds on some ranks only, for uneven shards (pad before a collective,
 # narrow after it); a rank whose shard needs no padding skips them.
-_UNEVEN_SHARD_OPS = {"aten.constant_pad_nd.default", "aten.pad.default", "aten.narrow.default",
-                     "aten.slice.Tensor", "aten.contiguous.default", "aten.clone.default"}
+_UNEVEN_SHARD_OPS = {
+    "aten.constant_pad_nd.default",
+    "aten.pad.default",
+    "aten.narrow.default",
+    "aten.slice.Tensor",
+    "aten.contiguous.default",
+    "aten.clone.default",
+}
 
 
 class RankMismatchError(RuntimeError):

@@ -11,7 +11,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..capture import (
-    ConstantOutput, DictOutput, DTensorOutput, OutputNode, PytreeOutput, SequenceOutput, TensorOutput,
+    ConstantOutput,
+    DictOutput,
+    DTensorOutput,
+    OutputNode,
+    PytreeOutput,
+    SequenceOutput,
+    TensorOutput,
 )
 from ..core.codegen import GeneratedFunction
 from ..core.printing import Unprintable, python_literal
@@ -19,6 +25,7 @@ from ..core.printing import Unprintable, python_literal
 
 def build_epilogue(output: OutputNode) -> GeneratedFunction:
     globals_: dict[str, object] = {"DTensor": DTensor, "torch": torch}
+    statements: list[str] = []
 
     def constant(obj: object, prefix: str) -> str:
         try:
@@ -30,7 +37,11 @@ def build_epilogue(output: OutputNode) -> GeneratedFunction:
 
     def expr(node: OutputNode) -> str:
         if isinstance(node, DTensorOutput):
-            return f"DTensor(outs[{node.index}], {constant(node.spec, 'SPEC')}, requires_grad={node.requires_grad})"
+            spec = constant(node.spec, "SPEC")
+            for placement, slot in node.masks:
+                # What DTensor's embedding does in eager: keep this call's mask for the reduction.
+                statements.append(f"    {spec}.placements[{placement}].mask_buffer.materialize_mask(outs[{slot}])")
+            return f"DTensor(outs[{node.index}], {spec}, requires_grad={node.requires_grad})"
         if isinstance(node, TensorOutput):
             return f"outs[{node.index}]"
         if isinstance(node, ConstantOutput):
@@ -48,5 +59,6 @@ def build_epilogue(output: OutputNode) -> GeneratedFunction:
             return f"{unflatten}([{children}], {constant(node.context, 'CONTEXT')})"
         raise TypeError(f"unknown output node {node!r}")
 
-    lines = ["def epilogue(outs):", f"    return {expr(output)}"]
+    result = expr(output)
+    lines = ["def epilogue(outs):", *statements, f"    return {result}"]
     return GeneratedFunction("epilogue", lines, globals_, "epilogue: rebuilds the result from the local outputs")

@@ -14,7 +14,14 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..capture import (
-    CallInputs, ConstantInput, DictInput, DTensorInput, PytreeInput, SequenceInput, TensorInput, TensorMeta,
+    CallInputs,
+    ConstantInput,
+    DictInput,
+    DTensorInput,
+    PytreeInput,
+    SequenceInput,
+    TensorInput,
+    TensorMeta,
 )
 from ..core.codegen import GeneratedFunction
 from ..core.printing import Unprintable, python_literal
@@ -101,7 +108,9 @@ class _Builder:
             flatten = self.constant(torch.utils._pytree.SUPPORTED_NODES[node.type].flatten_fn, "FLATTEN")
             children, context = self.fresh("children"), self.fresh("context")
             self.lines.append(f"    {children}, {context} = {flatten}({var})")
-            self.fail_if(f"len({children}) != {len(node.children)} or {context} != {self.constant(node.context, 'CONTEXT')}")
+            self.fail_if(
+                f"len({children}) != {len(node.children)} or {context} != {self.constant(node.context, 'CONTEXT')}"
+            )
             for i, child in enumerate(node.children):
                 self.node(child, f"{children}[{i}]")
         else:
@@ -115,9 +124,16 @@ class _Builder:
         elif isinstance(value, float) and value == 0.0:
             # 0.0 == -0.0, but 1 / x tells them apart.
             self.globals["math"] = math
-            self.fail_if(f"type({expr}) is not float or {expr} != 0.0 or math.copysign(1.0, {expr}) != {math.copysign(1.0, value)}")
+            self.fail_if(
+                f"type({expr}) is not float or {expr} != 0.0 or math.copysign(1.0, {expr}) != {math.copysign(1.0, value)}"
+            )
         else:
-            self.fail_if(f"type({expr}) is not {type(value).__name__} or {expr} != {self.constant(value, 'CONST')}")
+            kind = (
+                type(value).__name__
+                if type(value) in (bool, int, float, complex, str)
+                else self.constant(type(value), "TYPE")
+            )
+            self.fail_if(f"type({expr}) is not {kind} or {expr} != {self.constant(value, 'CONST')}")
 
 
 def _module_expr(root: str, dotted: str, table: str) -> str:
@@ -142,13 +158,16 @@ def build_prologue(
             b.fail_if(f"{name}.training is not {submodule.training}")
     b.node(inputs.args, "args")
     b.node(inputs.kwargs, "kwargs")
-    for table, pairs in (("_parameters", inputs.params), ("_buffers", inputs.buffers),
-                         ("__dict__", inputs.attributes)):
+    for table, pairs in (("_parameters", inputs.params), ("_buffers", inputs.buffers), ("__dict__", inputs.attributes)):
         for name, node in pairs:
             b.node(node, _module_expr("module", name, table))
     for i, tensor in enumerate(captured):
         b.globals[f"CAPTURED{i}"] = tensor
         b.results.append(f"CAPTURED{i}")
     returned = ", ".join(b.results)
-    lines = ["def prologue(module, args, kwargs):", *b.lines, f"    return ({returned}{',' if len(b.results) == 1 else ''})"]
+    lines = [
+        "def prologue(module, args, kwargs):",
+        *b.lines,
+        f"    return ({returned}{',' if len(b.results) == 1 else ''})",
+    ]
     return GeneratedFunction("prologue", lines, b.globals, "prologue: guards the call and unpacks its inputs")

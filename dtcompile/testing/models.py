@@ -12,7 +12,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
 )
 
 
@@ -90,17 +94,26 @@ def block_plan(sequence_parallel: bool = False) -> dict:
     parallelism the norms run on sequence shards (Shard(1)) and the block's input and
     output are each rank's sequence shard."""
     plan = {
-        "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-        "attn.o": RowwiseParallel(), "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
+        "attn.q": ColwiseParallel(),
+        "attn.k": ColwiseParallel(),
+        "attn.v": ColwiseParallel(),
+        "attn.o": RowwiseParallel(),
+        "mlp.gate": ColwiseParallel(),
+        "mlp.up": ColwiseParallel(),
         "mlp.down": RowwiseParallel(),
     }
     if sequence_parallel:
         gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        plan.update({
-            "attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
-            "attn": gather, "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "attn.o": RowwiseParallel(output_layouts=Shard(1)), "mlp.down": RowwiseParallel(output_layouts=Shard(1)),
-        })
+        plan.update(
+            {
+                "attn_norm": SequenceParallel(),
+                "mlp_norm": SequenceParallel(),
+                "attn": gather,
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "attn.o": RowwiseParallel(output_layouts=Shard(1)),
+                "mlp.down": RowwiseParallel(output_layouts=Shard(1)),
+            }
+        )
     return plan
 
 
@@ -110,8 +123,9 @@ def parallel_mlp(mesh, dim: int = 256, hidden: int = 1024, seed: int = 0) -> MLP
     return parallelize_module(MLP(dim, hidden), mesh, mlp_plan())
 
 
-def parallel_block(mesh, dim: int = 256, n_heads: int = 8, hidden: int = 512, sequence_parallel: bool = False,
-                   seed: int = 0) -> LlamaBlock:
+def parallel_block(
+    mesh, dim: int = 256, n_heads: int = 8, hidden: int = 512, sequence_parallel: bool = False, seed: int = 0
+) -> LlamaBlock:
     """A Llama-style block with the same weights on every rank, sharded over ``mesh``."""
     torch.manual_seed(seed)
     return parallelize_module(LlamaBlock(dim, n_heads, hidden), mesh, block_plan(sequence_parallel))

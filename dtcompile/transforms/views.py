@@ -12,8 +12,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..core import TensorProxy, Trace
 
 aten = torch.ops.aten
-_VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.alias.default, aten.reshape.default,
-             aten.detach.default}
+_VIEW_OPS = {
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.alias.default,
+    aten.reshape.default,
+    aten.detach.default,
+}
 
 
 def _is_identity_view(bsym) -> bool:

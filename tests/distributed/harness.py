@@ -73,6 +73,10 @@ class RankPool:
 
     def _start(self) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        # DTensor breaks ties between sharding strategies in the order of a set, which
+        # depends on the hash seed: ranks with different seeds can pick different
+        # strategies (and eager then hangs). One seed for all ranks, as a job should use.
+        os.environ.setdefault("PYTHONHASHSEED", "0")
         self._tmp = tempfile.TemporaryDirectory(prefix="dtcompile-ranks-")
         init_file = os.path.join(self._tmp.name, "init")
         ctx = multiprocessing.get_context("spawn")
@@ -97,7 +101,8 @@ class RankPool:
             if not conn.poll(min(timeout, 30) if errors else timeout):
                 self.close()
                 raise RankError(
-                    f"{fn.__qualname__} did not finish on rank {rank} within the timeout (a hang?)\n" + "\n".join(errors)
+                    f"{fn.__qualname__} did not finish on rank {rank} within the timeout (a hang?)\n"
+                    + "\n".join(errors)
                 )
             status, value = conn.recv()
             if status == "ok":
@@ -107,7 +112,9 @@ class RankPool:
         if errors:
             # A rank that failed may have left collectives unmatched: start afresh next time.
             self.close()
-            raise RankError(f"{fn.__qualname__} failed on {len(errors)} of {self.world_size} ranks:\n" + "\n".join(errors))
+            raise RankError(
+                f"{fn.__qualname__} failed on {len(errors)} of {self.world_size} ranks:\n" + "\n".join(errors)
+            )
         return results
 
     def close(self) -> None:

@@ -33,7 +33,7 @@ def _compare(jitted, eager_module, x):
 
 
 def mlp_case(mesh_shape):
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp")[-len(mesh_shape):])
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp")[-len(mesh_shape) :])
     tp = mesh["tp"] if len(mesh_shape) == 2 else mesh
     model = parallel_mlp(tp, dim=32, hidden=64)
     torch.manual_seed(100 + dist.get_rank() // tp.size())  # dp ranks see different data
@@ -42,7 +42,7 @@ def mlp_case(mesh_shape):
 
 
 def block_case(mesh_shape, sequence_parallel):
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp")[-len(mesh_shape):])
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp")[-len(mesh_shape) :])
     tp = mesh["tp"] if len(mesh_shape) == 2 else mesh
     model = parallel_block(tp, dim=32, n_heads=4, hidden=64, sequence_parallel=sequence_parallel)
     torch.manual_seed(100 + dist.get_rank() // tp.size())
