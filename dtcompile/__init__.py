@@ -5,7 +5,7 @@ propagation decides placements and collectives), then runs the recorded per-rank
 of local ops and collectives, with no DTensor dispatch left at run time.
 """
 
-from .capture import TracingError, TrainingNotSupportedError, UnsupportedInputError
+from .capture import TracingError, UnsupportedInputError
 from .jit import (
     RankMismatchError,
     cache_hits,
@@ -22,7 +22,6 @@ __version__ = "0.1.0"
 __all__ = [
     "RankMismatchError",
     "TracingError",
-    "TrainingNotSupportedError",
     "UnsupportedInputError",
     "cache_hits",
     "cache_misses",

@@ -574,16 +574,20 @@ def test_cache_options_and_executors_are_checked():
         dtcompile.jit(3)
 
 
-def test_grad_mode_with_params_requiring_grad_is_not_supported_yet():
-    module = nn.Linear(3, 3)
+@torch.enable_grad()
+def test_a_training_call_gives_eager_gradients():
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     jitted = dtcompile.jit(module)
-    x = torch.randn(2, 3)
-    with torch.enable_grad():
-        with pytest.raises(dtcompile.TrainingNotSupportedError, match="no_grad"):
-            jitted(x)
-        with pytest.raises(dtcompile.TrainingNotSupportedError):
-            dtcompile.jit(lambda t: t * 2)(x.requires_grad_())
-    assert_same_tensor(jitted(x.detach()), module(x))  # under no_grad: fine
+    x = torch.randn(5, 3, requires_grad=True)
+    x_eager = x.detach().clone().requires_grad_()
+    jitted(x).pow(2).sum().backward()
+    expected = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad()
+    module(x_eager).pow(2).sum().backward()
+    for got, want in zip(expected, (p.grad for p in module.parameters())):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(x.grad, x_eager.grad)
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Turning a call into a per-rank trace, below DTensor."""
 
+from .autograd import BackwardCapture
 from .inputs import (
     ConstantInput,
     DictInput,
@@ -23,7 +24,7 @@ from .outputs import (
 )
 from .placements import describe_placement, describe_placements
 from .recorder import TracingError
-from .tracer import CallInputs, CapturedCall, TrainingNotSupportedError, capture_call
+from .tracer import CallInputs, CapturedCall, capture_call
 
 __all__ = [
     "CallInputs",
@@ -44,7 +45,7 @@ __all__ = [
     "TensorMeta",
     "TensorOutput",
     "TracingError",
-    "TrainingNotSupportedError",
+    "BackwardCapture",
     "UnsupportedInputError",
     "capture_call",
     "describe_placement",

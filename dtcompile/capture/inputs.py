@@ -109,6 +109,9 @@ class InputProxifier:
         self.recording = recording
         self.taken: set[str] = recording.used_names
         self.dtensor_inputs: list[DTensorInput] = []
+        # (proxy of a computation input, the traced value to differentiate with respect to):
+        # the proxy itself for a tensor, the DTensor around it for a DTensor.
+        self.differentiable: list[tuple[TensorProxy, object]] = []
 
     def proxify(self, value: object, path: InputPath, name_hint: str) -> tuple[object, InputNode]:
         if isinstance(value, DTensor):
@@ -126,6 +129,8 @@ class InputProxifier:
                     f"dtcompile.jit: {path} is a tensor with layout {value.layout}; only strided tensors are supported"
                 )
             proxy = self.recording.input_proxy(value, identifier(name_hint, self.taken), path)
+            if value.requires_grad:
+                self.differentiable.append((proxy, proxy))
             return proxy, TensorInput(path, proxy, TensorMeta.of(value))
         if isinstance(value, CONSTANT_TYPES) or type(value) is torch.Size:
             return value, ConstantInput(path, value)
@@ -161,6 +166,8 @@ class InputProxifier:
         wrapped = DTensor(proxy, value._spec, requires_grad=value.requires_grad)
         node = DTensorInput(path, proxy, value._spec, TensorMeta.of(local), value.requires_grad)
         self.dtensor_inputs.append(node)
+        if value.requires_grad:
+            self.differentiable.append((proxy, wrapped))
         return wrapped, node
 
 

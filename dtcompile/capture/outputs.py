@@ -65,16 +65,18 @@ class OutputCollector:
     """Collects the local proxies a call returned, in order, and describes the result."""
 
     def __init__(self):
-        self.proxies: list[TensorProxy] = []
+        self.proxies: list[TensorProxy] = []  # the local tensor of each output slot
+        self.values: list = []  # what each slot holds in the call's result: a DTensor or a proxy
         self.mask_buffers: list = []  # filled with proxies by tracing; emptied by release_masks
 
-    def _slot(self, proxy: TensorProxy) -> int:
+    def _slot(self, proxy: TensorProxy, value=None) -> int:
         self.proxies.append(proxy)
+        self.values.append(proxy if value is None else value)
         return len(self.proxies) - 1
 
     def describe(self, value: object) -> OutputNode:
         if isinstance(value, DTensor) and isinstance(value._local_tensor, TensorProxy):
-            slot = self._slot(value._local_tensor)
+            slot = self._slot(value._local_tensor, value)
             masks = []
             for i, placement in enumerate(value.placements):
                 buffer = getattr(placement, "mask_buffer", None)

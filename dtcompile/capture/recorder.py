@@ -168,8 +168,36 @@ class Recording:
                 if isinstance(proxy, TensorProxy):
                     proxy.value = real
                     self.valued.append(proxy)
-        self.bound_symbols.append(BoundSymbol(aten_symbol(func), tuple(args), dict(kwargs), output, op=func))
+        note = backward_note()  # None in the forward: the CallAnnotator notes those
+        self.bound_symbols.append(BoundSymbol(aten_symbol(func), tuple(args), dict(kwargs), output, note, op=func))
         return output
+
+
+def tag_backward_nodes(inputs: list, outputs: list, note: Note) -> None:
+    """Put ``note`` on the autograd nodes a torch-level call made (those between its
+    outputs' grad_fns and its inputs'), so the backward's symbols can say which forward
+    call they differentiate."""
+    stop = {id(t.grad_fn) for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    pending = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[int] = set()
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in seen or id(node) in stop or not hasattr(node, "metadata"):
+            continue
+        seen.add(id(node))
+        node.metadata.setdefault("dtcompile_note", note)
+        pending.extend(next_node for next_node, _ in node.next_functions)
+
+
+def backward_note() -> Note | None:
+    """While a traced backward runs: the note of the autograd node running now."""
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return None
+    forward = node.metadata.get("dtcompile_note") if hasattr(node, "metadata") else None
+    if forward is None:
+        return Note(f"backward: {node.name()}")
+    return Note("backward of " + forward.template, forward.proxies)
 
 
 class OpRecorder(TorchDispatchMode):
@@ -255,4 +283,6 @@ class CallAnnotator(TorchFunctionMode):
             for bsym in new:
                 if bsym.note is None:
                     bsym.note = note
+            if torch.is_grad_enabled():
+                tag_backward_nodes(leaves, tree_flatten(out)[0], note)
         return out

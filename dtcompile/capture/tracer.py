@@ -17,14 +17,11 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..core import InputPath, Trace, verify
+from .autograd import BackwardCapture, capture_backward
 from .inputs import DictInput, DTensorInput, InputNode, InputProxifier, SequenceInput, iter_leaves
 from .outputs import OutputCollector, OutputNode
 from .placements import describe_placements
 from .recorder import CallAnnotator, OpRecorder, Recording
-
-
-class TrainingNotSupportedError(NotImplementedError):
-    """Grad mode is on and something requires grad: not compiled yet."""
 
 
 @dataclass
@@ -50,6 +47,9 @@ class CapturedCall:
     captured: list[torch.Tensor]
     grad_enabled: bool
     meshes: list  # the DeviceMeshes of the DTensor inputs, without repeats
+    # For a call that needs gradients: the trace holds the forward and then the backward,
+    # and this says where one ends and what the other takes and gives.
+    backward: BackwardCapture | None = None
 
 
 def _parameter_names(fn) -> list[str]:
@@ -97,17 +97,9 @@ def capture_call(fn, args: tuple, kwargs: dict, module: torch.nn.Module | None =
                 state[id(tensor)] = proxy
 
     grad_enabled = torch.is_grad_enabled()
-    if grad_enabled and any(
-        getattr(n, "requires_grad", False) or getattr(getattr(n, "meta", None), "requires_grad", False)
-        for top in inputs.nodes()
-        for n in iter_leaves(top)
-    ):
-        raise TrainingNotSupportedError(
-            "dtcompile: grad mode is on and an input or parameter requires grad; compiled "
-            "training is not implemented yet. Call the jitted function under torch.no_grad() "
-            "or torch.inference_mode()."
-        )
-
+    training = grad_enabled and bool(proxifier.differentiable)
+    collector = OutputCollector()
+    backward = None
     with enable_python_dispatcher(), CallAnnotator(recording), OpRecorder(recording):
         try:
             if module is not None:
@@ -115,21 +107,25 @@ def capture_call(fn, args: tuple, kwargs: dict, module: torch.nn.Module | None =
                     result = module(*proxy_args, **proxy_kwargs)
             else:
                 result = fn(*proxy_args, **proxy_kwargs)
+            output = collector.describe(result)
+            if training:
+                backward = capture_backward(recording, proxifier.differentiable, collector.values)
         finally:
             recording.forget_values()
-
-    collector = OutputCollector()
-    output = collector.describe(result)
-    collector.release_masks()
+            collector.release_masks()
 
     leaves = [n for top in inputs.nodes() for n in iter_leaves(top)]
     proxies = [n.proxy for n in leaves if hasattr(n, "proxy")] + recording.captured_proxies
+    outputs = tuple(collector.proxies)
+    if backward is not None:
+        proxies += backward.cotangents
+        outputs += tuple(g for g in backward.grads if g is not None)
     trace = Trace(
         fn_name="computation",
         inputs=proxies,
         bound_symbols=recording.bound_symbols,
-        output=tuple(collector.proxies),
-        title="computation, as recorded below DTensor",
+        output=outputs,
+        title="computation, as recorded below DTensor" + (" (forward, then backward)" if backward else ""),
         header_notes=[_rank_line()],
         input_notes={n.proxy.label: _input_note(n) for n in leaves if hasattr(n, "proxy")},
     )
@@ -138,7 +134,7 @@ def capture_call(fn, args: tuple, kwargs: dict, module: torch.nn.Module | None =
     for node in proxifier.dtensor_inputs:
         if not any(node.spec.mesh is m for m in meshes):
             meshes.append(node.spec.mesh)
-    return CapturedCall(trace, inputs, output, recording.captured, grad_enabled, meshes)
+    return CapturedCall(trace, inputs, output, recording.captured, grad_enabled, meshes, backward)
 
 
 def _tensor_attributes(module: torch.nn.Module):

@@ -101,21 +101,21 @@ def _timeout() -> timedelta:
     return timedelta(seconds=float(os.environ.get("DTCOMPILE_SYNC_TIMEOUT", "120")))
 
 
-def check_ranks_agree(trace: Trace, meshes: list, group_labels: dict[str, str], what: str) -> None:
+def check_ranks_agree(traces: list[Trace], meshes: list, group_labels: dict[str, str], what: str) -> None:
     """Raise :class:`RankMismatchError` unless every rank of ``meshes``, and of the process
-    groups the trace's collectives run on, compiled the same program as this one. A no-op
+    groups the traces' collectives run on, compiled the same programs as this one. A no-op
     without a real multi-process group."""
     if not dist.is_initialized() or dist.get_backend() == "fake":
         return
     mesh_ranks = {int(r) for mesh in meshes for r in mesh.mesh.flatten().tolist()}
-    ranks = tuple(sorted(mesh_ranks | _collective_ranks(trace)))
+    ranks = tuple(sorted(mesh_ranks.union(*(_collective_ranks(t) for t in traces))))
     if len(ranks) < 2:
         return
     rank = dist.get_rank()
     key = f"dtcompile/{'-'.join(map(str, ranks))}/{_sequence[ranks]}"
     _sequence[ranks] += 1
     store = dist.distributed_c10d._get_default_store()
-    mine = program_lines(trace, group_labels)
+    mine = [line for trace in traces for line in program_lines(trace, group_labels)]
     store.set(f"{key}/{rank}", "\n".join([what, *mine]))
     keys = [f"{key}/{r}" for r in ranks]
     try:

@@ -23,42 +23,71 @@ from ..core.codegen import GeneratedFunction
 from ..core.printing import Unprintable, python_literal
 
 
-def build_epilogue(output: OutputNode) -> GeneratedFunction:
-    globals_: dict[str, object] = {"DTensor": DTensor, "torch": torch}
-    statements: list[str] = []
+class _Builder:
+    def __init__(self):
+        self.globals: dict[str, object] = {"DTensor": DTensor, "torch": torch}
+        self.statements: list[str] = []
 
-    def constant(obj: object, prefix: str) -> str:
+    def constant(self, obj: object, prefix: str) -> str:
         try:
             return python_literal(obj)
         except Unprintable:
-            name = f"{prefix}{len(globals_)}"
-            globals_[name] = obj
+            name = f"{prefix}{len(self.globals)}"
+            self.globals[name] = obj
             return name
 
-    def expr(node: OutputNode) -> str:
+    def dtensor(self, node: DTensorOutput) -> str:
+        """``DTensor(local, spec)``, after keeping the call's masks where DTensor's embedding would."""
+        spec = self.constant(node.spec, "SPEC")
+        for placement, slot in node.masks:
+            self.statements.append(f"    {spec}.placements[{placement}].mask_buffer.materialize_mask(outs[{slot}])")
+        # requires_grad=False: a compiled training step gets its outputs' grad_fn from autograd.
+        return f"DTensor(outs[{node.index}], {spec}, requires_grad=False)"
+
+    def rebuild(self, node: OutputNode, wrap: bool) -> str:
         if isinstance(node, DTensorOutput):
-            spec = constant(node.spec, "SPEC")
-            for placement, slot in node.masks:
-                # What DTensor's embedding does in eager: keep this call's mask for the reduction.
-                statements.append(f"    {spec}.placements[{placement}].mask_buffer.materialize_mask(outs[{slot}])")
-            return f"DTensor(outs[{node.index}], {spec}, requires_grad={node.requires_grad})"
+            return self.dtensor(node) if wrap else f"outs[{node.index}]"
         if isinstance(node, TensorOutput):
             return f"outs[{node.index}]"
         if isinstance(node, ConstantOutput):
-            return constant(node.value, "CONST")
+            return self.constant(node.value, "CONST")
         if isinstance(node, SequenceOutput):
-            inner = ", ".join(expr(c) for c in node.children)
+            inner = ", ".join(self.rebuild(c, wrap) for c in node.children)
             if node.type is list:
                 return f"[{inner}]"
             return f"({inner}{',' if len(node.children) == 1 else ''})"
         if isinstance(node, DictOutput):
-            return "{" + ", ".join(f"{k!r}: {expr(c)}" for k, c in zip(node.keys, node.children)) + "}"
+            return "{" + ", ".join(f"{k!r}: {self.rebuild(c, wrap)}" for k, c in zip(node.keys, node.children)) + "}"
         if isinstance(node, PytreeOutput):
-            unflatten = constant(torch.utils._pytree.SUPPORTED_NODES[node.type].unflatten_fn, "UNFLATTEN")
-            children = ", ".join(expr(c) for c in node.children)
-            return f"{unflatten}([{children}], {constant(node.context, 'CONTEXT')})"
+            unflatten = self.constant(torch.utils._pytree.SUPPORTED_NODES[node.type].unflatten_fn, "UNFLATTEN")
+            children = ", ".join(self.rebuild(c, wrap) for c in node.children)
+            return f"{unflatten}([{children}], {self.constant(node.context, 'CONTEXT')})"
         raise TypeError(f"unknown output node {node!r}")
 
-    result = expr(output)
-    lines = ["def epilogue(outs):", *statements, f"    return {result}"]
-    return GeneratedFunction("epilogue", lines, globals_, "epilogue: rebuilds the result from the local outputs")
+
+def _dtensor_outputs(node: OutputNode):
+    if isinstance(node, DTensorOutput):
+        yield node
+    for child in getattr(node, "children", ()):
+        yield from _dtensor_outputs(child)
+
+
+def build_epilogue(output: OutputNode, wrap: bool = True) -> GeneratedFunction:
+    """``epilogue(outs)``: the call's result from the computation's flat outputs. With
+    ``wrap=False`` the DTensor slots already hold DTensors (see ``build_output_wrapper``)."""
+    b = _Builder()
+    result = b.rebuild(output, wrap)
+    lines = ["def epilogue(outs):", *b.statements, f"    return {result}"]
+    return GeneratedFunction("epilogue", lines, b.globals, "epilogue: rebuilds the result from the local outputs")
+
+
+def build_output_wrapper(output: OutputNode, slots: int) -> GeneratedFunction:
+    """``wrap_outputs(outs)``: each of the ``slots`` local outputs as the call returns it
+    (DTensor slots wrapped), flat, for a training step's autograd function to return."""
+    b = _Builder()
+    wrapped = [f"outs[{i}]" for i in range(slots)]
+    for node in _dtensor_outputs(output):
+        wrapped[node.index] = b.dtensor(node)
+    result = f"({', '.join(wrapped)}{',' if slots == 1 else ''})"
+    lines = ["def wrap_outputs(outs):", *b.statements, f"    return {result}"]
+    return GeneratedFunction("wrap_outputs", lines, b.globals, "wraps a training step's local outputs")

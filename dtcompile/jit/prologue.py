@@ -29,7 +29,10 @@ from .guards import spec_matches
 
 
 class _Builder:
-    def __init__(self):
+    def __init__(self, unwrap_differentiable: bool):
+        # A training step hands the DTensors that need gradients to autograd as they are.
+        self.unwrap_differentiable = unwrap_differentiable
+        self.devices: set[str] = set()
         self.lines: list[str] = []
         self.globals: dict[str, object] = {"torch": torch, "DTensor": DTensor, "spec_matches": spec_matches}
         self.results: list[str] = []
@@ -60,6 +63,7 @@ class _Builder:
         tensor_type = self.constant(meta.type, "TYPE")
         device = self.fresh("DEVICE")  # a global: a literal would build a device per call
         self.globals[device] = meta.device
+        self.devices.add(meta.device.type)
         self.fail_if(f"type({var}) is not {tensor_type}")
         self.fail_if(
             f"{var}.dtype is not {python_literal(meta.dtype)} or {var}.shape != {python_literal(meta.shape)}"
@@ -83,7 +87,7 @@ class _Builder:
             self.fail_if(f"{var}.requires_grad is not {node.requires_grad}")
             local = self.bind(f"{var}._local_tensor", "local")
             self.tensor_meta(local, node.meta)
-            self.results.append(local)
+            self.results.append(var if node.requires_grad and not self.unwrap_differentiable else local)
         elif isinstance(node, SequenceInput):
             if expr == "args":  # always the tuple of positional arguments
                 var = expr
@@ -145,10 +149,16 @@ def _module_expr(root: str, dotted: str, table: str) -> str:
 
 
 def build_prologue(
-    inputs: CallInputs, grad_enabled: bool, captured: list[torch.Tensor], module: torch.nn.Module | None
+    inputs: CallInputs,
+    grad_enabled: bool,
+    captured: list[torch.Tensor],
+    module: torch.nn.Module | None,
+    unwrap_differentiable: bool = True,
 ) -> GeneratedFunction:
-    """The prologue of one cache entry (see the module docstring)."""
-    b = _Builder()
+    """The prologue of one cache entry (see the module docstring). With
+    ``unwrap_differentiable=False`` it returns a DTensor that requires grad itself, not its
+    local tensor."""
+    b = _Builder(unwrap_differentiable)
     b.fail_if(f"torch.is_grad_enabled() is not {grad_enabled}")
     if module is not None:
         # Every submodule's training flag can change what forward does (dropout, norms).
@@ -164,6 +174,13 @@ def build_prologue(
     for i, tensor in enumerate(captured):
         b.globals[f"CAPTURED{i}"] = tensor
         b.results.append(f"CAPTURED{i}")
+    for device in sorted(b.devices):
+        # Autocast inserts casts while tracing: a program traced with it differs from one without.
+        enabled = torch.is_autocast_enabled(device)
+        check = f"torch.is_autocast_enabled({device!r}) is not {enabled}"
+        if enabled:
+            check += f" or torch.get_autocast_dtype({device!r}) is not {torch.get_autocast_dtype(device)}"
+        b.fail_if(check)
     returned = ", ".join(b.results)
     lines = [
         "def prologue(module, args, kwargs):",

@@ -1,8 +1,20 @@
 """Passes over traces. Each takes a trace and returns a new one; none mutates its input."""
 
+from .autodiff import SplitTraces, saved_note, split_forward_backward
 from .cse import cse
 from .dce import dce
 from .effects import has_side_effects, mutates, returns_alias, storage_bases
 from .views import remove_identity_views
 
-__all__ = ["cse", "dce", "has_side_effects", "mutates", "remove_identity_views", "returns_alias", "storage_bases"]
+__all__ = [
+    "SplitTraces",
+    "saved_note",
+    "split_forward_backward",
+    "cse",
+    "dce",
+    "has_side_effects",
+    "mutates",
+    "remove_identity_views",
+    "returns_alias",
+    "storage_bases",
+]

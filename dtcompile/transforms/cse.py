@@ -25,7 +25,9 @@ def cse(trace: Trace) -> Trace:
     twice, or two outputs that share memory, so that writing to one changes the other.
     """
     if any(mutates(b) for b in trace.bound_symbols):
-        return trace.derive("computation, after CSE (skipped: the trace mutates tensors)", list(trace.bound_symbols))
+        return trace.derive(
+            f"{trace.fn_name}, after CSE (skipped: the trace mutates tensors)", list(trace.bound_symbols)
+        )
     base = storage_bases(trace)
     leaves, _ = tree_flatten(trace.output)
     returned = {base[x.label] for x in leaves if isinstance(x, TensorProxy)}  # storages the caller gets
@@ -53,4 +55,6 @@ def cse(trace: Trace) -> Trace:
     def rename(x):
         return renames.get(x.label, x) if isinstance(x, TensorProxy) else x
 
-    return trace.derive("computation, after common-subexpression elimination", kept, tree_map(rename, trace.output))
+    return trace.derive(
+        f"{trace.fn_name}, after common-subexpression elimination", kept, tree_map(rename, trace.output)
+    )

@@ -18,4 +18,4 @@ def dce(trace: Trace) -> Trace:
             kept.append(bsym)
             live.update(p.label for p in bsym.input_proxies())
     kept.reverse()
-    return trace.derive("computation, after dead-code elimination", kept)
+    return trace.derive(f"{trace.fn_name}, after dead-code elimination", kept)

@@ -58,4 +58,4 @@ def remove_identity_views(trace: Trace) -> Trace:
     def rename(x):
         return renames.get(x.label, x) if isinstance(x, TensorProxy) else x
 
-    return trace.derive("computation, after removing identity views", kept, tree_map(rename, trace.output))
+    return trace.derive(f"{trace.fn_name}, after removing identity views", kept, tree_map(rename, trace.output))

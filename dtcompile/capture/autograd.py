@@ -1,0 +1,88 @@
+"""Capturing the backward of a traced call, through DTensor's own autograd.
+
+The forward ran on proxies that require grad, so autograd recorded its graph over them
+(DTensor's ops, redistributions and ``from_local``/``to_local`` included). Calling
+``torch.autograd.grad`` with cotangent proxies then runs DTensor's backward; its local
+ops and collectives come back to the recorder like the forward's did. No gradient rule
+of our own is involved: the gradients are whatever DTensor computes, placements
+included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from ..core import InputPath, TensorProxy
+from .recorder import Recording
+
+
+@dataclass
+class BackwardCapture:
+    """What tracing the backward recorded, beside the symbols themselves."""
+
+    forward_symbols: int  # the recording's first ``forward_symbols`` symbols are the forward
+    cotangents: list[TensorProxy]  # one per differentiable output, backward inputs
+    cotangent_slots: list[int]  # the output slot each cotangent belongs to
+    cotangent_specs: list[DTensorSpec | None]  # the placements the backward expects; None: a plain tensor
+    differentiable: list[TensorProxy]  # the computation inputs gradients are computed for
+    grads: list[TensorProxy | None]  # their gradients' local tensors (None: no gradient flows)
+    grad_specs: list[DTensorSpec | None]  # the gradients' DTensor specs; None: plain tensors
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _cotangent_for(recording: Recording, value, index: int) -> tuple[object, TensorProxy, DTensorSpec | None]:
+    """A contiguous cotangent shaped like ``value`` (the backward makes incoming cotangents
+    contiguous, whatever strides they arrive with)."""
+    local = value._local_tensor if isinstance(value, DTensor) else value
+    with recording.fake_mode:
+        fake = torch.empty(local.shape, dtype=local.dtype, device=local.device)
+    name = f"cotangent{index}"
+    recording.used_names.add(name)
+    proxy = TensorProxy(fake, name, InputPath("cotangents").index(index))
+    if not isinstance(value, DTensor):
+        return proxy, proxy, None
+    spec = value._spec
+    meta = TensorMeta(spec.tensor_meta.shape, _contiguous_strides(spec.tensor_meta.shape), spec.tensor_meta.dtype)
+    spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
+    return DTensor(proxy, spec, requires_grad=False), proxy, spec
+
+
+def capture_backward(
+    recording: Recording, differentiable: list[tuple[TensorProxy, object]], output_values: list
+) -> BackwardCapture:
+    """Record the backward of the forward just recorded. ``output_values`` are the values
+    behind the computation's output slots (a DTensor, or a proxy)."""
+    forward_symbols = len(recording.bound_symbols)
+    outputs, cotangents, proxies, slots, specs = [], [], [], [], []
+    for slot, value in enumerate(output_values):
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            cotangent, proxy, spec = _cotangent_for(recording, value, len(proxies))
+            outputs.append(value)
+            cotangents.append(cotangent)
+            proxies.append(proxy)
+            slots.append(slot)
+            specs.append(spec)
+    wrt = [traced for _, traced in differentiable]
+    grads = torch.autograd.grad(outputs, wrt, cotangents, allow_unused=True) if outputs else [None] * len(wrt)
+    grad_locals, grad_specs = [], []
+    for grad in grads:
+        if isinstance(grad, DTensor):
+            grad_locals.append(grad._local_tensor)
+            grad_specs.append(grad._spec)
+        else:
+            grad_locals.append(grad)
+            grad_specs.append(None)
+    return BackwardCapture(
+        forward_symbols, proxies, slots, specs, [p for p, _ in differentiable], grad_locals, grad_specs
+    )

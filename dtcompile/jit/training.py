@@ -1,0 +1,91 @@
+"""A compiled training step: the forward and backward programs inside one autograd Function.
+
+The Function takes the call's inputs as the prologue returns them: the DTensors (and
+tensors) that need gradients themselves, so autograd connects the step to them and puts
+DTensor gradients on DTensor parameters, and every other input as a local tensor. Its
+forward runs the forward program and keeps the saved values; its backward makes each
+cotangent what the backward program was traced with (the traced placements, a
+contiguous local tensor), runs the backward program and wraps the gradients with the
+specs DTensor's backward gave them at trace time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.function import once_differentiable
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+from ..core.codegen import GeneratedFunction
+
+
+@dataclass
+class TrainingProgram:
+    forward: object  # compiled forward: local inputs -> (output slots..., saved...)
+    backward: object  # compiled backward: (saved..., cotangents...) -> gradients
+    wrap_outputs: GeneratedFunction  # local output slots -> what the step returns
+    rebuild: GeneratedFunction  # the step's flat outputs -> the call's result
+    slots: int
+    dtensor_inputs: list[int]  # input positions holding a DTensor that needs a gradient
+    non_differentiable: list[int]  # output slots autograd must not differentiate
+    cotangent_slots: list[int]
+    cotangent_specs: list[DTensorSpec | None]
+    cotangent_shapes: list[tuple[int, ...]]
+    grad_positions: list[int]  # input position of each gradient the backward returns
+    grad_specs: list[DTensorSpec | None]
+    inputs: int
+
+    def __call__(self, inputs: tuple):
+        return self.rebuild.fn(CompiledStep.apply(self, *inputs))
+
+    def cotangent(self, k: int, grad) -> torch.Tensor:
+        """The local tensor of the ``k``-th cotangent, as the backward program expects it."""
+        spec = self.cotangent_specs[k]
+        if spec is not None:
+            if not isinstance(grad, DTensor):
+                raise TypeError(
+                    f"dtcompile: the gradient of output {self.cotangent_slots[k]} is a {type(grad).__name__}, "
+                    "but the output is a DTensor"
+                )
+            if grad.placements != spec.placements or grad.device_mesh != spec.mesh:
+                # What DTensor would do with a cotangent of other placements: redistribute it.
+                grad = grad.redistribute(spec.mesh, spec.placements)
+            grad = grad._local_tensor
+        if isinstance(grad, AsyncCollectiveTensor):
+            grad = grad.wait()
+        if tuple(grad.shape) != self.cotangent_shapes[k]:
+            raise RuntimeError(
+                f"dtcompile: the gradient of output {self.cotangent_slots[k]} has local shape "
+                f"{tuple(grad.shape)}; the backward was compiled for {self.cotangent_shapes[k]}"
+            )
+        return grad if grad.is_contiguous() else grad.contiguous()
+
+
+class CompiledStep(torch.autograd.Function):
+    """Runs a :class:`TrainingProgram` (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, program: TrainingProgram, *inputs):
+        local_inputs = list(inputs)
+        for position in program.dtensor_inputs:
+            local_inputs[position] = local_inputs[position]._local_tensor
+        outs = program.forward(*local_inputs)
+        ctx.program = program
+        ctx.saved = outs[program.slots :]
+        wrapped = program.wrap_outputs.fn(outs[: program.slots])
+        ctx.mark_non_differentiable(*(wrapped[i] for i in program.non_differentiable))
+        return wrapped
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grad_outputs):
+        program: TrainingProgram = ctx.program
+        cotangents = [program.cotangent(k, grad_outputs[slot]) for k, slot in enumerate(program.cotangent_slots)]
+        grads = program.backward(*ctx.saved, *cotangents)
+        result: list = [None] * (1 + program.inputs)
+        for grad, position, spec in zip(grads, program.grad_positions, program.grad_specs):
+            result[1 + position] = grad if spec is None else DTensor(grad, spec, requires_grad=False)
+        return tuple(result)

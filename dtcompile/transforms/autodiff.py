@@ -1,0 +1,87 @@
+"""Splitting a recorded forward-and-backward trace into a forward and a backward program.
+
+The saved set is what the backward reads that the forward made or received: after dead
+code is dropped from the backward, every value a backward symbol (or a gradient output)
+uses and the backward does not compute itself is saved by the forward. Values the
+forward computed only for the backward's sake stay in the forward; nothing is recomputed.
+Saving a view (``t(w)``, a reshape) costs no memory: it shares its base's storage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.utils._pytree import tree_flatten
+
+from ..core import TensorProxy, Trace
+from .dce import dce
+from .effects import storage_bases
+
+
+@dataclass
+class SplitTraces:
+    forward: Trace  # returns the call's outputs, then the saved values
+    backward: Trace  # takes the saved values, then the cotangents; returns the gradients
+    saved: list[TensorProxy]
+
+
+def saved_note(forward: Trace, forward_outputs: int) -> str:
+    """What a forward saves for the backward (its outputs after the call's own), and the
+    memory that keeps alive: a line for the trace's header."""
+    leaves, _ = tree_flatten(forward.output)
+    saved = [p for p in leaves[forward_outputs:] if isinstance(p, TensorProxy)]
+    return (
+        f"saved for the backward: {len(saved)} tensors holding {_held_bytes(forward, saved) / 2**20:.3f} MiB "
+        f"beyond the inputs: {', '.join(p.label for p in saved) or 'none'}"
+    )
+
+
+def _held_bytes(forward: Trace, saved: list[TensorProxy]) -> int:
+    """The memory saving keeps alive between forward and backward: each storage the saved
+    values view, counted once, except the forward's inputs' (alive anyway)."""
+    bases = storage_bases(forward)
+    by_label = {p.label: p for b in forward.bound_symbols for p in b.output_proxies()}
+    inputs = {p.label for p in forward.inputs}
+    held = {bases[p.label] for p in saved} - inputs
+    return sum(by_label[label].numel() * by_label[label].element_size() for label in held if label in by_label)
+
+
+def split_forward_backward(
+    joint: Trace, forward_symbols: int, cotangents: list[TensorProxy], forward_outputs: int
+) -> SplitTraces:
+    """``joint``'s first ``forward_symbols`` symbols are the forward; its inputs are the
+    forward's followed by ``cotangents``; its output is the forward's ``forward_outputs``
+    outputs followed by the gradients."""
+    outputs, _ = tree_flatten(joint.output)
+    user_outputs, grads = tuple(outputs[:forward_outputs]), tuple(outputs[forward_outputs:])
+    cotangent_labels = {c.label for c in cotangents}
+    primals = [p for p in joint.inputs if p.label not in cotangent_labels]
+
+    backward_only = joint.derive(joint.title, joint.bound_symbols[forward_symbols:], grads)
+    backward_only = dce(backward_only)
+    made_by_backward = {p.label for b in backward_only.bound_symbols for p in b.output_proxies()}
+    saved: list[TensorProxy] = []
+    seen: set[str] = set(cotangent_labels) | made_by_backward
+    reads = [p for b in backward_only.bound_symbols for p in b.input_proxies()]
+    reads += [g for g in grads if isinstance(g, TensorProxy)]
+    for proxy in reads:
+        if proxy.label not in seen:
+            seen.add(proxy.label)
+            saved.append(proxy)
+
+    forward = joint.derive("forward, as recorded", joint.bound_symbols[:forward_symbols], user_outputs + tuple(saved))
+    forward.inputs = primals
+    forward.fn_name = "forward"
+    forward = dce(forward)
+    forward.title = "forward, split from the backward"
+    backward = Trace(
+        fn_name="backward",
+        inputs=saved + list(cotangents),
+        bound_symbols=backward_only.bound_symbols,
+        output=grads,
+        title="backward, split from the forward",
+        header_notes=list(joint.header_notes),
+        input_notes={p.label: "saved by the forward" for p in saved},
+        globals=dict(joint.globals),
+    )
+    return SplitTraces(forward, backward, saved)
