@@ -4,11 +4,13 @@ Run: python scripts/bench_overhead.py            (runs itself under torchrun on 
   or torchrun --nproc-per-node N scripts/bench_overhead.py
 
 For a tensor-parallel MLP (batch 4, seq 32, hidden 256) and a Llama-style block, forward
-under no_grad, the variants are interleaved call by call (a barrier before each) and the
-medians printed with their ratios. The hand-written code is what a person would write
-without DTensor: local weight shards as plain tensors and an explicit dist.all_reduce
-closing each row-parallel layer. Targets: dtcompile within 1.1x of the hand-written code;
-the block's first call (trace and compile) under 1 s.
+under no_grad ("fw") and forward+backward ("fw+bw", gradients reset before each step),
+the variants are interleaved call by call (a sync before each) and the medians printed
+with their ratios. The hand-written code is what a person would write without DTensor,
+Megatron style: local weight shards as plain tensors, an all_reduce closing each
+row-parallel layer in the forward and opening each column-parallel one in the backward.
+Targets: dtcompile within 1.1x of the hand-written code; the block's first call (trace
+and compile) under 1 s.
 """
 
 import os
@@ -26,60 +28,114 @@ import dtcompile
 from dtcompile.testing.models import parallel_block, parallel_mlp
 
 
+class _CopyToParallel(torch.autograd.Function):
+    """Megatron's f: identity forward, all_reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    """Megatron's g: all_reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _local(weight):
+    """This rank's shard of a DTensor weight (or a plain weight) as a leaf of its own."""
+    local = weight.to_local() if hasattr(weight, "to_local") else weight
+    return local.detach().clone().requires_grad_(weight.requires_grad)
+
+
+def _rms_norm(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
 def hand_written_mlp(model):
     """The MLP as per-rank code: column shard, gelu, row shard, all_reduce."""
-    up, down = model.up.weight.to_local(), model.down.weight.to_local()
+    up, down = _local(model.up.weight), _local(model.down.weight)
 
     def forward(x):
+        x = _CopyToParallel.apply(x) if torch.is_grad_enabled() else x
         y = F.linear(F.gelu(F.linear(x, up)), down)
-        dist.all_reduce(y)
-        return y
+        return _ReduceFromParallel.apply(y)
 
-    return forward
+    return forward, [up, down]
 
 
 def hand_written_block(model):
     """The Llama-style block as per-rank code (Megatron style, no sequence parallelism)."""
     attn, mlp = model.attn, model.mlp
-    q, k, v, o = (m.weight.to_local() for m in (attn.q, attn.k, attn.v, attn.o))
-    gate, up, down = (m.weight.to_local() for m in (mlp.gate, mlp.up, mlp.down))
-    norm1, norm2 = model.attn_norm, model.mlp_norm
-    head_dim = attn.head_dim
+    q, k, v, o = (_local(m.weight) for m in (attn.q, attn.k, attn.v, attn.o))
+    gate, up, down = (_local(m.weight) for m in (mlp.gate, mlp.up, mlp.down))
+    norm1, norm2 = _local(model.attn_norm.weight), _local(model.mlp_norm.weight)
+    eps, head_dim = model.attn_norm.eps, attn.head_dim
 
     def forward(x):
         batch, seq, _ = x.shape
-        h = norm1(x)
+        h = _rms_norm(x, norm1, eps)
+        h = _CopyToParallel.apply(h) if torch.is_grad_enabled() else h
         qs = F.linear(h, q).view(batch, seq, -1, head_dim).transpose(1, 2)
         ks = F.linear(h, k).view(batch, seq, -1, head_dim).transpose(1, 2)
         vs = F.linear(h, v).view(batch, seq, -1, head_dim).transpose(1, 2)
         a = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
-        a = F.linear(a.transpose(1, 2).reshape(batch, seq, -1), o)
-        dist.all_reduce(a)
-        h = x + a
-        m = F.linear(F.silu(F.linear(norm2(h), gate)) * F.linear(norm2(h), up), down)
-        dist.all_reduce(m)
-        return h + m
+        h = x + _ReduceFromParallel.apply(F.linear(a.transpose(1, 2).reshape(batch, seq, -1), o))
+        m = _rms_norm(h, norm2, eps)
+        m = _CopyToParallel.apply(m) if torch.is_grad_enabled() else m
+        return h + _ReduceFromParallel.apply(F.linear(F.silu(F.linear(m, gate)) * F.linear(m, up), down))
 
-    return forward
+    return forward, [norm1, q, k, v, o, norm2, gate, up, down]
 
 
-def bench(name, model, hand_written, x, calls):
-    with torch.no_grad():
+def _step(fn, x, params):
+    """One forward and backward, gradients reset first (as ``zero_grad`` does)."""
+    for p in params:
+        p.grad = None
+    fn(x).sum().backward()
+
+
+def bench(name, model, hand_written, x, calls, training):
+    forward, hand_params = hand_written
+    context = torch.enable_grad() if training else torch.no_grad()
+    with context:
         sync()
         start = time.perf_counter()
         jmodel = dtcompile.jit(model)
         completed(jmodel(x))
         first_call = time.perf_counter() - start
         torch.testing.assert_close(jmodel(x), completed(model(x)))
-        torch.testing.assert_close(hand_written(x), completed(model(x)))
-        medians = interleaved_medians(
-            {"eager": lambda: model(x), "dtcompile": lambda: jmodel(x), "hand-written": lambda: hand_written(x)},
-            calls=calls,
-        )
+        torch.testing.assert_close(forward(x), completed(model(x)))
+        params = list(model.parameters())
+        if training:
+            variants = {
+                "eager": lambda: _step(model, x, params),
+                "dtcompile": lambda: _step(jmodel, x, params),
+                "hand-written": lambda: _step(forward, x, hand_params),
+            }
+            label = f"{name} fw+bw"
+        else:
+            variants = {"eager": lambda: model(x), "dtcompile": lambda: jmodel(x), "hand-written": lambda: forward(x)}
+            label = f"{name} fw"
+        medians = interleaved_medians(variants, calls=calls)
     eager, compiled, hand = medians["eager"], medians["dtcompile"], medians["hand-written"]
     print0(
-        f"{name:<14} {dist.get_world_size():>5} {eager * 1e3:>9.3f} {compiled * 1e3:>10.3f} {hand * 1e3:>13.3f}"
-        f" {compiled / hand:>14.2f}x {eager / compiled:>15.2f}x {first_call * 1e3:>11.0f}"
+        f"{label:<18} {dist.get_world_size():>5} {eager * 1e3:>9.3f} {compiled * 1e3:>10.3f} {hand * 1e3:>13.3f}"
+        f" {compiled / hand:>9.2f}x {eager / compiled:>10.2f}x {first_call * 1e3:>12.0f}"
     )
 
 
@@ -92,13 +148,14 @@ def main() -> None:
     x = torch.randn(4, 32, 256)
     if dist.get_rank() == 0 and world == 1:
         print(
-            f"{'model':<14} {'ranks':>5} {'eager ms':>9} {'dtcompile':>10} {'hand-written':>13}"
-            f" {'dtc/hand':>15} {'eager/dtc':>16} {'1st call ms':>11}"
+            f"{'model':<18} {'ranks':>5} {'eager ms':>9} {'dtcompile':>10} {'hand-written':>13}"
+            f" {'dtc/hand':>10} {'eager/dtc':>11} {'1st call ms':>12}"
         )
     mlp = parallel_mlp(mesh, dim=256, hidden=1024)
-    bench("MLP", mlp, hand_written_mlp(mlp), x, calls)
     block = parallel_block(mesh, dim=256, n_heads=8, hidden=512)
-    bench("Llama block", block, hand_written_block(block), x, calls)
+    for training in (False, True):
+        bench("MLP", mlp, hand_written_mlp(mlp), x, calls, training)
+        bench("Llama block", block, hand_written_block(block), x, calls, training)
     finish()
 
 

@@ -20,12 +20,13 @@ from ..capture import CapturedCall, DTensorInput, capture_call, iter_leaves
 from ..core import Trace, verify
 from ..core.codegen import GeneratedFunction
 from ..executors import lower, resolve_executors
-from ..transforms import cse, dce, remove_identity_views, saved_note, split_forward_backward
+from ..transforms import combine_all_reduces, cse, dce, remove_identity_views, saved_note, split_forward_backward
 from .consistency import check_ranks_agree
 from .epilogue import build_epilogue, build_output_wrapper
 from .prologue import build_prologue
 from .training import TrainingProgram
 
+PASSES = (remove_identity_views, cse, combine_all_reduces, dce)
 CACHE_OPTIONS = ("constant values", "no caching", "symbolic values")
 
 
@@ -147,7 +148,7 @@ class CompiledFunction:
         return execution
 
     def _inference(self, captured: CapturedCall, labels):
-        traces = self._optimized(captured.trace, (remove_identity_views, cse, dce))
+        traces = self._optimized(captured.trace, PASSES)
         check_ranks_agree(traces[-1:], captured.meshes, labels, self.name)
         execution = self._lowered(traces[-1], labels)
         epilogue = build_epilogue(captured.output)
@@ -157,8 +158,8 @@ class CompiledFunction:
         backward = captured.backward
         slots = _slot_count(captured)
         split = split_forward_backward(captured.trace, backward.forward_symbols, backward.cotangents, slots)
-        forward_traces = self._optimized(split.forward, (remove_identity_views, cse, dce))
-        backward_traces = self._optimized(split.backward, (remove_identity_views, cse, dce))
+        forward_traces = self._optimized(split.forward, PASSES)
+        backward_traces = self._optimized(split.backward, PASSES)
         check_ranks_agree([forward_traces[-1], backward_traces[-1]], captured.meshes, labels, self.name)
         forward_execution = self._lowered(forward_traces[-1], labels)
         forward_execution.header_notes.append(saved_note(forward_traces[-1], slots))

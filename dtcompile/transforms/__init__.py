@@ -1,6 +1,7 @@
 """Passes over traces. Each takes a trace and returns a new one; none mutates its input."""
 
 from .autodiff import SplitTraces, saved_note, split_forward_backward
+from .collectives import combine_all_reduces
 from .cse import cse
 from .dce import dce
 from .effects import has_side_effects, mutates, returns_alias, storage_bases
@@ -10,6 +11,7 @@ __all__ = [
     "SplitTraces",
     "saved_note",
     "split_forward_backward",
+    "combine_all_reduces",
     "cse",
     "dce",
     "has_side_effects",
