@@ -129,3 +129,40 @@ def parallel_block(
     """A Llama-style block with the same weights on every rank, sharded over ``mesh``."""
     torch.manual_seed(seed)
     return parallelize_module(LlamaBlock(dim, n_heads, hidden), mesh, block_plan(sequence_parallel))
+
+
+class LlamaModel(nn.Module):
+    """A small Llama-style language model: embedding, blocks, final norm, output head."""
+
+    def __init__(self, vocab: int = 512, dim: int = 256, layers: int = 2, n_heads: int = 8, hidden: int = 512):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(LlamaBlock(dim, n_heads, hidden) for _ in range(layers))
+        self.norm = RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def llama_plan(layers: int) -> dict:
+    """Row-parallel embedding (each rank holds a slice of the vocabulary), the blocks'
+    plan, and a column-parallel output head whose logits are gathered."""
+    plan = {
+        "embed": RowwiseParallel(input_layouts=Replicate()),
+        "output": ColwiseParallel(output_layouts=Replicate()),
+    }
+    for i in range(layers):
+        plan.update({f"layers.{i}.{name}": style for name, style in block_plan().items()})
+    return plan
+
+
+def parallel_llama(
+    mesh, vocab: int = 512, dim: int = 256, layers: int = 2, n_heads: int = 8, hidden: int = 512, seed: int = 0
+) -> LlamaModel:
+    """A small Llama-style model with the same weights on every rank, sharded over ``mesh``."""
+    torch.manual_seed(seed)
+    return parallelize_module(LlamaModel(vocab, dim, layers, n_heads, hidden), mesh, llama_plan(layers))
