@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..core import InputPath, TensorProxy
@@ -24,7 +24,6 @@ from .recorder import Recording
 class BackwardCapture:
     """What tracing the backward recorded, beside the symbols themselves."""
 
-    forward_symbols: int  # the recording's first ``forward_symbols`` symbols are the forward
     cotangents: list[TensorProxy]  # one per differentiable output, backward inputs
     cotangent_slots: list[int]  # the output slot each cotangent belongs to
     cotangent_specs: list[DTensorSpec | None]  # the placements the backward expects; None: a plain tensor
@@ -54,7 +53,12 @@ def _cotangent_for(recording: Recording, value, index: int) -> tuple[object, Ten
         return proxy, proxy, None
     spec = value._spec
     meta = TensorMeta(spec.tensor_meta.shape, _contiguous_strides(spec.tensor_meta.shape), spec.tensor_meta.dtype)
-    spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
+    # The cotangent of a Partial output is Replicate, as DTensor's own backward makes it
+    # (``_redistribute_backward`` turns a gradient bound for a Partial placement into a
+    # Replicate one): that is what arrives at run time, and a Replicate gradient cannot
+    # be redistributed to Partial (DTensor forbids it).
+    placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+    spec = DTensorSpec(spec.mesh, placements, tensor_meta=meta)
     return DTensor(proxy, spec, requires_grad=False), proxy, spec
 
 
@@ -75,6 +79,8 @@ def capture_backward(
             specs.append(spec)
     wrt = [traced for _, traced in differentiable]
     grads = torch.autograd.grad(outputs, wrt, cotangents, allow_unused=True) if outputs else [None] * len(wrt)
+    for bsym in recording.bound_symbols[forward_symbols:]:
+        bsym.in_backward = True
     grad_locals, grad_specs = [], []
     for grad in grads:
         if isinstance(grad, DTensor):
@@ -83,6 +89,4 @@ def capture_backward(
         else:
             grad_locals.append(grad)
             grad_specs.append(None)
-    return BackwardCapture(
-        forward_symbols, proxies, slots, specs, [p for p, _ in differentiable], grad_locals, grad_specs
-    )
+    return BackwardCapture(proxies, slots, specs, [p for p, _ in differentiable], grad_locals, grad_specs)

@@ -84,6 +84,7 @@ class BoundSymbol:
     output: object
     note: Note | None = None
     op: torch._ops.OpOverload | None = None  # the aten op this call runs or was lowered from
+    in_backward: bool = False  # recorded while autograd ran a training call's backward
     extra: dict = field(default_factory=dict)  # per-executor facts (e.g. a collective's work name)
 
     def input_proxies(self) -> list[TensorProxy]:

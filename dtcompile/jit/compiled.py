@@ -157,9 +157,10 @@ class CompiledFunction:
     def _training(self, captured: CapturedCall, labels):
         backward = captured.backward
         slots = _slot_count(captured)
-        split = split_forward_backward(captured.trace, backward.forward_symbols, backward.cotangents, slots)
-        forward_traces = self._optimized(split.forward, PASSES)
-        backward_traces = self._optimized(split.backward, PASSES)
+        joint_traces = self._optimized(captured.trace, (remove_identity_views, cse))
+        split = split_forward_backward(joint_traces[-1], backward.cotangents, slots)
+        forward_traces = self._optimized(split.forward, (combine_all_reduces, dce))
+        backward_traces = self._optimized(split.backward, (combine_all_reduces, dce))
         check_ranks_agree([forward_traces[-1], backward_traces[-1]], captured.meshes, labels, self.name)
         forward_execution = self._lowered(forward_traces[-1], labels)
         forward_execution.header_notes.append(saved_note(forward_traces[-1], slots))
@@ -191,7 +192,7 @@ class CompiledFunction:
             grad_specs=[s for _, _, s in with_grads],
             inputs=len(inputs),
         )
-        traces = [captured.trace, *forward_traces, forward_execution, *backward_traces, backward_execution]
+        traces = [*joint_traces, *forward_traces, forward_execution, *backward_traces, backward_execution]
         return program, epilogue, traces
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -74,17 +73,23 @@ class CompiledStep(torch.autograd.Function):
             local_inputs[position] = local_inputs[position]._local_tensor
         outs = program.forward(*local_inputs)
         ctx.program = program
-        ctx.saved = outs[program.slots :]
+        # As autograd's own saved tensors: freed after a backward without retain_graph (a
+        # second one then raises), and checked for in-place changes before the backward.
+        ctx.save_for_backward(*outs[program.slots :])
         wrapped = program.wrap_outputs.fn(outs[: program.slots])
         ctx.mark_non_differentiable(*(wrapped[i] for i in program.non_differentiable))
         return wrapped
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *grad_outputs):
+        if torch.is_grad_enabled():  # autograd enables it in a backward only for create_graph=True
+            raise RuntimeError(
+                "dtcompile: the backward of a compiled call is not differentiable (double backward, "
+                "create_graph=True, is not supported)"
+            )
         program: TrainingProgram = ctx.program
         cotangents = [program.cotangent(k, grad_outputs[slot]) for k, slot in enumerate(program.cotangent_slots)]
-        grads = program.backward(*ctx.saved, *cotangents)
+        grads = program.backward(*ctx.saved_tensors, *cotangents)
         result: list = [None] * (1 + program.inputs)
         for grad, position, spec in zip(grads, program.grad_positions, program.grad_specs):
             result[1 + position] = grad if spec is None else DTensor(grad, spec, requires_grad=False)

@@ -1,4 +1,8 @@
-"""Splitting a recorded forward-and-backward trace into a forward and a backward program.
+"""Splitting a forward-and-backward trace into a forward and a backward program.
+
+Passes that rename values (identity views, CSE) run on the joint trace first, so the
+forward and the backward agree on every name, and a value both would compute is
+computed once, by the forward.
 
 The saved set is what the backward reads that the forward made or received: after dead
 code is dropped from the backward, every value a backward symbol (or a gradient output)
@@ -46,18 +50,17 @@ def _held_bytes(forward: Trace, saved: list[TensorProxy]) -> int:
     return sum(by_label[label].numel() * by_label[label].element_size() for label in held if label in by_label)
 
 
-def split_forward_backward(
-    joint: Trace, forward_symbols: int, cotangents: list[TensorProxy], forward_outputs: int
-) -> SplitTraces:
-    """``joint``'s first ``forward_symbols`` symbols are the forward; its inputs are the
-    forward's followed by ``cotangents``; its output is the forward's ``forward_outputs``
-    outputs followed by the gradients."""
+def split_forward_backward(joint: Trace, cotangents: list[TensorProxy], forward_outputs: int) -> SplitTraces:
+    """``joint``'s symbols marked ``in_backward`` are the backward, the others the forward;
+    its inputs are the forward's followed by ``cotangents``; its output is the forward's
+    ``forward_outputs`` outputs followed by the gradients."""
     outputs, _ = tree_flatten(joint.output)
     user_outputs, grads = tuple(outputs[:forward_outputs]), tuple(outputs[forward_outputs:])
     cotangent_labels = {c.label for c in cotangents}
     primals = [p for p in joint.inputs if p.label not in cotangent_labels]
 
-    backward_only = joint.derive(joint.title, joint.bound_symbols[forward_symbols:], grads)
+    forward_symbols = [b for b in joint.bound_symbols if not b.in_backward]
+    backward_only = joint.derive(joint.title, [b for b in joint.bound_symbols if b.in_backward], grads)
     backward_only = dce(backward_only)
     made_by_backward = {p.label for b in backward_only.bound_symbols for p in b.output_proxies()}
     saved: list[TensorProxy] = []
@@ -69,7 +72,7 @@ def split_forward_backward(
             seen.add(proxy.label)
             saved.append(proxy)
 
-    forward = joint.derive("forward, as recorded", joint.bound_symbols[:forward_symbols], user_outputs + tuple(saved))
+    forward = joint.derive("forward, as recorded", forward_symbols, user_outputs + tuple(saved))
     forward.inputs = primals
     forward.fn_name = "forward"
     forward = dce(forward)
