@@ -8,6 +8,11 @@ the rest. The op tests distribute every tensor input over every placement it can
 
 Shapes are small and mix dims that a mesh of 2 (or 4) divides with dims it does not, so
 that each op sees sharded, replicated and partial inputs without too many combinations.
+
+The gradient tests use the same table: every op with ``grad=True`` (the default) and a
+floating-point tensor input is run again with grad mode on and those inputs requiring
+grad (:attr:`OpInfo.grad_positions`). Ops whose outputs are not differentiable (integer
+results, comparisons, ``*_like`` creations) say ``grad=False``.
 """
 
 from __future__ import annotations
@@ -60,17 +65,27 @@ def mask(*shape: int) -> TensorArg:
 class OpInfo:
     """One op of the table. ``args`` holds a :class:`TensorArg` per tensor input and the
     other arguments as they are passed. ``compare_values`` is False for ops whose values
-    are not defined (``empty_like``): only their metadata is compared."""
+    are not defined (``empty_like``): only their metadata is compared. ``grad`` is False
+    for ops none of whose outputs is differentiable."""
 
     name: str
     fn: Callable
     args: tuple
     compare_values: bool = True
+    grad: bool = True
 
     @property
     def tensor_positions(self) -> list[int]:
         """The positions of the tensor inputs among ``args``."""
         return [i for i, a in enumerate(self.args) if isinstance(a, TensorArg)]
+
+    @property
+    def grad_positions(self) -> list[int]:
+        """The positions of the tensor inputs that require grad in the gradient tests: the
+        floating-point ones, for an op with ``grad``; none otherwise."""
+        if not self.grad:
+            return []
+        return [i for i in self.tensor_positions if self.args[i].dtype.is_floating_point]
 
 
 def seed_of(name: str) -> int:
@@ -186,14 +201,14 @@ OPS: list[OpInfo] = [
     OpInfo("mul", torch.mul, (T(4, 6), T(4, 6))),
     OpInfo("div_broadcast", torch.div, (T(4, 6), positive(4, 1))),
     OpInfo("maximum", torch.maximum, (T(4, 6), T(6))),
-    OpInfo("add_int", torch.add, (index(4, 6), index(4, 6))),
+    OpInfo("add_int", torch.add, (index(4, 6), index(4, 6)), grad=False),
     OpInfo("add_scalar", lambda x: x + 2.5, (T(4, 6),)),
     OpInfo("rsub_scalar", lambda x: 1.0 - x, (T(4, 6),)),
     OpInfo("mul_scalar_arg", torch.mul, (T(4, 6), 3)),
     OpInfo("div_scalar", lambda x: x / 4, (T(4, 6),)),
     OpInfo("pow_scalar", lambda x: x**2, (T(4, 6),)),
     OpInfo("pow_tensor", torch.pow, (positive(4, 6), T(4, 6))),
-    OpInfo("gt", torch.gt, (T(4, 6), T(4, 6))),
+    OpInfo("gt", torch.gt, (T(4, 6), T(4, 6)), grad=False),
     OpInfo("where", torch.where, (mask(4, 6), T(4, 6), T(6))),
     OpInfo("where_scalar", lambda c, x: torch.where(c, x, 0.0), (mask(4, 6), T(4, 6))),
     OpInfo("masked_fill", torch.Tensor.masked_fill, (T(4, 6), mask(4, 6), -1.0)),
@@ -207,7 +222,7 @@ OPS: list[OpInfo] = [
     OpInfo("amax_dim", lambda x: x.amax(dim=0), (T(4, 6),)),
     OpInfo("amin_dim_keepdim", lambda x: x.amin(dim=1, keepdim=True), (T(4, 6),)),
     OpInfo("max_dim", lambda x: torch.max(x, dim=1), (T(4, 6),)),
-    OpInfo("argmax_dim", lambda x: x.argmax(dim=-1), (T(4, 6),)),
+    OpInfo("argmax_dim", lambda x: x.argmax(dim=-1), (T(4, 6),), grad=False),
     OpInfo("var_dim", lambda x: x.var(dim=1), (T(4, 6),)),
     OpInfo("vector_norm", lambda x: torch.linalg.vector_norm(x, dim=-1), (T(4, 6),)),
     OpInfo("cumsum", lambda x: x.cumsum(dim=1), (T(4, 6),)),
@@ -277,10 +292,10 @@ OPS: list[OpInfo] = [
     OpInfo("to_local", lambda x: (x + 1).to_local(), (T(4, 6),)),
     OpInfo("with_shape", lambda x: (x.sum(dim=0), x.shape, x.placements), (T(4, 6),)),
     # creations
-    OpInfo("ones_like", torch.ones_like, (T(4, 6),)),
-    OpInfo("zeros_like", torch.zeros_like, (T(2, 4, 6),)),
-    OpInfo("full_like", torch.full_like, (T(4, 6), 3.0)),
-    OpInfo("empty_like", torch.empty_like, (T(4, 6),), compare_values=False),
+    OpInfo("ones_like", torch.ones_like, (T(4, 6),), grad=False),
+    OpInfo("zeros_like", torch.zeros_like, (T(2, 4, 6),), grad=False),
+    OpInfo("full_like", torch.full_like, (T(4, 6), 3.0), grad=False),
+    OpInfo("empty_like", torch.empty_like, (T(4, 6),), compare_values=False, grad=False),
     OpInfo("add_arange", add_arange, (T(4, 6),)),
     OpInfo("add_arange_implicit", add_arange_implicit, (T(4, 6),)),
     OpInfo("add_arange_from_local", add_arange_from_local, (T(4, 6),)),
@@ -290,4 +305,5 @@ OPS: list[OpInfo] = [
 ]
 
 OPS_BY_NAME: dict[str, OpInfo] = {op.name: op for op in OPS}
+GRAD_OPS: list[OpInfo] = [op for op in OPS if op.grad_positions]
 assert len(OPS_BY_NAME) == len(OPS), "op names must be unique"

@@ -6,6 +6,16 @@ the ranks call the op eagerly on DTensors and through ``dtcompile.jit``, and com
 result: its type, placements, global shape and stride, local shape and stride, dtype and
 values; where eager raises, the compiled call must raise the same exception type. All
 cases of an op run in one ``pool.run`` call; the test then lists every failing case.
+
+The gradient tests (``test_op_grad[op]``) run every differentiable op of the table the
+same way with grad mode on and its floating-point inputs requiring grad: both sides
+reduce each output to a scalar with a fixed random weighting, ``(out * w).sum()`` with
+``w`` distributed like the output (so the compiled backward gets cotangents with the
+output's placements and non-trivial values), take ``torch.autograd.grad`` of those
+scalars with respect to the inputs, and compare outputs and gradients as above. A few
+ops also run with ``.backward()`` twice (``.grad`` accumulates, the second call hits the
+cache), and a few cases reduce the output in a way that sends the compiled backward a
+cotangent with other placements than the output's.
 """
 
 from __future__ import annotations
@@ -16,10 +26,21 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-from opinfo import OPS, OPS_BY_NAME, OpInfo, TensorArg, global_inputs, partial_locals, placement_choices, seed_of
+from opinfo import (
+    GRAD_OPS,
+    OPS,
+    OPS_BY_NAME,
+    OpInfo,
+    TensorArg,
+    global_inputs,
+    partial_locals,
+    placement_choices,
+    seed_of,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.placement_types import _MaskPartial
 from torch.utils._pytree import tree_flatten
 
 import dtcompile
@@ -128,7 +149,8 @@ def compare_leaf(got, expected, compare_values: bool) -> list[str]:
     if not isinstance(got, DTensor):
         return [f"type {type(got).__name__} != eager's DTensor"]
     # Both ranks reach this point for the same outputs, so the full_tensor collectives match.
-    full_got, full_expected = got.full_tensor(), expected.full_tensor()
+    if compare_values:
+        full_got, full_expected = got.full_tensor(), expected.full_tensor()
     problems = (
         []
         if got.placements == expected.placements
@@ -142,14 +164,24 @@ def compare_leaf(got, expected, compare_values: bool) -> list[str]:
     return problems
 
 
-def compare_outputs(got, expected, compare_values: bool) -> str | None:
+def _masked(value) -> bool:
+    """Whether ``value`` is a row-wise embedding's result, whose pending reduction needs
+    the index mask DTensor keeps on its placement and drops once it is reduced."""
+    return isinstance(value, DTensor) and any(isinstance(p, _MaskPartial) for p in value.placements)
+
+
+def compare_outputs(got, expected, compare_values: bool, reduced: bool = False) -> str | None:
+    """What differs between the compiled call's result and eager's. ``reduced``: a loss has
+    been computed from the results, so an embedding's masked result cannot be reduced
+    again; its values are then left to the gradients' comparison."""
     got_leaves, got_spec = tree_flatten(got)
     expected_leaves, expected_spec = tree_flatten(expected)
     if got_spec != expected_spec:
         return f"output structure {got_spec} != eager's {expected_spec}"
     problems = []
     for i, (g, e) in enumerate(zip(got_leaves, expected_leaves)):
-        problems += [f"output {i}: {p}" for p in compare_leaf(g, e, compare_values)]
+        values = compare_values and not (reduced and _masked(e))
+        problems += [f"output {i}: {p}" for p in compare_leaf(g, e, values)]
     return "; ".join(problems) or None
 
 
@@ -183,19 +215,215 @@ def _reduce(result) -> None:
             leaf.full_tensor()
 
 
-def run_ops(names: list[str]) -> list[tuple[str, str | None]]:
-    """Rank function: every case of the named ops; ``(case id, failure or None)`` each."""
+def _run_cases(check, names: list[str]) -> list[tuple[str, str | None]]:
+    """``(case id, failure or None)`` for every placement combination of the named ops."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     results = []
-    with torch.no_grad():
-        for name in names:
-            op = OPS_BY_NAME[name]
-            for case_id, placements in cases(op, mesh.size()):
-                try:
-                    results.append((case_id, check_case(op, placements, mesh)))
-                except Exception as error:  # a failure of the comparison itself
-                    results.append((case_id, f"comparing raised {_describe_error(error)}"))
+    for name in names:
+        op = OPS_BY_NAME[name]
+        for case_id, placements in cases(op, mesh.size()):
+            try:
+                results.append((case_id, check(op, placements, mesh)))
+            except Exception as error:  # a failure of the comparison itself
+                results.append((case_id, f"comparing raised {_describe_error(error)}"))
     return results
+
+
+def run_ops(names: list[str]) -> list[tuple[str, str | None]]:
+    """Rank function: every case of the named ops, under no_grad."""
+    with torch.no_grad():
+        return _run_cases(check_case, names)
+
+
+# --- gradients, on the ranks -------------------------------------------------------------------
+
+
+class NoDifferentiableOutput(RuntimeError):
+    """None of a call's outputs requires grad: there is nothing to differentiate."""
+
+
+def grad_call_args(op: OpInfo, placements, mesh) -> tuple[list, list]:
+    """The op's arguments with its floating-point inputs made leaves that require grad
+    (DTensors built by ``from_local`` detached first, so that they are leaves), and those
+    leaves."""
+    values = call_args(op, placements, mesh)
+    leaves = []
+    for i in op.grad_positions:
+        values[i] = values[i].detach().requires_grad_()
+        leaves.append(values[i])
+    return values, leaves
+
+
+def cotangent_weight(out: torch.Tensor, seed: int) -> torch.Tensor:
+    """A seeded random tensor of ``out``'s global shape, distributed like ``out`` (its
+    placements, ``_StridedShard`` included, with Partial made Replicate): ``(out * w).sum()``
+    then sends ``w`` to ``out``'s backward with the placements the compiled backward was
+    traced for (see ``OTHER_COTANGENT_CASES`` for cotangents that arrive otherwise)."""
+    generator = torch.Generator().manual_seed(seed)
+    value = torch.randn(out.shape, generator=generator).to(out.dtype)
+    if not isinstance(out, DTensor):
+        return value
+    mesh = out.device_mesh
+    replicated = distribute_tensor(value, mesh, [Replicate()] * mesh.ndim, src_data_rank=None)
+    return replicated.redistribute(mesh, [Replicate() if p.is_partial() else p for p in out.placements])
+
+
+def loss_terms(op: OpInfo, outputs) -> list[torch.Tensor]:
+    """One scalar per differentiable output: its weighted sum."""
+    terms = []
+    for i, leaf in enumerate(tree_flatten(outputs)[0]):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            terms.append((leaf * cotangent_weight(leaf, seed_of(f"{op.name} cotangent {i}"))).sum())
+    if not terms:
+        raise NoDifferentiableOutput(f"no output of {op.name} requires grad")
+    return terms
+
+
+def _forward_and_grads(fn, op: OpInfo, args: list, leaves: list, loss=loss_terms):
+    """``(outputs, gradients of the loss with respect to leaves)``, or the error raised."""
+    try:
+        outputs = fn(*args)
+        grads = torch.autograd.grad(loss(op, outputs), leaves, allow_unused=True)
+        return (outputs, grads), None
+    except NoDifferentiableOutput:
+        raise
+    except Exception as error:  # compared with the other side's
+        return None, error
+
+
+def compare_grads(got: tuple, expected: tuple, same_placements: bool = True) -> str | None:
+    """What differs between the compiled call's gradients and eager's (None: nothing).
+    With ``same_placements=False`` DTensor gradients are compared by value only."""
+    problems = []
+    for i, (g, e) in enumerate(zip(got, expected)):
+        if e is None or g is None:
+            if (e is None) != (g is None):
+                problems.append(f"grad {i}: {'None' if g is None else 'a gradient'}; eager's is {e!r}")
+            continue
+        if not same_placements and isinstance(e, DTensor):
+            if not isinstance(g, DTensor):
+                problems.append(f"grad {i}: a {type(g).__name__}; eager's is a DTensor")
+                continue
+            problems += [f"grad {i}: {p}" for p in _compare_metadata("global", g, e)]
+            problems += [f"grad {i}: {p}" for p in _compare_values("full_tensor()", g.full_tensor(), e.full_tensor())]
+            continue
+        problems += [f"grad {i}: {p}" for p in compare_leaf(g, e, True)]
+    return "; ".join(problems) or None
+
+
+def check_grad_case(op: OpInfo, placements, mesh, loss=loss_terms, same_placements: bool = True) -> str | None:
+    """None when the compiled op's outputs and gradients are eager DTensor's; else what
+    differs. Where eager raises, in its forward or its backward, the compiled call (whose
+    backward is traced with its forward) must raise the same exception type."""
+    jitted = dtcompile.jit(op.fn)
+    got, got_error = _forward_and_grads(jitted, op, *grad_call_args(op, placements, mesh), loss=loss)
+    try:
+        expected, expected_error = _forward_and_grads(op.fn, op, *grad_call_args(op, placements, mesh), loss=loss)
+    except NoDifferentiableOutput:
+        return f"no output of eager's call requires grad: mark {op.name} grad=False in the table"
+    if expected_error is not None:
+        if got_error is None:
+            return f"eager raised {_describe_error(expected_error)}; compiled did not"
+        if type(got_error) is not type(expected_error):
+            return f"eager raised {_describe_error(expected_error)}; compiled raised {_describe_error(got_error)}"
+        return None
+    if got_error is not None:
+        return f"compiled raised {_describe_error(got_error)}"
+    (got_outputs, got_grads), (expected_outputs, expected_grads) = got, expected
+    problems = [
+        compare_grads(got_grads, expected_grads, same_placements),
+        compare_outputs(got_outputs, expected_outputs, True, reduced=True),
+    ]
+    return "; ".join(p for p in problems if p) or None
+
+
+def run_grads(names: list[str]) -> list[tuple[str, str | None]]:
+    """Rank function: the gradient case of every placement combination of the named ops."""
+    with torch.enable_grad():
+        return _run_cases(check_grad_case, names)
+
+
+def check_backward_case(op: OpInfo, placements, mesh) -> str | None:
+    """``loss.backward()`` twice through one jitted function (the second call hits its
+    cache) and eagerly: the inputs' accumulated ``.grad`` must be eager's."""
+    jitted = dtcompile.jit(op.fn)
+    sides = []
+    for fn in (jitted, op.fn):
+        args, leaves = grad_call_args(op, placements, mesh)
+        try:
+            for _ in range(2):
+                sum(loss_terms(op, fn(*args))).backward()
+            sides.append(([leaf.grad for leaf in leaves], None))
+        except NoDifferentiableOutput:
+            raise
+        except Exception as error:
+            sides.append((None, error))
+    (got, got_error), (expected, expected_error) = sides
+    if expected_error is not None or got_error is not None:
+        if type(got_error) is type(expected_error):
+            return None
+        return f"eager: {expected_error and _describe_error(expected_error)}; compiled: {got_error and _describe_error(got_error)}"
+    if dtcompile.cache_misses(jitted) != 1 or dtcompile.cache_hits(jitted) != 1:
+        return f"{dtcompile.cache_misses(jitted)} misses, {dtcompile.cache_hits(jitted)} hits; expected 1 and 1"
+    return compare_grads(tuple(got), tuple(expected))
+
+
+def run_backward(names: list[str]) -> list[tuple[str, str | None]]:
+    """Rank function: the ``.backward()`` case of every placement combination of the named ops."""
+    with torch.enable_grad():
+        return _run_cases(check_backward_case, names)
+
+
+def _redistributed_loss(op: OpInfo, outputs) -> list[torch.Tensor]:
+    """The output made Replicate before it is weighted: its cotangent comes back through
+    DTensor's redistribute backward (a Partial output's as Replicate)."""
+    out = outputs.redistribute(outputs.device_mesh, [Replicate()])
+    return [(out * cotangent_weight(out, seed_of(f"{op.name} redistributed"))).sum()]
+
+
+def _summed_loss(op: OpInfo, outputs) -> list[torch.Tensor]:
+    """``out.sum()`` of a sharded output: a Partial scalar, whose backward sends the output
+    a Replicate cotangent, not one with the output's Shard placement."""
+    return [outputs.sum()]
+
+
+def _full_tensor_loss(op: OpInfo, outputs) -> list[torch.Tensor]:
+    """A loss on the output's ``full_tensor()``: a plain tensor; the cotangent reaches the
+    output through ``to_local`` and ``redistribute``'s backwards."""
+    full = outputs.full_tensor()
+    return [(full * cotangent_weight(full, seed_of(f"{op.name} full"))).sum()]
+
+
+def _replicated_weight_loss(op: OpInfo, outputs) -> list[torch.Tensor]:
+    """``(out * w).sum()`` with ``w`` Replicate whatever ``out``'s placements: the cotangent
+    the mul's backward sends ``out`` is the sum's (Replicate) times ``w``: Replicate too."""
+    w = cotangent_weight(outputs, seed_of(f"{op.name} replicated"))
+    return [(outputs * w.redistribute(w.device_mesh, [Replicate()])).sum()]
+
+
+def _row_sharded_weight_loss(op: OpInfo, outputs) -> list[torch.Tensor]:
+    """``(out * w).sum()`` with ``w`` Shard(0): a Partial output is reduce-scattered to
+    Shard(0) inside the mul, and its cotangent arrives Shard(0), not Replicate."""
+    w = cotangent_weight(outputs, seed_of(f"{op.name} row-sharded"))
+    return [(outputs * w.redistribute(w.device_mesh, [Shard(0)])).sum()]
+
+
+LOSSES = {
+    "redistributed": _redistributed_loss,
+    "summed": _summed_loss,
+    "full_tensor": _full_tensor_loss,
+    "replicated_weight": _replicated_weight_loss,
+    "row_sharded_weight": _row_sharded_weight_loss,
+}
+
+
+def run_other_cotangent(name: str, placements: list[str], loss: str) -> str | None:
+    """Rank function: one case whose loss reduces the output its own way (``LOSSES``)."""
+    op = OPS_BY_NAME[name]
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    by_short = {_short(p): p for i in op.tensor_positions for p in placement_choices(op.args[i], mesh.size())}
+    with torch.enable_grad():
+        return check_grad_case(op, [by_short[p] for p in placements], mesh, LOSSES[loss], same_placements=False)
 
 
 def collectives_of_case(name: str, placements: list[str]) -> tuple[dict, dict]:
@@ -244,6 +472,66 @@ def test_op(name, ranks2):
 
 def test_ops_on_four_ranks(ranks4):
     _assert_no_failures(ranks4.run(run_ops, FOUR_RANK_OPS, timeout=180))
+
+
+GRAD_FOUR_RANK_OPS = ["mm", "linear", "sum_dim", "softmax", "embedding", "layer_norm"]
+
+
+def test_grad_table_covers_the_differentiable_ops():
+    assert len(GRAD_OPS) >= 80
+    assert {"mm", "softmax", "layer_norm", "embedding", "sdpa", "redistribute", "to_local"} <= {
+        op.name for op in GRAD_OPS
+    }
+
+
+@pytest.mark.parametrize("name", [op.name for op in GRAD_OPS])
+def test_op_grad(name, ranks2):
+    _assert_no_failures(ranks2.run(run_grads, [name], timeout=180))
+
+
+def test_op_grads_on_four_ranks(ranks4):
+    _assert_no_failures(ranks4.run(run_grads, GRAD_FOUR_RANK_OPS, timeout=180))
+
+
+BACKWARD_OPS = ["mm", "softmax", "layer_norm_no_affine", "embedding", "redistribute"]
+
+
+@pytest.mark.parametrize("name", BACKWARD_OPS)
+def test_op_backward(name, ranks2):
+    _assert_no_failures(ranks2.run(run_backward, [name], timeout=120))
+
+
+# (op, placements of its inputs, how the loss reduces the output: see LOSSES). In some the
+# cotangent comes back with the output's placements (a redistribute's backward restores
+# them); in the others it arrives with other placements than the compiled backward was
+# traced for. The compiled backward redistributes it to the traced placements (as the
+# design says) and gives the gradients the traced backward's placements, where eager's
+# backward propagates the arriving ones: the gradients' values must be eager's, their
+# placements may differ (neg of a Shard(0) input with a Replicate cotangent: compiled
+# Shard(0), eager Replicate).
+OTHER_COTANGENT_CASES = [
+    ("neg", ["S0"], "redistributed"),  # Shard(0) output; its cotangent comes back Shard(0)
+    ("mm", ["S1", "S0"], "redistributed"),  # Partial output; its cotangent comes back Replicate
+    ("sum_dim", ["S1"], "redistributed"),
+    ("mm", ["S0", "S1"], "full_tensor"),
+    ("neg", ["S0"], "summed"),  # Shard(0) output, Replicate cotangent
+    ("mm", ["S0", "R"], "summed"),
+    ("softmax", ["S1"], "summed"),
+    ("layer_norm", ["S0", "R", "S0"], "summed"),
+    ("flatten", ["S2"], "replicated_weight"),  # _StridedShard output, Replicate cotangent
+    ("sum_dim", ["S1"], "row_sharded_weight"),  # Partial output, Shard(0) cotangent
+    ("mm", ["S1", "S0"], "row_sharded_weight"),
+]
+
+
+@pytest.mark.parametrize(
+    "name, placements, loss",
+    OTHER_COTANGENT_CASES,
+    ids=[f"{n}[{','.join(p)}]-{loss}" for n, p, loss in OTHER_COTANGENT_CASES],
+)
+def test_grad_with_other_cotangent_placements(name, placements, loss, ranks2):
+    failures = [f for f in ranks2.run(run_other_cotangent, name, placements, loss) if f is not None]
+    assert not failures, "\n".join(failures)
 
 
 # (op, placements of its tensor inputs, the collectives eager issues for it)
