@@ -1,0 +1,384 @@
+"""Single process, no process group: jitted functions and modules against eager PyTorch.
+
+Values, shapes, strides, the containers around outputs, how inputs alias outputs, the
+guards, jitted modules, clear errors, and printed traces that run."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from support import assert_same_result, assert_same_tensor
+
+import dtcompile
+
+
+@pytest.fixture(autouse=True)
+def no_grad():
+    # Inference; the training tests (test_training_single.py) turn grad mode on.
+    with torch.no_grad():
+        yield
+
+
+# ---------------------------------------------------------------------------------------
+# Functions and modules match eager
+
+
+def _attention_like(x, w):
+    scores = x @ w @ x.transpose(-1, -2) / 3.0
+    return torch.softmax(scores, dim=-1) @ x
+
+
+def _views_and_reductions(x, w):
+    y = x.transpose(1, 2).contiguous().view(x.shape[0], -1)
+    return y.sum(-1), y.mean(0, keepdim=True), x[:, 1:, ::2].permute(2, 0, 1), torch.cat([x, x * w[:1]], dim=1)
+
+
+def _in_place_on_a_copy(x, w):
+    y = x.clone()
+    y.mul_(2).add_(w[0])
+    y[:, 0] = -1.0
+    return y, x.exp().clamp(max=3.0)
+
+
+def _mixed_dtypes(x, w):
+    idx = torch.arange(x.shape[1]) % 2
+    return (x.to(torch.float64) * 2).sum(), torch.where(x > 0, x, w[0]), F.embedding(idx, w), idx
+
+
+@pytest.mark.parametrize("fn", [_attention_like, _views_and_reductions, _in_place_on_a_copy, _mixed_dtypes])
+def test_function_matches_eager(fn):
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 4, 4), torch.randn(4, 4)
+    jitted = dtcompile.jit(fn)
+    assert_same_result(jitted(x, w), fn(x, w))
+    assert_same_result(jitted(x, w), fn(x, w))
+    assert (dtcompile.cache_misses(jitted), dtcompile.cache_hits(jitted)) == (1, 1)
+
+
+def test_module_matches_eager():
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4)).eval()
+    jitted = dtcompile.jit(module)
+    x = torch.randn(3, 5, 8)
+    assert_same_result(jitted(x), module(x))
+
+
+def test_module_with_buffers_in_training_mode_matches_eager():
+    # BatchNorm in training mode updates its running statistics: in-place writes to buffers.
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6)).train()
+    reference = copy.deepcopy(module)
+    jitted = dtcompile.jit(module)
+    for _ in range(2):
+        x = torch.randn(5, 4)
+        assert_same_result(jitted(x), reference(x))
+        for name, buffer in reference.named_buffers():
+            assert_same_result(module.get_buffer(name), buffer)
+    assert dtcompile.cache_misses(jitted) == 1
+
+
+@pytest.mark.parametrize("like", ["ones_like", "full_like", "zeros_like", "empty_like"])
+def test_like_factories_keep_eager_strides(like):
+    def fn(x):
+        sliced = x[:, 1:].permute(1, 0)  # not contiguous: its like-tensors keep the permutation
+        if like == "full_like":
+            return torch.full_like(sliced, 3.0)
+        return getattr(torch, like)(sliced)
+
+    x = torch.randn(4, 6)
+    got, expected = dtcompile.jit(fn)(x), fn(x)
+    assert got.shape == expected.shape and got.stride() == expected.stride()
+    assert not expected.is_contiguous()
+    if like != "empty_like":
+        torch.testing.assert_close(got, expected)
+
+
+def test_nested_outputs_and_constants():
+    def fn(x, y):
+        return {"sum": (x + y, [x.sum(), None, "text"]), "count": 3, "pair": [(x * y,), 2.5]}
+
+    x, y = torch.randn(3, 2), torch.randn(3, 2)
+    assert_same_result(dtcompile.jit(fn)(x, y), fn(x, y))
+
+
+def test_outputs_alias_like_eager():
+    """Returned views of inputs share the input's memory; equal computations returned twice
+    are distinct tensors, as in eager (writing to one must not change the other)."""
+
+    def fn(x):
+        return x.view(x.shape), x.exp(), x.exp(), x.exp().view(-1)
+
+    x = torch.randn(6)
+    view, a, b, c = dtcompile.jit(fn)(x)
+    assert view is not x and view.data_ptr() == x.data_ptr()
+    assert len({a.data_ptr(), b.data_ptr(), c.data_ptr()}) == 3
+    a.add_(1)
+    torch.testing.assert_close(b, x.exp())
+    torch.testing.assert_close(c, x.exp())
+
+
+def test_in_place_update_of_an_input_matches_eager():
+    def fn(x):
+        x.mul_(2)
+        return x.sin(), x
+
+    x = torch.randn(5)
+    x_eager = x.clone()
+    got, expected = dtcompile.jit(fn)(x), fn(x_eager)
+    torch.testing.assert_close(x, x_eager)
+    assert got[1] is x
+    assert_same_tensor(got[0], expected[0])
+
+
+def test_kwargs():
+    def fn(x, *, mask, scale=1.0):
+        return torch.where(mask, x * scale, -x)
+
+    jitted = dtcompile.jit(fn)
+    x, mask = torch.randn(4, 3), torch.rand(4, 3) > 0.5
+    assert_same_result(jitted(x, mask=mask), fn(x, mask=mask))
+    assert_same_result(jitted(x, mask=mask, scale=2.0), fn(x, mask=mask, scale=2.0))
+    assert_same_result(jitted(mask=mask, x=x), fn(mask=mask, x=x))  # x by keyword: another call
+    assert dtcompile.cache_misses(jitted) == 3
+    assert_same_result(jitted(x, mask=~mask, scale=2.0), fn(x, mask=~mask, scale=2.0))
+    assert (dtcompile.cache_misses(jitted), dtcompile.cache_hits(jitted)) == (3, 1)
+
+
+def test_python_constants_are_guarded():
+    def fn(x, n, mode, offset, flag):
+        y = x * n if mode == "mul" else x + n
+        if offset is not None:
+            y = y + offset
+        return y if flag is True else -y  # True and 1 differ here
+
+    jitted = dtcompile.jit(fn)
+    x = torch.randn(3)
+    calls = [
+        (2, "mul", None, True),
+        (2, "mul", None, True),
+        (3, "mul", None, True),
+        (2, "add", None, True),
+        (2, "mul", 0.5, True),
+        (2, "mul", None, 1),
+        (2.0, "mul", None, True),
+        (3, "mul", None, True),
+    ]
+    misses = []
+    for n, mode, offset, flag in calls:
+        assert_same_tensor(jitted(x, n, mode, offset, flag), fn(x, n, mode, offset, flag))
+        misses.append(dtcompile.cache_misses(jitted))
+    # Each new value (and 1 vs True, 2.0 vs 2) is a miss; repeated calls are hits.
+    assert misses == [1, 1, 2, 3, 4, 5, 6, 6]
+    assert dtcompile.cache_hits(jitted) == 2
+
+
+def test_signed_zero_constants_are_distinct():
+    # -0.0 == 0.0 in Python, but they are different constants: 1 / (x * -0.0) is -inf.
+    def fn(x, s):
+        return 1 / (x * s)
+
+    jitted = dtcompile.jit(fn)
+    x = torch.ones(2)
+    assert_same_tensor(jitted(x, 0.0), fn(x, 0.0))
+    assert_same_tensor(jitted(x, -0.0), fn(x, -0.0))
+
+
+def test_tensor_metadata_and_grad_mode_are_guarded():
+    jitted = dtcompile.jit(lambda x: x.t() * 2)
+    x = torch.randn(3, 4)
+    for arg in (x, x.clone(), x[:, :2], x.t(), x.double(), x[:2]):
+        assert_same_tensor(jitted(arg), arg.t() * 2)
+    assert (dtcompile.cache_misses(jitted), dtcompile.cache_hits(jitted)) == (5, 1)
+    with torch.enable_grad():  # nothing requires grad: compiled, as a new entry
+        assert_same_tensor(jitted(x), x.t() * 2)
+    assert dtcompile.cache_misses(jitted) == 6
+
+
+def test_no_caching_compiles_every_call():
+    jitted = dtcompile.jit(lambda x: x + 1, cache="no caching")
+    x = torch.randn(2)
+    for _ in range(3):
+        assert_same_tensor(jitted(x), x + 1)
+    assert (dtcompile.cache_misses(jitted), dtcompile.cache_hits(jitted)) == (3, 0)
+
+
+# ---------------------------------------------------------------------------------------
+# A jitted module is the module
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.ReLU())
+        self.head = nn.Linear(8, 2)
+        self.scale = 2.0
+        self.register_buffer("offset", torch.ones(2))
+
+    def forward(self, x):
+        return self.head(self.body(x)) * self.scale + self.offset
+
+
+def test_jitted_module_behaves_like_the_module():
+    torch.manual_seed(0)
+    net = _Net()
+    jitted = dtcompile.jit(net)
+    assert isinstance(jitted, _Net) and isinstance(jitted, nn.Module)
+    assert [id(p) for p in jitted.parameters()] == [id(p) for p in net.parameters()]
+    assert list(jitted.state_dict()) == list(net.state_dict())
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(jitted.state_dict().values(), net.state_dict().values()))
+    assert jitted.head is net.head and jitted.body[0] is net.body[0]
+    assert jitted.scale == 2.0
+    jitted.tag = "shared"
+    assert net.tag == "shared"
+    jitted.eval()
+    assert not net.training and not net.body[1].training
+    x = torch.randn(3, 4)
+    assert_same_tensor(jitted(x), net(x))
+
+
+class _Tied(nn.Module):
+    """One module under two names, and one parameter in two modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.encode = nn.Linear(4, 4)
+        self.again = self.encode
+        self.decode = nn.Linear(4, 4, bias=False)
+        self.decode.weight = self.encode.weight
+
+    def forward(self, x):
+        return self.decode(self.again(self.encode(x)))
+
+
+def test_tied_modules_and_weights():
+    torch.manual_seed(0)
+    net = _Tied()
+    originals = dict(net.named_parameters(remove_duplicate=False))
+    jitted = dtcompile.jit(net)
+    x = torch.randn(2, 4)
+    assert_same_tensor(jitted(x), net(x))
+    # Tracing leaves the module as it was: its own parameters, still tied.
+    assert all(p is originals[n] for n, p in net.named_parameters(remove_duplicate=False))
+    net.encode.weight.mul_(0.5)  # seen through both names by the next call
+    assert_same_tensor(jitted(x), net(x))
+    assert dtcompile.cache_misses(jitted) == 1
+    trace = dtcompile.last_traces(jitted)[0]
+    assert [str(p.provenance) for p in trace.inputs] == ["args[0]", "params['encode.weight']", "params['encode.bias']"]
+
+
+def test_training_flag_change_is_a_miss():
+    torch.manual_seed(0)
+    net = _Net().eval()
+    jitted = dtcompile.jit(net)
+    x = torch.randn(3, 4)
+    assert_same_tensor(jitted(x), net(x))
+    jitted.train()
+    torch.manual_seed(1)
+    expected = net(x)  # dropout is on now
+    torch.manual_seed(1)
+    assert_same_tensor(jitted(x), expected)
+    assert dtcompile.cache_misses(jitted) == 2
+    net.body[1].eval()  # a submodule's flag alone changes what forward does
+    assert_same_tensor(jitted(x), net(x))
+    assert dtcompile.cache_misses(jitted) == 3
+    jitted.eval()
+    assert_same_tensor(jitted(x), net(x))
+    assert (dtcompile.cache_misses(jitted), dtcompile.cache_hits(jitted)) == (3, 1)
+
+
+def test_in_place_parameter_updates_are_seen_without_recompiling():
+    torch.manual_seed(0)
+    net = _Net().eval()
+    jitted = dtcompile.jit(net)
+    x = torch.randn(3, 4)
+    before = jitted(x)
+    net.head.weight.mul_(-1.0)
+    net.offset.fill_(5.0)
+    net.body[0].bias.zero_()
+    after = jitted(x)
+    assert_same_tensor(after, net(x))
+    assert not torch.allclose(before, after)
+    assert (dtcompile.cache_misses(jitted), dtcompile.cache_hits(jitted)) == (1, 1)
+
+
+# ---------------------------------------------------------------------------------------
+# Clear errors
+
+
+def test_unsupported_argument_types_name_the_argument():
+    jitted = dtcompile.jit(lambda x, *rest, **kw: x)
+    x = torch.randn(2)
+    with pytest.raises(dtcompile.UnsupportedInputError, match=r"args\[1\]\[1\]\['a'\] is a object"):
+        jitted(x, [x, {"a": object()}])
+    with pytest.raises(dtcompile.UnsupportedInputError, match=r"kwargs\['opts'\] is a set"):
+        jitted(x, opts={1, 2})
+
+
+def test_unsupported_tensor_subclass_and_layout():
+    class Tagged(torch.Tensor):
+        pass
+
+    jitted = dtcompile.jit(lambda x, y: x + y)
+    x = torch.randn(2, 2)
+    with pytest.raises(dtcompile.UnsupportedInputError, match=r"args\[1\] is a Tagged"):
+        jitted(x, x.as_subclass(Tagged))
+    with pytest.raises(dtcompile.UnsupportedInputError, match=r"args\[0\] is a tensor with layout torch.sparse_coo"):
+        jitted(x.to_sparse(), x)
+
+
+@pytest.mark.parametrize("reads_data", [lambda x: x * x.sum().item(), lambda x: x if x.sum() > 0 else -x])
+def test_reading_tensor_data_while_tracing_is_a_tracing_error(reads_data):
+    with pytest.raises(dtcompile.TracingError, match="value at trace time"):
+        dtcompile.jit(reads_data)(torch.randn(3))
+
+
+def test_cache_options_and_executors_are_checked():
+    with pytest.raises(NotImplementedError, match="symbolic values.*not implemented"):
+        dtcompile.jit(lambda x: x, cache="symbolic values")
+    with pytest.raises(ValueError, match="cache must be one of"):
+        dtcompile.jit(lambda x: x, cache="sometimes")
+    with pytest.raises(ValueError, match="unknown executor 'nvfuserr'"):
+        dtcompile.jit(lambda x: x, executors=["torch", "nvfuserr"])
+    with pytest.raises(TypeError, match="expects a function or an nn.Module"):
+        dtcompile.jit(3)
+
+
+@torch.enable_grad()
+def test_a_training_call_gives_eager_gradients():
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    jitted = dtcompile.jit(module)
+    x = torch.randn(5, 3, requires_grad=True)
+    x_eager = x.detach().clone().requires_grad_()
+    jitted(x).pow(2).sum().backward()
+    expected = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad()
+    module(x_eager).pow(2).sum().backward()
+    for got, want in zip(expected, (p.grad for p in module.parameters())):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(x.grad, x_eager.grad)
+
+
+# ---------------------------------------------------------------------------------------
+# Printed traces are runnable Python
+
+
+def test_printed_traces_run_and_match_eager():
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.SiLU(), nn.Dropout(0.1), nn.Linear(8, 6)).eval()
+
+    def fn(x, scale):
+        h = module(x.transpose(0, 1).reshape(4, 6))
+        return torch.softmax(h * scale, dim=-1), h.sum(0), torch.ones_like(h[:, ::2].t())
+
+    jitted = dtcompile.jit(fn)
+    x = torch.randn(6, 4)
+    expected = fn(x, 0.5)
+    assert_same_result(jitted(x, 0.5), expected)
+    inputs = dtcompile.last_prologue(jitted).fn(None, (x, 0.5), {})
+    for trace in dtcompile.last_traces(jitted):
+        namespace = {}
+        exec(str(trace), namespace)
+        assert_same_result(namespace["computation"](*inputs), expected)

@@ -1,0 +1,210 @@
+"""Single process: provenance, the verifier and each pass, on small traces."""
+
+import pytest
+import torch
+import torch.nn as nn
+from support import assert_same_tensor, op_names, traced
+
+import dtcompile
+from dtcompile.capture import capture_call
+from dtcompile.core import InputPath, NoProvenance, Trace, TraceError, verify
+from dtcompile.transforms import cse, dce, remove_identity_views
+
+
+@pytest.fixture(autouse=True)
+def no_grad():
+    # Inference; the training tests (test_training_single.py) turn grad mode on.
+    with torch.no_grad():
+        yield
+
+
+# ---------------------------------------------------------------------------------------
+# Provenance
+
+
+def test_inputs_carry_their_path_into_the_call():
+    def fn(x, pair, *, mask):
+        return x + pair[0] * pair[1]["w"] + mask
+
+    x = torch.randn(3)
+    trace = traced(fn, x, (x, {"w": x}), mask=x)
+    paths = {p.label: p.provenance for p in trace.inputs}
+    assert list(paths.values()) == [
+        InputPath("args").index(0),
+        InputPath("args").index(1).index(0),
+        InputPath("args").index(1).index(1).key("w"),
+        InputPath("kwargs").key("mask"),
+    ]
+    assert [str(p) for p in paths.values()] == ["args[0]", "args[1][0]", "args[1][1]['w']", "kwargs['mask']"]
+
+
+def test_module_inputs_are_parameters_and_buffers():
+    module = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()
+    trace = capture_call(module, (torch.randn(2, 4),), {}, module=module).trace
+    expected = ["args[0]"] + [f"params['{n}']" for n, _ in module.named_parameters()]
+    expected += [f"buffers['{n}']" for n, _ in module.named_buffers()]
+    assert [str(p.provenance) for p in trace.inputs] == expected
+    assert trace.inputs[1].provenance == InputPath("params").key("0.weight")
+
+
+def test_intermediates_are_marked_without_provenance():
+    module = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+    jitted = dtcompile.jit(module)
+    jitted(torch.randn(3, 4))
+    traces = dtcompile.last_traces(jitted)
+    for trace in traces:
+        input_labels = {p.label for p in trace.inputs}
+        for bsym in trace.bound_symbols:
+            for proxy in bsym.output_proxies():
+                assert proxy.label not in input_labels
+                assert isinstance(proxy.provenance, NoProvenance), proxy
+                # The marker names the op that made the value.
+                assert proxy.provenance.made_by == str(bsym.op)
+    assert len(traces[-1].bound_symbols) > 0
+
+
+def test_a_tensor_the_function_closes_over_is_captured():
+    weight = torch.randn(3, 3)
+
+    def fn(x):
+        return x @ weight
+
+    jitted = dtcompile.jit(fn)
+    x = torch.randn(2, 3)
+    assert_same_tensor(jitted(x), fn(x))
+    trace = dtcompile.last_traces(jitted)[0]
+    assert [str(p.provenance) for p in trace.inputs] == ["args[0]", "captured[0]"]
+    weight.add_(1.0)  # the program reads the tensor itself, not a copy
+    assert_same_tensor(jitted(x), fn(x))
+    assert dtcompile.cache_misses(jitted) == 1
+
+
+# ---------------------------------------------------------------------------------------
+# The verifier and the passes
+
+
+def _two_step_trace():
+    return traced(lambda x: (x * 2).sin(), torch.randn(3))
+
+
+def test_verifier_accepts_recorded_traces():
+    verify(_two_step_trace())
+
+
+def test_verifier_rejects_use_before_definition():
+    trace = _two_step_trace()
+    broken = trace.derive("swapped", list(reversed(trace.bound_symbols)))
+    with pytest.raises(TraceError, match="before it is defined"):
+        verify(broken)
+
+
+def test_verifier_rejects_a_second_definition():
+    trace = _two_step_trace()
+    first = trace.bound_symbols[0]
+    with pytest.raises(TraceError, match="redefines"):
+        verify(trace.derive("doubled", [first, first, trace.bound_symbols[1]]))
+    with pytest.raises(TraceError, match="defined twice"):
+        verify(Trace("computation", [trace.inputs[0], trace.inputs[0]], [], ()))
+
+
+def test_verifier_rejects_an_undefined_output():
+    trace = _two_step_trace()
+    with pytest.raises(TraceError, match="never defined"):
+        verify(trace.derive("truncated", trace.bound_symbols[:1]))
+
+
+def test_dce_removes_dead_ops():
+    def fn(x):
+        unused = x.exp().cos()  # noqa: F841
+        return x.sin()
+
+    trace = traced(fn, torch.randn(3))
+    assert op_names(trace) == ["aten.exp.default", "aten.cos.default", "aten.sin.default"]
+    assert op_names(dce(trace)) == ["aten.sin.default"]
+
+
+def test_dce_keeps_in_place_and_random_ops():
+    def fn(x, buffer):
+        buffer.add_(1)  # nobody reads it afterwards, but the caller sees it
+        torch.rand(3)  # drawing advances the generator, even if unused
+        torch.randn_like(x).exp()
+        return x.sin()
+
+    trace = dce(traced(fn, torch.randn(3), torch.zeros(3)))
+    names = op_names(trace)
+    assert {"aten.add_.Tensor", "aten.rand.default", "aten.randn_like.default", "aten.sin.default"} <= set(names)
+    assert "aten.exp.default" not in names
+
+
+def test_dce_keeps_random_ops_in_compiled_programs():
+    # Dropping an unused draw would shift every later draw: compare with eager's stream.
+    def fn(x):
+        torch.rand(4)
+        return x + torch.rand(3)
+
+    x = torch.zeros(3)
+    torch.manual_seed(7)
+    expected = fn(x)
+    jitted = dtcompile.jit(fn)
+    jitted(x)
+    torch.manual_seed(7)
+    assert_same_tensor(jitted(x), expected)
+
+
+def test_cse_merges_duplicates():
+    trace = traced(lambda x: x.exp() + x.exp() * x.t().t().sum(), torch.randn(3, 3))
+    assert op_names(trace).count("aten.exp.default") == 2
+    merged = cse(trace)
+    verify(merged)
+    assert op_names(merged).count("aten.exp.default") == 1
+    assert op_names(merged).count("aten.t.default") == 2  # t(t(x)) is not a duplicate of t(x)
+
+
+def test_cse_keeps_returned_duplicates_apart():
+    trace = traced(lambda x: (x.exp(), x.exp(), x.sin() + x.sin()), torch.randn(3))
+    merged = cse(trace)
+    assert op_names(merged).count("aten.exp.default") == 2
+    assert op_names(merged).count("aten.sin.default") == 1
+    assert len({p.label for p in merged.output}) == 3
+
+
+def test_cse_is_skipped_when_the_trace_mutates():
+    def fn(x):
+        y = x.exp()
+        y.add_(1)
+        return y + x.exp()  # the second exp is not the mutated first one
+
+    x = torch.randn(4)
+    trace = traced(fn, x)
+    merged = cse(trace)
+    assert "skipped" in merged.title
+    assert op_names(merged) == op_names(trace)
+    assert_same_tensor(dtcompile.jit(fn)(x), fn(x))
+
+
+def test_identity_views_are_removed():
+    def fn(x):
+        return x.view(x.shape) * 2 + x.reshape(4, 5).view(-1).sum()
+
+    trace = traced(fn, torch.randn(4, 5))
+    assert op_names(trace).count("aten.view.default") == 3
+    cleaned = remove_identity_views(trace)
+    verify(cleaned)
+    assert op_names(cleaned).count("aten.view.default") == 1  # view(-1) changes the shape
+
+
+def test_returned_identity_views_stay_when_the_source_is_an_input_or_returned():
+    x = torch.randn(4)
+    # The caller must not get its own input back: the view of an input stays.
+    assert op_names(remove_identity_views(traced(lambda x: x.view(4), x))) == ["aten.view.default"]
+
+    def both(x):
+        y = x * 2
+        return y, y.view(4)
+
+    # Nor one tensor twice: a view returned beside its source stays.
+    kept = remove_identity_views(traced(both, x))
+    assert op_names(kept) == ["aten.mul.Tensor", "aten.view.default"]
+    assert len({p.label for p in kept.output}) == 2
+    # A view of a fresh tensor, returned alone, is that tensor.
+    assert op_names(remove_identity_views(traced(lambda x: (x * 2).view(4), x))) == ["aten.mul.Tensor"]
