@@ -17,9 +17,11 @@ from .outputs import (
     ConstantOutput,
     DictOutput,
     DTensorOutput,
+    NumberOutput,
     OutputNode,
     PytreeOutput,
     SequenceOutput,
+    Slot,
     TensorOutput,
 )
 from .placements import describe_placement, describe_placements
@@ -33,6 +35,8 @@ __all__ = [
     "ConstantOutput",
     "DTensorInput",
     "DTensorOutput",
+    "NumberOutput",
+    "Slot",
     "DictInput",
     "DictOutput",
     "InputNode",

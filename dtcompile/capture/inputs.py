@@ -8,12 +8,15 @@ the argument; the prologue's guards are generated from that tree.
 
 from __future__ import annotations
 
+import dataclasses
 import keyword
 import re
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._dtensor_spec import TensorMeta as DTensorTensorMeta
 from torch.utils import _pytree as pytree
 
 from ..core import InputPath, TensorProxy
@@ -67,6 +70,7 @@ class DTensorInput(InputNode):
     spec: object  # the DTensorSpec (mesh, placements, global shape and stride)
     meta: TensorMeta  # of the local tensor
     requires_grad: bool
+    traced_spec: object = None  # the spec traced with: ``spec``, or with symbolic sizes
 
 
 @dataclass
@@ -105,8 +109,9 @@ def identifier(text: str, taken: set[str]) -> str:
 class InputProxifier:
     """Makes the traced program's view of each input, with its provenance and node."""
 
-    def __init__(self, recording: Recording):
+    def __init__(self, recording: Recording, symbolic: bool = False):
         self.recording = recording
+        self.symbolic = symbolic  # sizes of the call's tensors (not the module's) are symbolic
         self.taken: set[str] = recording.used_names
         self.dtensor_inputs: list[DTensorInput] = []
         # (proxy of a computation input, the traced value to differentiate with respect to):
@@ -114,8 +119,9 @@ class InputProxifier:
         self.differentiable: list[tuple[TensorProxy, object]] = []
 
     def proxify(self, value: object, path: InputPath, name_hint: str) -> tuple[object, InputNode]:
+        dynamic = self.symbolic and path.root in ("args", "kwargs")
         if isinstance(value, DTensor):
-            return self._dtensor(value, path, name_hint)
+            return self._dtensor(value, path, name_hint, dynamic)
         if isinstance(value, torch.Tensor):
             if type(value) not in PLAIN_TENSOR_TYPES:
                 raise UnsupportedInputError(
@@ -128,7 +134,7 @@ class InputProxifier:
                 raise UnsupportedInputError(
                     f"dtcompile.jit: {path} is a tensor with layout {value.layout}; only strided tensors are supported"
                 )
-            proxy = self.recording.input_proxy(value, identifier(name_hint, self.taken), path)
+            proxy = self.recording.input_proxy(value, identifier(name_hint, self.taken), path, dynamic)
             if value.requires_grad:
                 self.differentiable.append((proxy, proxy))
             return proxy, TensorInput(path, proxy, TensorMeta.of(value))
@@ -153,7 +159,7 @@ class InputProxifier:
             "numbers, strings, None, or tuples, lists and dicts of those"
         )
 
-    def _dtensor(self, value: DTensor, path: InputPath, name_hint: str) -> tuple[DTensor, DTensorInput]:
+    def _dtensor(self, value: DTensor, path: InputPath, name_hint: str, dynamic: bool) -> tuple[DTensor, DTensorInput]:
         mesh = value.device_mesh
         if mesh.get_coordinate() is None:
             raise UnsupportedInputError(
@@ -162,13 +168,51 @@ class InputProxifier:
             )
         local = value._local_tensor
         local_path = path.attr("_local_tensor")
-        proxy = self.recording.input_proxy(local, identifier(name_hint, self.taken), local_path)
-        wrapped = DTensor(proxy, value._spec, requires_grad=value.requires_grad)
-        node = DTensorInput(path, proxy, value._spec, TensorMeta.of(local), value.requires_grad)
+        dynamic = dynamic and _evenly_sharded(value)
+        proxy = self.recording.input_proxy(local, identifier(name_hint, self.taken), local_path, dynamic)
+        spec = _symbolic_spec(value, proxy) if dynamic else value._spec
+        wrapped = DTensor(proxy, spec, requires_grad=value.requires_grad)
+        node = DTensorInput(path, proxy, value._spec, TensorMeta.of(local), value.requires_grad, spec)
         self.dtensor_inputs.append(node)
         if value.requires_grad:
             self.differentiable.append((proxy, wrapped))
         return wrapped, node
+
+
+def _shard_factors(value: DTensor) -> list[int]:
+    """For each tensor dim, how many pieces the mesh cuts it into."""
+    factors = [1] * value.dim()
+    for mesh_dim, placement in enumerate(value.placements):
+        if type(placement) is Shard:
+            factors[placement.dim] *= value.device_mesh.size(mesh_dim)
+    return factors
+
+
+def _evenly_sharded(value: DTensor) -> bool:
+    """Whether a DTensor can be traced with symbolic sizes: plain placements, contiguous,
+    and every sharded dim divided evenly (the global size is the local one times the
+    shards). Others are traced with their sizes as they are."""
+    if any(type(p) not in (Shard, Replicate, Partial) for p in value.placements):
+        return False
+    local = value._local_tensor
+    if not local.is_contiguous() or tuple(value.stride()) != tuple(_contiguous(value.shape)):
+        return False
+    return all(g == n * f for g, n, f in zip(value.shape, local.shape, _shard_factors(value)))
+
+
+def _contiguous(shape) -> list:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step = step * size
+    return list(reversed(strides))
+
+
+def _symbolic_spec(value: DTensor, proxy: TensorProxy) -> DTensorSpec:
+    """The DTensor's spec with its global sizes in terms of its local tensor's symbols."""
+    shape = [size * factor for size, factor in zip(proxy.shape, _shard_factors(value))]
+    meta = DTensorTensorMeta(torch.Size(shape), tuple(_contiguous(shape)), value.dtype)
+    return dataclasses.replace(value._spec, tensor_meta=meta)
 
 
 def iter_leaves(node: InputNode):

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from ..core import TensorProxy
+from ..core.symbolic import as_constant, is_symbolic
 
 
 @dataclass
@@ -33,6 +34,18 @@ class TensorOutput(OutputNode):
 
 
 @dataclass
+class NumberOutput(OutputNode):
+    index: int  # a size the computation returns (symbolic values)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A size, in a DTensor output's global shape or stride, that the computation returns."""
+
+    index: int
+
+
+@dataclass
 class DTensorOutput(OutputNode):
     index: int
     spec: object
@@ -40,6 +53,9 @@ class DTensorOutput(OutputNode):
     # (placement index, slot of its mask): a row-sharded embedding's output is a
     # _MaskPartial whose reduction needs the mask of each call's indices.
     masks: tuple[tuple[int, int], ...] = ()
+    # Under symbolic values, the global shape and stride: ints and Slots; None: the spec's.
+    shape: tuple | None = None
+    stride: tuple | None = None
 
 
 @dataclass
@@ -83,12 +99,21 @@ class OutputCollector:
                 if buffer is not None and isinstance(buffer.data, TensorProxy):
                     masks.append((i, self._slot(buffer.data)))
                     self.mask_buffers.append(buffer)
-            return DTensorOutput(slot, value._spec, value.requires_grad, tuple(masks))
+            meta = value._spec.tensor_meta
+            if not any(is_symbolic(x) for x in (*meta.shape, *meta.stride)):
+                return DTensorOutput(slot, value._spec, value.requires_grad, tuple(masks))
+            shape = tuple(self._size(x) for x in meta.shape)
+            stride = tuple(self._size(x) for x in meta.stride)
+            return DTensorOutput(slot, value._spec, value.requires_grad, tuple(masks), shape, stride)
         if isinstance(value, TensorProxy):
             return TensorOutput(self._slot(value))
         if isinstance(value, torch.Tensor):
             return ConstantOutput(value)  # a tensor the program closes over, returned as is
+        if is_symbolic(value):
+            return NumberOutput(self._slot(value))
         if isinstance(value, torch.Size):
+            if any(is_symbolic(x) for x in value):
+                return SequenceOutput(torch.Size, [self.describe(x) for x in value])
             return ConstantOutput(value)  # sizes are constants; pytree would rebuild a tuple
         if type(value) in (tuple, list):
             return SequenceOutput(type(value), [self.describe(v) for v in value])
@@ -99,6 +124,11 @@ class OutputCollector:
             children, context = node.flatten_fn(value)
             return PytreeOutput(type(value), context, [self.describe(v) for v in children])
         return ConstantOutput(value)
+
+    def _size(self, value):
+        """An int, or the Slot of a symbolic size the computation will return."""
+        value = as_constant(value)
+        return Slot(self._slot(value)) if is_symbolic(value) else value
 
     def release_masks(self) -> None:
         """Empty the mask buffers tracing filled with proxies: at run time the epilogue

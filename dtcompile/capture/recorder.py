@@ -21,11 +21,13 @@ import logging
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.distributed.tensor import DTensor
+from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..core import BoundSymbol, InputPath, NoProvenance, Note, TensorProxy, aten_symbol
+from ..core.symbolic import is_symbolic
 from .placements import describe_placements
 
 
@@ -74,10 +76,15 @@ class Recording:
                 self.used_names.add(name)
                 return name
 
-    def input_proxy(self, real: torch.Tensor, name: str, provenance: InputPath) -> TensorProxy:
-        """A proxy for a real tensor that enters the trace from the call."""
+    def input_proxy(self, real: torch.Tensor, name: str, provenance: InputPath, dynamic: bool = False) -> TensorProxy:
+        """A proxy for a real tensor that enters the trace from the call; with ``dynamic``
+        its sizes are symbols of the fake mode's ShapeEnv (sizes 0 and 1 stay constants)."""
         self.used_names.add(name)
-        fake = self.fake_mode.from_tensor(real)
+        if dynamic and self.fake_mode.shape_env is not None:
+            context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * real.dim())
+            fake = self.fake_mode.from_tensor(real, symbolic_context=context)
+        else:
+            fake = self.fake_mode.from_tensor(real)
         return TensorProxy(fake, name, provenance, requires_grad=real.requires_grad)
 
     def capture(self, real: torch.Tensor) -> TensorProxy:
@@ -97,7 +104,8 @@ class Recording:
         that code reading values made from constants only works while tracing (DTensor's
         ``arange(n)...tolist()`` index arithmetic in ``redistribute``); else None. Random
         ops get none: drawing at trace time would move the generator."""
-        if torch.Tag.nondeterministic_seeded in func.tags or any(p.value is None for p in proxies):
+        symbolic = any(is_symbolic(x) for x in tree_flatten((args, kwargs))[0])
+        if symbolic or torch.Tag.nondeterministic_seeded in func.tags or any(p.value is None for p in proxies):
             if func._schema.is_mutable:
                 # The op may change a valued tensor, or a view of one, in a way not computed here.
                 for proxy in self.valued:

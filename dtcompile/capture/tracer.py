@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..core import InputPath, Trace, verify
 from .autograd import BackwardCapture, capture_backward
@@ -47,6 +48,7 @@ class CapturedCall:
     captured: list[torch.Tensor]
     grad_enabled: bool
     meshes: list  # the DeviceMeshes of the DTensor inputs, without repeats
+    shape_env: ShapeEnv | None  # the symbols and guards of symbolic sizes
     # For a call that needs gradients: the trace holds the forward and then the backward,
     # and this says where one ends and what the other takes and gives.
     backward: BackwardCapture | None = None
@@ -66,10 +68,14 @@ def _rank_line() -> str:
     return "program of a single process"
 
 
-def capture_call(fn, args: tuple, kwargs: dict, module: torch.nn.Module | None = None) -> CapturedCall:
-    """Trace ``fn(*args, **kwargs)`` (or ``module(*args, **kwargs)``) into a per-rank trace."""
-    recording = Recording(FakeTensorMode())
-    proxifier = InputProxifier(recording)
+def capture_call(
+    fn, args: tuple, kwargs: dict, module: torch.nn.Module | None = None, symbolic: bool = False
+) -> CapturedCall:
+    """Trace ``fn(*args, **kwargs)`` (or ``module(*args, **kwargs)``) into a per-rank trace.
+    With ``symbolic`` the sizes of the call's tensors are symbols of a ShapeEnv (the
+    module's parameters, buffers and attributes keep theirs)."""
+    recording = Recording(FakeTensorMode(shape_env=ShapeEnv() if symbolic else None))
+    proxifier = InputProxifier(recording, symbolic)
     names = _parameter_names(module.forward if module is not None else fn)
     arg_pairs = [
         proxifier.proxify(a, InputPath("args").index(i), names[i] if i < len(names) else f"arg{i}")
@@ -134,7 +140,8 @@ def capture_call(fn, args: tuple, kwargs: dict, module: torch.nn.Module | None =
     for node in proxifier.dtensor_inputs:
         if not any(node.spec.mesh is m for m in meshes):
             meshes.append(node.spec.mesh)
-    return CapturedCall(trace, inputs, output, recording.captured, grad_enabled, meshes, backward)
+    shape_env = recording.fake_mode.shape_env
+    return CapturedCall(trace, inputs, output, recording.captured, grad_enabled, meshes, shape_env, backward)
 
 
 def _tensor_attributes(module: torch.nn.Module):

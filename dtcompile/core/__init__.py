@@ -1,7 +1,7 @@
 """The IR: proxies, provenance, symbols, traces. Imports nothing above it."""
 
 from .provenance import InputPath, NoProvenance, Provenance, Step
-from .proxy import TensorProxy
+from .proxy import NumberProxy, TensorProxy, is_proxy
 from .symbol import BoundSymbol, Note, Symbol, aten_symbol
 from .trace import Trace, TraceError, verify
 
@@ -13,7 +13,9 @@ __all__ = [
     "Provenance",
     "Step",
     "Symbol",
+    "NumberProxy",
     "TensorProxy",
+    "is_proxy",
     "Trace",
     "TraceError",
     "aten_symbol",

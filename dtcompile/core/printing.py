@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .proxy import TensorProxy
+from .proxy import is_proxy
 
 
 class Unprintable(TypeError):
@@ -15,7 +15,7 @@ class Unprintable(TypeError):
 
 def python_literal(value: object) -> str:
     """The source text that evaluates to ``value`` in a trace's globals."""
-    if isinstance(value, TensorProxy):
+    if is_proxy(value):
         return value.label
     if value is None or isinstance(value, (bool, str)):
         return repr(value)
@@ -51,10 +51,10 @@ def call_source(callee: str, args: tuple, kwargs: dict) -> str:
 
 def output_target(output: object) -> str:
     """The left-hand side that binds an op's output: ``t3`` or ``t3, t4``; ``_`` for none."""
-    if isinstance(output, TensorProxy):
+    if is_proxy(output):
         return output.label
     if isinstance(output, (tuple, list)):
-        names = [o.label if isinstance(o, TensorProxy) else "_" for o in output]
+        names = [o.label if is_proxy(o) else "_" for o in output]
         if not names:
             return "_"
         return names[0] + "," if len(names) == 1 else ", ".join(names)

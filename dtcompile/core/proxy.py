@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .provenance import Provenance
+from .symbolic import known_equal
 
 DTYPE_ABBREVIATIONS = {
     torch.float32: "f32",
@@ -29,12 +30,13 @@ DTYPE_ABBREVIATIONS = {
 
 
 def is_contiguous_stride(shape, stride) -> bool:
-    """True when ``stride`` is the row-major stride of ``shape`` (size-1 dims ignored)."""
+    """True when ``stride`` is the row-major stride of ``shape`` (size-1 dims ignored),
+    for every value of symbolic sizes (asked without recording a guard)."""
     expected = 1
     for size, st in zip(reversed(tuple(shape)), reversed(tuple(stride))):
-        if size != 1 and st != expected:
+        if not known_equal(size, 1) and not known_equal(st, expected):
             return False
-        expected *= size
+        expected = expected * size
     return True
 
 
@@ -102,3 +104,33 @@ class TensorProxy(torch.Tensor):
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"TensorProxy({self.label}: {self.type_string()}, {self.provenance})"
+
+
+class NumberProxy:
+    """A Python number the program computes at run time: a size under symbolic values.
+
+    ``expr`` is its symbolic value (a sympy expression over the trace's size symbols,
+    such as ``s49`` or ``2*s26*s49``); ``hint`` its value in the call that was traced.
+    """
+
+    __slots__ = ("label", "expr", "hint", "provenance")
+
+    def __init__(self, label: str, expr, hint, provenance: Provenance):
+        self.label = label
+        self.expr = expr
+        self.hint = hint
+        self.provenance = provenance
+
+    def type_string(self) -> str:
+        return f"int {self.expr}"
+
+    def __repr__(self) -> str:
+        return f"NumberProxy({self.label} = {self.expr}, {self.provenance})"
+
+
+PROXY_TYPES = (TensorProxy, NumberProxy)
+
+
+def is_proxy(value: object) -> bool:
+    """A value the trace computes (a tensor or a number), named by its ``label``."""
+    return isinstance(value, PROXY_TYPES)

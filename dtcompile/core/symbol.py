@@ -15,7 +15,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .printing import call_source, output_target
-from .proxy import TensorProxy
+from .proxy import TensorProxy, is_proxy
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class Symbol:
     impl: Callable
     method: bool = False
     globals: tuple[tuple[str, object, str], ...] = ()
+    pure: bool = False  # a symbol with no op of its own may be dropped or merged by passes if pure
 
     def call(self, args: tuple, kwargs: dict) -> str:
         if self.method:
@@ -87,13 +88,21 @@ class BoundSymbol:
     in_backward: bool = False  # recorded while autograd ran a training call's backward
     extra: dict = field(default_factory=dict)  # per-executor facts (e.g. a collective's work name)
 
-    def input_proxies(self) -> list[TensorProxy]:
+    def input_proxies(self) -> list:
+        """The proxies (tensors and numbers) this call reads."""
         leaves, _ = tree_flatten((self.args, self.kwargs))
-        return [x for x in leaves if isinstance(x, TensorProxy)]
+        return [x for x in leaves if is_proxy(x)]
 
-    def output_proxies(self) -> list[TensorProxy]:
+    def output_proxies(self) -> list:
+        """The proxies (tensors and numbers) this call defines."""
         leaves, _ = tree_flatten(self.output)
-        return [x for x in leaves if isinstance(x, TensorProxy)]
+        return [x for x in leaves if is_proxy(x)]
+
+    def input_tensors(self) -> list[TensorProxy]:
+        return [x for x in self.input_proxies() if isinstance(x, TensorProxy)]
+
+    def output_tensors(self) -> list[TensorProxy]:
+        return [x for x in self.output_proxies() if isinstance(x, TensorProxy)]
 
     def lines(self) -> list[str]:
         return self.symbol.lines(self)
@@ -102,7 +111,7 @@ class BoundSymbol:
         """A copy whose proxy arguments are swapped by name through ``mapping``."""
 
         def swap(x):
-            return mapping.get(x.label, x) if isinstance(x, TensorProxy) else x
+            return mapping.get(x.label, x) if is_proxy(x) else x
 
         note = self.note.renamed(mapping) if self.note is not None else None
         return replace(self, args=tree_map(swap, self.args), kwargs=tree_map(swap, self.kwargs), note=note)

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten
 
 from .codegen import compile_function
 from .printing import python_literal
-from .proxy import TensorProxy
+from .proxy import TensorProxy, is_proxy
 from .symbol import BoundSymbol
 
 
@@ -68,7 +68,7 @@ class Trace:
                 lines.append(f"    # {note}")
             last_note = note
             statements = bsym.lines()
-            types = ", ".join(p.type_string() for p in bsym.output_proxies())
+            types = ", ".join(p.type_string() for p in bsym.output_tensors())
             for i, statement in enumerate(statements):
                 suffix = f"  # {types}" if types and i == len(statements) - 1 else ""
                 lines.append(f"    {statement}{suffix}")
@@ -83,6 +83,8 @@ class Trace:
                 continue
             if source is None:
                 lines.append(f"# {name}: {obj!r} (given to the program)")
+            elif source.startswith(("from ", "import ")):
+                lines.append(source)
             else:
                 lines.append(f"{name} = {source}")
         return lines
@@ -120,5 +122,5 @@ def verify(trace: Trace) -> None:
             defined.add(proxy.label)
     leaves, _ = tree_flatten(trace.output)
     for leaf in leaves:
-        if isinstance(leaf, TensorProxy) and leaf.label not in defined:
+        if is_proxy(leaf) and leaf.label not in defined:
             raise TraceError(f"output {leaf.label} is never defined")

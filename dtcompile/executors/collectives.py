@@ -22,6 +22,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..core import BoundSymbol, Symbol, TensorProxy
 from ..core.printing import python_literal
+from ..core.proxy import is_contiguous_stride
 from .base import LoweringContext
 
 functional = torch.ops._c10d_functional
@@ -53,16 +54,25 @@ class StartCollective(Symbol):
                 f"{out} = {source}.clone(memory_format=torch.contiguous_format)",
                 f"{self.work} = dist.all_reduce({out}, op={op}, {async_args})",
             ]
-        empty = f"{out} = {source}.new_empty({python_literal(list(bsym.output.shape))})"
+        # Output sizes from the input's, at run time: they may be symbolic.
         if self.kind == "all_gather_into_tensor":
-            return [empty, f"{self.work} = dist.{_ALL_GATHER}({out}, {source}, {async_args})"]
+            size = f"({source}.shape[0] * {python_literal(bsym.args[1])}, *{source}.shape[1:])"
+            return [
+                f"{out} = {source}.new_empty({size})",
+                f"{self.work} = dist.{_ALL_GATHER}({out}, {source}, {async_args})",
+            ]
         if self.kind == "reduce_scatter_tensor":
             op = f"dist.ReduceOp.{_REDUCE_OPS[bsym.args[1]]}"
-            return [empty, f"{self.work} = dist.{_REDUCE_SCATTER}({out}, {source}, op={op}, {async_args})"]
+            size = f"({source}.shape[0] // {python_literal(bsym.args[2])}, *{source}.shape[1:])"
+            return [
+                f"{out} = {source}.new_empty({size})",
+                f"{self.work} = dist.{_REDUCE_SCATTER}({out}, {source}, op={op}, {async_args})",
+            ]
         if self.kind == "all_to_all_single":
             out_splits, in_splits = python_literal(bsym.args[1]), python_literal(bsym.args[2])
+            rows = f"sum({out_splits})" if bsym.args[1] else f"{source}.shape[0]"
             return [
-                empty,
+                f"{out} = {source}.new_empty(({rows}, *{source}.shape[1:]))",
                 f"{self.work} = dist.all_to_all_single({out}, {source}, {out_splits}, {in_splits}, {async_args})",
             ]
         raise AssertionError(self.kind)
@@ -113,7 +123,8 @@ class CollectivesExecutor:
         source = bsym.args[0]
         kind = self._KINDS[bsym.op]
         reduce_op = bsym.args[1] if kind in ("all_reduce", "reduce_scatter_tensor") else "sum"
-        if not isinstance(source, TensorProxy) or not source.is_contiguous() or reduce_op not in _REDUCE_OPS:
+        contiguous = isinstance(source, TensorProxy) and is_contiguous_stride(source.shape, source.stride())
+        if not contiguous or reduce_op not in _REDUCE_OPS:
             return [bsym]  # the functional op itself handles these
         work = f"{bsym.output.label}_work"
         context.work_of[bsym.output.label] = work

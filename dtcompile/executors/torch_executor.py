@@ -14,6 +14,7 @@ from dataclasses import replace
 import torch
 
 from ..core import BoundSymbol, Symbol
+from ..core.prims import SHAPE_READ, ShapeQuery, SizeExpression
 
 aten = torch.ops.aten
 _TORCH = (("torch", torch, "torch"),)
@@ -98,9 +99,15 @@ class TorchExecutor:
         self._symbols: dict = {}
 
     def claims(self, bsym: BoundSymbol) -> bool:
-        return bsym.op is not None and bsym.op.namespace != "_c10d_functional"
+        if bsym.op is None:
+            return isinstance(bsym.symbol, (ShapeQuery, SizeExpression))
+        return bsym.op.namespace != "_c10d_functional"
 
     def lower(self, bsym: BoundSymbol, index: int, context) -> list[BoundSymbol]:
+        if isinstance(bsym.symbol, ShapeQuery):
+            return [replace(bsym, symbol=SHAPE_READ)]
+        if bsym.op is None:
+            return [bsym]  # a size expression is plain Python already
         if bsym.op not in self._symbols:
             self._symbols[bsym.op] = _fast_symbol(bsym.op)
         fast = self._symbols[bsym.op]

@@ -17,10 +17,19 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..capture import CapturedCall, DTensorInput, capture_call, iter_leaves
-from ..core import Trace, verify
+from ..core import TensorProxy, Trace, verify
 from ..core.codegen import GeneratedFunction
+from ..core.symbolic import as_constant
 from ..executors import lower, resolve_executors
-from ..transforms import combine_all_reduces, cse, dce, remove_identity_views, saved_note, split_forward_backward
+from ..transforms import (
+    combine_all_reduces,
+    cse,
+    dce,
+    materialize_sizes,
+    remove_identity_views,
+    saved_note,
+    split_forward_backward,
+)
 from .consistency import check_ranks_agree
 from .epilogue import build_epilogue, build_output_wrapper
 from .prologue import build_prologue
@@ -77,11 +86,6 @@ class CompiledFunction:
     def __init__(self, fn, *, module: torch.nn.Module | None, cache: str, executors):
         if cache not in CACHE_OPTIONS:
             raise ValueError(f"dtcompile.jit: cache must be one of {CACHE_OPTIONS}, not {cache!r}")
-        if cache == "symbolic values":
-            raise NotImplementedError(
-                'dtcompile.jit: cache="symbolic values" is not implemented yet; use "constant values" '
-                '(one compilation per input shape) or "no caching"'
-            )
         self.fn = fn
         self.module = module
         self.cache = cache
@@ -89,6 +93,9 @@ class CompiledFunction:
         self.entries: list[CacheEntry] = []
         self.stats = CompileStats()
         self.name = getattr(fn, "__qualname__", None) or type(fn).__name__
+        self.symbolic = cache == "symbolic values"
+        # Under symbolic values, every size the trace uses is computed in the trace first.
+        self.sizes = (materialize_sizes,) if self.symbolic else ()
 
     def __call__(self, module, args: tuple, kwargs: dict):
         for entry in self.entries:
@@ -106,7 +113,7 @@ class CompiledFunction:
 
     def compile(self, args: tuple, kwargs: dict) -> CacheEntry:
         start = time.perf_counter()
-        captured = capture_call(self.fn, args, kwargs, module=self.module)
+        captured = capture_call(self.fn, args, kwargs, module=self.module, symbolic=self.symbolic)
         labels = group_labels(captured.meshes)
         if captured.backward is None:
             run, epilogue, traces = self._inference(captured, labels)
@@ -119,6 +126,7 @@ class CompiledFunction:
                 captured.captured,
                 self.module,
                 unwrap_differentiable=captured.backward is None,
+                shape_env=captured.shape_env,
             ),
             run=run,
             epilogue=epilogue,
@@ -148,7 +156,7 @@ class CompiledFunction:
         return execution
 
     def _inference(self, captured: CapturedCall, labels):
-        traces = self._optimized(captured.trace, PASSES)
+        traces = self._optimized(captured.trace, (*self.sizes, *PASSES))
         check_ranks_agree(traces[-1:], captured.meshes, labels, self.name)
         execution = self._lowered(traces[-1], labels)
         epilogue = build_epilogue(captured.output)
@@ -159,8 +167,8 @@ class CompiledFunction:
         slots = _slot_count(captured)
         joint_traces = self._optimized(captured.trace, (remove_identity_views, cse))
         split = split_forward_backward(joint_traces[-1], backward.cotangents, slots)
-        forward_traces = self._optimized(split.forward, (combine_all_reduces, dce))
-        backward_traces = self._optimized(split.backward, (combine_all_reduces, dce))
+        forward_traces = self._optimized(split.forward, (*self.sizes, combine_all_reduces, dce))
+        backward_traces = self._optimized(split.backward, (*self.sizes, combine_all_reduces, dce))
         check_ranks_agree([forward_traces[-1], backward_traces[-1]], captured.meshes, labels, self.name)
         forward_execution = self._lowered(forward_traces[-1], labels)
         forward_execution.header_notes.append(saved_note(forward_traces[-1], slots))
@@ -184,10 +192,14 @@ class CompiledFunction:
             rebuild=epilogue,
             slots=slots,
             dtensor_inputs=sorted(position[label] for label in differentiable_dtensors),
-            non_differentiable=[i for i in range(slots) if i not in set(backward.cotangent_slots)],
+            non_differentiable=[
+                i
+                for i in range(slots)
+                if i not in set(backward.cotangent_slots) and isinstance(captured.trace.output[i], TensorProxy)
+            ],
             cotangent_slots=backward.cotangent_slots,
             cotangent_specs=backward.cotangent_specs,
-            cotangent_shapes=[tuple(c.shape) for c in backward.cotangents],
+            cotangent_shapes=[tuple(as_constant(x) for x in c.shape) for c in backward.cotangents],
             grad_positions=[position[p.label] for p, _, _ in with_grads],
             grad_specs=[s for _, _, s in with_grads],
             inputs=len(inputs),

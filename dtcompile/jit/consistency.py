@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from ..core import TensorProxy, Trace
+from ..core import TensorProxy, Trace, is_proxy
 from ..core.printing import Unprintable, python_literal
 
 # Ops DTensor adds on some ranks only, for uneven shards (pad before a collective,
@@ -39,6 +39,8 @@ class RankMismatchError(RuntimeError):
 def _normalize(value: object, group_labels: dict[str, str]) -> str:
     if isinstance(value, TensorProxy):
         return "T"
+    if is_proxy(value):
+        return "N"
     if isinstance(value, bool) or value is None:
         return repr(value)
     if isinstance(value, int):

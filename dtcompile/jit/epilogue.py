@@ -7,20 +7,31 @@ constructor (no dispatch, no redistribution), and rebuilds the containers around
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..capture import (
     ConstantOutput,
     DictOutput,
     DTensorOutput,
+    NumberOutput,
     OutputNode,
     PytreeOutput,
     SequenceOutput,
+    Slot,
     TensorOutput,
 )
 from ..core.codegen import GeneratedFunction
 from ..core.printing import Unprintable, python_literal
+
+
+def with_sizes(spec: DTensorSpec, shape: tuple, stride: tuple) -> DTensorSpec:
+    """``spec`` with another global shape and stride (the call's, under symbolic values)."""
+    meta = TensorMeta(torch.Size(shape), stride, spec.tensor_meta.dtype)
+    return dataclasses.replace(spec, tensor_meta=meta)
 
 
 class _Builder:
@@ -37,17 +48,26 @@ class _Builder:
             return name
 
     def dtensor(self, node: DTensorOutput) -> str:
-        """``DTensor(local, spec)``, after keeping the call's masks where DTensor's embedding would."""
+        """``DTensor(local, spec)``, after keeping the call's masks where DTensor's embedding
+        would; under symbolic values the spec is made anew with this call's global sizes."""
         spec = self.constant(node.spec, "SPEC")
         for placement, slot in node.masks:
             self.statements.append(f"    {spec}.placements[{placement}].mask_buffer.materialize_mask(outs[{slot}])")
+        if node.shape is not None:
+            self.globals["with_sizes"] = with_sizes
+            spec = f"with_sizes({spec}, {self.sizes(node.shape)}, {self.sizes(node.stride)})"
         # requires_grad=False: a compiled training step gets its outputs' grad_fn from autograd.
         return f"DTensor(outs[{node.index}], {spec}, requires_grad=False)"
+
+    @staticmethod
+    def sizes(values: tuple) -> str:
+        items = [f"outs[{v.index}]" if isinstance(v, Slot) else str(v) for v in values]
+        return f"({', '.join(items)}{',' if len(items) == 1 else ''})"
 
     def rebuild(self, node: OutputNode, wrap: bool) -> str:
         if isinstance(node, DTensorOutput):
             return self.dtensor(node) if wrap else f"outs[{node.index}]"
-        if isinstance(node, TensorOutput):
+        if isinstance(node, (TensorOutput, NumberOutput)):
             return f"outs[{node.index}]"
         if isinstance(node, ConstantOutput):
             return self.constant(node.value, "CONST")
@@ -55,6 +75,8 @@ class _Builder:
             inner = ", ".join(self.rebuild(c, wrap) for c in node.children)
             if node.type is list:
                 return f"[{inner}]"
+            if node.type is torch.Size:
+                return f"torch.Size([{inner}])"
             return f"({inner}{',' if len(node.children) == 1 else ''})"
         if isinstance(node, DictOutput):
             return "{" + ", ".join(f"{k!r}: {self.rebuild(c, wrap)}" for k, c in zip(node.keys, node.children)) + "}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import sympy
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -25,7 +26,8 @@ from ..capture import (
 )
 from ..core.codegen import GeneratedFunction
 from ..core.printing import Unprintable, python_literal
-from .guards import spec_matches
+from ..core.symbolic import is_symbolic, python_source, symbolic_expr
+from .guards import meshes_match, spec_matches
 
 
 class _Builder:
@@ -33,8 +35,17 @@ class _Builder:
         # A training step hands the DTensors that need gradients to autograd as they are.
         self.unwrap_differentiable = unwrap_differentiable
         self.devices: set[str] = set()
+        # Symbolic sizes: the variable each symbol is bound to (its first occurrence), and
+        # the checks (source, expected expression) that need every symbol bound first.
+        self.symbols: dict[sympy.Symbol, str] = {}
+        self.relations: list[tuple[str, sympy.Expr]] = []
         self.lines: list[str] = []
-        self.globals: dict[str, object] = {"torch": torch, "DTensor": DTensor, "spec_matches": spec_matches}
+        self.globals: dict[str, object] = {
+            "torch": torch,
+            "DTensor": DTensor,
+            "spec_matches": spec_matches,
+            "meshes_match": meshes_match,
+        }
         self.results: list[str] = []
         self._count = 0
 
@@ -59,34 +70,91 @@ class _Builder:
         self.lines.append(f"    {name} = {expr}")
         return name
 
-    def tensor_meta(self, var: str, meta: TensorMeta) -> None:
+    def tensor_meta(self, var: str, meta: TensorMeta, proxy) -> None:
         tensor_type = self.constant(meta.type, "TYPE")
         device = self.fresh("DEVICE")  # a global: a literal would build a device per call
         self.globals[device] = meta.device
         self.devices.add(meta.device.type)
         self.fail_if(f"type({var}) is not {tensor_type}")
+        if not any(is_symbolic(x) for x in (*proxy.shape, *proxy.stride())):
+            self.fail_if(
+                f"{var}.dtype is not {python_literal(meta.dtype)} or {var}.shape != {python_literal(meta.shape)}"
+                f" or {var}.stride() != {python_literal(meta.stride)} or {var}.device != {device}"
+                f" or {var}.requires_grad is not {meta.requires_grad}"
+            )
+            return
         self.fail_if(
-            f"{var}.dtype is not {python_literal(meta.dtype)} or {var}.shape != {python_literal(meta.shape)}"
-            f" or {var}.stride() != {python_literal(meta.stride)} or {var}.device != {device}"
-            f" or {var}.requires_grad is not {meta.requires_grad}"
+            f"{var}.dtype is not {python_literal(meta.dtype)} or {var}.dim() != {proxy.dim()}"
+            f" or {var}.device != {device} or {var}.requires_grad is not {meta.requires_grad}"
         )
+        self.sizes(f"{var}.shape", proxy.shape, "size")
+        self.sizes(f"{var}.stride()", proxy.stride(), "stride")
+
+    def sizes(self, source: str, values, prefix: str) -> None:
+        """Guard a tuple of sizes or strides traced as ``values`` (ints and SymInts): bind
+        each symbol at its first occurrence; check constants now, relations at the end."""
+        var = self.bind(source, prefix)
+        for i, value in enumerate(values):
+            expr = symbolic_expr(value)
+            item = f"{var}[{i}]"
+            if isinstance(expr, sympy.Integer):
+                self.fail_if(f"{item} != {int(expr)}")
+            elif isinstance(expr, sympy.Symbol) and expr not in self.symbols:
+                self.symbols[expr] = self.bind(item, "s")
+            else:
+                self.relations.append((item, expr))
+
+    def symbolic_guards(self, shape_env) -> None:
+        """The relations between sizes, then what the trace assumed of them: the ShapeEnv's
+        guards (equal sizes, divisibility, branches taken) and each symbol's range (sizes 0
+        and 1 were traced as constants, so a symbol stands for 2 and more)."""
+        for item, expr in self.relations:
+            self.fail_if(f"{item} != {self.source(expr)}")
+        for guard in shape_env.guards:
+            expr = shape_env.simplify(guard.expr)
+            if expr is sympy.true:
+                continue
+            self.fail_if(f"not ({self.source(expr)})")
+        for symbol, var in self.symbols.items():
+            bounds = shape_env.var_to_range.get(symbol)
+            if bounds is None:
+                continue
+            if bounds.lower.is_Integer:
+                self.fail_if(f"{var} < {int(bounds.lower)}")
+            if bounds.upper.is_Integer:
+                self.fail_if(f"{var} > {int(bounds.upper)}")
+
+    def source(self, expr) -> str:
+        missing = expr.free_symbols - set(self.symbols)
+        if missing:
+            raise AssertionError(f"dtcompile: a guard on sizes uses {sorted(map(str, missing))}, which no input binds")
+        return python_source(expr, self.symbols)
 
     def node(self, node, expr: str) -> None:
         if isinstance(node, ConstantInput):
             self._constant(node.value, expr)
         elif isinstance(node, TensorInput):
             var = self.bind(expr)
-            self.tensor_meta(var, node.meta)
+            self.tensor_meta(var, node.meta, node.proxy)
             self.results.append(var)
         elif isinstance(node, DTensorInput):
             var = self.bind(expr)
             self.fail_if(f"type({var}) is not DTensor")
             spec = self.bind(f"{var}._spec", "spec")
-            expected = self.constant(node.spec, "SPEC")
-            self.fail_if(f"{spec} is not {expected} and not spec_matches({spec}, {expected})")
+            if node.traced_spec is node.spec:
+                expected = self.constant(node.spec, "SPEC")
+                self.fail_if(f"{spec} is not {expected} and not spec_matches({spec}, {expected})")
+            else:  # symbolic sizes: the mesh and placements as they are, the global sizes as relations
+                mesh = self.constant(node.spec.mesh, "MESH")
+                placements = self.constant(node.spec.placements, "PLACEMENTS")
+                self.fail_if(f"{spec}.mesh is not {mesh} and not meshes_match({spec}.mesh, {mesh})")
+                self.fail_if(
+                    f"{spec}.placements != {placements} or {var}.dtype is not {python_literal(node.meta.dtype)}"
+                )
+                self.sizes(f"{var}.shape", node.traced_spec.tensor_meta.shape, "gsize")
             self.fail_if(f"{var}.requires_grad is not {node.requires_grad}")
             local = self.bind(f"{var}._local_tensor", "local")
-            self.tensor_meta(local, node.meta)
+            self.tensor_meta(local, node.meta, node.proxy)
             self.results.append(var if node.requires_grad and not self.unwrap_differentiable else local)
         elif isinstance(node, SequenceInput):
             if expr == "args":  # always the tuple of positional arguments
@@ -154,10 +222,12 @@ def build_prologue(
     captured: list[torch.Tensor],
     module: torch.nn.Module | None,
     unwrap_differentiable: bool = True,
+    shape_env=None,
 ) -> GeneratedFunction:
     """The prologue of one cache entry (see the module docstring). With
     ``unwrap_differentiable=False`` it returns a DTensor that requires grad itself, not its
-    local tensor."""
+    local tensor. With a ``shape_env`` (symbolic values) it binds the symbolic sizes and
+    checks the ShapeEnv's guards."""
     b = _Builder(unwrap_differentiable)
     b.fail_if(f"torch.is_grad_enabled() is not {grad_enabled}")
     if module is not None:
@@ -174,6 +244,8 @@ def build_prologue(
     for i, tensor in enumerate(captured):
         b.globals[f"CAPTURED{i}"] = tensor
         b.results.append(f"CAPTURED{i}")
+    if shape_env is not None:
+        b.symbolic_guards(shape_env)
     for device in sorted(b.devices):
         # Autocast inserts casts while tracing: a program traced with it differs from one without.
         enabled = torch.is_autocast_enabled(device)

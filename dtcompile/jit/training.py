@@ -55,10 +55,11 @@ class TrainingProgram:
             grad = grad._local_tensor
         if isinstance(grad, AsyncCollectiveTensor):
             grad = grad.wait()
-        if tuple(grad.shape) != self.cotangent_shapes[k]:
+        expected = self.cotangent_shapes[k]  # ints, and SymInts where sizes are symbolic
+        if grad.dim() != len(expected) or any(isinstance(e, int) and g != e for g, e in zip(grad.shape, expected)):
             raise RuntimeError(
                 f"dtcompile: the gradient of output {self.cotangent_slots[k]} has local shape "
-                f"{tuple(grad.shape)}; the backward was compiled for {self.cotangent_shapes[k]}"
+                f"{tuple(grad.shape)}; the backward was compiled for {tuple(map(str, expected))}"
             )
         return grad if grad.is_contiguous() else grad.contiguous()
 

@@ -5,9 +5,13 @@ from .collectives import combine_all_reduces
 from .cse import cse
 from .dce import dce
 from .effects import has_side_effects, mutates, returns_alias, storage_bases
+from .sizes import UnmaterializableSizeError, has_symbolic_sizes, materialize_sizes
 from .views import remove_identity_views
 
 __all__ = [
+    "UnmaterializableSizeError",
+    "has_symbolic_sizes",
+    "materialize_sizes",
     "SplitTraces",
     "saved_note",
     "split_forward_backward",

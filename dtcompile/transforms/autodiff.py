@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from torch.utils._pytree import tree_flatten
 
 from ..core import TensorProxy, Trace
+from ..core.symbolic import is_symbolic, size_hint, symbolic_expr
 from .dce import dce
 from .effects import storage_bases
 
@@ -29,14 +30,35 @@ class SplitTraces:
     saved: list[TensorProxy]
 
 
+def _holders_of_missing_sizes(backward: Trace, available: list[TensorProxy], primals: list) -> list[TensorProxy]:
+    """Forward inputs to save so that the backward can read every symbolic size it uses:
+    its own inputs may not hold them all (an input's size the gradients do not carry)."""
+    held = {symbolic_expr(size) for t in available for size in t.shape if is_symbolic(size)}
+    needed = set()
+    for bsym in backward.bound_symbols:
+        for leaf in tree_flatten((bsym.args, bsym.kwargs))[0]:
+            if is_symbolic(leaf):
+                needed |= symbolic_expr(leaf).free_symbols
+    holders = []
+    for symbol in sorted(needed - held, key=str):
+        for primal in primals:
+            if isinstance(primal, TensorProxy) and any(
+                is_symbolic(size) and symbolic_expr(size) == symbol for size in primal.shape
+            ):
+                holders.append(primal)
+                break
+    return holders
+
+
 def saved_note(forward: Trace, forward_outputs: int) -> str:
     """What a forward saves for the backward (its outputs after the call's own), and the
     memory that keeps alive: a line for the trace's header."""
     leaves, _ = tree_flatten(forward.output)
     saved = [p for p in leaves[forward_outputs:] if isinstance(p, TensorProxy)]
+    symbolic = any(is_symbolic(size) for p in saved for size in p.shape)
     return (
         f"saved for the backward: {len(saved)} tensors holding {_held_bytes(forward, saved) / 2**20:.3f} MiB "
-        f"beyond the inputs: {', '.join(p.label for p in saved) or 'none'}"
+        f"{'at the traced sizes ' if symbolic else ''}beyond the inputs: {', '.join(p.label for p in saved) or 'none'}"
     )
 
 
@@ -46,8 +68,10 @@ def _held_bytes(forward: Trace, saved: list[TensorProxy]) -> int:
     bases = storage_bases(forward)
     by_label = {p.label: p for b in forward.bound_symbols for p in b.output_proxies()}
     inputs = {p.label for p in forward.inputs}
-    held = {bases[p.label] for p in saved} - inputs
-    return sum(by_label[label].numel() * by_label[label].element_size() for label in held if label in by_label)
+    held = {bases[p.label] for p in saved if p.label in bases} - inputs
+    return sum(
+        size_hint(by_label[label].numel()) * by_label[label].element_size() for label in held if label in by_label
+    )
 
 
 def split_forward_backward(joint: Trace, cotangents: list[TensorProxy], forward_outputs: int) -> SplitTraces:
@@ -68,6 +92,10 @@ def split_forward_backward(joint: Trace, cotangents: list[TensorProxy], forward_
     reads = [p for b in backward_only.bound_symbols for p in b.input_proxies()]
     reads += [g for g in grads if isinstance(g, TensorProxy)]
     for proxy in reads:
+        if proxy.label not in seen:
+            seen.add(proxy.label)
+            saved.append(proxy)
+    for proxy in _holders_of_missing_sizes(backward_only, saved + list(cotangents), primals):
         if proxy.label not in seen:
             seen.add(proxy.label)
             saved.append(proxy)

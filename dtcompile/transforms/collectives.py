@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import BoundSymbol, NoProvenance, Note, TensorProxy, Trace, aten_symbol
+from ..core.symbolic import known_shape_equal
 
 functional = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -51,7 +52,8 @@ def _is_plain_sum(bsym: BoundSymbol, reduced: dict[str, _Reduced], uses: Counter
     left, right = bsym.args
     if not all(isinstance(x, TensorProxy) and x.label in reduced and uses[x.label] == 1 for x in (left, right)):
         return False
-    same = left.shape == right.shape == bsym.output.shape and left.dtype == right.dtype == bsym.output.dtype
+    shapes = known_shape_equal(left.shape, right.shape) and known_shape_equal(left.shape, bsym.output.shape)
+    same = shapes and left.dtype == right.dtype == bsym.output.dtype
     return same and reduced[left.label].group == reduced[right.label].group
 
 

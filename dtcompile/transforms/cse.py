@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from torch.utils._pytree import tree_flatten, tree_map, tree_structure
 
-from ..core import TensorProxy, Trace
+from ..core import TensorProxy, Trace, is_proxy
 from ..core.printing import Unprintable, python_literal
 from .effects import has_side_effects, mutates, storage_bases
 
 
 def _key(bsym) -> str | None:
+    # The symbol itself, not only its name: a size expression's expression is part of it.
+    symbol = bsym.symbol.name if bsym.op is not None else repr(bsym.symbol)
     try:
-        return f"{bsym.symbol.name}|{python_literal(tuple(bsym.args))}|{python_literal(tuple(bsym.kwargs.items()))}"
+        return f"{symbol}|{python_literal(tuple(bsym.args))}|{python_literal(tuple(bsym.kwargs.items()))}"
     except Unprintable:
         return None
 
@@ -41,19 +43,19 @@ def cse(trace: Trace) -> Trace:
         if earlier is not None and tree_structure(earlier.output) == tree_structure(bsym.output):
             old, _ = tree_flatten(bsym.output)
             new, _ = tree_flatten(earlier.output)
-            pairs = [(o, n) for o, n in zip(old, new) if isinstance(o, TensorProxy)]
-            if not any(base[o.label] in returned and base[n.label] in returned for o, n in pairs):
+            pairs = [(o, n) for o, n in zip(old, new) if is_proxy(o)]
+            if not any(base.get(o.label) in returned and base.get(n.label) in returned for o, n in pairs):
                 for o, n in pairs:
                     renames[o.label] = n
-                    if base[o.label] in returned:  # the caller now gets the earlier one's storage
-                        returned.add(base[n.label])
+                    if base.get(o.label) in returned:  # the caller now gets the earlier one's storage
+                        returned.add(base.get(n.label))
                 continue
         if key is not None and earlier is None:
             seen[key] = bsym
         kept.append(bsym)
 
     def rename(x):
-        return renames.get(x.label, x) if isinstance(x, TensorProxy) else x
+        return renames.get(x.label, x) if is_proxy(x) else x
 
     return trace.derive(
         f"{trace.fn_name}, after common-subexpression elimination", kept, tree_map(rename, trace.output)

@@ -1,21 +1,53 @@
-"""Dead-code elimination: drop symbols whose outputs nobody uses."""
+"""Dead-code elimination: drop symbols whose outputs nobody uses.
+
+Sizes follow one more rule, first producer wins: a symbol that produces a number the
+trace already has (the same symbolic value, read from another tensor or computed
+another way) is dropped and its uses read the first producer's number. Sizes are
+materialized at every use (``sizes.py``); this leaves one producer per value, the
+earliest, and removes duplicate shape queries.
+"""
 
 from __future__ import annotations
 
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
-from ..core import TensorProxy, Trace
+from ..core import Trace, is_proxy
+from ..core.proxy import NumberProxy
 from .effects import has_side_effects
+
+
+def _first_producers(trace: Trace) -> tuple[list, object]:
+    """The trace's symbols without later producers of numbers already produced, and its
+    output, renamed to the first producers."""
+    first: dict[object, NumberProxy] = {}
+    renames: dict[str, NumberProxy] = {}
+    kept = []
+    for bsym in trace.bound_symbols:
+        bsym = bsym.with_inputs_renamed(renames) if renames else bsym
+        output = bsym.output
+        if isinstance(output, NumberProxy) and not has_side_effects(bsym):
+            earlier = first.get(output.expr)
+            if earlier is not None:
+                renames[output.label] = earlier
+                continue
+            first[output.expr] = output
+        kept.append(bsym)
+
+    def rename(x):
+        return renames.get(x.label, x) if is_proxy(x) else x
+
+    return kept, tree_map(rename, trace.output)
 
 
 def dce(trace: Trace) -> Trace:
     """Keep a symbol when it has side effects or a kept symbol (or the output) reads it."""
-    leaves, _ = tree_flatten(trace.output)
-    live = {x.label for x in leaves if isinstance(x, TensorProxy)}
+    symbols, output = _first_producers(trace)
+    leaves, _ = tree_flatten(output)
+    live = {x.label for x in leaves if is_proxy(x)}
     kept = []
-    for bsym in reversed(trace.bound_symbols):
+    for bsym in reversed(symbols):
         if has_side_effects(bsym) or any(p.label in live for p in bsym.output_proxies()):
             kept.append(bsym)
             live.update(p.label for p in bsym.input_proxies())
     kept.reverse()
-    return trace.derive(f"{trace.fn_name}, after dead-code elimination", kept)
+    return trace.derive(f"{trace.fn_name}, after dead-code elimination", kept, output)

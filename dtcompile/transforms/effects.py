@@ -18,7 +18,9 @@ def is_random(bsym: BoundSymbol) -> bool:
 
 
 def has_side_effects(bsym: BoundSymbol) -> bool:
-    return bsym.op is None or mutates(bsym) or is_random(bsym)
+    if bsym.op is None:
+        return not bsym.symbol.pure  # a symbol of our own (prims) says whether it is pure
+    return mutates(bsym) or is_random(bsym)
 
 
 def returns_alias(bsym: BoundSymbol) -> bool:
@@ -34,8 +36,8 @@ def storage_bases(trace) -> dict[str, str]:
     result."""
     base = {p.label: p.label for p in trace.inputs}
     for bsym in trace.bound_symbols:
-        inputs = bsym.input_proxies()
+        inputs = bsym.input_tensors()
         aliasing = bool(inputs) and (returns_alias(bsym) or mutates(bsym))
-        for out in bsym.output_proxies():
+        for out in bsym.output_tensors():
             base[out.label] = base.get(inputs[0].label, inputs[0].label) if aliasing else out.label
     return base

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..core import TensorProxy, Trace
+from ..core import TensorProxy, Trace, is_proxy
+from ..core.symbolic import known_equal, known_shape_equal
 
 aten = torch.ops.aten
 _VIEW_OPS = {
@@ -27,9 +28,9 @@ def _is_identity_view(bsym) -> bool:
     source, result = bsym.args[0], bsym.output
     return (
         isinstance(result, TensorProxy)
-        and result.shape == source.shape
-        and result.stride() == source.stride()
-        and result.storage_offset() == source.storage_offset()
+        and known_shape_equal(result.shape, source.shape)
+        and known_shape_equal(result.stride(), source.stride())
+        and known_equal(result.storage_offset(), source.storage_offset())
     )
 
 
@@ -56,6 +57,6 @@ def remove_identity_views(trace: Trace) -> Trace:
         kept.append(bsym)
 
     def rename(x):
-        return renames.get(x.label, x) if isinstance(x, TensorProxy) else x
+        return renames.get(x.label, x) if is_proxy(x) else x
 
     return trace.derive(f"{trace.fn_name}, after removing identity views", kept, tree_map(rename, trace.output))

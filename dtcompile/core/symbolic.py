@@ -1,0 +1,72 @@
+"""Symbolic sizes, handled without adding guards.
+
+Under ``cache="symbolic values"`` tensor sizes are SymInts of a ShapeEnv. Comparing two
+SymInts with ``==`` and asking ``bool()`` of the result records a guard (an assumption
+the compiled program then depends on). The compiler's own bookkeeping (printing strides,
+spotting identity views) must not make such assumptions, so it asks the questions here:
+answered from the expressions alone, never by guarding.
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.utils._sympy.printers import PythonPrinter
+
+SYMBOLIC_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def is_symbolic(value: object) -> bool:
+    """A SymInt (SymFloat, SymBool) whose value is not a known constant."""
+    if not isinstance(value, SYMBOLIC_TYPES):
+        return False
+    return not isinstance(symbolic_expr(value), (sympy.Integer, sympy.Float, sympy.logic.boolalg.BooleanAtom))
+
+
+def symbolic_expr(value) -> sympy.Expr:
+    """The simplified expression of a SymInt, or a sympy constant of a plain number."""
+    if isinstance(value, SYMBOLIC_TYPES):
+        node = value.node
+        return node.shape_env.simplify(node.expr) if node.shape_env is not None else node.expr
+    return sympy.sympify(value)
+
+
+def known_equal(a, b) -> bool:
+    """True when ``a == b`` holds for every value of the symbols (no guard is recorded)."""
+    if not isinstance(a, SYMBOLIC_TYPES) and not isinstance(b, SYMBOLIC_TYPES):
+        return a == b
+    return statically_known_true(a == b)
+
+
+def known_shape_equal(a, b) -> bool:
+    return len(a) == len(b) and all(known_equal(x, y) for x, y in zip(a, b))
+
+
+def as_constant(value):
+    """A plain int (float, bool) for a value whose expression is a constant; else the value."""
+    if isinstance(value, SYMBOLIC_TYPES):
+        expr = symbolic_expr(value)
+        if isinstance(expr, sympy.Integer):
+            return int(expr)
+        if isinstance(expr, sympy.Float):
+            return float(expr)
+        if isinstance(expr, sympy.logic.boolalg.BooleanAtom):
+            return bool(expr)
+    return value
+
+
+def size_hint(value) -> int:
+    """The value a size had in the traced call."""
+    if isinstance(value, SYMBOLIC_TYPES):
+        return value.node.hint  # sizes derived from the inputs' carry their traced values
+    return value
+
+
+_printer = PythonPrinter()
+
+
+def python_source(expr, names: dict) -> str:
+    """Python source for ``expr``, each free symbol written as ``names[symbol]``."""
+    renamed = expr.xreplace({symbol: sympy.Symbol(names[symbol], integer=True) for symbol in expr.free_symbols})
+    return _printer.doprint(renamed)

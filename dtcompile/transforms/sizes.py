@@ -1,0 +1,106 @@
+"""Materializing symbolic sizes: every size a trace uses is computed by the trace itself.
+
+Under symbolic values the traced call passed SymInts where eager passes ints: view and
+reshape sizes, ``arange`` ends, split sizes, the global sizes of DTensor outputs. This
+pass gives each such value a producer inside the trace, right before the symbol that
+needs it: ``prims.shape`` of a tensor that holds the size (the trace's inputs first,
+then the symbol's own arguments, then any tensor made so far), or an expression over
+such sizes (``n2 = n0 * n1``). It adds a producer at every use; dead-code elimination
+then keeps the first producer of each value and drops the others (see ``dce.py``).
+A size no tensor of the trace holds cannot be computed, and is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..core import BoundSymbol, NoProvenance, TensorProxy, Trace
+from ..core.prims import SHAPE, size_expression
+from ..core.proxy import NumberProxy
+from ..core.symbolic import SYMBOLIC_TYPES, as_constant, is_symbolic, symbolic_expr
+
+
+class UnmaterializableSizeError(RuntimeError):
+    """A symbolic size no tensor of the trace holds."""
+
+
+class _Materializer:
+    def __init__(self, trace: Trace):
+        self.inputs = [p for p in trace.inputs if isinstance(p, TensorProxy)]
+        self.made: list[TensorProxy] = []
+        taken = {p.label for p in trace.inputs} | {p.label for b in trace.bound_symbols for p in b.output_proxies()}
+        self._labels = (f"n{i}" for i in itertools.count() if f"n{i}" not in taken)
+        self.emitted: list[BoundSymbol] = []
+
+    def _number(self, expr, made_by: str) -> NumberProxy:
+        return NumberProxy(next(self._labels), expr, None, NoProvenance(made_by))
+
+    def _held_by(self, expr, preferred: list[TensorProxy]) -> tuple[TensorProxy, int] | None:
+        for tensor in itertools.chain(self.inputs, preferred, self.made):
+            for dim, size in enumerate(tensor.shape):
+                if is_symbolic(size) and symbolic_expr(size) == expr:
+                    return tensor, dim
+        return None
+
+    def number(self, expr, preferred: list[TensorProxy]) -> NumberProxy:
+        """A number of the trace equal to ``expr``, its producers emitted."""
+        held = self._held_by(expr, preferred)
+        if held is not None:
+            tensor, dim = held
+            number = self._number(expr, "prims.shape")
+            self.emitted.append(BoundSymbol(SHAPE, (tensor, dim), {}, number))
+            return number
+        symbols = tuple(sorted(expr.free_symbols, key=str))
+        if not symbols or expr in symbols:
+            raise UnmaterializableSizeError(
+                f"dtcompile: the size {expr} is not held by any tensor of the trace, so the compiled "
+                "program cannot compute it"
+            )
+        args = tuple(self.number(symbol, preferred) for symbol in symbols)
+        number = self._number(expr, "prims.size")
+        self.emitted.append(BoundSymbol(size_expression(expr, symbols), args, {}, number))
+        return number
+
+    def replace(self, value, preferred: list[TensorProxy]) -> tuple[object, bool]:
+        """``value`` with each symbolic size replaced by a number of the trace, and
+        whether anything was replaced."""
+        changed = False
+
+        def swap(x):
+            nonlocal changed
+            if not isinstance(x, SYMBOLIC_TYPES):
+                return x
+            changed = True
+            x = as_constant(x)
+            return self.number(symbolic_expr(x), preferred) if is_symbolic(x) else x
+
+        return tree_map(swap, value), changed
+
+
+def has_symbolic_sizes(trace: Trace) -> bool:
+    leaves = [x for b in trace.bound_symbols for x in tree_flatten((b.args, b.kwargs))[0]]
+    leaves += tree_flatten(trace.output)[0]
+    return any(is_symbolic(x) for x in leaves)
+
+
+def materialize_sizes(trace: Trace) -> Trace:
+    """Replace every symbolic size in the symbols' arguments and in the trace's output by
+    a number the trace computes (see the module docstring)."""
+    materializer = _Materializer(trace)
+    kept: list[BoundSymbol] = []
+    for bsym in trace.bound_symbols:
+        (args, kwargs), changed = materializer.replace((bsym.args, bsym.kwargs), bsym.input_tensors())
+        if changed:
+            for producer in materializer.emitted:  # part of the symbol they serve
+                producer.in_backward, producer.note = bsym.in_backward, bsym.note
+            kept.extend(materializer.emitted)
+            materializer.emitted.clear()
+            bsym = dataclasses.replace(bsym, args=tuple(args), kwargs=dict(kwargs))
+        kept.append(bsym)
+        materializer.made.extend(bsym.output_tensors())
+    output, _ = materializer.replace(trace.output, [])
+    kept.extend(materializer.emitted)
+    return trace.derive(f"{trace.fn_name}, with its sizes computed in the trace", kept, output)
