@@ -84,7 +84,9 @@ class Recording:
             context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * real.dim())
             fake = self.fake_mode.from_tensor(real, symbolic_context=context)
         else:
-            fake = self.fake_mode.from_tensor(real)
+            # Static explicitly: a fake mode with a ShapeEnv would otherwise give every
+            # tensor it converts symbolic sizes (a module's parameters, captured tensors).
+            fake = self.fake_mode.from_tensor(real, static_shapes=True)
         return TensorProxy(fake, name, provenance, requires_grad=real.requires_grad)
 
     def capture(self, real: torch.Tensor) -> TensorProxy:

@@ -7,6 +7,7 @@ import math
 import torch
 
 from .proxy import is_proxy
+from .symbolic import SYMBOLIC_TYPES, as_constant, symbolic_expr
 
 
 class Unprintable(TypeError):
@@ -17,6 +18,12 @@ def python_literal(value: object) -> str:
     """The source text that evaluates to ``value`` in a trace's globals."""
     if is_proxy(value):
         return value.label
+    if isinstance(value, SYMBOLIC_TYPES):
+        # A size of a trace recorded under symbolic values, before its sizes are computed
+        # in the trace (``materialize_sizes``): printed as its expression (``2*s26``), so
+        # that the recorded trace prints; it only runs once numbers of the trace replace it.
+        constant = as_constant(value)
+        return str(symbolic_expr(value)) if constant is value else python_literal(constant)
     if value is None or isinstance(value, (bool, str)):
         return repr(value)
     if isinstance(value, int):
