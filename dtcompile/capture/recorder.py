@@ -78,10 +78,15 @@ class Recording:
 
     def input_proxy(self, real: torch.Tensor, name: str, provenance: InputPath, dynamic: bool = False) -> TensorProxy:
         """A proxy for a real tensor that enters the trace from the call; with ``dynamic``
-        its sizes are symbols of the fake mode's ShapeEnv (sizes 0 and 1 stay constants)."""
+        its sizes are symbols of the fake mode's ShapeEnv (sizes 0 and 1 stay constants).
+
+        Duck sizing: equal sizes share one symbol (``DimDynamic.DUCK``, torch.compile's
+        default), so a program traced with two equal sizes may assume they are equal, and
+        a call where they differ is a new cache entry. ``DimDynamic.DYNAMIC`` would give
+        each size its own symbol, whatever its value."""
         self.used_names.add(name)
         if dynamic and self.fake_mode.shape_env is not None:
-            context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * real.dim())
+            context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DUCK] * real.dim())
             fake = self.fake_mode.from_tensor(real, symbolic_context=context)
         else:
             # Static explicitly: a fake mode with a ShapeEnv would otherwise give every

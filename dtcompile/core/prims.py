@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 
 from .printing import python_literal
+from .proxy import TensorProxy
 from .symbol import BoundSymbol, Symbol
 from .symbolic import python_source
 
@@ -20,22 +21,36 @@ def shape(tensor, dim: int) -> int:
     return tensor.shape[dim]
 
 
+def stride(tensor, dim: int) -> int:
+    """The stride of ``tensor`` along ``dim`` (what ``prims.stride`` runs)."""
+    return tensor.stride(dim)
+
+
+def storage_offset(tensor) -> int:
+    """Where ``tensor`` starts in its storage (what ``prims.storage_offset`` runs)."""
+    return tensor.storage_offset()
+
+
 @dataclass(frozen=True)
 class ShapeQuery(Symbol):
-    """``n0 = prims.shape(x, 1)``: a size of a tensor the trace holds."""
+    """``n0 = prims.shape(x, 1)``: a size (or a stride, ``prims.stride(x, 1)``, or the
+    storage offset, ``prims.storage_offset(x)``) of a tensor the trace holds."""
 
     def lines(self, bsym: BoundSymbol) -> list[str]:
-        tensor, dim = bsym.args
-        return [f"{bsym.output.label} = prims.shape({tensor.label}, {python_literal(dim)})"]
+        args = ", ".join(a.label if isinstance(a, TensorProxy) else python_literal(a) for a in bsym.args)
+        return [f"{bsym.output.label} = {self.name}({args})"]
 
 
 @dataclass(frozen=True)
 class ShapeRead(Symbol):
-    """``n0 = x.shape[1]``: ``prims.shape`` as the execution trace runs it."""
+    """``n0 = x.shape[1]`` (``x.stride(1)``, ``x.storage_offset()``): a ``ShapeQuery`` as
+    the execution trace runs it."""
 
     def lines(self, bsym: BoundSymbol) -> list[str]:
-        tensor, dim = bsym.args
-        return [f"{bsym.output.label} = {tensor.label}.shape[{python_literal(dim)}]"]
+        tensor, *dim = bsym.args
+        if self.name == "shape":
+            return [f"{bsym.output.label} = {tensor.label}.shape[{python_literal(dim[0])}]"]
+        return [f"{bsym.output.label} = {tensor.label}.{self.name}({', '.join(map(python_literal, dim))})"]
 
 
 @dataclass(frozen=True)
@@ -51,10 +66,16 @@ class SizeExpression(Symbol):
         return [f"{bsym.output.label} = {python_source(self.expr, names)}"]
 
 
-SHAPE = ShapeQuery(
-    "prims.shape", shape, globals=(("prims", sys.modules[__name__], "from dtcompile.core import prims"),), pure=True
-)
-SHAPE_READ = ShapeRead("shape", shape, pure=True)
+_PRIMS = (("prims", sys.modules[__name__], "from dtcompile.core import prims"),)
+SHAPE = ShapeQuery("prims.shape", shape, globals=_PRIMS, pure=True)
+STRIDE = ShapeQuery("prims.stride", stride, globals=_PRIMS, pure=True)
+STORAGE_OFFSET = ShapeQuery("prims.storage_offset", storage_offset, globals=_PRIMS, pure=True)
+# What each query runs as in an execution trace.
+READS = {
+    SHAPE.name: ShapeRead("shape", shape, pure=True),
+    STRIDE.name: ShapeRead("stride", stride, pure=True),
+    STORAGE_OFFSET.name: ShapeRead("storage_offset", storage_offset, pure=True),
+}
 
 
 def size_expression(expr, symbols: tuple) -> SizeExpression:

@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 
 from ..core import BoundSymbol, Symbol
-from ..core.prims import SHAPE_READ, ShapeQuery, SizeExpression
+from ..core.prims import READS, ShapeQuery, SizeExpression
 
 aten = torch.ops.aten
 _TORCH = (("torch", torch, "torch"),)
@@ -105,7 +105,7 @@ class TorchExecutor:
 
     def lower(self, bsym: BoundSymbol, index: int, context) -> list[BoundSymbol]:
         if isinstance(bsym.symbol, ShapeQuery):
-            return [replace(bsym, symbol=SHAPE_READ)]
+            return [replace(bsym, symbol=READS[bsym.symbol.name])]
         if bsym.op is None:
             return [bsym]  # a size expression is plain Python already
         if bsym.op not in self._symbols:

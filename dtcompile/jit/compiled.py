@@ -19,7 +19,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from ..capture import CapturedCall, DTensorInput, capture_call, iter_leaves
 from ..core import TensorProxy, Trace, verify
 from ..core.codegen import GeneratedFunction
-from ..core.symbolic import as_constant
+from ..core.symbolic import as_constant, is_symbolic
 from ..executors import lower, resolve_executors
 from ..transforms import (
     combine_all_reduces,
@@ -202,6 +202,9 @@ class CompiledFunction:
             cotangent_shapes=[tuple(as_constant(x) for x in c.shape) for c in backward.cotangents],
             grad_positions=[position[p.label] for p, _, _ in with_grads],
             grad_specs=[s for _, _, s in with_grads],
+            grad_sizes_per_call=[
+                s is not None and any(is_symbolic(x) for x in s.tensor_meta.shape) for _, _, s in with_grads
+            ],
             inputs=len(inputs),
         )
         traces = [*joint_traces, *forward_traces, forward_execution, *backward_traces, backward_execution]

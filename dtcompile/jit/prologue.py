@@ -76,11 +76,13 @@ class _Builder:
         self.globals[device] = meta.device
         self.devices.add(meta.device.type)
         self.fail_if(f"type({var}) is not {tensor_type}")
-        if not any(is_symbolic(x) for x in (*proxy.shape, *proxy.stride())):
+        # The storage offset too: a program may read it (``x.storage_offset()``).
+        offset = proxy.storage_offset()
+        if not any(is_symbolic(x) for x in (*proxy.shape, *proxy.stride(), offset)):
             self.fail_if(
                 f"{var}.dtype is not {python_literal(meta.dtype)} or {var}.shape != {python_literal(meta.shape)}"
                 f" or {var}.stride() != {python_literal(meta.stride)} or {var}.device != {device}"
-                f" or {var}.requires_grad is not {meta.requires_grad}"
+                f" or {var}.requires_grad is not {meta.requires_grad} or {var}.storage_offset() != {offset}"
             )
             return
         self.fail_if(
@@ -89,6 +91,7 @@ class _Builder:
         )
         self.sizes(f"{var}.shape", proxy.shape, "size")
         self.sizes(f"{var}.stride()", proxy.stride(), "stride")
+        self.sizes(f"({var}.storage_offset(),)", (offset,), "offset")
 
     def sizes(self, source: str, values, prefix: str) -> None:
         """Guard a tuple of sizes or strides traced as ``values`` (ints and SymInts): bind
@@ -110,10 +113,12 @@ class _Builder:
         and 1 were traced as constants, so a symbol stands for 2 and more)."""
         for item, expr in self.relations:
             self.fail_if(f"{item} != {self.source(expr)}")
+        checked = set()
         for guard in shape_env.guards:
             expr = shape_env.simplify(guard.expr)
-            if expr is sympy.true:
+            if expr is sympy.true or expr in checked:
                 continue
+            checked.add(expr)
             self.fail_if(f"not ({self.source(expr)})")
         for symbol, var in self.symbols.items():
             bounds = shape_env.var_to_range.get(symbol)

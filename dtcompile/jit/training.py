@@ -17,8 +17,10 @@ import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._utils import compute_global_tensor_info
 
 from ..core.codegen import GeneratedFunction
+from .epilogue import with_sizes
 
 
 @dataclass
@@ -35,6 +37,7 @@ class TrainingProgram:
     cotangent_shapes: list[tuple[int, ...]]
     grad_positions: list[int]  # input position of each gradient the backward returns
     grad_specs: list[DTensorSpec | None]
+    grad_sizes_per_call: list[bool]  # specs traced with symbolic sizes: rebuilt from each gradient
     inputs: int
 
     def __call__(self, inputs: tuple):
@@ -92,6 +95,13 @@ class CompiledStep(torch.autograd.Function):
         cotangents = [program.cotangent(k, grad_outputs[slot]) for k, slot in enumerate(program.cotangent_slots)]
         grads = program.backward(*ctx.saved_tensors, *cotangents)
         result: list = [None] * (1 + program.inputs)
-        for grad, position, spec in zip(grads, program.grad_positions, program.grad_specs):
+        for grad, position, spec, per_call in zip(
+            grads, program.grad_positions, program.grad_specs, program.grad_sizes_per_call
+        ):
+            if spec is not None and per_call:
+                # Only evenly sharded DTensors are traced with symbolic sizes: the global
+                # sizes follow from the local ones.
+                shape, stride = compute_global_tensor_info(grad, spec.mesh, spec.placements)
+                spec = with_sizes(spec, tuple(shape), tuple(stride))
             result[1 + position] = grad if spec is None else DTensor(grad, spec, requires_grad=False)
         return tuple(result)

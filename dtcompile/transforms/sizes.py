@@ -18,7 +18,7 @@ import itertools
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..core import BoundSymbol, NoProvenance, TensorProxy, Trace
-from ..core.prims import SHAPE, size_expression
+from ..core.prims import SHAPE, STORAGE_OFFSET, STRIDE, size_expression
 from ..core.proxy import NumberProxy
 from ..core.symbolic import SYMBOLIC_TYPES, as_constant, is_symbolic, symbolic_expr
 
@@ -38,20 +38,30 @@ class _Materializer:
     def _number(self, expr, made_by: str) -> NumberProxy:
         return NumberProxy(next(self._labels), expr, None, NoProvenance(made_by))
 
-    def _held_by(self, expr, preferred: list[TensorProxy]) -> tuple[TensorProxy, int] | None:
-        for tensor in itertools.chain(self.inputs, preferred, self.made):
+    def _held_by(self, expr, preferred: list[TensorProxy]) -> tuple[object, tuple] | None:
+        """A query that reads ``expr`` from a tensor: a size first, else a stride or the
+        storage offset (a non-contiguous input's stride is a symbol of its own)."""
+        tensors = list(itertools.chain(self.inputs, preferred, self.made))
+        for tensor in tensors:
             for dim, size in enumerate(tensor.shape):
                 if is_symbolic(size) and symbolic_expr(size) == expr:
-                    return tensor, dim
+                    return SHAPE, (tensor, dim)
+        for tensor in tensors:
+            for dim, step in enumerate(tensor.stride()):
+                if is_symbolic(step) and symbolic_expr(step) == expr:
+                    return STRIDE, (tensor, dim)
+            offset = tensor.storage_offset()
+            if is_symbolic(offset) and symbolic_expr(offset) == expr:
+                return STORAGE_OFFSET, (tensor,)
         return None
 
     def number(self, expr, preferred: list[TensorProxy]) -> NumberProxy:
         """A number of the trace equal to ``expr``, its producers emitted."""
         held = self._held_by(expr, preferred)
         if held is not None:
-            tensor, dim = held
-            number = self._number(expr, "prims.shape")
-            self.emitted.append(BoundSymbol(SHAPE, (tensor, dim), {}, number))
+            query, args = held
+            number = self._number(expr, query.name)
+            self.emitted.append(BoundSymbol(query, args, {}, number))
             return number
         symbols = tuple(sorted(expr.free_symbols, key=str))
         if not symbols or expr in symbols:
