@@ -4,6 +4,7 @@ Values, shapes, strides, the containers around outputs, how inputs alias outputs
 guards, jitted modules, clear errors, and printed traces that run."""
 
 import copy
+import io
 
 import pytest
 import torch
@@ -380,3 +381,99 @@ def test_printed_traces_run_and_match_eager():
         namespace = {}
         exec(str(trace), namespace)
         assert_same_result(namespace["computation"](*inputs), expected)
+
+
+# ---------------------------------------------------------------------------------------
+# What a program reads at run time, not at trace time (found in review)
+
+
+def test_ops_on_closed_over_tensors_run_at_every_call():
+    counter = torch.zeros(())
+    template = torch.empty(3)
+    scale = torch.tensor(2.0)
+
+    def fn(x):
+        counter.add_(1)
+        return x * (scale * 1) + torch.randn_like(template)
+
+    jitted = dtcompile.jit(fn)
+    x = torch.ones(3)
+    first, second = jitted(x), jitted(x)
+    assert counter.item() == 2  # the in-place op ran at each call, not once at trace time
+    assert not torch.equal(first, second)  # a random op draws anew at each call
+    scale.fill_(3.0)
+    torch.manual_seed(0)
+    expected = fn(x)
+    torch.manual_seed(0)
+    torch.testing.assert_close(jitted(x), expected)  # the new value of the closed-over tensor
+    assert dtcompile.cache_misses(jitted) == 1
+
+
+def test_replaced_submodules_and_new_hooks_are_misses():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+    jitted = dtcompile.jit(model)
+    x = torch.randn(2, 4)
+    assert_same_tensor(jitted(x), model(x))
+    model[1] = nn.ReLU()  # a submodule of other code
+    assert_same_tensor(jitted(x), model(x))
+    handle = model[0].register_forward_hook(lambda module, args, out: out * 0)
+    assert_same_tensor(jitted(x), model(x))
+    handle.remove()
+    assert_same_tensor(jitted(x), model(x))
+    assert dtcompile.cache_misses(jitted) == 3  # ReLU, ReLU with the hook; without it is a hit
+
+
+def test_dict_keys_are_guarded_in_order():
+    jitted = dtcompile.jit(lambda d: torch.cat(list(d.values())))
+    x, y = torch.ones(2), torch.zeros(2)
+    assert_same_tensor(jitted({"a": x, "b": y}), torch.cat([x, y]))
+    assert_same_tensor(jitted({"b": y, "a": x}), torch.cat([y, x]))
+    assert dtcompile.cache_misses(jitted) == 2
+
+
+def test_jitted_modules_copy_and_pickle():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    jitted = dtcompile.jit(model)
+    x = torch.randn(2, 4)
+    jitted(x)
+    teacher = copy.deepcopy(jitted)
+    teacher.eval()
+    assert isinstance(teacher, nn.Sequential) and teacher.training is False and jitted.training is True
+    assert teacher[0].weight is not model[0].weight
+    assert_same_tensor(teacher(x), model.eval()(x))
+    buffer = io.BytesIO()
+    torch.save(jitted, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert_same_tensor(loaded.eval()(x), model.eval()(x))
+    assert dtcompile.cache_misses(loaded) == 1
+
+
+def test_a_jitted_method_closes_over_its_object():
+    class Scaler:
+        def __init__(self, factor):
+            self.factor = factor
+
+        @dtcompile.jit
+        def apply(self, x):
+            return x * self.factor
+
+    a, b = Scaler(2.0), Scaler(3.0)
+    x = torch.ones(3)
+    assert_same_tensor(a.apply(x), x * 2.0)
+    assert_same_tensor(b.apply(x), x * 3.0)
+    assert a.apply is a.apply  # one compiled function per object
+
+
+def test_generators_and_dtypes_are_arguments():
+    generator = torch.Generator().manual_seed(0)
+    jitted = dtcompile.jit(lambda x: x + torch.randn(3, generator=generator))
+    first = jitted(torch.zeros(3))
+    generator.manual_seed(0)
+    assert torch.equal(jitted(torch.zeros(3)), first)  # the same generator, read at each call
+    cast = dtcompile.jit(lambda x, dtype: x.to(dtype))
+    assert cast(torch.ones(2), torch.float16).dtype is torch.float16
+    assert cast(torch.ones(2), torch.bfloat16).dtype is torch.bfloat16
+    assert dtcompile.cache_misses(cast) == 2

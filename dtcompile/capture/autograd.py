@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..core import InputPath, TensorProxy
+from ..core.proxy import contiguous_strides
 from .recorder import Recording
 
 
@@ -28,16 +29,9 @@ class BackwardCapture:
     cotangent_slots: list[int]  # the output slot each cotangent belongs to
     cotangent_specs: list[DTensorSpec | None]  # the placements the backward expects; None: a plain tensor
     differentiable: list[TensorProxy]  # the computation inputs gradients are computed for
+    differentiable_values: list[tuple[TensorProxy, object]]  # each, with the value traced (proxy or DTensor)
     grads: list[TensorProxy | None]  # their gradients' local tensors (None: no gradient flows)
     grad_specs: list[DTensorSpec | None]  # the gradients' DTensor specs; None: plain tensors
-
-
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _cotangent_for(recording: Recording, value, index: int) -> tuple[object, TensorProxy, DTensorSpec | None]:
@@ -52,7 +46,7 @@ def _cotangent_for(recording: Recording, value, index: int) -> tuple[object, Ten
     if not isinstance(value, DTensor):
         return proxy, proxy, None
     spec = value._spec
-    meta = TensorMeta(spec.tensor_meta.shape, _contiguous_strides(spec.tensor_meta.shape), spec.tensor_meta.dtype)
+    meta = TensorMeta(spec.tensor_meta.shape, contiguous_strides(spec.tensor_meta.shape), spec.tensor_meta.dtype)
     # The cotangent of a Partial output is Replicate, as DTensor's own backward makes it
     # (``_redistribute_backward`` turns a gradient bound for a Partial placement into a
     # Replicate one): that is what arrives at run time, and a Replicate gradient cannot
@@ -89,4 +83,6 @@ def capture_backward(
         else:
             grad_locals.append(grad)
             grad_specs.append(None)
-    return BackwardCapture(proxies, slots, specs, [p for p, _ in differentiable], grad_locals, grad_specs)
+    return BackwardCapture(
+        proxies, slots, specs, [p for p, _ in differentiable], list(differentiable), grad_locals, grad_specs
+    )

@@ -15,14 +15,25 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._dtensor_spec import TensorMeta as DTensorTensorMeta
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils import _pytree as pytree
 
 from ..core import InputPath, TensorProxy
+from ..core.proxy import contiguous_strides
 from .recorder import Recording
 
-CONSTANT_TYPES = (bool, int, float, complex, str, type(None))
+CONSTANT_TYPES = (
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
 PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -31,7 +42,7 @@ class UnsupportedInputError(TypeError):
 
 
 @dataclass(frozen=True)
-class TensorMeta:
+class LocalTensorMeta:
     """The local metadata a trace assumed of a tensor."""
 
     type: type
@@ -42,8 +53,8 @@ class TensorMeta:
     requires_grad: bool
 
     @staticmethod
-    def of(t: torch.Tensor) -> TensorMeta:
-        return TensorMeta(type(t), tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
+    def of(t: torch.Tensor) -> LocalTensorMeta:
+        return LocalTensorMeta(type(t), tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
 
 
 @dataclass
@@ -61,14 +72,14 @@ class ConstantInput(InputNode):
 @dataclass
 class TensorInput(InputNode):
     proxy: TensorProxy
-    meta: TensorMeta
+    meta: LocalTensorMeta
 
 
 @dataclass
 class DTensorInput(InputNode):
     proxy: TensorProxy  # the local tensor's proxy, at ``path._local_tensor``
     spec: object  # the DTensorSpec (mesh, placements, global shape and stride)
-    meta: TensorMeta  # of the local tensor
+    meta: LocalTensorMeta  # of the local tensor
     requires_grad: bool
     traced_spec: object = None  # the spec traced with: ``spec``, or with symbolic sizes
 
@@ -137,7 +148,7 @@ class InputProxifier:
             proxy = self.recording.input_proxy(value, identifier(name_hint, self.taken), path, dynamic)
             if value.requires_grad:
                 self.differentiable.append((proxy, proxy))
-            return proxy, TensorInput(path, proxy, TensorMeta.of(value))
+            return proxy, TensorInput(path, proxy, LocalTensorMeta.of(value))
         if isinstance(value, CONSTANT_TYPES) or type(value) is torch.Size:
             return value, ConstantInput(path, value)
         if type(value) in (tuple, list):
@@ -156,7 +167,7 @@ class InputProxifier:
             return rebuilt, PytreeInput(path, type(value), context, [n for _, n in pairs])
         raise UnsupportedInputError(
             f"dtcompile.jit: {path} is a {type(value).__name__}; inputs must be tensors, DTensors, "
-            "numbers, strings, None, or tuples, lists and dicts of those"
+            "numbers, strings, None, dtypes, devices, or tuples, lists and dicts of those"
         )
 
     def _dtensor(self, value: DTensor, path: InputPath, name_hint: str, dynamic: bool) -> tuple[DTensor, DTensorInput]:
@@ -172,7 +183,7 @@ class InputProxifier:
         proxy = self.recording.input_proxy(local, identifier(name_hint, self.taken), local_path, dynamic)
         spec = _symbolic_spec(value, proxy) if dynamic else value._spec
         wrapped = DTensor(proxy, spec, requires_grad=value.requires_grad)
-        node = DTensorInput(path, proxy, value._spec, TensorMeta.of(local), value.requires_grad, spec)
+        node = DTensorInput(path, proxy, value._spec, LocalTensorMeta.of(local), value.requires_grad, spec)
         self.dtensor_inputs.append(node)
         if value.requires_grad:
             self.differentiable.append((proxy, wrapped))
@@ -195,23 +206,15 @@ def _evenly_sharded(value: DTensor) -> bool:
     if any(type(p) not in (Shard, Replicate, Partial) for p in value.placements):
         return False
     local = value._local_tensor
-    if not local.is_contiguous() or tuple(value.stride()) != tuple(_contiguous(value.shape)):
+    if not local.is_contiguous() or tuple(value.stride()) != contiguous_strides(value.shape):
         return False
     return all(g == n * f for g, n, f in zip(value.shape, local.shape, _shard_factors(value)))
-
-
-def _contiguous(shape) -> list:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step = step * size
-    return list(reversed(strides))
 
 
 def _symbolic_spec(value: DTensor, proxy: TensorProxy) -> DTensorSpec:
     """The DTensor's spec with its global sizes in terms of its local tensor's symbols."""
     shape = [size * factor for size, factor in zip(proxy.shape, _shard_factors(value))]
-    meta = DTensorTensorMeta(torch.Size(shape), tuple(_contiguous(shape)), value.dtype)
+    meta = TensorMeta(torch.Size(shape), contiguous_strides(shape), value.dtype)
     return dataclasses.replace(value._spec, tensor_meta=meta)
 
 

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..core import BoundSymbol, InputPath, NoProvenance, Note, TensorProxy, aten_symbol
+from ..core.printing import NamedConstant, Unprintable, python_literal
 from ..core.symbolic import is_symbolic
 from .placements import describe_placements
 
@@ -68,6 +69,7 @@ class Recording:
         # How many torch-level calls with DTensor arguments are running (see CallAnnotator).
         self.dtensor_calls = 0
         self.valued: list[TensorProxy] = []  # proxies whose trace-time value is known
+        self.constants: dict[str, NamedConstant] = {}  # arguments with no literal, by name
 
     def new_name(self) -> str:
         while True:
@@ -95,12 +97,16 @@ class Recording:
         return TensorProxy(fake, name, provenance, requires_grad=real.requires_grad)
 
     def capture(self, real: torch.Tensor) -> TensorProxy:
-        """The proxy of a real tensor the program uses without receiving it in the call."""
+        """The proxy of a real tensor the program uses without receiving it in the call.
+        The program reads it at every call (in-place changes to it are seen); while tracing,
+        its value is known, so that code reading values computed from it works."""
         proxy = self._captured_index.get(id(real))
         if proxy is None:
             index = len(self.captured)
             name = f"captured{index}"
             proxy = self.input_proxy(real, name, InputPath("captured").index(index))
+            proxy.value = real
+            self.valued.append(proxy)
             self.captured.append(real)
             self.captured_proxies.append(proxy)
             self._captured_index[id(real)] = proxy
@@ -108,22 +114,45 @@ class Recording:
 
     def trace_time_value(self, func, args: tuple, kwargs: dict, proxies: list[TensorProxy]):
         """The op's real result when every proxy among its arguments has a known value, so
-        that code reading values made from constants only works while tracing (DTensor's
-        ``arange(n)...tolist()`` index arithmetic in ``redistribute``); else None. Random
-        ops get none: drawing at trace time would move the generator."""
+        that code reading values made from constants and captured tensors works while
+        tracing (DTensor's ``arange(n)...tolist()`` index arithmetic in ``redistribute``);
+        else None. The op stays in the program either way. Random ops get no value (drawing
+        at trace time would move the generator), nor do in-place ops (running one at trace
+        time would change a captured tensor once more than eager does)."""
+        if func._schema.is_mutable:
+            # It may change a valued tensor, or a view of one: those values are stale now.
+            for proxy in self.valued:
+                proxy.value = None
+            self.valued.clear()
+            return None
         symbolic = any(is_symbolic(x) for x in tree_flatten((args, kwargs))[0])
         if symbolic or torch.Tag.nondeterministic_seeded in func.tags or any(p.value is None for p in proxies):
-            if func._schema.is_mutable:
-                # The op may change a valued tensor, or a view of one, in a way not computed here.
-                for proxy in self.valued:
-                    proxy.value = None
-                self.valued.clear()
             return None
 
         def to_value(x):
+            if isinstance(x, NamedConstant):
+                return x.value
             return x.value if isinstance(x, TensorProxy) else x
 
         return func(*tree_map(to_value, args), **tree_map(to_value, kwargs))
+
+    def _captured(self, x):
+        """An argument as the trace holds it: a proxy for a real tensor, a named constant
+        for an object with no literal."""
+        if isinstance(x, torch.Tensor) and not isinstance(x, TensorProxy):
+            return self.capture(x)
+        if isinstance(x, TensorProxy):
+            return x
+        try:
+            python_literal(x)
+        except Unprintable:
+            for constant in self.constants.values():
+                if constant.value is x:
+                    return constant
+            constant = NamedConstant(f"const{len(self.constants)}", x)
+            self.constants[constant.label] = constant
+            return constant
+        return x
 
     def forget_values(self) -> None:
         """Drop the trace-time values once tracing is over: they are not part of the program."""
@@ -133,17 +162,15 @@ class Recording:
 
     def record(self, func, args: tuple, kwargs: dict):
         leaves, _ = tree_flatten((args, kwargs))
-        proxies = [x for x in leaves if isinstance(x, TensorProxy)]
-        if not proxies and any(isinstance(x, torch.Tensor) for x in leaves):
-            # Only real tensors: a constant the program computes from what it closes over,
-            # or DTensor's index arithmetic (``int(offsets[0])``); reading its value is fine.
+        if self.dtensor_calls and not any(isinstance(x, TensorProxy) for x in leaves):
+            # DTensor's own bookkeeping while it handles an op: factory ops and arithmetic
+            # on its own tensors (meta tensors for its sharding propagation, index
+            # arithmetic it reads back: ``arange(n).tolist()`` of a _StridedShard). It needs
+            # real values; where the program uses one, it is captured. (The user's code runs
+            # outside DTensor's handling: its ops on closed-over tensors are recorded.)
             return func(*args, **kwargs)
-        if self.dtensor_calls and not any(isinstance(x, torch.Tensor) for x in leaves):
-            # A factory op made by DTensor while it handles an op: meta tensors for its
-            # sharding propagation, or index arithmetic it reads back (``arange(n).tolist()``
-            # of a _StridedShard). DTensor needs real values; where the program uses one, it
-            # is captured as a constant.
-            return func(*args, **kwargs)
+        args, kwargs = tree_map(self._captured, (args, kwargs))
+        proxies = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, TensorProxy)]
         value = self.trace_time_value(func, args, kwargs, proxies)
         if value is not None and not any(isinstance(v, torch.Tensor) for v in tree_flatten(value)[0]):
             return value  # ``.item()``, ``equal`` of values made from constants: known now
@@ -153,14 +180,9 @@ class Recording:
                 "control flow on tensor data); dtcompile traces shapes, not values"
             )
 
-        def to_proxy(x):
-            if isinstance(x, torch.Tensor) and not isinstance(x, TensorProxy):
-                return self.capture(x)
-            return x
-
-        args, kwargs = tree_map(to_proxy, (args, kwargs))
-
         def to_fake(x):
+            if isinstance(x, NamedConstant):
+                return x.value
             return x.fake if isinstance(x, TensorProxy) else x
 
         fake_args, fake_kwargs = tree_map(to_fake, (args, kwargs))

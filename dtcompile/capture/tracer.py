@@ -134,6 +134,7 @@ def capture_call(
         title="computation, as recorded below DTensor" + (" (forward, then backward)" if backward else ""),
         header_notes=[_rank_line()],
         input_notes={n.proxy.label: _input_note(n) for n in leaves if hasattr(n, "proxy")},
+        globals={label: (constant.value, None) for label, constant in recording.constants.items()},
     )
     verify(trace)
     meshes = []

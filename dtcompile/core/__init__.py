@@ -2,7 +2,7 @@
 
 from .provenance import InputPath, NoProvenance, Provenance, Step
 from .proxy import NumberProxy, TensorProxy, is_proxy
-from .symbol import BoundSymbol, Note, Symbol, aten_symbol
+from .symbol import BoundSymbol, Note, Symbol, aten_symbol, renamed
 from .trace import Trace, TraceError, verify
 
 __all__ = [
@@ -19,5 +19,6 @@ __all__ = [
     "Trace",
     "TraceError",
     "aten_symbol",
+    "renamed",
     "verify",
 ]

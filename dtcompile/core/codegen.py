@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import itertools
 import linecache
+import weakref
+
+from .printing import Unprintable, python_literal
 
 _ids = itertools.count()
 
@@ -18,7 +21,20 @@ def compile_function(source: str, fn_name: str, namespace: dict):
     filename = f"<dtcompile {fn_name} {next(_ids)}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     exec(compile(source, filename, "exec"), namespace)
-    return namespace.pop(fn_name)
+    fn = namespace.pop(fn_name)
+    weakref.finalize(fn, linecache.cache.pop, filename, None)  # the source lives as long as the function
+    return fn
+
+
+def literal_or_global(obj: object, globals: dict[str, object], prefix: str) -> str:
+    """Source for ``obj`` in generated code: its literal when it has one, else a name
+    under which ``globals`` gives the code the object."""
+    try:
+        return python_literal(obj)
+    except Unprintable:
+        name = f"{prefix}{len(globals)}"
+        globals[name] = obj
+        return name
 
 
 class GeneratedFunction:

@@ -67,16 +67,16 @@ class SizeExpression(Symbol):
 
 
 _PRIMS = (("prims", sys.modules[__name__], "from dtcompile.core import prims"),)
-SHAPE = ShapeQuery("prims.shape", shape, globals=_PRIMS, pure=True)
-STRIDE = ShapeQuery("prims.stride", stride, globals=_PRIMS, pure=True)
-STORAGE_OFFSET = ShapeQuery("prims.storage_offset", storage_offset, globals=_PRIMS, pure=True)
+SHAPE = ShapeQuery("prims.shape", globals=_PRIMS, pure=True)
+STRIDE = ShapeQuery("prims.stride", globals=_PRIMS, pure=True)
+STORAGE_OFFSET = ShapeQuery("prims.storage_offset", globals=_PRIMS, pure=True)
 # What each query runs as in an execution trace.
 READS = {
-    SHAPE.name: ShapeRead("shape", shape, pure=True),
-    STRIDE.name: ShapeRead("stride", stride, pure=True),
-    STORAGE_OFFSET.name: ShapeRead("storage_offset", storage_offset, pure=True),
+    SHAPE.name: ShapeRead("shape", pure=True),
+    STRIDE.name: ShapeRead("stride", pure=True),
+    STORAGE_OFFSET.name: ShapeRead("storage_offset", pure=True),
 }
 
 
 def size_expression(expr, symbols: tuple) -> SizeExpression:
-    return SizeExpression("prims.size", None, pure=True, expr=expr, symbols=symbols)
+    return SizeExpression("prims.size", pure=True, expr=expr, symbols=symbols)

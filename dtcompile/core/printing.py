@@ -14,9 +14,23 @@ class Unprintable(TypeError):
     """A trace value that has no Python literal (an object the program must be given)."""
 
 
+class NamedConstant:
+    """An argument with no literal (a ``torch.Generator``): the trace names it, and the
+    compiled program is given the object under that name."""
+
+    __slots__ = ("label", "value")
+
+    def __init__(self, label: str, value: object):
+        self.label = label
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"NamedConstant({self.label} = {self.value!r})"
+
+
 def python_literal(value: object) -> str:
     """The source text that evaluates to ``value`` in a trace's globals."""
-    if is_proxy(value):
+    if is_proxy(value) or isinstance(value, NamedConstant):
         return value.label
     if isinstance(value, SYMBOLIC_TYPES):
         # A size of a trace recorded under symbolic values, before its sizes are computed

@@ -29,6 +29,15 @@ DTYPE_ABBREVIATIONS = {
 }
 
 
+def contiguous_strides(shape) -> tuple:
+    """The row-major strides of ``shape`` (ints, or SymInts under symbolic values)."""
+    strides, step = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step = step * size
+    return tuple(reversed(strides))
+
+
 def is_contiguous_stride(shape, stride) -> bool:
     """True when ``stride`` is the row-major stride of ``shape`` (size-1 dims ignored),
     for every value of symbolic sizes (asked without recording a guard)."""

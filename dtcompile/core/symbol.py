@@ -8,8 +8,7 @@ that says which DTensor-level op it came from.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -43,14 +42,13 @@ class Note:
 class Symbol:
     """A callable a trace can refer to.
 
-    ``name`` is how calls print (``aten.mm.default``, ``torch.mm``); ``impl`` is what
-    runs. A symbol with ``method=True`` prints as a method of its first argument
-    (``t0.view([4, 16])``). ``globals`` maps the names the printed call needs to
+    ``name`` is how calls print (``aten.mm.default``, ``torch.mm``); programs run from
+    their printed source. A symbol with ``method=True`` prints as a method of its first
+    argument (``t0.view([4, 16])``). ``globals`` maps the names the printed call needs to
     ``(object, source)`` pairs, ``source`` being how the trace's header recreates it.
     """
 
     name: str
-    impl: Callable
     method: bool = False
     globals: tuple[tuple[str, object, str], ...] = ()
     pure: bool = False  # a symbol with no op of its own may be dropped or merged by passes if pure
@@ -70,7 +68,6 @@ def aten_symbol(op: torch._ops.OpOverload) -> Symbol:
     namespace = op.namespace
     return Symbol(
         name=f"{namespace}.{op._opname}.{op._overloadname}",
-        impl=op,
         globals=((namespace, getattr(torch.ops, namespace), f"torch.ops.{namespace}"),),
     )
 
@@ -86,7 +83,6 @@ class BoundSymbol:
     note: Note | None = None
     op: torch._ops.OpOverload | None = None  # the aten op this call runs or was lowered from
     in_backward: bool = False  # recorded while autograd ran a training call's backward
-    extra: dict = field(default_factory=dict)  # per-executor facts (e.g. a collective's work name)
 
     def input_proxies(self) -> list:
         """The proxies (tensors and numbers) this call reads."""
@@ -109,9 +105,10 @@ class BoundSymbol:
 
     def with_inputs_renamed(self, mapping: dict[str, TensorProxy]) -> BoundSymbol:
         """A copy whose proxy arguments are swapped by name through ``mapping``."""
-
-        def swap(x):
-            return mapping.get(x.label, x) if is_proxy(x) else x
-
         note = self.note.renamed(mapping) if self.note is not None else None
-        return replace(self, args=tree_map(swap, self.args), kwargs=tree_map(swap, self.kwargs), note=note)
+        return replace(self, args=renamed(self.args, mapping), kwargs=renamed(self.kwargs, mapping), note=note)
+
+
+def renamed(value, mapping: dict) -> object:
+    """``value`` (a pytree) with each proxy swapped by name through ``mapping``."""
+    return tree_map(lambda x: mapping.get(x.label, x) if is_proxy(x) else x, value)

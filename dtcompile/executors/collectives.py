@@ -117,9 +117,7 @@ class CollectivesExecutor:
             work = context.work_of.get(bsym.args[0].label)
             if work is None:  # the collective stayed functional
                 return [bsym]
-            return [
-                BoundSymbol(WaitCollective("wait", None, work=work), bsym.args, {}, bsym.output, bsym.note, bsym.op)
-            ]
+            return [BoundSymbol(WaitCollective("wait", work=work), bsym.args, {}, bsym.output, bsym.note, bsym.op)]
         source = bsym.args[0]
         kind = self._KINDS[bsym.op]
         reduce_op = bsym.args[1] if kind in ("all_reduce", "reduce_scatter_tensor") else "sum"
@@ -131,7 +129,6 @@ class CollectivesExecutor:
         in_place = kind == "all_reduce" and context.dead_after(source, index)
         symbol = StartCollective(
             name=kind,
-            impl=None,
             globals=(_DIST, _PROCESS_GROUP),
             kind=kind,
             work=work,

@@ -79,13 +79,13 @@ _METHODS = {
 def _fast_symbol(op) -> Symbol | None:
     if op in _FUNCTIONS:
         name = _FUNCTIONS[op]
-        return Symbol(f"torch.{name}", getattr(torch, name), globals=_TORCH)
+        return Symbol(f"torch.{name}", globals=_TORCH)
     if op in _NN_FUNCTIONS:
         name = _NN_FUNCTIONS[op]
-        return Symbol(f"torch._C._nn.{name}", getattr(torch._C._nn, name), globals=_TORCH)
+        return Symbol(f"torch._C._nn.{name}", globals=_TORCH)
     if op in _METHODS:
         name = _METHODS[op]
-        return Symbol(name, getattr(torch.Tensor, name), method=True)
+        return Symbol(name, method=True)
     return None
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import functools
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -13,18 +15,61 @@ from .compiled import CompiledFunction
 
 
 class JittedFunction:
-    """A function compiled by :func:`jit`; call it like the function."""
+    """A function compiled by :func:`jit`; call it like the function. As a method, each
+    object gets the function compiled with that object closed over (a bound method)."""
 
     def __init__(self, fn: Callable, compiled: CompiledFunction):
         self._dtcompile = compiled
+        self._fn = fn
+        self._bound: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
         return self._dtcompile(None, args, kwargs)
 
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self
+        try:
+            bound = self._bound.get(instance)
+        except TypeError as error:
+            raise TypeError(
+                f"dtcompile.jit: a jitted method needs objects that can be weakly referenced and hashed; "
+                f"{type(instance).__name__} cannot"
+            ) from error
+        if bound is None:
+            compiled = self._dtcompile
+            method = functools.partial(self._fn, instance)
+            functools.update_wrapper(method, self._fn)
+            bound = self._bound[instance] = jit(method, cache=compiled.cache, executors=compiled.executor_spec)
+        return bound
+
 
 def _jitted_module_call(self, *args, **kwargs):
     return self._dtcompile(self, args, kwargs)
+
+
+def _plain(jitted: torch.nn.Module) -> torch.nn.Module:
+    """The jitted module as an object of its own class (sharing its ``__dict__``)."""
+    plain = object.__new__(type(jitted).__mro__[1])
+    object.__setattr__(plain, "__dict__", jitted.__dict__)
+    return plain
+
+
+def _rejit(module: torch.nn.Module, cache: str, executors) -> torch.nn.Module:
+    return jit(module, cache=cache, executors=executors)
+
+
+def _jitted_module_deepcopy(self, memo):
+    """A deep copy of the module, compiled anew (with an empty cache of its own)."""
+    compiled = self._dtcompile
+    return jit(copy.deepcopy(_plain(self), memo), cache=compiled.cache, executors=compiled.executor_spec)
+
+
+def _jitted_module_reduce_ex(self, protocol):
+    """Pickled as the plain module and unpickled compiled anew (``torch.save`` works)."""
+    compiled = self._dtcompile
+    return _rejit, (_plain(self), compiled.cache, compiled.executor_spec)
 
 
 _jitted_classes: dict[type, type] = {}
@@ -37,6 +82,8 @@ def _jitted_class(cls: type) -> type:
     if jitted_cls is None:
         namespace = {
             "__call__": _jitted_module_call,
+            "__deepcopy__": _jitted_module_deepcopy,
+            "__reduce_ex__": _jitted_module_reduce_ex,
             "__slots__": ("_dtcompile",),
             "__module__": cls.__module__,
             "__qualname__": f"Jitted{cls.__qualname__}",
@@ -47,8 +94,9 @@ def _jitted_class(cls: type) -> type:
 
 def _jit_module(module: torch.nn.Module, cache: str, executors) -> torch.nn.Module:
     """The module, compiled: an object of a subclass of the module's class that shares the
-    module's ``__dict__`` (so its parameters, buffers, submodules, training flag, hooks and
-    attributes are the module's own) and whose call runs the compiled program."""
+    module's ``__dict__`` (so its parameters, buffers, submodules, training flag and
+    attributes are the module's own) and whose call runs the compiled program (hooks ran
+    while tracing; the prologue guards them)."""
     compiled = CompiledFunction(module, module=module, cache=cache, executors=executors)
     compiled.name = type(module).__qualname__
     jitted = object.__new__(_jitted_class(type(module)))
@@ -60,9 +108,12 @@ def _jit_module(module: torch.nn.Module, cache: str, executors) -> torch.nn.Modu
 def jit(fn_or_module, *, cache: str = "constant values", executors=None):
     """Compile a function or module over DTensors (or plain tensors) into per-rank programs.
 
-    ``cache``: ``"constant values"`` (one compilation per input metadata; the default) or
-    ``"no caching"`` (trace and compile at every call). ``executors``: names in claiming
-    order, by default ``["collectives", "torch"]``.
+    ``cache``: ``"constant values"`` (one compilation per input metadata; the default),
+    ``"symbolic values"`` (the sizes of the call's tensors are symbolic: one compilation
+    serves every size that meets its guards), or ``"no caching"`` (trace and compile at
+    every call; for debugging). ``executors``: names in claiming order, by default
+    ``["collectives", "torch"]``. A module comes back as a jitted module: the same object
+    state under a subclass of its class whose call runs the compiled program.
     """
     if isinstance(fn_or_module, torch.nn.Module):
         return _jit_module(fn_or_module, cache, executors)
@@ -98,7 +149,9 @@ def last_prologue(jfn) -> GeneratedFunction:
 
 
 def last_epilogue(jfn) -> GeneratedFunction:
-    """The epilogue of the last compilation (how outputs become DTensors again)."""
+    """The epilogue of the last compilation: how the computation's flat outputs become the
+    call's result (for a training entry, the DTensors are wrapped before, inside the
+    autograd Function, and this rebuilds the containers)."""
     return _last_entry(jfn).epilogue
 
 

@@ -9,6 +9,8 @@ compiles a forward and a backward program run by one autograd Function (``traini
 from __future__ import annotations
 
 import time
+import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,10 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from ..capture import CapturedCall, DTensorInput, capture_call, iter_leaves
-from ..core import TensorProxy, Trace, verify
+from ..capture import CapturedCall, capture_call
+from ..core import Trace, verify
 from ..core.codegen import GeneratedFunction
-from ..core.symbolic import as_constant, is_symbolic
 from ..executors import lower, resolve_executors
 from ..transforms import (
     combine_all_reduces,
@@ -30,12 +31,14 @@ from ..transforms import (
     saved_note,
     split_forward_backward,
 )
-from .consistency import check_ranks_agree
-from .epilogue import build_epilogue, build_output_wrapper
+from .consistency import check_ranks_agree, group_labels
+from .epilogue import build_epilogue
 from .prologue import build_prologue
 from .training import TrainingProgram
 
 PASSES = (remove_identity_views, cse, combine_all_reduces, dce)
+ENTRIES_WARNING = 32  # entries of one function after which a warning says so
+_instances: Counter[str] = Counter()  # compiled functions made so far, by name
 CACHE_OPTIONS = ("constant values", "no caching", "symbolic values")
 
 
@@ -69,17 +72,6 @@ class CompileStats:
     last: CacheEntry | None = None
 
 
-def group_labels(meshes) -> dict[str, str]:
-    """A rank-independent label for each process group of the meshes: the mesh dim's name
-    (``tp``), or ``mesh0.dim1`` for unnamed dims."""
-    labels = {}
-    for m, mesh in enumerate(meshes):
-        names = mesh.mesh_dim_names
-        for d in range(mesh.ndim):
-            labels.setdefault(mesh.get_group(d).group_name, names[d] if names else f"mesh{m}.dim{d}")
-    return labels
-
-
 class CompiledFunction:
     """The compiled form of one function or module, with its cache."""
 
@@ -89,13 +81,18 @@ class CompiledFunction:
         self.fn = fn
         self.module = module
         self.cache = cache
+        self.executor_spec = executors  # as given: a copy of the function is compiled with the same
         self.executors = resolve_executors(executors)
         self.entries: list[CacheEntry] = []
         self.stats = CompileStats()
         self.name = getattr(fn, "__qualname__", None) or type(fn).__name__
         self.symbolic = cache == "symbolic values"
-        # Under symbolic values, every size the trace uses is computed in the trace first.
-        self.sizes = (materialize_sizes,) if self.symbolic else ()
+        # Names this function alike on every rank (ranks jit the same functions in order).
+        _instances[self.name] += 1
+        self.sync_key = f"{self.name}#{_instances[self.name]}"
+        # Under symbolic values, every size the trace uses is computed in the trace first,
+        # one producer per value (DCE) before CSE compares the symbols that read them.
+        self.sizes = (materialize_sizes, dce) if self.symbolic else ()
 
     def __call__(self, module, args: tuple, kwargs: dict):
         for entry in self.entries:
@@ -123,7 +120,7 @@ class CompiledFunction:
             prologue=build_prologue(
                 captured.inputs,
                 captured.grad_enabled,
-                captured.captured,
+                list(zip(captured.captured, (p for p in captured.trace.inputs if p.provenance.root == "captured"))),
                 self.module,
                 unwrap_differentiable=captured.backward is None,
                 shape_env=captured.shape_env,
@@ -138,7 +135,16 @@ class CompiledFunction:
         self.stats.last = entry
         if self.cache != "no caching":
             self.entries.append(entry)
+            if len(self.entries) == ENTRIES_WARNING:
+                warnings.warn(
+                    f"dtcompile: {self.name} has compiled {ENTRIES_WARNING} entries: the metadata of its inputs "
+                    'keeps changing (new sizes? try cache="symbolic values"); each call tries every entry\'s guards',
+                    stacklevel=3,
+                )
         return entry
+
+    def _sync_key(self) -> str:
+        return f"{self.sync_key}/{self.stats.misses}"
 
     def _optimized(self, trace: Trace, passes) -> list[Trace]:
         traces = [trace]
@@ -157,7 +163,7 @@ class CompiledFunction:
 
     def _inference(self, captured: CapturedCall, labels):
         traces = self._optimized(captured.trace, (*self.sizes, *PASSES))
-        check_ranks_agree(traces[-1:], captured.meshes, labels, self.name)
+        check_ranks_agree(traces[-1:], captured.meshes, labels, self.name, self._sync_key())
         execution = self._lowered(traces[-1], labels)
         epilogue = build_epilogue(captured.output)
         return InferenceProgram(execution.compile(), epilogue), epilogue, traces + [execution]
@@ -169,46 +175,24 @@ class CompiledFunction:
         split = split_forward_backward(joint_traces[-1], backward.cotangents, slots)
         forward_traces = self._optimized(split.forward, (*self.sizes, combine_all_reduces, dce))
         backward_traces = self._optimized(split.backward, (*self.sizes, combine_all_reduces, dce))
-        check_ranks_agree([forward_traces[-1], backward_traces[-1]], captured.meshes, labels, self.name)
+        check_ranks_agree(
+            [forward_traces[-1], backward_traces[-1]], captured.meshes, labels, self.name, self._sync_key()
+        )
         forward_execution = self._lowered(forward_traces[-1], labels)
         forward_execution.header_notes.append(saved_note(forward_traces[-1], slots))
         backward_execution = self._lowered(backward_traces[-1], labels)
         inputs = captured.trace.inputs[: len(captured.trace.inputs) - len(backward.cotangents)]
-        position = {p.label: i for i, p in enumerate(inputs)}
-        differentiable_dtensors = {
-            node.proxy.label
-            for top in captured.inputs.nodes()
-            for node in iter_leaves(top)
-            if isinstance(node, DTensorInput) and node.requires_grad
-        }
-        with_grads = [
-            (p, g, s) for p, g, s in zip(backward.differentiable, backward.grads, backward.grad_specs) if g is not None
-        ]
-        epilogue = build_epilogue(captured.output, wrap=False)
-        program = TrainingProgram(
-            forward=forward_execution.compile(),
-            backward=backward_execution.compile(),
-            wrap_outputs=build_output_wrapper(captured.output, slots),
-            rebuild=epilogue,
-            slots=slots,
-            dtensor_inputs=sorted(position[label] for label in differentiable_dtensors),
-            non_differentiable=[
-                i
-                for i in range(slots)
-                if i not in set(backward.cotangent_slots) and isinstance(captured.trace.output[i], TensorProxy)
-            ],
-            cotangent_slots=backward.cotangent_slots,
-            cotangent_specs=backward.cotangent_specs,
-            cotangent_shapes=[tuple(as_constant(x) for x in c.shape) for c in backward.cotangents],
-            grad_positions=[position[p.label] for p, _, _ in with_grads],
-            grad_specs=[s for _, _, s in with_grads],
-            grad_sizes_per_call=[
-                s is not None and any(is_symbolic(x) for x in s.tensor_meta.shape) for _, _, s in with_grads
-            ],
-            inputs=len(inputs),
+        program = TrainingProgram.make(
+            forward_execution.compile(),
+            backward_execution.compile(),
+            captured.output,
+            inputs,
+            backward,
+            slots,
+            captured.trace.output,
         )
         traces = [*joint_traces, *forward_traces, forward_execution, *backward_traces, backward_execution]
-        return program, epilogue, traces
+        return program, program.rebuild, traces
 
 
 def _slot_count(captured: CapturedCall) -> int:

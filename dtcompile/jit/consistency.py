@@ -10,6 +10,7 @@ shards), and so may the pads and narrows DTensor adds for them; nothing else may
 from __future__ import annotations
 
 import difflib
+import hashlib
 import os
 from collections import defaultdict
 from datetime import timedelta
@@ -96,32 +97,28 @@ def _collective_ranks(trace: Trace) -> set[int]:
     return ranks
 
 
-_sequence: dict[tuple[int, ...], int] = defaultdict(int)
+def group_labels(meshes) -> dict[str, str]:
+    """A rank-independent label for each process group of the meshes: the mesh dim's name
+    (``tp``), or ``mesh0.dim1`` for unnamed dims."""
+    labels = {}
+    for m, mesh in enumerate(meshes):
+        names = mesh.mesh_dim_names
+        for d in range(mesh.ndim):
+            labels.setdefault(mesh.get_group(d).group_name, names[d] if names else f"mesh{m}.dim{d}")
+    return labels
 
 
 def _timeout() -> timedelta:
     return timedelta(seconds=float(os.environ.get("DTCOMPILE_SYNC_TIMEOUT", "120")))
 
 
-def check_ranks_agree(traces: list[Trace], meshes: list, group_labels: dict[str, str], what: str) -> None:
-    """Raise :class:`RankMismatchError` unless every rank of ``meshes``, and of the process
-    groups the traces' collectives run on, compiled the same programs as this one. A no-op
-    without a real multi-process group."""
-    if not dist.is_initialized() or dist.get_backend() == "fake":
-        return
-    mesh_ranks = {int(r) for mesh in meshes for r in mesh.mesh.flatten().tolist()}
-    ranks = tuple(sorted(mesh_ranks.union(*(_collective_ranks(t) for t in traces))))
-    if len(ranks) < 2:
-        return
+def _exchange(store, key: str, ranks: tuple[int, ...], value: str, what: str) -> dict[int, str]:
+    """Every rank's ``value`` under ``key``; a clear error, not a hang, if some rank never
+    publishes one."""
     rank = dist.get_rank()
-    key = f"dtcompile/{'-'.join(map(str, ranks))}/{_sequence[ranks]}"
-    _sequence[ranks] += 1
-    store = dist.distributed_c10d._get_default_store()
-    mine = [line for trace in traces for line in program_lines(trace, group_labels)]
-    store.set(f"{key}/{rank}", "\n".join([what, *mine]))
-    keys = [f"{key}/{r}" for r in ranks]
+    store.set(f"{key}/{rank}", value)
     try:
-        store.wait(keys, _timeout())
+        store.wait([f"{key}/{r}" for r in ranks], _timeout())
     except Exception as error:  # the store raises a generic error on timeout
         missing = [r for r in ranks if not store.check([f"{key}/{r}"])]
         raise RankMismatchError(
@@ -129,16 +126,46 @@ def check_ranks_agree(traces: list[Trace], meshes: list, group_labels: dict[str,
             f"within {_timeout().total_seconds():.0f} s (they hit a cache entry this rank missed, "
             "failed, or run other code); the ranks' programs would not match"
         ) from error
-    programs = {r: store.get(f"{key}/{r}").decode().split("\n") for r in ranks}
+    return {r: store.get(f"{key}/{r}").decode() for r in ranks}
+
+
+def _release(store, key: str, ranks: tuple[int, ...], names: list[str]) -> None:
+    """The last rank done with the exchange deletes its keys, so the store does not grow."""
+    if store.add(f"{key}/done", 1) == len(ranks) and hasattr(store, "delete_key"):
+        for name in [*names, "done"]:
+            store.delete_key(f"{key}/{name}")
+
+
+def check_ranks_agree(traces: list[Trace], meshes: list, group_labels: dict[str, str], what: str, key: str) -> None:
+    """Raise :class:`RankMismatchError` unless every rank of ``meshes``, and of the process
+    groups the traces' collectives run on, compiled the same programs as this one. ``key``
+    names this compilation alike on every rank (the function and its compilation count).
+    The ranks exchange a hash of their programs, and the programs themselves only when the
+    hashes differ. A no-op without a real multi-process group."""
+    if not dist.is_initialized() or dist.get_backend() == "fake":
+        return
+    mesh_ranks = {int(r) for mesh in meshes for r in mesh.mesh.flatten().tolist()}
+    ranks = tuple(sorted(mesh_ranks.union(*(_collective_ranks(t) for t in traces))))
+    if len(ranks) < 2:
+        return
+    rank = dist.get_rank()
+    key = f"dtcompile/{'-'.join(map(str, ranks))}/{key}"
+    store = dist.distributed_c10d._get_default_store()
+    mine = [what, *(line for trace in traces for line in program_lines(trace, group_labels))]
+    text = "\n".join(mine)
+    hashes = _exchange(store, f"{key}/hash", ranks, hashlib.sha256(text.encode()).hexdigest(), what)
+    if len(set(hashes.values())) == 1:
+        _release(store, key, ranks, [f"hash/{r}" for r in ranks])
+        return
+    programs = {r: t.split("\n") for r, t in _exchange(store, f"{key}/text", ranks, text, what).items()}
+    _release(store, key, ranks, [f"{kind}/{r}" for kind in ("hash", "text") for r in ranks])
     groups: dict[tuple[str, ...], list[int]] = defaultdict(list)
     for r, lines in programs.items():
         groups[tuple(lines)].append(r)
-    if len(groups) == 1:
-        return
     for r, lines in programs.items():
         if r == rank:
             continue
-        difference = first_difference([programs[rank][0], *mine], lines)
+        difference = first_difference(mine, lines)
         if difference is None:
             continue
         line, here, there = difference

@@ -24,14 +24,24 @@ from ..capture import (
     Slot,
     TensorOutput,
 )
-from ..core.codegen import GeneratedFunction
-from ..core.printing import Unprintable, python_literal
+from ..core.codegen import GeneratedFunction, literal_or_global
+
+_specs: dict[tuple, tuple[DTensorSpec, DTensorSpec]] = {}
 
 
 def with_sizes(spec: DTensorSpec, shape: tuple, stride: tuple) -> DTensorSpec:
-    """``spec`` with another global shape and stride (the call's, under symbolic values)."""
+    """``spec`` with another global shape and stride (the call's, under symbolic values).
+    Made once per (spec, sizes): a spec costs microseconds to build, and calls repeat sizes."""
+    key = (id(spec), shape, stride)
+    cached = _specs.get(key)
+    if cached is not None and cached[0] is spec:
+        return cached[1]
+    if len(_specs) > 4096:
+        _specs.clear()
     meta = TensorMeta(torch.Size(shape), stride, spec.tensor_meta.dtype)
-    return dataclasses.replace(spec, tensor_meta=meta)
+    made = dataclasses.replace(spec, tensor_meta=meta)
+    _specs[key] = (spec, made)
+    return made
 
 
 class _Builder:
@@ -40,12 +50,7 @@ class _Builder:
         self.statements: list[str] = []
 
     def constant(self, obj: object, prefix: str) -> str:
-        try:
-            return python_literal(obj)
-        except Unprintable:
-            name = f"{prefix}{len(self.globals)}"
-            self.globals[name] = obj
-            return name
+        return literal_or_global(obj, self.globals, prefix)
 
     def dtensor(self, node: DTensorOutput) -> str:
         """``DTensor(local, spec)``, after keeping the call's masks where DTensor's embedding

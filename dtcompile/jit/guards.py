@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-_group_names: dict[int, tuple[object, tuple[str, ...]]] = {}
-
 
 def mesh_group_names(mesh) -> tuple[str, ...]:
-    """The process-group name of each mesh dim (cached per mesh object)."""
-    cached = _group_names.get(id(mesh))
-    if cached is None or cached[0] is not mesh:
-        cached = (mesh, tuple(mesh.get_group(d).group_name for d in range(mesh.ndim)))
-        _group_names[id(mesh)] = cached
-    return cached[1]
+    """The process-group name of each mesh dim (kept on the mesh: asked at every call
+    that passes an equal mesh object other than the traced one)."""
+    names = getattr(mesh, "_dtcompile_group_names", None)
+    if names is None:
+        names = tuple(mesh.get_group(d).group_name for d in range(mesh.ndim))
+        mesh._dtcompile_group_names = names
+    return names
 
 
 def meshes_match(mesh, expected) -> bool:

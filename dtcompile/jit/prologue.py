@@ -19,13 +19,13 @@ from ..capture import (
     ConstantInput,
     DictInput,
     DTensorInput,
+    LocalTensorMeta,
     PytreeInput,
     SequenceInput,
     TensorInput,
-    TensorMeta,
 )
-from ..core.codegen import GeneratedFunction
-from ..core.printing import Unprintable, python_literal
+from ..core.codegen import GeneratedFunction, literal_or_global
+from ..core.printing import python_literal
 from ..core.symbolic import is_symbolic, python_source, symbolic_expr
 from .guards import meshes_match, spec_matches
 
@@ -54,13 +54,7 @@ class _Builder:
         return f"{prefix}{self._count}"
 
     def constant(self, obj: object, prefix: str) -> str:
-        """Source for ``obj``: a literal when it has one, else a global given to the code."""
-        try:
-            return python_literal(obj)
-        except Unprintable:
-            name = self.fresh(prefix)
-            self.globals[name] = obj
-            return name
+        return literal_or_global(obj, self.globals, prefix)
 
     def fail_if(self, condition: str) -> None:
         self.lines.append(f"    if {condition}: return None")
@@ -70,7 +64,7 @@ class _Builder:
         self.lines.append(f"    {name} = {expr}")
         return name
 
-    def tensor_meta(self, var: str, meta: TensorMeta, proxy) -> None:
+    def tensor_meta(self, var: str, meta: LocalTensorMeta, proxy) -> None:
         tensor_type = self.constant(meta.type, "TYPE")
         device = self.fresh("DEVICE")  # a global: a literal would build a device per call
         self.globals[device] = meta.device
@@ -156,7 +150,11 @@ class _Builder:
                 self.fail_if(
                     f"{spec}.placements != {placements} or {var}.dtype is not {python_literal(node.meta.dtype)}"
                 )
+                shard_order = getattr(node.spec, "shard_order", None)
+                if shard_order is not None:
+                    self.fail_if(f"{spec}.shard_order != {self.constant(shard_order, 'SHARD_ORDER')}")
                 self.sizes(f"{var}.shape", node.traced_spec.tensor_meta.shape, "gsize")
+                self.sizes(f"{var}.stride()", node.traced_spec.tensor_meta.stride, "gstride")
             self.fail_if(f"{var}.requires_grad is not {node.requires_grad}")
             local = self.bind(f"{var}._local_tensor", "local")
             self.tensor_meta(local, node.meta, node.proxy)
@@ -175,8 +173,9 @@ class _Builder:
             if not node.keys and expr == "kwargs":
                 self.fail_if("kwargs")
             else:
-                keys = self.constant(frozenset(node.keys), "KEYS") if node.keys else "()"
-                self.fail_if(f"type({var}) is not dict or {var}.keys() != {keys}")
+                # In order: a function may iterate the dict (``d.values()``).
+                keys = self.constant(tuple(node.keys), "KEYS")
+                self.fail_if(f"type({var}) is not dict or tuple({var}) != {keys}")
             for key, child in zip(node.keys, node.children):
                 self.node(child, f"{var}[{key!r}]")
         elif isinstance(node, PytreeInput):
@@ -213,18 +212,44 @@ class _Builder:
             self.fail_if(f"type({expr}) is not {kind} or {expr} != {self.constant(value, 'CONST')}")
 
 
-def _module_expr(root: str, dotted: str, table: str) -> str:
-    """``module._modules['up']._parameters.get('weight')``: ``None`` (a guard failure, so
-    a recompilation) if the name is gone."""
-    *owners, leaf = dotted.split(".")
-    expr = root + "".join(f"._modules[{o!r}]" for o in owners)
-    return f"{expr}.{table}.get({leaf!r})"
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _hooks_check(owner: str, tables: dict[str, object]) -> str:
+    """The condition under which ``owner``'s hooks differ from ``tables`` (hook tables as
+    traced): the same hook ids, in order; an empty table must stay empty."""
+    checks = []
+    for table, hooks in tables.items():
+        keys = tuple(hooks)
+        checks.append(f"tuple({owner}.{table}) != {keys!r}" if keys else f"{owner}.{table}")
+    return " or ".join(checks)
+
+
+def _module_walk(b: _Builder, module: torch.nn.Module) -> dict[str, str]:
+    """Bind every submodule by its path, checking that it is the module traced (a
+    replaced submodule would run code the program does not have), its training flag
+    (dropout and norms depend on it) and its hooks (traced into the program). Returns the
+    variable of each submodule's path."""
+    variables = {"": "module"}
+    for path, submodule in module.named_modules():
+        if path:
+            parent, _, leaf = path.rpartition(".")
+            var = b.bind(f"{variables[parent]}._modules.get({leaf!r})", "m")
+            expected = b.fresh("MODULE")
+            b.globals[expected] = submodule
+            b.fail_if(f"{var} is not {expected}")
+            variables[path] = var
+        var = variables[path]
+        b.fail_if(f"{var}.training is not {submodule.training}")
+        hooks = {table: getattr(submodule, table) for table in _HOOK_TABLES}
+        b.fail_if(_hooks_check(var, hooks))
+    return variables
 
 
 def build_prologue(
     inputs: CallInputs,
     grad_enabled: bool,
-    captured: list[torch.Tensor],
+    captured: list[tuple[torch.Tensor, object]],
     module: torch.nn.Module | None,
     unwrap_differentiable: bool = True,
     shape_env=None,
@@ -235,20 +260,27 @@ def build_prologue(
     checks the ShapeEnv's guards."""
     b = _Builder(unwrap_differentiable)
     b.fail_if(f"torch.is_grad_enabled() is not {grad_enabled}")
-    if module is not None:
-        # Every submodule's training flag can change what forward does (dropout, norms).
-        for i, submodule in enumerate(module.modules()):
-            name = f"MODULE{i}"
-            b.globals[name] = submodule
-            b.fail_if(f"{name}.training is not {submodule.training}")
+    # The arguments first: a call an entry does not fit usually fails there, cheaply.
     b.node(inputs.args, "args")
     b.node(inputs.kwargs, "kwargs")
-    for table, pairs in (("_parameters", inputs.params), ("_buffers", inputs.buffers), ("__dict__", inputs.attributes)):
-        for name, node in pairs:
-            b.node(node, _module_expr("module", name, table))
-    for i, tensor in enumerate(captured):
-        b.globals[f"CAPTURED{i}"] = tensor
-        b.results.append(f"CAPTURED{i}")
+    if module is not None:
+        # Global module hooks (debugging tools such as CommDebugMode install them) are not
+        # guarded: they ran while tracing, and run again only when a call compiles.
+        variables = _module_walk(b, module)
+        for table, pairs in (
+            ("_parameters", inputs.params),
+            ("_buffers", inputs.buffers),
+            ("__dict__", inputs.attributes),
+        ):
+            for name, node in pairs:
+                owner, _, leaf = name.rpartition(".")
+                b.node(node, f"{variables[owner]}.{table}.get({leaf!r})")
+    for i, (tensor, proxy) in enumerate(captured):
+        # Held by reference: its values are read at each call, its metadata guarded.
+        name = f"CAPTURED{i}"
+        b.globals[name] = tensor
+        b.tensor_meta(name, LocalTensorMeta.of(tensor), proxy)
+        b.results.append(name)
     if shape_env is not None:
         b.symbolic_guards(shape_env)
     for device in sorted(b.devices):

@@ -19,8 +19,60 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._utils import compute_global_tensor_info
 
+from ..core import TensorProxy
 from ..core.codegen import GeneratedFunction
-from .epilogue import with_sizes
+from ..core.symbolic import as_constant, is_symbolic
+from .epilogue import build_epilogue, build_output_wrapper, with_sizes
+
+
+@dataclass(frozen=True)
+class Cotangent:
+    """What the backward expects of one output's gradient."""
+
+    slot: int  # the output slot it belongs to
+    spec: DTensorSpec | None  # its placements, for a DTensor output; None: a plain tensor
+    shape: tuple  # its local shape: ints, and SymInts where sizes are symbolic
+
+    def prepare(self, grad) -> torch.Tensor:
+        """The gradient's local tensor, as the backward program was traced with it."""
+        if self.spec is not None:
+            if not isinstance(grad, DTensor):
+                raise TypeError(
+                    f"dtcompile: the gradient of output {self.slot} is a {type(grad).__name__}, "
+                    "but the output is a DTensor"
+                )
+            if grad.placements != self.spec.placements or grad.device_mesh != self.spec.mesh:
+                # What DTensor would do with a cotangent of other placements: redistribute it.
+                grad = grad.redistribute(self.spec.mesh, self.spec.placements)
+            grad = grad._local_tensor
+        if isinstance(grad, AsyncCollectiveTensor):
+            grad = grad.wait()
+        if grad.dim() != len(self.shape) or any(isinstance(e, int) and g != e for g, e in zip(grad.shape, self.shape)):
+            raise RuntimeError(
+                f"dtcompile: the gradient of output {self.slot} has local shape {tuple(grad.shape)}; the "
+                f"backward was compiled for {tuple(map(str, self.shape))}"
+            )
+        return grad if grad.is_contiguous() else grad.contiguous()
+
+
+@dataclass(frozen=True)
+class Gradient:
+    """Where one gradient the backward returns goes, and as what."""
+
+    position: int  # the input it is the gradient of
+    spec: DTensorSpec | None  # as traced, for a DTensor input; None: a plain tensor
+    sizes_per_call: bool  # the spec has symbolic sizes: rebuilt from each gradient
+
+    def wrap(self, grad: torch.Tensor):
+        if self.spec is None:
+            return grad
+        spec = self.spec
+        if self.sizes_per_call:
+            # Only evenly sharded DTensors are traced with symbolic sizes: the global sizes
+            # follow from the local ones.
+            shape, stride = compute_global_tensor_info(grad, spec.mesh, spec.placements)
+            spec = with_sizes(spec, tuple(shape), tuple(stride))
+        return DTensor(grad, spec, requires_grad=False)
 
 
 @dataclass
@@ -32,39 +84,48 @@ class TrainingProgram:
     slots: int
     dtensor_inputs: list[int]  # input positions holding a DTensor that needs a gradient
     non_differentiable: list[int]  # output slots autograd must not differentiate
-    cotangent_slots: list[int]
-    cotangent_specs: list[DTensorSpec | None]
-    cotangent_shapes: list[tuple[int, ...]]
-    grad_positions: list[int]  # input position of each gradient the backward returns
-    grad_specs: list[DTensorSpec | None]
-    grad_sizes_per_call: list[bool]  # specs traced with symbolic sizes: rebuilt from each gradient
+    cotangents: list[Cotangent]
+    gradients: list[Gradient]
     inputs: int
+
+    @staticmethod
+    def make(forward, backward, output, captured_inputs, backward_capture, slots: int, trace_output) -> TrainingProgram:
+        """The program of a captured training call: ``captured_inputs`` the computation's
+        input proxies, ``backward_capture`` what tracing the backward recorded."""
+        position = {p.label: i for i, p in enumerate(captured_inputs)}
+        cotangents = [
+            Cotangent(slot, spec, tuple(as_constant(x) for x in proxy.shape))
+            for slot, spec, proxy in zip(
+                backward_capture.cotangent_slots, backward_capture.cotangent_specs, backward_capture.cotangents
+            )
+        ]
+        gradients = [
+            Gradient(position[p.label], spec, spec is not None and any(is_symbolic(x) for x in spec.tensor_meta.shape))
+            for p, grad, spec in zip(
+                backward_capture.differentiable, backward_capture.grads, backward_capture.grad_specs
+            )
+            if grad is not None
+        ]
+        traced_slots = set(backward_capture.cotangent_slots)
+        return TrainingProgram(
+            forward=forward,
+            backward=backward,
+            wrap_outputs=build_output_wrapper(output, slots),
+            rebuild=build_epilogue(output, wrap=False),
+            slots=slots,
+            dtensor_inputs=[
+                position[p.label] for p, traced in backward_capture.differentiable_values if isinstance(traced, DTensor)
+            ],
+            non_differentiable=[
+                i for i in range(slots) if i not in traced_slots and isinstance(trace_output[i], TensorProxy)
+            ],
+            cotangents=cotangents,
+            gradients=gradients,
+            inputs=len(captured_inputs),
+        )
 
     def __call__(self, inputs: tuple):
         return self.rebuild.fn(CompiledStep.apply(self, *inputs))
-
-    def cotangent(self, k: int, grad) -> torch.Tensor:
-        """The local tensor of the ``k``-th cotangent, as the backward program expects it."""
-        spec = self.cotangent_specs[k]
-        if spec is not None:
-            if not isinstance(grad, DTensor):
-                raise TypeError(
-                    f"dtcompile: the gradient of output {self.cotangent_slots[k]} is a {type(grad).__name__}, "
-                    "but the output is a DTensor"
-                )
-            if grad.placements != spec.placements or grad.device_mesh != spec.mesh:
-                # What DTensor would do with a cotangent of other placements: redistribute it.
-                grad = grad.redistribute(spec.mesh, spec.placements)
-            grad = grad._local_tensor
-        if isinstance(grad, AsyncCollectiveTensor):
-            grad = grad.wait()
-        expected = self.cotangent_shapes[k]  # ints, and SymInts where sizes are symbolic
-        if grad.dim() != len(expected) or any(isinstance(e, int) and g != e for g, e in zip(grad.shape, expected)):
-            raise RuntimeError(
-                f"dtcompile: the gradient of output {self.cotangent_slots[k]} has local shape "
-                f"{tuple(grad.shape)}; the backward was compiled for {tuple(map(str, expected))}"
-            )
-        return grad if grad.is_contiguous() else grad.contiguous()
 
 
 class CompiledStep(torch.autograd.Function):
@@ -92,16 +153,9 @@ class CompiledStep(torch.autograd.Function):
                 "create_graph=True, is not supported)"
             )
         program: TrainingProgram = ctx.program
-        cotangents = [program.cotangent(k, grad_outputs[slot]) for k, slot in enumerate(program.cotangent_slots)]
+        cotangents = [c.prepare(grad_outputs[c.slot]) for c in program.cotangents]
         grads = program.backward(*ctx.saved_tensors, *cotangents)
         result: list = [None] * (1 + program.inputs)
-        for grad, position, spec, per_call in zip(
-            grads, program.grad_positions, program.grad_specs, program.grad_sizes_per_call
-        ):
-            if spec is not None and per_call:
-                # Only evenly sharded DTensors are traced with symbolic sizes: the global
-                # sizes follow from the local ones.
-                shape, stride = compute_global_tensor_info(grad, spec.mesh, spec.placements)
-                spec = with_sizes(spec, tuple(shape), tuple(stride))
-            result[1 + position] = grad if spec is None else DTensor(grad, spec, requires_grad=False)
+        for grad, gradient in zip(grads, program.gradients):
+            result[1 + gradient.position] = gradient.wrap(grad)
         return tuple(result)

@@ -1,7 +1,7 @@
 """Passes over traces. Each takes a trace and returns a new one; none mutates its input."""
 
+from .all_reduce_sums import combine_all_reduces
 from .autodiff import SplitTraces, saved_note, split_forward_backward
-from .collectives import combine_all_reduces
 from .cse import cse
 from .dce import dce
 from .effects import has_side_effects, mutates, returns_alias, storage_bases

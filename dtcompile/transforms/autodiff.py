@@ -21,6 +21,7 @@ from ..core import TensorProxy, Trace
 from ..core.symbolic import is_symbolic, size_hint, symbolic_expr
 from .dce import dce
 from .effects import storage_bases
+from .sizes import size_query
 
 
 @dataclass
@@ -33,20 +34,18 @@ class SplitTraces:
 def _holders_of_missing_sizes(backward: Trace, available: list[TensorProxy], primals: list) -> list[TensorProxy]:
     """Forward inputs to save so that the backward can read every symbolic size it uses:
     its own inputs may not hold them all (an input's size the gradients do not carry)."""
-    held = {symbolic_expr(size) for t in available for size in t.shape if is_symbolic(size)}
     needed = set()
     for bsym in backward.bound_symbols:
         for leaf in tree_flatten((bsym.args, bsym.kwargs))[0]:
             if is_symbolic(leaf):
                 needed |= symbolic_expr(leaf).free_symbols
+    forward_inputs = [p for p in primals if isinstance(p, TensorProxy)]
     holders = []
-    for symbol in sorted(needed - held, key=str):
-        for primal in primals:
-            if isinstance(primal, TensorProxy) and any(
-                is_symbolic(size) and symbolic_expr(size) == symbol for size in primal.shape
-            ):
-                holders.append(primal)
-                break
+    for symbol in sorted(needed, key=str):
+        if size_query(symbol, available) is None:
+            found = size_query(symbol, forward_inputs)
+            if found is not None:
+                holders.append(found[1][0])
     return holders
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from torch.utils._pytree import tree_flatten, tree_map, tree_structure
+from torch.utils._pytree import tree_flatten, tree_structure
 
-from ..core import TensorProxy, Trace, is_proxy
+from ..core import TensorProxy, Trace, is_proxy, renamed
 from ..core.printing import Unprintable, python_literal
 from .effects import has_side_effects, mutates, storage_bases
 
@@ -19,17 +19,15 @@ def _key(bsym) -> str | None:
 
 
 def cse(trace: Trace) -> Trace:
-    """Merge repeated pure computations. Off for traces that mutate anything: a value read
-    before and after a mutation is not the same value.
+    """Merge repeated pure computations.
 
-    Two computations whose results (or views of them) are both returned stay apart: eager
-    returns distinct tensors there, and merging them would hand the caller one tensor
-    twice, or two outputs that share memory, so that writing to one changes the other.
+    A mutation ends what is known of the memory it writes: computations that read or made
+    it before are not merged with those after (a value read before and after a mutation
+    is not the same value). Two computations whose results (or views of them) are both
+    returned stay apart: eager returns distinct tensors there, and merging them would hand
+    the caller one tensor twice, or two outputs that share memory, so that writing to one
+    changes the other.
     """
-    if any(mutates(b) for b in trace.bound_symbols):
-        return trace.derive(
-            f"{trace.fn_name}, after CSE (skipped: the trace mutates tensors)", list(trace.bound_symbols)
-        )
     base = storage_bases(trace)
     leaves, _ = tree_flatten(trace.output)
     returned = {base[x.label] for x in leaves if isinstance(x, TensorProxy)}  # storages the caller gets
@@ -38,6 +36,14 @@ def cse(trace: Trace) -> Trace:
     kept = []
     for bsym in trace.bound_symbols:
         bsym = bsym.with_inputs_renamed(renames) if renames else bsym
+        if mutates(bsym):
+            # What a merge would reuse (a result) or compare (an argument) is stale now.
+            written = {base.get(p.label) for p in bsym.input_tensors()}
+            seen = {
+                k: b
+                for k, b in seen.items()
+                if not any(base.get(p.label) in written for p in (*b.input_tensors(), *b.output_tensors()))
+            }
         key = None if has_side_effects(bsym) else _key(bsym)
         earlier = seen.get(key) if key is not None else None
         if earlier is not None and tree_structure(earlier.output) == tree_structure(bsym.output):
@@ -54,9 +60,6 @@ def cse(trace: Trace) -> Trace:
             seen[key] = bsym
         kept.append(bsym)
 
-    def rename(x):
-        return renames.get(x.label, x) if is_proxy(x) else x
-
     return trace.derive(
-        f"{trace.fn_name}, after common-subexpression elimination", kept, tree_map(rename, trace.output)
+        f"{trace.fn_name}, after common-subexpression elimination", kept, renamed(trace.output, renames)
     )

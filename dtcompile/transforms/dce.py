@@ -9,9 +9,9 @@ earliest, and removes duplicate shape queries.
 
 from __future__ import annotations
 
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
-from ..core import Trace, is_proxy
+from ..core import Trace, is_proxy, renamed
 from ..core.proxy import NumberProxy
 from .effects import has_side_effects
 
@@ -33,10 +33,7 @@ def _first_producers(trace: Trace) -> tuple[list, object]:
             first[output.expr] = output
         kept.append(bsym)
 
-    def rename(x):
-        return renames.get(x.label, x) if is_proxy(x) else x
-
-    return kept, tree_map(rename, trace.output)
+    return kept, renamed(trace.output, renames)
 
 
 def dce(trace: Trace) -> Trace:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..core import BoundSymbol
+from ..core import BoundSymbol, TensorProxy
 
 
 def mutates(bsym: BoundSymbol) -> bool:
@@ -31,13 +32,15 @@ def returns_alias(bsym: BoundSymbol) -> bool:
 
 
 def storage_bases(trace) -> dict[str, str]:
-    """For each value of ``trace``, the value whose memory it shares: itself for a trace
-    input or a fresh result, its first tensor argument's base for a view or an in-place
-    result."""
-    base = {p.label: p.label for p in trace.inputs}
-    for bsym in trace.bound_symbols:
-        inputs = bsym.input_tensors()
-        aliasing = bool(inputs) and (returns_alias(bsym) or mutates(bsym))
-        for out in bsym.output_tensors():
-            base[out.label] = base.get(inputs[0].label, inputs[0].label) if aliasing else out.label
+    """For each tensor of ``trace``, the first tensor that shares its memory (itself for a
+    fresh buffer). Read from the FakeTensors, which share storage exactly where eager's
+    tensors would: views, in-place results and ops without alias annotations
+    (``_unsafe_view``) included."""
+    first: dict[StorageWeakRef, str] = {}
+    base: dict[str, str] = {}
+    tensors = [p for p in trace.inputs if isinstance(p, TensorProxy)]
+    tensors += [p for bsym in trace.bound_symbols for p in bsym.output_tensors()]
+    for proxy in tensors:
+        key = StorageWeakRef(proxy.fake.untyped_storage())
+        base[proxy.label] = first.setdefault(key, proxy.label)
     return base

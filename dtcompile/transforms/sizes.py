@@ -27,6 +27,24 @@ class UnmaterializableSizeError(RuntimeError):
     """A symbolic size no tensor of the trace holds."""
 
 
+def size_query(expr, tensors: list[TensorProxy]) -> tuple[object, tuple] | None:
+    """The query (and its arguments) that reads ``expr`` from one of ``tensors``: a size
+    first, else a stride or a storage offset (a non-contiguous input's stride is a symbol
+    of its own); None when no tensor holds it."""
+    for tensor in tensors:
+        for dim, size in enumerate(tensor.shape):
+            if is_symbolic(size) and symbolic_expr(size) == expr:
+                return SHAPE, (tensor, dim)
+    for tensor in tensors:
+        for dim, step in enumerate(tensor.stride()):
+            if is_symbolic(step) and symbolic_expr(step) == expr:
+                return STRIDE, (tensor, dim)
+        offset = tensor.storage_offset()
+        if is_symbolic(offset) and symbolic_expr(offset) == expr:
+            return STORAGE_OFFSET, (tensor,)
+    return None
+
+
 class _Materializer:
     def __init__(self, trace: Trace):
         self.inputs = [p for p in trace.inputs if isinstance(p, TensorProxy)]
@@ -39,21 +57,7 @@ class _Materializer:
         return NumberProxy(next(self._labels), expr, None, NoProvenance(made_by))
 
     def _held_by(self, expr, preferred: list[TensorProxy]) -> tuple[object, tuple] | None:
-        """A query that reads ``expr`` from a tensor: a size first, else a stride or the
-        storage offset (a non-contiguous input's stride is a symbol of its own)."""
-        tensors = list(itertools.chain(self.inputs, preferred, self.made))
-        for tensor in tensors:
-            for dim, size in enumerate(tensor.shape):
-                if is_symbolic(size) and symbolic_expr(size) == expr:
-                    return SHAPE, (tensor, dim)
-        for tensor in tensors:
-            for dim, step in enumerate(tensor.stride()):
-                if is_symbolic(step) and symbolic_expr(step) == expr:
-                    return STRIDE, (tensor, dim)
-            offset = tensor.storage_offset()
-            if is_symbolic(offset) and symbolic_expr(offset) == expr:
-                return STORAGE_OFFSET, (tensor,)
-        return None
+        return size_query(expr, list(itertools.chain(self.inputs, preferred, self.made)))
 
     def number(self, expr, preferred: list[TensorProxy]) -> NumberProxy:
         """A number of the trace equal to ``expr``, its producers emitted."""

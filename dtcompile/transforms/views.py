@@ -7,9 +7,9 @@ DTensor's ``from_local`` issues ``view_as(x)``; factory ops under grad mode come
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
-from ..core import TensorProxy, Trace, is_proxy
+from ..core import TensorProxy, Trace, renamed
 from ..core.symbolic import known_equal, known_shape_equal
 
 aten = torch.ops.aten
@@ -56,7 +56,4 @@ def remove_identity_views(trace: Trace) -> Trace:
                 continue
         kept.append(bsym)
 
-    def rename(x):
-        return renames.get(x.label, x) if is_proxy(x) else x
-
-    return trace.derive(f"{trace.fn_name}, after removing identity views", kept, tree_map(rename, trace.output))
+    return trace.derive(f"{trace.fn_name}, after removing identity views", kept, renamed(trace.output, renames))

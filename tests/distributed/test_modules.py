@@ -69,3 +69,31 @@ def test_llama_block(mesh_shape, sequence_parallel, ranks2, ranks4):
     pool = ranks2 if mesh_shape == (2,) else ranks4
     world = 2 if mesh_shape == (2,) else 4
     assert pool.run(block_case, mesh_shape, sequence_parallel) == [(1, 1)] * world
+
+
+def summed_all_reduces_case():
+    """Two all-reduced values summed, one of them also returned: the sum may be reduced
+    once, but the returned value must still be its own all-reduce."""
+    import torch.distributed._functional_collectives as funcol
+
+    group = dist.group.WORLD
+
+    def fn(x, y):
+        a = funcol.all_reduce(x, "sum", group)
+        b = funcol.all_reduce(y, "sum", group)
+        return a + b, a, funcol.all_reduce(x * 2, "sum", group) + funcol.all_reduce(y * 3, "sum", group)
+
+    rank = dist.get_rank()
+    x, y = torch.arange(4.0) + rank, torch.ones(4) * (rank + 1)
+    jitted = dtcompile.jit(fn)
+    with torch.no_grad():
+        got, expected = jitted(x, y), fn(x, y)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+    collectives = [b for b in dtcompile.last_traces(jitted)[-1].bound_symbols if b.symbol.name.startswith("all_reduce")]
+    return len(collectives)
+
+
+def test_summed_all_reduces_combine_only_where_nothing_else_reads_them(ranks2):
+    # a and b stay (a is returned), the last two are summed into one: three in all.
+    assert ranks2.run(summed_all_reduces_case) == [3, 3]

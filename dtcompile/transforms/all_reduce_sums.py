@@ -15,9 +15,11 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_flatten
 
-from ..core import BoundSymbol, NoProvenance, Note, TensorProxy, Trace, aten_symbol
+from ..core import BoundSymbol, NoProvenance, Note, TensorProxy, Trace, aten_symbol, is_proxy
 from ..core.symbolic import known_shape_equal
+from .effects import mutates
 
 functional = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -61,7 +63,13 @@ def combine_all_reduces(trace: Trace) -> Trace:
     """Replace ``add(wait(all_reduce(a)), wait(all_reduce(b)))`` by
     ``wait(all_reduce(add(a, b)))`` where nothing else reads the two reduced values,
     repeatedly, so a chain of sums needs a single all-reduce."""
+    if any(mutates(b) for b in trace.bound_symbols):
+        # A partial value changed between its all-reduce and the sum: not the same sum.
+        return trace.derive(
+            f"{trace.fn_name}, summed all-reduces (skipped: the trace mutates tensors)", trace.bound_symbols
+        )
     uses = Counter(p.label for b in trace.bound_symbols for p in b.input_proxies())
+    uses.update(p.label for p in tree_flatten(trace.output)[0] if is_proxy(p))  # a returned value is a use
     reduced = _reduced_values(trace, uses)
     fresh = itertools.count()
     dropped: set[int] = set()
@@ -73,8 +81,10 @@ def combine_all_reduces(trace: Trace) -> Trace:
         dropped.update(id(b) for b in (left.start, left.wait, right.start, right.wait))
         out = bsym.output
         made_by = NoProvenance("combine_all_reduces")
-        partial = TensorProxy(out.fake, f"{out.label}_partial{next(fresh)}", made_by)
-        started = TensorProxy(out.fake, f"{out.label}_reducing{next(fresh)}", made_by)
+        with out.fake.fake_mode:  # fresh buffers of their own, as the ops make
+            partial_fake, started_fake = torch.empty_like(out.fake), torch.empty_like(out.fake)
+        partial = TensorProxy(partial_fake, f"{out.label}_partial{next(fresh)}", made_by)
+        started = TensorProxy(started_fake, f"{out.label}_reducing{next(fresh)}", made_by)
         note = Note(
             f"sum of all-reduces, reduced once: {bsym.note}" if bsym.note else "sum of all-reduces, reduced once"
         )
