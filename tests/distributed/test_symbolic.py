@@ -8,12 +8,11 @@ shapes and strides, values); the tests then check how many compilations the call
 Cases are batched into few ``pool.run`` calls to keep the runtime low.
 """
 
-from collections import Counter
-
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from checks import assert_all_same, assert_same, assert_same_grads, counts, data, rank_data
+from collective_counts import comm_counts, trace_collectives, trace_counts
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
@@ -61,79 +60,6 @@ def _batch(kind, mesh, tp, seq, batch=BATCH):
     return x, cotangent
 
 
-def _waited(t):
-    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
-
-
-def assert_same(got, expected, where=""):
-    """Eager's type, placements and mesh, global and local shapes and strides, values."""
-    assert (got is None) == (expected is None), (where, got, expected)
-    if expected is None:
-        return
-    if isinstance(expected, DTensor):
-        assert type(got) is DTensor, (where, type(got))
-        assert got.placements == expected.placements, (where, got.placements, expected.placements)
-        assert got.device_mesh == expected.device_mesh, where
-        assert got.shape == expected.shape and got.stride() == expected.stride(), (
-            where,
-            got.shape,
-            expected.shape,
-            got.stride(),
-            expected.stride(),
-        )
-        local, expected_local = got._local_tensor, _waited(expected._local_tensor)
-        assert local.shape == expected_local.shape and local.stride() == expected_local.stride(), (
-            where,
-            local.shape,
-            expected_local.shape,
-            local.stride(),
-            expected_local.stride(),
-        )
-        torch.testing.assert_close(got.full_tensor(), expected.full_tensor(), msg=lambda m: f"{where}: {m}")
-    elif isinstance(expected, torch.Tensor):
-        expected = _waited(expected)
-        assert type(got) is torch.Tensor, (where, type(got))
-        assert got.shape == expected.shape and got.stride() == expected.stride(), (
-            where,
-            got.shape,
-            expected.shape,
-            got.stride(),
-            expected.stride(),
-        )
-        torch.testing.assert_close(got, expected, msg=lambda m: f"{where}: {m}")
-    else:  # sizes, numbers
-        assert type(got) is type(expected) and got == expected, (where, got, expected)
-
-
-def assert_all_same(got, expected, where=""):
-    got_leaves, got_spec = tree_flatten(got)
-    expected_leaves, expected_spec = tree_flatten(expected)
-    assert got_spec == expected_spec, (where, got_spec, expected_spec)
-    for i, (g, e) in enumerate(zip(got_leaves, expected_leaves)):
-        assert_same(g, e, f"{where}, output {i}")
-
-
-def assert_same_grads(compiled_model, eager_model, where=""):
-    got, expected = dict(compiled_model.named_parameters()), dict(eager_model.named_parameters())
-    assert list(got) == list(expected)
-    for name in expected:
-        assert_same(got[name].grad, expected[name].grad, f"{where}: gradient of {name}")
-
-
-def _counts(jitted):
-    return dtcompile.cache_misses(jitted), dtcompile.cache_hits(jitted)
-
-
-def _rank_data(*shape, seed):
-    """Data that differs between ranks (a local tensor for ``DTensor.from_local``)."""
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(100 * seed + dist.get_rank()))
-
-
-def _data(*shape, seed):
-    """The same data on every rank (what ``distribute_tensor`` expects)."""
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
 # ---------------------------------------------------------------------------------------
 # 1. One compilation for every sequence length
 
@@ -142,7 +68,7 @@ def sequence_lengths(mesh_shape, kinds):
     """Each model, forward under no_grad and forward+backward, one call per sequence
     length, each compared with eager; returns ``{case: (misses, hits, calls)}``."""
     mesh, tp = _meshes(mesh_shape)
-    counts = {}
+    results = {}
     for kind in kinds:
         for training in (False, True):
             eager, compiled = _model(kind, tp), _model(kind, tp)
@@ -167,8 +93,8 @@ def sequence_lengths(mesh_shape, kinds):
                 assert_same_grads(compiled, eager, where)
                 eager.zero_grad(set_to_none=True)
                 compiled.zero_grad(set_to_none=True)
-            counts[f"{kind} {'training' if training else 'inference'}"] = (*_counts(jitted), len(lengths))
-    return counts
+            results[f"{kind} {'training' if training else 'inference'}"] = (*counts(jitted), len(lengths))
+    return results
 
 
 @pytest.mark.parametrize(
@@ -178,9 +104,9 @@ def sequence_lengths(mesh_shape, kinds):
 )
 def test_one_compilation_serves_every_sequence_length(mesh_shape, kinds, ranks2, ranks4):
     pool = ranks2 if mesh_shape == (2,) else ranks4
-    for counts in pool.run(sequence_lengths, mesh_shape, kinds):
-        assert set(counts) == {f"{kind} {mode}" for kind in kinds for mode in ("inference", "training")}
-        for case, (misses, hits, calls) in counts.items():
+    for results in pool.run(sequence_lengths, mesh_shape, kinds):
+        assert set(results) == {f"{kind} {mode}" for kind in kinds for mode in ("inference", "training")}
+        for case, (misses, hits, calls) in results.items():
             assert calls >= 17, case
             assert (misses, hits) == (1, calls - 1), case
 
@@ -218,19 +144,19 @@ def dtensor_sizes():
     jitted = dtcompile.jit(from_local, cache=SYMBOLIC)
     seen = []
     for step, shape in enumerate(((8, 8), (16, 16))):
-        local = _rank_data(*shape, seed=step)
+        local = rank_data(*shape, seed=step)
         with torch.no_grad():
             got, expected = jitted(local), from_local(local)
         assert got[-1] == (dist.get_world_size() * shape[0], shape[1])
         assert_all_same(got, expected, f"from_local of {shape}")
-        seen.append(_counts(jitted))
+        seen.append(counts(jitted))
     results["from_local"] = seen
 
     # The same with a gradient for the local tensor.
     jitted = dtcompile.jit(from_local, cache=SYMBOLIC)
     seen = []
     for step, shape in enumerate(((8, 8), (16, 16))):
-        local = _rank_data(*shape, seed=10 + step)
+        local = rank_data(*shape, seed=10 + step)
         grads = []
         for fn in (from_local, jitted):
             leaf = local.clone().requires_grad_()
@@ -240,7 +166,7 @@ def dtensor_sizes():
             grads.append((out, leaf.grad))
         assert_all_same(grads[1][0], grads[0][0], f"from_local of {shape}, training")
         assert_same(grads[1][1], grads[0][1], f"from_local of {shape}: gradient of the local tensor")
-        seen.append(_counts(jitted))
+        seen.append(counts(jitted))
     results["from_local training"] = seen
 
     # Shard(0) and Replicate DTensors of growing sizes, passed directly; the first call's
@@ -248,26 +174,26 @@ def dtensor_sizes():
     jitted = dtcompile.jit(_matmul_and_gather, cache=SYMBOLIC)
     seen = []
     for step, (n, m, k) in enumerate(((12, 4, 10), (8, 6, 6), (16, 10, 4), (20, 20, 20), (34, 3, 7))):
-        a = distribute_tensor(_data(n, m, seed=step), mesh, [Shard(0)])
-        b = distribute_tensor(_data(m, k, seed=50 + step), mesh, [Replicate()])
+        a = distribute_tensor(data(n, m, seed=step), mesh, [Shard(0)])
+        b = distribute_tensor(data(m, k, seed=50 + step), mesh, [Replicate()])
         with torch.no_grad():
             got, expected = jitted(a, b), _matmul_and_gather(a, b)
         assert [o.shape for o in got] == [(n, k), (k,), (n, m), (m, k)]
         assert [o.placements for o in got] == [(Shard(0),), (Partial(),), (Replicate(),), (Replicate(),)]
         assert_all_same(got, expected, f"DTensors of {(n, m)} and {(m, k)}")
-        seen.append(_counts(jitted))
+        seen.append(counts(jitted))
     results["DTensor inputs"] = seen
 
     # Partial DTensors (each rank's own summand) of growing sizes.
     jitted = dtcompile.jit(_reduce_partial, cache=SYMBOLIC)
     seen = []
     for step, shape in enumerate(((6, 4), (10, 12), (8, 8))):
-        p = DTensor.from_local(_rank_data(*shape, seed=70 + step), mesh, [Partial()])
+        p = DTensor.from_local(rank_data(*shape, seed=70 + step), mesh, [Partial()])
         with torch.no_grad():
             got, expected = jitted(p), _reduce_partial(p)
         assert [o.shape for o in got] == [shape, shape]
         assert_all_same(got, expected, f"Partial DTensor of {shape}")
-        seen.append(_counts(jitted))
+        seen.append(counts(jitted))
     results["Partial input"] = seen
     return results
 
@@ -291,8 +217,8 @@ def dtensor_inputs_with_gradients():
     jitted = dtcompile.jit(_tanh_of_matmul, cache=SYMBOLIC)
     seen = []
     for step, (n, m, k) in enumerate(((12, 4, 10), (8, 6, 6), (16, 10, 4))):
-        a0 = distribute_tensor(_data(n, m, seed=step), mesh, [Shard(0)])
-        b0 = distribute_tensor(_data(m, k, seed=50 + step), mesh, [Replicate()])
+        a0 = distribute_tensor(data(n, m, seed=step), mesh, [Shard(0)])
+        b0 = distribute_tensor(data(m, k, seed=50 + step), mesh, [Replicate()])
         results = []
         for fn in (_tanh_of_matmul, jitted):
             a, b = a0.detach().requires_grad_(), b0.detach().requires_grad_()
@@ -301,7 +227,7 @@ def dtensor_inputs_with_gradients():
             results.append((out.detach(), a.grad, b.grad))
         assert results[1][1].shape == (n, m) and results[1][2].shape == (m, k)
         assert_all_same(results[1], results[0], f"DTensors of {(n, m)} and {(m, k)}, training")
-        seen.append(_counts(jitted))
+        seen.append(counts(jitted))
     return seen
 
 
@@ -339,11 +265,11 @@ def placements_and_meshes():
     ]
     seen = []
     for step, (mesh, placement, shape) in enumerate(calls):
-        x = distribute_tensor(_data(*shape, seed=step), mesh, [placement])
+        x = distribute_tensor(data(*shape, seed=step), mesh, [placement])
         with torch.no_grad():
             got, expected = jitted(x), _reduce_and_gather(x)
         assert_all_same(got, expected, f"{placement} on {mesh}, {shape}")
-        seen.append(_counts(jitted))
+        seen.append(counts(jitted))
     return seen
 
 
@@ -381,7 +307,7 @@ def failing_guards():
                     prologue(compiled, (_batch("mlp", mesh, tp, s, batch=b)[0],), {}) is not None
                     for b, s in ((2, 17), (3, 17), (4, 9), (5, 9))
                 ]
-        seen.append(_counts(jitted))
+        seen.append(counts(jitted))
     # Sizes 0 and 1 are traced as constants (a symbol stands for 2 and more): a sequence
     # of one token is a new entry, which then serves any batch with one token (the batch
     # stays symbolic); a plain matrix (another rank) is another.
@@ -389,12 +315,12 @@ def failing_guards():
         x, _ = _batch("mlp", mesh, tp, seq, batch=batch)
         with torch.no_grad():
             assert_same(jitted(x), eager(x), f"MLP, batch {batch}, sequence length {seq}")
-        seen.append(_counts(jitted))
+        seen.append(counts(jitted))
     for rows in (12, 20):
-        x = _data(rows, DIM, seed=rows)
+        x = data(rows, DIM, seed=rows)
         with torch.no_grad():
             assert_same(jitted(x), eager(x), f"MLP, {rows} rows")
-        seen.append(_counts(jitted))
+        seen.append(counts(jitted))
     results["mlp"] = (seen, accepts)
 
     # Duck sizing: traced with a sequence length equal to the model dim, the two share a
@@ -407,18 +333,18 @@ def failing_guards():
         x, _ = _batch("mlp", mesh, tp, seq)
         with torch.no_grad():
             assert_same(jitted(x), eager(x), f"MLP, sequence length {seq}")
-        seen.append(_counts(jitted))
+        seen.append(counts(jitted))
     results["duck"] = seen
 
     # Two sizes traced as equal, then differing: the branch taken was guarded.
     jitted = dtcompile.jit(_equal_or_not, cache=SYMBOLIC)
     seen = []
     for step, (n, m) in enumerate(((8, 8), (10, 10), (8, 12), (14, 6), (12, 12), (6, 10))):
-        a = distribute_tensor(_data(n, 6, seed=step), mesh, [Shard(1)])
-        b = distribute_tensor(_data(m, 6, seed=20 + step), mesh, [Shard(1)])
+        a = distribute_tensor(data(n, 6, seed=step), mesh, [Shard(1)])
+        b = distribute_tensor(data(m, 6, seed=20 + step), mesh, [Shard(1)])
         with torch.no_grad():
             assert_same(jitted(a, b), _equal_or_not(a, b), f"sizes {n} and {m}")
-        seen.append(_counts(jitted))
+        seen.append(counts(jitted))
     results["equal sizes"] = seen
     return results
 
@@ -444,118 +370,7 @@ def test_guards_that_fail_compile_exactly_the_entries_they_imply(ranks2):
 
 
 # ---------------------------------------------------------------------------------------
-# 4. Uneven shards: traced with their sizes as they are
-
-
-def _uneven_ops(a, b):
-    """An all-gather (with DTensor's padding of uneven shards), a local op and a partial
-    reduction of ``a``; a product with ``b``, which may be symbolic where ``a`` is not."""
-    full = a.redistribute(a.device_mesh, [Replicate()] * a.device_mesh.ndim)
-    return full * 2, (a + 1).sum(0), full @ b
-
-
-def _evenly_divided(shape, mesh, placements) -> bool:
-    factors = [1] * len(shape)
-    for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Shard):
-            factors[placement.dim] *= mesh.size(mesh_dim)
-    return all(size % factor == 0 for size, factor in zip(shape, factors))
-
-
-def uneven_shards(mesh_shape):
-    """Returns per call: (misses, hits), whether the input was traced with symbolic sizes
-    (divided evenly and contiguous), and the key of its shape, placements and layout."""
-    mesh = init_device_mesh("cpu", mesh_shape)
-    if mesh.ndim == 1:
-        cases = [
-            ([Shard(0)], (5, 8), 4),
-            ([Shard(0)], (7, 6), 4),
-            ([Shard(0)], (5, 8), 10),  # the first entry: b is symbolic
-            ([Shard(0)], (9, 6), 4),
-            ([Shard(0)], (8, 6), 5),  # even: the symbolic entry (distinct sizes: no duck sizing)
-            ([Shard(0)], (12, 4), 6),  # even: the symbolic entry again
-            ([Shard(1)], (6, 5), 4),
-            ([Shard(0)], (7, 6), 3),  # the second entry
-            # Divided evenly but not contiguous (a transposed Shard(1) DTensor): its sizes as they are.
-            ([Shard(0)], (8, 6), 4, "transposed"),
-            ([Shard(0)], (12, 6), 5, "transposed"),
-            ([Shard(0)], (8, 6), 7, "transposed"),
-        ]
-        if mesh.size() == 4:
-            cases += [([Shard(0)], (3, 8), 4), ([Shard(0)], (6, 6), 5)]  # a rank without rows; 2, 2, 2, 0 rows
-    else:
-        cases = [
-            ([Shard(0), Shard(1)], (6, 5), 4),
-            ([Shard(0), Shard(0)], (6, 4), 4),
-            ([Shard(0), Shard(1)], (8, 6), 5),  # even (distinct sizes: no duck sizing)
-            ([Shard(0), Shard(1)], (6, 5), 7),
-            ([Shard(0), Shard(1)], (10, 4), 4),  # even
-        ]
-    jitted = dtcompile.jit(_uneven_ops, cache=SYMBOLIC)
-    seen = []
-    for step, (placements, shape, k, *layout) in enumerate(cases):
-        if layout:
-            a = distribute_tensor(_data(*reversed(shape), seed=step), mesh, [Shard(1)]).t()
-            assert list(a.placements) == placements and not a._local_tensor.is_contiguous()
-        else:
-            a = distribute_tensor(_data(*shape, seed=step), mesh, placements)
-        b = distribute_tensor(_data(shape[1], k, seed=30 + step), mesh, [Replicate()] * mesh.ndim)
-        with torch.no_grad():
-            got, expected = jitted(a, b), _uneven_ops(a, b)
-        assert_all_same(got, expected, f"{placements}, {shape}, {k} {layout}")
-        symbolic = _evenly_divided(shape, mesh, placements) and not layout
-        if len(seen) == 0 or dtcompile.cache_misses(jitted) > seen[-1][0][0]:
-            # A new entry: ``a`` was traced with symbolic sizes exactly when expected.
-            traced_a = dtcompile.last_traces(jitted)[0].inputs[0]
-            assert traced_a.label == "a" and any(is_symbolic(s) for s in traced_a.shape) == symbolic, (shape, layout)
-        seen.append((_counts(jitted), symbolic, (tuple(placements), shape, *layout)))
-    return seen
-
-
-@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)], ids=["2 ranks", "4 ranks", "2x2"])
-def test_uneven_shards_match_eager_one_entry_per_uneven_shape(mesh_shape, ranks2, ranks4):
-    pool = ranks2 if mesh_shape == (2,) else ranks4
-    for seen in pool.run(uneven_shards, mesh_shape):
-        # What the guards imply: an uneven (or non-contiguous) input is traced with its
-        # sizes, so each new such shape (with its placements) is one entry; even inputs
-        # with the same placements share a symbolic entry, whatever the sizes.
-        entries, misses = set(), []
-        for _, symbolic, key in seen:
-            entries.add(key[0] if symbolic else key)
-            misses.append(len(entries))
-        assert [counts[0] for counts, _, _ in seen] == misses, seen
-        assert [sum(counts) for counts, _, _ in seen] == list(range(1, len(seen) + 1)), seen
-        assert any(symbolic for _, symbolic, _ in seen) and not all(symbolic for _, symbolic, _ in seen)
-
-
-# ---------------------------------------------------------------------------------------
 # 5. The per-rank traces: sizes read at run time, eager's collectives
-
-FUNCTIONAL_TO_C10D = {
-    "all_reduce": "allreduce_",
-    "all_gather_into_tensor": "_allgather_base_",
-    "reduce_scatter_tensor": "_reduce_scatter_base_",
-    "all_to_all_single": "alltoall_base_",
-}
-
-
-def _comm_counts(mode: CommDebugMode) -> Counter:
-    """Collectives seen by CommDebugMode, by functional name, whether they ran as
-    functional collectives (eager DTensor) or as c10d calls (the compiled program)."""
-    c10d = {v: k for k, v in FUNCTIONAL_TO_C10D.items()}
-    counts = Counter()
-    for op, n in mode.get_comm_counts().items():
-        name = str(op).split(".")[-1]
-        counts[c10d.get(name, name)] += n
-    return counts
-
-
-def _collectives(trace) -> list:
-    return [b for b in trace.bound_symbols if b.op is not None and b.op._opname in FUNCTIONAL_TO_C10D]
-
-
-def _trace_counts(trace) -> Counter:
-    return Counter(b.op._opname for b in _collectives(trace))
 
 
 def _check_sizes_computed(trace, where):
@@ -621,7 +436,7 @@ def traces_and_collectives():
 
             # Collectives work on symbolic sizes.
             for trace in executed:
-                for bsym in _collectives(trace):
+                for bsym in trace_collectives(trace):
                     assert any(is_symbolic(s) for s in bsym.args[0].shape), (where, bsym.lines())
 
             # At another length: eager's collectives, those of the execution traces, and
@@ -633,11 +448,11 @@ def traces_and_collectives():
                     expected = eager(x_eager)
                 with CommDebugMode() as compiled_forward:
                     got = jitted(x_compiled)
-            assert _counts(jitted) == (1, 1), where
+            assert counts(jitted) == (1, 1), where
             assert_same(got.detach(), expected.detach(), where)
-            eager_counts = _comm_counts(eager_forward)
+            eager_counts = comm_counts(eager_forward)
             assert eager_counts, where
-            assert _trace_counts(executed[0]) == _comm_counts(compiled_forward) == eager_counts, where
+            assert trace_counts(executed[0]) == comm_counts(compiled_forward) == eager_counts, where
             report[where] = {"forward": dict(eager_counts)}
             if training:
                 with CommDebugMode() as eager_backward:
@@ -646,8 +461,8 @@ def traces_and_collectives():
                     got.backward(cotangent)
                 assert_same(x_compiled.grad, x_eager.grad, where)
                 assert_same_grads(compiled, eager, where)
-                eager_counts, compiled_counts = _comm_counts(eager_backward), _trace_counts(executed[1])
-                assert eager_counts and _comm_counts(compiled_backward) == compiled_counts, where
+                eager_counts, compiled_counts = comm_counts(eager_backward), trace_counts(executed[1])
+                assert eager_counts and comm_counts(compiled_backward) == compiled_counts, where
                 if kind == "block":  # summed all-reduces may be combined (one per sum); nothing else changes
                     assert set(compiled_counts) == set(eager_counts), where
                     assert compiled_counts <= eager_counts, where

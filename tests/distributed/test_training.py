@@ -7,11 +7,11 @@ per ``pool.run`` to keep the number of round trips (and the runtime) low.
 """
 
 import re
-from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
+from collective_counts import comm_counts, trace_counts
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -453,29 +453,6 @@ def test_double_backward_is_a_clear_error(penalty, ranks2):
 # ---------------------------------------------------------------------------------------
 # The printed traces of a training entry
 
-# The functional collectives DTensor records, and the c10d ops that run them.
-FUNCTIONAL_TO_C10D = {
-    "all_reduce": "allreduce_",
-    "all_gather_into_tensor": "_allgather_base_",
-    "reduce_scatter_tensor": "_reduce_scatter_base_",
-    "all_to_all_single": "alltoall_base_",
-}
-
-
-def _comm_counts(mode: CommDebugMode) -> Counter:
-    """Collectives seen by CommDebugMode, by functional name, whether they ran as
-    functional collectives (eager DTensor) or as c10d calls (the compiled program)."""
-    c10d = {v: k for k, v in FUNCTIONAL_TO_C10D.items()}
-    counts = Counter()
-    for op, n in mode.get_comm_counts().items():
-        name = str(op).split(".")[-1]
-        counts[c10d.get(name, name)] += n
-    return counts
-
-
-def _trace_collectives(trace) -> Counter:
-    return Counter(b.op._opname for b in trace.bound_symbols if b.op is not None and b.op._opname in FUNCTIONAL_TO_C10D)
-
 
 def _saved_inputs(backward) -> list[str]:
     return [p.label for p in backward.inputs if backward.input_notes.get(p.label) == "saved by the forward"]
@@ -525,18 +502,18 @@ def training_traces():
         recorded_backward = next(t for t in traces if t.fn_name == "backward")
         # The backward DTensor recorded issues eager's collectives; what runs issues
         # those of the backward execution trace, and no others.
-        eager_counts = _comm_counts(eager_comms)
-        assert eager_counts and _trace_collectives(recorded_backward) == eager_counts, kind
-        assert _comm_counts(compiled_comms) == _trace_collectives(backward), kind
+        eager_counts = comm_counts(eager_comms)
+        assert eager_counts and trace_counts(recorded_backward) == eager_counts, kind
+        assert comm_counts(compiled_comms) == trace_counts(backward), kind
         if kind != "block":  # nothing to combine: exactly eager's collectives
-            assert _trace_collectives(backward) == eager_counts, kind
+            assert trace_counts(backward) == eager_counts, kind
         else:  # summed all-reduces may be combined, nothing else changes
-            assert set(_trace_collectives(backward)) == set(eager_counts), kind
-            assert _trace_collectives(backward) <= eager_counts, kind
+            assert set(trace_counts(backward)) == set(eager_counts), kind
+            assert trace_counts(backward) <= eager_counts, kind
         # Likewise the forward: eager forward's collectives, all in the forward program.
-        eager_forward = _comm_counts(eager_forward_comms)
-        assert _comm_counts(compiled_forward_comms) == _trace_collectives(forward), kind
-        assert _trace_collectives(forward) <= eager_forward and set(_trace_collectives(forward)) == set(eager_forward)
+        eager_forward = comm_counts(eager_forward_comms)
+        assert comm_counts(compiled_forward_comms) == trace_counts(forward), kind
+        assert trace_counts(forward) <= eager_forward and set(trace_counts(forward)) == set(eager_forward)
 
         # The forward's header states the saved set and its size.
         text = str(forward)

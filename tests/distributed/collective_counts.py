@@ -1,0 +1,34 @@
+"""Counting collectives, in eager DTensor (CommDebugMode) and in compiled traces, by the
+name of the functional collective DTensor records."""
+
+from collections import Counter
+
+from torch.distributed.tensor.debug import CommDebugMode
+
+# The functional collectives DTensor records, and the c10d ops that run them.
+FUNCTIONAL_TO_C10D = {
+    "all_reduce": "allreduce_",
+    "all_gather_into_tensor": "_allgather_base_",
+    "reduce_scatter_tensor": "_reduce_scatter_base_",
+    "all_to_all_single": "alltoall_base_",
+}
+
+
+def comm_counts(mode: CommDebugMode) -> Counter:
+    """Collectives seen by CommDebugMode, by functional name, whether they ran as
+    functional collectives (eager DTensor) or as c10d calls (the compiled program)."""
+    c10d = {v: k for k, v in FUNCTIONAL_TO_C10D.items()}
+    counts = Counter()
+    for op, n in mode.get_comm_counts().items():
+        name = str(op).split(".")[-1]
+        counts[c10d.get(name, name)] += n
+    return counts
+
+
+def trace_collectives(trace) -> list:
+    """The collectives a trace issues (its functional collective symbols, before or after lowering)."""
+    return [b for b in trace.bound_symbols if b.op is not None and b.op._opname in FUNCTIONAL_TO_C10D]
+
+
+def trace_counts(trace) -> Counter:
+    return Counter(b.op._opname for b in trace_collectives(trace))

@@ -1,0 +1,98 @@
+"""Symbolic values on Gloo ranks: DTensors with uneven shards (sizes the mesh does not
+divide) are traced with their sizes as they are, and give eager DTensor's results."""
+
+import pytest
+import torch
+from checks import assert_all_same, counts, data
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import dtcompile
+from dtcompile.core.symbolic import is_symbolic
+
+SYMBOLIC = "symbolic values"
+
+
+# ---------------------------------------------------------------------------------------
+# 4. Uneven shards: traced with their sizes as they are
+
+
+def _uneven_ops(a, b):
+    """An all-gather (with DTensor's padding of uneven shards), a local op and a partial
+    reduction of ``a``; a product with ``b``, which may be symbolic where ``a`` is not."""
+    full = a.redistribute(a.device_mesh, [Replicate()] * a.device_mesh.ndim)
+    return full * 2, (a + 1).sum(0), full @ b
+
+
+def _evenly_divided(shape, mesh, placements) -> bool:
+    factors = [1] * len(shape)
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            factors[placement.dim] *= mesh.size(mesh_dim)
+    return all(size % factor == 0 for size, factor in zip(shape, factors))
+
+
+def uneven_shards(mesh_shape):
+    """Returns per call: (misses, hits), whether the input was traced with symbolic sizes
+    (divided evenly and contiguous), and the key of its shape, placements and layout."""
+    mesh = init_device_mesh("cpu", mesh_shape)
+    if mesh.ndim == 1:
+        cases = [
+            ([Shard(0)], (5, 8), 4),
+            ([Shard(0)], (7, 6), 4),
+            ([Shard(0)], (5, 8), 10),  # the first entry: b is symbolic
+            ([Shard(0)], (9, 6), 4),
+            ([Shard(0)], (8, 6), 5),  # even: the symbolic entry (distinct sizes: no duck sizing)
+            ([Shard(0)], (12, 4), 6),  # even: the symbolic entry again
+            ([Shard(1)], (6, 5), 4),
+            ([Shard(0)], (7, 6), 3),  # the second entry
+            # Divided evenly but not contiguous (a transposed Shard(1) DTensor): its sizes as they are.
+            ([Shard(0)], (8, 6), 4, "transposed"),
+            ([Shard(0)], (12, 6), 5, "transposed"),
+            ([Shard(0)], (8, 6), 7, "transposed"),
+        ]
+        if mesh.size() == 4:
+            cases += [([Shard(0)], (3, 8), 4), ([Shard(0)], (6, 6), 5)]  # a rank without rows; 2, 2, 2, 0 rows
+    else:
+        cases = [
+            ([Shard(0), Shard(1)], (6, 5), 4),
+            ([Shard(0), Shard(0)], (6, 4), 4),
+            ([Shard(0), Shard(1)], (8, 6), 5),  # even (distinct sizes: no duck sizing)
+            ([Shard(0), Shard(1)], (6, 5), 7),
+            ([Shard(0), Shard(1)], (10, 4), 4),  # even
+        ]
+    jitted = dtcompile.jit(_uneven_ops, cache=SYMBOLIC)
+    seen = []
+    for step, (placements, shape, k, *layout) in enumerate(cases):
+        if layout:
+            a = distribute_tensor(data(*reversed(shape), seed=step), mesh, [Shard(1)]).t()
+            assert list(a.placements) == placements and not a._local_tensor.is_contiguous()
+        else:
+            a = distribute_tensor(data(*shape, seed=step), mesh, placements)
+        b = distribute_tensor(data(shape[1], k, seed=30 + step), mesh, [Replicate()] * mesh.ndim)
+        with torch.no_grad():
+            got, expected = jitted(a, b), _uneven_ops(a, b)
+        assert_all_same(got, expected, f"{placements}, {shape}, {k} {layout}")
+        symbolic = _evenly_divided(shape, mesh, placements) and not layout
+        if len(seen) == 0 or dtcompile.cache_misses(jitted) > seen[-1][0][0]:
+            # A new entry: ``a`` was traced with symbolic sizes exactly when expected.
+            traced_a = dtcompile.last_traces(jitted)[0].inputs[0]
+            assert traced_a.label == "a" and any(is_symbolic(s) for s in traced_a.shape) == symbolic, (shape, layout)
+        seen.append((counts(jitted), symbolic, (tuple(placements), shape, *layout)))
+    return seen
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)], ids=["2 ranks", "4 ranks", "2x2"])
+def test_uneven_shards_match_eager_one_entry_per_uneven_shape(mesh_shape, ranks2, ranks4):
+    pool = ranks2 if mesh_shape == (2,) else ranks4
+    for seen in pool.run(uneven_shards, mesh_shape):
+        # What the guards imply: an uneven (or non-contiguous) input is traced with its
+        # sizes, so each new such shape (with its placements) is one entry; even inputs
+        # with the same placements share a symbolic entry, whatever the sizes.
+        entries, misses = set(), []
+        for _, symbolic, key in seen:
+            entries.add(key[0] if symbolic else key)
+            misses.append(len(entries))
+        assert [counts[0] for counts, _, _ in seen] == misses, seen
+        assert [sum(counts) for counts, _, _ in seen] == list(range(1, len(seen) + 1)), seen
+        assert any(symbolic for _, symbolic, _ in seen) and not all(symbolic for _, symbolic, _ in seen)
