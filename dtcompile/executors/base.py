@@ -62,7 +62,14 @@ class Executor(Protocol):
 
 
 def lower(trace: Trace, executors: list[Executor]) -> Trace:
-    """The execution trace: every symbol replaced by what its executor runs."""
+    """The execution trace: every symbol replaced by what its executor runs.
+
+    Executors that run regions of the trace (fusions) first replace each region with one
+    symbol of their own (``partition``), leaving alone what an executor before them in the
+    list claims; the symbols are then lowered one by one."""
+    for position, executor in enumerate(executors):
+        if hasattr(executor, "partition"):
+            trace = executor.partition(trace, executors[:position])
     context = LoweringContext(trace)
     lowered: list[BoundSymbol] = []
     for index, bsym in enumerate(trace.bound_symbols):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..capture import CapturedCall, capture_call
-from ..core import Trace, verify
+from ..core import TensorProxy, Trace, verify
 from ..core.codegen import GeneratedFunction
 from ..executors import lower, resolve_executors
 from ..transforms import (
@@ -82,7 +82,7 @@ class CompiledFunction:
         self.module = module
         self.cache = cache
         self.executor_spec = executors  # as given: a copy of the function is compiled with the same
-        self.executors = resolve_executors(executors)
+        self.executors = resolve_executors(executors)  # checks the names now; see executors_for
         self.entries: list[CacheEntry] = []
         self.stats = CompileStats()
         self.name = getattr(fn, "__qualname__", None) or type(fn).__name__
@@ -112,10 +112,11 @@ class CompiledFunction:
         start = time.perf_counter()
         captured = capture_call(self.fn, args, kwargs, module=self.module, symbolic=self.symbolic)
         labels = group_labels(captured.meshes)
+        executors = self.executors_for(captured)
         if captured.backward is None:
-            run, epilogue, traces = self._inference(captured, labels)
+            run, epilogue, traces = self._inference(captured, labels, executors)
         else:
-            run, epilogue, traces = self._training(captured, labels)
+            run, epilogue, traces = self._training(captured, labels, executors)
         entry = CacheEntry(
             prologue=build_prologue(
                 captured.inputs,
@@ -143,6 +144,14 @@ class CompiledFunction:
                 )
         return entry
 
+    def executors_for(self, captured: CapturedCall) -> list:
+        """The executors given to ``jit``; by default, those for the devices of the call
+        (nvFuser when a tensor is on CUDA and nvFuser can run)."""
+        if self.executor_spec is not None:
+            return self.executors
+        devices = {p.device for p in captured.trace.inputs if isinstance(p, TensorProxy)}
+        return resolve_executors(None, devices)
+
     def _sync_key(self) -> str:
         return f"{self.sync_key}/{self.stats.misses}"
 
@@ -153,22 +162,22 @@ class CompiledFunction:
             verify(traces[-1])
         return traces
 
-    def _lowered(self, trace: Trace, labels: dict[str, str]) -> Trace:
-        execution = lower(trace, self.executors)
+    def _lowered(self, trace: Trace, labels: dict[str, str], executors) -> Trace:
+        execution = lower(trace, executors)
         execution.header_notes += [
             f"process group {name!r}: mesh dim {label}, ranks {dist.get_process_group_ranks(_resolve_process_group(name))}"
             for name, label in labels.items()
         ]
         return execution
 
-    def _inference(self, captured: CapturedCall, labels):
+    def _inference(self, captured: CapturedCall, labels, executors):
         traces = self._optimized(captured.trace, (*self.sizes, *PASSES))
         check_ranks_agree(traces[-1:], captured.meshes, labels, self.name, self._sync_key())
-        execution = self._lowered(traces[-1], labels)
+        execution = self._lowered(traces[-1], labels, executors)
         epilogue = build_epilogue(captured.output)
         return InferenceProgram(execution.compile(), epilogue), epilogue, traces + [execution]
 
-    def _training(self, captured: CapturedCall, labels):
+    def _training(self, captured: CapturedCall, labels, executors):
         backward = captured.backward
         slots = _slot_count(captured)
         joint_traces = self._optimized(captured.trace, (remove_identity_views, cse))
@@ -178,9 +187,9 @@ class CompiledFunction:
         check_ranks_agree(
             [forward_traces[-1], backward_traces[-1]], captured.meshes, labels, self.name, self._sync_key()
         )
-        forward_execution = self._lowered(forward_traces[-1], labels)
+        forward_execution = self._lowered(forward_traces[-1], labels, executors)
         forward_execution.header_notes.append(saved_note(forward_traces[-1], slots))
-        backward_execution = self._lowered(backward_traces[-1], labels)
+        backward_execution = self._lowered(backward_traces[-1], labels, executors)
         inputs = captured.trace.inputs[: len(captured.trace.inputs) - len(backward.cotangents)]
         program = TrainingProgram.make(
             forward_execution.compile(),

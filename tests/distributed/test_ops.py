@@ -185,13 +185,13 @@ def compare_outputs(got, expected, compare_values: bool, reduced: bool = False) 
     return "; ".join(problems) or None
 
 
-def check_case(op: OpInfo, placements, mesh) -> str | None:
+def check_case(op: OpInfo, placements, mesh, executors=None) -> str | None:
     """None when the compiled op behaves as eager DTensor does; else what differs.
 
     The compiled call goes first: a row-wise embedding's output keeps its index mask on a
     placement DTensor caches and shares between calls, and eager's call may add its own
     (equal) mask to it, but a trace cannot compare its proxy mask with a pending real one."""
-    got, got_error = _call(dtcompile.jit(op.fn), call_args(op, placements, mesh))
+    got, got_error = _call(dtcompile.jit(op.fn, executors=executors), call_args(op, placements, mesh))
     expected, expected_error = _call(op.fn, call_args(op, placements, mesh))
     if expected_error is not None:
         if got_error is None:
@@ -311,11 +311,13 @@ def compare_grads(got: tuple, expected: tuple, same_placements: bool = True) -> 
     return "; ".join(problems) or None
 
 
-def check_grad_case(op: OpInfo, placements, mesh, loss=loss_terms, same_placements: bool = True) -> str | None:
+def check_grad_case(
+    op: OpInfo, placements, mesh, loss=loss_terms, same_placements: bool = True, executors=None
+) -> str | None:
     """None when the compiled op's outputs and gradients are eager DTensor's; else what
     differs. Where eager raises, in its forward or its backward, the compiled call (whose
     backward is traced with its forward) must raise the same exception type."""
-    jitted = dtcompile.jit(op.fn)
+    jitted = dtcompile.jit(op.fn, executors=executors)
     got, got_error = _forward_and_grads(jitted, op, *grad_call_args(op, placements, mesh), loss=loss)
     try:
         expected, expected_error = _forward_and_grads(op.fn, op, *grad_call_args(op, placements, mesh), loss=loss)

@@ -64,7 +64,7 @@ def _batch(kind, mesh, tp, seq, batch=BATCH):
 # 1. One compilation for every sequence length
 
 
-def sequence_lengths(mesh_shape, kinds):
+def sequence_lengths(mesh_shape, kinds, executors=None):
     """Each model, forward under no_grad and forward+backward, one call per sequence
     length, each compared with eager; returns ``{case: (misses, hits, calls)}``."""
     mesh, tp = _meshes(mesh_shape)
@@ -72,7 +72,7 @@ def sequence_lengths(mesh_shape, kinds):
     for kind in kinds:
         for training in (False, True):
             eager, compiled = _model(kind, tp), _model(kind, tp)
-            jitted = dtcompile.jit(compiled, cache=SYMBOLIC)
+            jitted = dtcompile.jit(compiled, cache=SYMBOLIC, executors=executors)
             lengths = _lengths(kind, tp)
             for seq in lengths:
                 x, cotangent = _batch(kind, mesh, tp, seq)
