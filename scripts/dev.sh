@@ -35,7 +35,7 @@ case "$job" in
   setup) ;;
   demo) exec "$VENV/bin/torchrun" --nproc-per-node 2 scripts/demo.py "$@" ;;
   test)
-    "$VENV/bin/python" -m pytest -n "${PYTEST_WORKERS:-2}" -q "$@"
+    "$VENV/bin/python" -m pytest -n "${PYTEST_WORKERS:-2}" -q -rs "$@"
     "$VENV/bin/ruff" check dtcompile tests scripts
     "$VENV/bin/ruff" format --check dtcompile tests scripts
     ;;

@@ -10,10 +10,10 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 
-def _torchrun(script: str, *args: str) -> str:
+def _torchrun(script: str, *args: str, ranks: int = 2) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
     done = subprocess.run(
-        [TORCHRUN, "--standalone", "--nproc-per-node", "2", str(SCRIPTS / script), *args],
+        [TORCHRUN, "--standalone", "--nproc-per-node", str(ranks), str(SCRIPTS / script), *args],
         capture_output=True,
         text=True,
         env=env,
@@ -37,3 +37,16 @@ def test_training_losses_match_eager_with_processes_set_up_by_accelerate():
     for _, eager, compiled, _ in rows:
         assert abs(float(eager) - float(compiled)) <= 1e-4 * abs(float(eager))
     assert "compiled 1 time(s)" in out
+
+
+def test_gpu_check_script_dry_run_on_cpu_with_the_reference_backend():
+    """scripts/gpu_check.py as the GPU runs it, on CPU through the reference backend: its
+    comparisons and timings run here, so the GPU's few minutes go to nvFuser itself."""
+    out = _torchrun(
+        "gpu_check.py",
+        *("--device", "cpu", "--fusion-backend", "reference", "--op-table-seconds", "15", "--no-inductor"),
+        *("--batch", "2", "--seq", "32", "--dim", "64", "--heads", "4", "--hidden", "128", "--iters", "3"),
+        ranks=1,
+    )
+    assert " 0 differ from eager" in out and "block checks: 0 differ from eager" in out
+    assert "dtcompile nvFuser" in out and "fusions of" in out
