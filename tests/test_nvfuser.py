@@ -19,7 +19,7 @@ from support import assert_same_result
 import dtcompile
 from dtcompile.executors import FusionExecutor
 from dtcompile.executors.fusion import CACHE, FusionRegion
-from dtcompile.executors.fusion.layout import contiguity, dense_order, dense_strides, stride_order
+from dtcompile.executors.fusion.layout import dense_order, dense_strides, stride_order, tensor_descriptor
 
 REFERENCE = ["nvfuser:reference", "torch"]
 
@@ -82,6 +82,33 @@ def test_nvfuser_outputs_have_eagers_strides(make):
     with torch.no_grad():
         assert_same_result(jitted(x), fn(x))
     assert _fusions(jitted)
+
+
+def _clone_of_a_view(x):
+    a = x * 2
+    return a, a.view(-1).clone(), a.clone()
+
+
+@pytest.mark.parametrize(
+    "fn, x",
+    [
+        (_clone_of_a_view, torch.randn(4, 8)),
+        (lambda x: (x * 1 == 0.1, x * 1 > 0.1), torch.full((4,), 0.1, dtype=torch.float16)),
+        (lambda x: ((x * 2).var(-1), F.layer_norm(x * 2, (8,))), torch.randn(3, 8, dtype=torch.bfloat16)),
+        (lambda x: torch.add(x * 2, 2, alpha=3) - torch.sub(x, 1.5, alpha=2), torch.randn(5)),
+        (lambda x: (x * 2).sum(0) + 1, torch.tensor(3.0)),
+    ],
+    ids=["clone-of-a-view", "half-compared-with-a-scalar", "bf16-var-and-layer-norm", "scalar-alpha", "0-d-sum"],
+)
+def test_nvfuser_edge_cases_match_eager(fn, x):
+    jitted = dtcompile.jit(fn, executors=[FusionExecutor("reference", min_ops=1), "torch"])
+    with torch.no_grad():
+        got, expected = jitted(x), fn(x)
+    assert_same_result(got, expected)
+    assert _fusions(jitted)
+    # Each output has memory of its own, as eager's do.
+    storages = [t.untyped_storage().data_ptr() for t in (got if isinstance(got, tuple) else (got,))]
+    assert len(set(storages)) == len(storages)
 
 
 def test_nvfuser_views_of_fused_values_run_after_the_fusion():
@@ -208,11 +235,15 @@ def test_nvfuser_layout_descriptions():
     # nvFuser's stride order: per dim, its rank from the innermost.
     assert stride_order((0, 1, 2)) == (2, 1, 0)
     assert stride_order((1, 2, 0)) == (0, 2, 1)
-    # Contiguity: None for broadcast dims; False where memory has a gap.
-    assert contiguity((2, 3, 4), (12, 4, 1)) == (True, True, True)
-    assert contiguity((2, 1, 4), (4, 4, 1)) == (True, None, True)
-    assert contiguity((2, 3), (6, 1)) == (False, True)
-    assert contiguity((3, 2), (1, 3)) == (True, True)
+    # nvFuser's input descriptions: contiguity in memory order (None for broadcast dims,
+    # False where memory has a gap) and each dim's rank from the innermost.
+    assert tensor_descriptor((2, 3, 4), (12, 4, 1)) == ((True, True, True), (2, 1, 0))
+    assert tensor_descriptor((2, 1, 4), (4, 4, 1)) == ((True, None, True), (2, 1, 0))
+    assert tensor_descriptor((2, 3), (6, 1)) == ((False, True), (1, 0))
+    assert tensor_descriptor((3, 2), (1, 3)) == ((True, True), (0, 1))
+    assert tensor_descriptor((5, 1, 4), (1, 5, 5)) == ((None, True, True), (0, 2, 1))
+    assert tensor_descriptor((6, 5, 4), (5, 1, 35)) == ((False, True, True), (1, 0, 2))
+    assert tensor_descriptor((3, 4), (0, 1)) == ((None, True), (1, 0))  # expanded
 
 
 def test_nvfuser_unavailable_without_cuda():

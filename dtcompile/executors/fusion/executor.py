@@ -14,7 +14,9 @@ result that comes back otherwise is copied into it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from ...core import BoundSymbol, Symbol, Trace
 from ...core.printing import output_target
@@ -24,7 +26,20 @@ from .program import FusionProgram
 from .regions import Region, partition
 from .translate import MATMUL_OPS, VIEWS, translatable, translate
 
-BACKENDS = {backend.name: backend for backend in (nvfuser_direct, reference)}
+
+class FusionBackend(Protocol):
+    """What the executor needs of a backend (each backend is a module of this package)."""
+
+    name: str
+
+    def available(self) -> tuple[bool, str]: ...  # whether it can run here, and why (not)
+
+    def supports_device(self, device) -> bool: ...
+
+    def compile(self, program: FusionProgram) -> Callable[[tuple], list]: ...  # inputs -> outputs
+
+
+BACKENDS: dict[str, FusionBackend] = {backend.name: backend for backend in (nvfuser_direct, reference)}
 
 
 class FusionCache:
@@ -137,13 +152,15 @@ class FusionExecutor:
             return fused
         symbols: list[BoundSymbol] = []
         count = fused_ops = 0
+        proxies = {p.label: p for p in trace.inputs}
+        proxies.update((p.label, p) for bsym in trace.bound_symbols for p in bsym.output_proxies())
         for item in partition(trace, lambda b: self.fusible(b, earlier)):
             if not isinstance(item, Region):
                 symbols.append(item)
             elif item.compute_ops < self.min_ops or not item.outputs:
                 symbols.extend(item.unfused)
             else:
-                symbols.append(self._fusion_call(item, f"fusion{count}", trace))
+                symbols.append(self._fusion_call(item, f"fusion{count}", proxies))
                 symbols.extend(item.views_after)
                 count += 1
                 fused_ops += len(item.symbols)
@@ -152,11 +169,9 @@ class FusionExecutor:
         fused.header_notes.append(f"{self.name} ({self.backend.name} backend): {fusions} of {fused_ops} ops")
         return fused
 
-    def _fusion_call(self, region: Region, name: str, trace: Trace) -> BoundSymbol:
+    def _fusion_call(self, region: Region, name: str, proxies: dict) -> BoundSymbol:
         program, input_labels = translate(region.symbols, region.outputs)
         fusion = FusedCall(CACHE.get(self.backend, program), program)
-        proxies = {p.label: p for p in trace.inputs}
-        proxies.update((p.label, p) for bsym in trace.bound_symbols for p in bsym.output_proxies())
         contents = tuple(line for bsym in region.symbols for line in bsym.lines())
         symbol = FusionRegion(name, globals=((name, fusion, None),), backend=self.backend.name, contents=contents)
         return BoundSymbol(symbol, tuple(proxies[label] for label in input_labels), {}, tuple(region.outputs))

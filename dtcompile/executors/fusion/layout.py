@@ -49,19 +49,32 @@ def stride_order(order) -> tuple[int, ...]:
     return tuple(ranks)
 
 
-def contiguity(shape, stride) -> tuple[bool | None, ...]:
-    """nvFuser's contiguity of a strided tensor: per dim, None for a broadcast (size 1),
-    else whether the next inner non-broadcast dim's memory follows it without a gap."""
+def tensor_descriptor(shape, stride) -> tuple[tuple[bool | None, ...], tuple[int, ...]]:
+    """nvFuser's description of a strided input: ``(contiguity, stride_order)``.
+
+    Dims are put in memory order (largest stride first; stride-0 dims keep their place),
+    which is the order nvFuser reads ``contiguity`` in: per position, None for a broadcast
+    (size 1 or stride 0), else whether the next non-broadcast position inside it starts
+    where it ends (the innermost: whether its stride is 1). ``stride_order`` gives each
+    logical dim its rank from the innermost position."""
     shape = [size_hint(s) for s in shape]
     stride = [size_hint(s) for s in stride]
-    flags: list[bool | None] = [None] * len(shape)
-    inner_extent = 1  # the extent the next dim outwards must step over to be contiguous
-    for dim in sorted(range(len(shape)), key=lambda d: (stride[d], -d)):
-        if shape[dim] == 1:
+    rank = len(shape)
+    order = sorted((d for d in range(rank) if stride[d] != 0), key=lambda d: -stride[d])
+    for d in range(rank):
+        if stride[d] == 0:
+            order.insert(d, d)
+    broadcast = [shape[d] == 1 or stride[d] == 0 for d in order]
+    flags: list[bool | None] = [None] * rank
+    for position, d in enumerate(order):
+        if broadcast[position]:
             continue
-        flags[dim] = stride[dim] == inner_extent
-        inner_extent = stride[dim] * shape[dim]
-    return tuple(flags)
+        inner = next((order[i] for i in range(position + 1, rank) if not broadcast[i]), None)
+        flags[position] = stride[d] == (1 if inner is None else stride[inner] * shape[inner])
+    ranks = [0] * rank
+    for position, d in enumerate(order):
+        ranks[d] = rank - 1 - position
+    return tuple(flags), tuple(ranks)
 
 
 def in_layout(tensor: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:

@@ -67,7 +67,7 @@ def _define(fd, program: FusionProgram) -> None:
         )
     for op in program.ops:
         p, args = op.primitive, [arg(a) for a in op.args]
-        if p in UNARY or p in BINARY or p in ("where", "matmul", "linear", "set", "permute", "squeeze"):
+        if p in UNARY or p in BINARY or p in ("where", "matmul", "set", "permute", "squeeze"):
             env[op.out] = getattr(fd.ops, p)(*args)
         elif p == "cast":
             env[op.out] = fd.ops.cast(args[0], _data_type(op.args[1]))

@@ -15,7 +15,7 @@ The primitives are nvFuser's names (``fd.ops.<name>``):
 - shapes: ``broadcast`` (insert size-1 dims), ``reshape``, ``permute``, ``squeeze``,
   ``expand``, ``size`` (a dim's size, a number), ``full``;
 - ``set``: a copy (for an output that would otherwise alias an input or another output);
-- ``matmul`` and ``linear``.
+- ``matmul``.
 
 Arguments are :class:`Ref` (a value of the program) or constants: numbers, dtypes, and
 lists of dims or of sizes (ints or :class:`Ref` to numbers).
@@ -64,7 +64,7 @@ BINARY = (
 )
 REDUCTIONS = ("sum", "max", "min")
 SHAPES = ("broadcast", "reshape", "permute", "squeeze", "expand", "size", "full")
-MATMULS = ("matmul", "linear")
+MATMULS = ("matmul",)
 PRIMITIVES = frozenset(UNARY + BINARY + REDUCTIONS + SHAPES + MATMULS + ("where", "cast", "set"))
 
 

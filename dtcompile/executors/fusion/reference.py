@@ -80,8 +80,6 @@ def _statement(op: Op) -> str:
         return f"{a[0]}.clone()"
     if p == "matmul":
         return f"torch.matmul({a[0]}, {a[1]})"
-    if p == "linear":
-        return f"torch.nn.functional.linear({', '.join(a)})"
     raise NotImplementedError(f"reference backend: no primitive {p}")
 
 

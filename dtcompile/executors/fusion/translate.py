@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 
 from ...core import BoundSymbol, NumberProxy, TensorProxy
-from ...core.symbolic import as_constant, size_hint
-from .layout import contiguity, dense_order, stride_order
+from ...core.symbolic import as_constant
+from .layout import dense_order, tensor_descriptor
 from .program import FusionProgram, NumberInput, Op, Output, Ref, TensorInput
 
 aten = torch.ops.aten
@@ -59,7 +59,7 @@ class Translator:
             name = f"in{len(self.program.inputs)}"
             if isinstance(arg, TensorProxy):
                 broadcast = tuple(as_constant(s) == 1 for s in arg.shape)
-                layout = (contiguity(arg.shape, arg.stride()), input_stride_order(arg.stride()))
+                layout = tensor_descriptor(arg.shape, arg.stride())
                 self.program.inputs.append(TensorInput(name, arg.dtype, broadcast, *layout))
                 self.proxies[name] = arg
             else:
@@ -100,23 +100,23 @@ class Translator:
 
     def output(self, proxy: TensorProxy) -> None:
         """Return the traced ``proxy`` from the fusion, in its traced layout, in memory of
-        its own: a value that may be an input (or a view of one), or that is returned
+        its own: a value that may view an input, or the memory of a value returned
         already, is copied first."""
         order = dense_order(proxy.shape, proxy.stride())
         assert order is not None, f"{proxy.label} has no dense layout; its op should not have been fused"
         ref = self.values[proxy.label]
-        if self._may_alias_input(ref) or any(o.value == ref.name for o in self.program.outputs):
+        root = self._memory_of(ref)
+        returned = {self._memory_of(Ref(o.value)) for o in self.program.outputs}
+        if root in returned or any(i.name == root for i in self.program.inputs):
             ref = self.emit("set", ref, dtype=self.dtype(ref))
         self.program.outputs.append(Output(ref.name, order))
 
-    def _may_alias_input(self, ref: Ref) -> bool:
+    def _memory_of(self, ref: Ref) -> str:
+        """The value whose memory ``ref`` may be a view of (itself if none)."""
         producers = {op.out: op for op in self.program.ops}
-        while ref.name in producers:
-            op = producers[ref.name]
-            if op.primitive not in ALIASING:
-                return False
-            ref = op.args[0]
-        return True  # an input
+        while ref.name in producers and producers[ref.name].primitive in ALIASING:
+            ref = producers[ref.name].args[0]
+        return ref.name
 
     # --- helpers for the handlers ------------------------------------------------------------
 
@@ -129,7 +129,10 @@ class Translator:
     def cast(self, value, dtype: torch.dtype):
         if not isinstance(value, Ref) or self.dtypes[value.name] == dtype:
             return value
-        return self.emit("cast", value, dtype, dtype=dtype)
+        cast = self.emit("cast", value, dtype, dtype=dtype)
+        if value.name in self.proxies:  # the same sizes: ``size`` may read them from the cast
+            self.proxies[cast.name] = self.proxies[value.name]
+        return cast
 
     def size(self, value: Ref, dim: int):
         """A size of a traced value: an int when it is constant, else a number the fusion
@@ -174,12 +177,6 @@ class Translator:
         return self.emit(primitive, value, list(dims), keepdim, dtype=self.dtype(value))
 
 
-def input_stride_order(stride) -> tuple[int, ...]:
-    """nvFuser's stride order of an input: strides largest first (ties: outer dims first)."""
-    stride = [size_hint(s) for s in stride]
-    return stride_order(tuple(sorted(range(len(stride)), key=lambda d: (-stride[d], d))))
-
-
 # --- the op table -------------------------------------------------------------------------
 
 Handler = Callable[[Translator, BoundSymbol], object]
@@ -199,7 +196,7 @@ VIEWS = frozenset(
         aten.expand.default,
     }
 )
-MATMUL_OPS = frozenset({aten.mm.default, aten.bmm.default, aten.addmm.default, aten.linear.default})
+MATMUL_OPS = frozenset({aten.mm.default, aten.bmm.default, aten.addmm.default})
 
 
 def handles(*ops, check: Callable[[BoundSymbol], bool] | None = None):
@@ -250,7 +247,7 @@ def _dims(dims, rank: int) -> list[int]:
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
         return list(range(rank))
     dims = [dims] if isinstance(dims, int) else dims
-    return sorted(d % rank if rank else 0 for d in dims)
+    return sorted(d % rank for d in dims) if rank else []  # a 0-d tensor has no dim to reduce
 
 
 def _operand_dtype(bsym: BoundSymbol) -> torch.dtype:
@@ -313,7 +310,8 @@ def _binary(t: Translator, bsym: BoundSymbol):
 @handles(*_COMPARE)
 def _compare(t: Translator, bsym: BoundSymbol):
     a, b = (t.value(x) for x in bsym.args[:2])
-    return t.math(_COMPARE[bsym.op], a, b, dtype=compute_dtype(_operand_dtype(bsym)))
+    # In the operands' common dtype, not in float32: a scalar is rounded to it, as eager does.
+    return t.math(_COMPARE[bsym.op], a, b, dtype=_operand_dtype(bsym))
 
 
 @handles(*_LOGICAL)
@@ -328,7 +326,9 @@ def _logical_not(t: Translator, bsym: BoundSymbol):
 
 
 def _scaled(t: Translator, value, alpha, dtype):
-    return value if alpha == 1 else t.math("mul", value, alpha, dtype=dtype)
+    if alpha == 1:
+        return value
+    return value * alpha if not isinstance(value, Ref) else t.math("mul", value, alpha, dtype=dtype)
 
 
 @handles(aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar)
@@ -453,8 +453,9 @@ def _tanh_backward(t: Translator, bsym: BoundSymbol):
 @handles(aten.threshold_backward.default)
 def _threshold_backward(t: Translator, bsym: BoundSymbol):
     dtype = compute_dtype(bsym.output.dtype)
-    grad, x = (t.cast(t.value(a), dtype) for a in bsym.args[:2])
-    return t.op("where", t.op("le", x, as_constant(bsym.args[2]), dtype=dtype), 0.0, grad, dtype=dtype)
+    grad = t.cast(t.value(bsym.args[0]), dtype)
+    x = t.value(bsym.args[1])  # compared in its own dtype, as eager does
+    return t.op("where", t.op("le", x, as_constant(bsym.args[2]), dtype=t.dtype(x)), 0.0, grad, dtype=dtype)
 
 
 def _same_device(bsym: BoundSymbol) -> bool:
@@ -644,7 +645,9 @@ def _expand(t: Translator, bsym: BoundSymbol):
 
 
 def _plain_addmm(bsym: BoundSymbol) -> bool:
-    return as_constant(bsym.kwargs.get("beta", 1)) == 1 and as_constant(bsym.kwargs.get("alpha", 1)) == 1
+    """beta = alpha = 1, in a dtype the product is not rounded in before the bias is added."""
+    plain = as_constant(bsym.kwargs.get("beta", 1)) == 1 and as_constant(bsym.kwargs.get("alpha", 1)) == 1
+    return plain and bsym.output.dtype not in LOW_PRECISION
 
 
 @handles(aten.mm.default, aten.bmm.default)
