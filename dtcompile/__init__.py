@@ -15,6 +15,7 @@ from .jit import (
     last_epilogue,
     last_prologue,
     last_traces,
+    timed_call,
 )
 
 __version__ = "0.1.0"
@@ -30,4 +31,5 @@ __all__ = [
     "last_epilogue",
     "last_prologue",
     "last_traces",
+    "timed_call",
 ]

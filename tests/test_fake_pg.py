@@ -20,7 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 import dtcompile
-from dtcompile.core import InputPath, NoProvenance
+from dtcompile.capture import capture_call
+from dtcompile.core import InputPath, NoProvenance, verify
 from dtcompile.testing.models import parallel_block, parallel_mlp
 
 functional = torch.ops._c10d_functional
@@ -227,3 +228,52 @@ def test_1d_mesh_outputs_keep_eager_placements(fake_world, world_size):
     assert eager[0].placements == (Partial(),) and eager[1].placements == (Shard(0),)
     counts = check_against_eager(fn, x, w)
     assert counts["reduce_scatter_tensor"] == 1
+
+
+def _reduce_twice(x, w):
+    y = x @ w  # Partial
+    return y.redistribute(y.device_mesh, [Replicate()]) + y.redistribute(y.device_mesh, [Replicate()])
+
+
+def test_a_collective_repeated_on_the_same_value_runs_once(fake_world):
+    fake_world(8)
+    mesh = init_device_mesh("cpu", (8,))
+    x = distribute_tensor(torch.randn(4, 16), mesh, [Shard(1)])
+    w = distribute_tensor(torch.randn(16, 8), mesh, [Shard(0)])
+    expected, counts, _ = run_eager(_reduce_twice, x, w)
+    assert counts == {"all_reduce": 2}
+    jitted = dtcompile.jit(_reduce_twice)
+    with torch.no_grad():
+        got = jitted(x, w)
+    assert_same_metadata(got, expected)
+    traces = dtcompile.last_traces(jitted)
+    assert [op for op, _ in trace_collectives(traces[0])] == ["all_reduce", "all_reduce"]
+    assert [op for op, _ in trace_collectives(traces[-2])] == ["all_reduce"]  # CSE merged them
+
+
+def _names(trace) -> list[str]:
+    return [b.symbol.name.split(".")[1] for b in trace.bound_symbols]
+
+
+def test_collectives_start_early_and_are_waited_late(fake_world):
+    fake_world(8)
+    group = dist.group.WORLD.group_name
+
+    def fn(x, y):
+        b = x * 2
+        a = y.exp()  # independent of the collective: the all_reduce starts before it
+        reduced = functional.wait_tensor(functional.all_reduce(b, "sum", group))
+        c = y.sin()  # runs while the data is on the wire: the wait moves after it
+        y.add_(1)  # a write: nothing crosses it
+        return reduced + a + c
+
+    from dtcompile.transforms import schedule_collectives
+
+    x, y = torch.randn(4), torch.randn(4)
+    trace = capture_call(fn, (x, y), {}).trace
+    assert _names(trace) == ["mul", "exp", "all_reduce", "wait_tensor", "sin", "add_", "add", "add"]
+    scheduled = schedule_collectives(trace)
+    verify(scheduled)
+    assert _names(scheduled) == ["mul", "all_reduce", "exp", "sin", "wait_tensor", "add_", "add", "add"]
+    with torch.no_grad():
+        dtcompile.jit(fn)(x, y)  # runs (the fake group's values are garbage)

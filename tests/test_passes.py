@@ -8,7 +8,15 @@ from support import assert_same_tensor, op_names, traced
 import dtcompile
 from dtcompile.capture import capture_call
 from dtcompile.core import InputPath, NoProvenance, Trace, TraceError, verify
-from dtcompile.transforms import cse, dce, remove_identity_views, storage_bases
+from dtcompile.transforms import (
+    collapse_view_chains,
+    cse,
+    dce,
+    fuse_linears,
+    remove_identity_views,
+    remove_redundant_copies,
+    storage_bases,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -230,3 +238,103 @@ def test_storage_sharing_is_read_from_the_fake_tensors():
     assert unsafe and bases[unsafe[0].output.label] == bases[unsafe[0].args[0].label]
     a, b = dtcompile.jit(fn)(x, w)
     assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()  # as in eager
+
+
+# ---------------------------------------------------------------------------------------
+# Redundant views and copies, linear layers
+
+
+def test_view_chains_of_a_row_major_tensor_become_one_view():
+    def fn(x):
+        y = x.view(2, 6).unsqueeze(0).view(3, 4)  # one view of x
+        mask = x.sum(0).unsqueeze(0).unsqueeze(1).unsqueeze(2)  # one view of the sum
+        return y * 2, mask
+
+    x = torch.randn(3, 4)
+    trace = traced(fn, x)
+    collapsed = dce(collapse_view_chains(trace))
+    verify(collapsed)
+    assert op_names(collapsed).count("aten.view.default") == 2
+    assert "aten.unsqueeze.default" not in op_names(collapsed)
+    got, expected = dtcompile.jit(fn)(x), fn(x)
+    for g, e in zip(got, expected):
+        assert_same_tensor(g, e)
+
+
+def test_view_chains_of_transposed_tensors_stay():
+    def fn(x):
+        return x.t().unsqueeze(0).reshape(12) * 1.5  # t() is not row-major: reshape copies
+
+    x = torch.randn(3, 4)
+    trace = traced(fn, x)
+    assert op_names(collapse_view_chains(trace)) == op_names(trace)
+    assert_same_tensor(dtcompile.jit(fn)(x), fn(x))
+
+
+def test_copies_that_change_nothing_are_removed():
+    def fn(x, i):
+        scaled = x * 1.0 / 1.0 - 0.0  # three copies of x
+        same = scaled.to(torch.float32).clone()
+        offset = i + 0  # an integer offset may differ between ranks: kept
+        return same + 1, offset, x + 0.0  # + 0.0 turns -0.0 into 0.0: kept
+
+    x, i = torch.tensor([-0.0, 1.0, 2.0]), torch.arange(3)
+    trace = traced(fn, x, i)
+    cleaned = dce(remove_redundant_copies(trace))
+    verify(cleaned)
+    assert op_names(cleaned) == ["aten.add.Tensor", "aten.add.Tensor", "aten.add.Tensor"]
+    got, expected = dtcompile.jit(fn)(x, i), fn(x, i)
+    for g, e in zip(got, expected):
+        assert_same_tensor(g, e)
+    assert torch.equal(got[2].signbit(), expected[2].signbit())
+
+
+def test_copies_that_are_returned_or_written_stay():
+    def returned(x):
+        return x.clone(), x * 1.0  # the caller gets new tensors, as in eager
+
+    x = torch.randn(3)
+    assert op_names(remove_redundant_copies(traced(returned, x))) == op_names(traced(returned, x))
+    a, b = dtcompile.jit(returned)(x)
+    assert a.data_ptr() != x.data_ptr() and b.data_ptr() != x.data_ptr()
+
+    def written(x):
+        y = x.clone()
+        y.add_(1)  # x must not change
+        return y * 2
+
+    kept = remove_redundant_copies(traced(written, x))
+    assert "aten.clone.default" in op_names(kept)
+    before = x.clone()
+    assert_same_tensor(dtcompile.jit(written)(x), written(before.clone()))
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("shape", [(5, 8), (2, 5, 8), (2, 3, 5, 8)], ids=["2d", "3d", "4d"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_linear_layers_are_one_call(shape, bias):
+    linear = nn.Linear(8, 6, bias=bias)
+    x = torch.randn(*shape)
+    jitted = dtcompile.jit(linear)
+    got = jitted(x)
+    assert_same_tensor(got, linear(x))
+    assert torch.equal(got, linear(x))  # the same kernel on the same operands
+    trace = dtcompile.last_traces(jitted)[-2]
+    # aten::linear adds the bias of a 4-D input after its matmul: that stays decomposed.
+    fused = not (bias and len(shape) == 4)
+    assert ("aten.linear.default" in op_names(trace)) == fused
+    if fused:
+        assert "aten.mm.default" not in op_names(trace) and "aten.addmm.default" not in op_names(trace)
+
+
+def test_linear_matching_leaves_a_matmul_read_elsewhere():
+    def fn(x, w):
+        y = x @ w.t()
+        return y, y.view(-1)  # the mm result is read twice
+
+    x, w = torch.randn(2, 3, 4), torch.randn(5, 4)
+    fused = fuse_linears(traced(fn, x, w))
+    verify(fused)
+    got, expected = dtcompile.jit(fn)(x, w), fn(x, w)
+    for g, e in zip(got, expected):
+        assert_same_tensor(g, e)

@@ -1,6 +1,7 @@
 """The torchrun-launched scripts run and check themselves (each exits non-zero when its
 compiled results differ from eager DTensor's)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -50,3 +51,31 @@ def test_gpu_check_script_dry_run_on_cpu_with_the_reference_backend():
     )
     assert " 0 differ from eager" in out and "block checks: 0 differ from eager" in out
     assert "dtcompile nvFuser" in out and "fusions of" in out
+
+
+def test_inference_benchmark_generates_eager_tokens_and_its_results_plot(tmp_path):
+    results = tmp_path / "results.json"
+    out = _torchrun(
+        "benchmark_inference.py",
+        *("--mode", "eager", "dtcompile", "--layers", "1", "--hidden-size", "64", "--heads", "4"),
+        *("--kv-heads", "2", "--vocab", "128", "--input-length", "8", "--output-length", "6"),
+        *("--num-iterations", "1", "--warmup-iterations", "0", "--json", str(results)),
+    )
+    assert "TBOT eager/x" in out and "per decode call prologue" in out and "target 2x" in out
+    report = json.loads(results.read_text())
+    assert report["setup"]["ranks"] == 2 and report["setup"]["kv_cache"] == "static"
+    compiled = report["results"]["dtcompile"]
+    assert compiled["tokens_equal_eager"] and report["results"]["eager"]["tokens_equal_eager"]
+    assert compiled["compilations"] == 2  # the prefill, and every decode step
+    assert compiled["prologue_us"] > 0 and compiled["epilogue_us"] > 0 and compiled["tbot_ms"] > 0
+
+    plot = tmp_path / "plot.png"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "plot_inference.py"), str(results), "--plot", str(plot)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "| 2 ranks (cpu) | dtcompile |" in done.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -7,17 +7,21 @@ from .inputs import (
     DTensorInput,
     InputNode,
     LocalTensorMeta,
+    ObjectInput,
     PytreeInput,
+    SameObjectInput,
     SequenceInput,
     TensorInput,
     UnsupportedInputError,
     iter_leaves,
 )
+from .objects import AttributeUpdate
 from .outputs import (
     ConstantOutput,
     DictOutput,
     DTensorOutput,
     NumberOutput,
+    ObjectOutput,
     OutputNode,
     PytreeOutput,
     SequenceOutput,
@@ -29,6 +33,10 @@ from .recorder import TracingError
 from .tracer import CallInputs, CapturedCall, capture_call
 
 __all__ = [
+    "AttributeUpdate",
+    "ObjectInput",
+    "ObjectOutput",
+    "SameObjectInput",
     "CallInputs",
     "CapturedCall",
     "ConstantInput",

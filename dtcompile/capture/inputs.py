@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from ..core import InputPath, TensorProxy
 from ..core.proxy import contiguous_strides
+from .objects import StateObjects, is_state_object, new_stand_in
 from .recorder import Recording
 
 CONSTANT_TYPES = (
@@ -105,6 +106,23 @@ class PytreeInput(InputNode):
     children: list[InputNode]
 
 
+@dataclass
+class ObjectInput(InputNode):
+    """An object taken apart by its ``__dict__`` (see ``objects.py``): its class and its
+    attributes, in order."""
+
+    type: type
+    names: tuple[str, ...]
+    children: list[InputNode]
+
+
+@dataclass
+class SameObjectInput(InputNode):
+    """An object met a second time in the call: the same object as ``first``."""
+
+    first: ObjectInput
+
+
 def identifier(text: str, taken: set[str]) -> str:
     """A fresh Python identifier that reads like ``text``."""
     name = re.sub(r"\W+", "_", text).strip("_") or "x"
@@ -128,6 +146,8 @@ class InputProxifier:
         # (proxy of a computation input, the traced value to differentiate with respect to):
         # the proxy itself for a tensor, the DTensor around it for a DTensor.
         self.differentiable: list[tuple[TensorProxy, object]] = []
+        self.objects = StateObjects()
+        self._stand_ins: dict[int, tuple[object, ObjectInput]] = {}  # id of a real object -> its stand-in
 
     def proxify(self, value: object, path: InputPath, name_hint: str) -> tuple[object, InputNode]:
         dynamic = self.symbolic and path.root in ("args", "kwargs")
@@ -154,10 +174,13 @@ class InputProxifier:
         if type(value) in (tuple, list):
             pairs = [self.proxify(v, path.index(i), f"{name_hint}_{i}") for i, v in enumerate(value)]
             values = type(value)(p for p, _ in pairs)
+            if type(value) is list:
+                self.objects.add_container(path, values)
             return values, SequenceInput(path, type(value), [n for _, n in pairs])
         if type(value) is dict:
             pairs = [self.proxify(v, path.key(k), f"{name_hint}_{k}") for k, v in value.items()]
             values = dict(zip(value.keys(), (p for p, _ in pairs)))
+            self.objects.add_container(path, values)
             return values, DictInput(path, tuple(value.keys()), [n for _, n in pairs])
         if type(value) in pytree.SUPPORTED_NODES:
             node = pytree.SUPPORTED_NODES[type(value)]
@@ -165,10 +188,29 @@ class InputProxifier:
             pairs = [self.proxify(v, path.index(i), f"{name_hint}_{i}") for i, v in enumerate(children)]
             rebuilt = node.unflatten_fn([p for p, _ in pairs], context)
             return rebuilt, PytreeInput(path, type(value), context, [n for _, n in pairs])
+        if is_state_object(value):
+            return self._object(value, path, name_hint)
         raise UnsupportedInputError(
             f"dtcompile.jit: {path} is a {type(value).__name__}; inputs must be tensors, DTensors, "
-            "numbers, strings, None, dtypes, devices, or tuples, lists and dicts of those"
+            "numbers, strings, None, dtypes, devices, tuples, lists and dicts of those, or objects "
+            "holding them in their __dict__"
         )
+
+    def _object(self, value: object, path: InputPath, name_hint: str) -> tuple[object, InputNode]:
+        seen = self._stand_ins.get(id(value))
+        if seen is not None:
+            return seen[0], SameObjectInput(path, seen[1])
+        node = ObjectInput(path, type(value), tuple(vars(value)), [])
+        stand_in = new_stand_in(value)
+        self._stand_ins[id(value)] = (stand_in, node)  # before the attributes: they may refer back
+        attributes = {}
+        for name, attribute in vars(value).items():
+            proxied, child = self.proxify(attribute, path.attr(name), f"{name_hint}_{name}")
+            attributes[name] = proxied
+            node.children.append(child)
+        stand_in.__dict__.update(attributes)
+        self.objects.add(node, stand_in, attributes)
+        return stand_in, node
 
     def _dtensor(self, value: DTensor, path: InputPath, name_hint: str, dynamic: bool) -> tuple[DTensor, DTensorInput]:
         mesh = value.device_mesh

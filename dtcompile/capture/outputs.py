@@ -16,6 +16,8 @@ from torch.utils import _pytree as pytree
 
 from ..core import TensorProxy
 from ..core.symbolic import as_constant, is_symbolic
+from .objects import StateObjects, holds_proxies, is_state_object
+from .recorder import TracingError
 
 
 @dataclass
@@ -59,6 +61,13 @@ class DTensorOutput(OutputNode):
 
 
 @dataclass
+class ObjectOutput(OutputNode):
+    """An object of the call (its stand-in was returned): the real one, as the epilogue received it."""
+
+    index: int
+
+
+@dataclass
 class SequenceOutput(OutputNode):
     type: type
     children: list[OutputNode]
@@ -80,7 +89,8 @@ class PytreeOutput(OutputNode):
 class OutputCollector:
     """Collects the local proxies a call returned, in order, and describes the result."""
 
-    def __init__(self):
+    def __init__(self, objects: StateObjects | None = None):
+        self.objects = objects if objects is not None else StateObjects()
         self.proxies: list[TensorProxy] = []  # the local tensor of each output slot
         self.values: list = []  # what each slot holds in the call's result: a DTensor or a proxy
         self.mask_buffers: list = []  # filled with proxies by tracing; emptied by release_masks
@@ -90,7 +100,8 @@ class OutputCollector:
         self.values.append(proxy if value is None else value)
         return len(self.proxies) - 1
 
-    def describe(self, value: object) -> OutputNode:
+    def describe(self, value: object, where: object = "the result") -> OutputNode:
+        """The node that rebuilds ``value``; ``where`` names it in errors."""
         if isinstance(value, DTensor) and isinstance(value._local_tensor, TensorProxy):
             slot = self._slot(value._local_tensor, value)
             masks = []
@@ -116,13 +127,22 @@ class OutputCollector:
                 return SequenceOutput(torch.Size, [self.describe(x) for x in value])
             return ConstantOutput(value)  # sizes are constants; pytree would rebuild a tuple
         if type(value) in (tuple, list):
-            return SequenceOutput(type(value), [self.describe(v) for v in value])
+            return SequenceOutput(type(value), [self.describe(v, where) for v in value])
         if type(value) is dict:
-            return DictOutput(tuple(value.keys()), [self.describe(v) for v in value.values()])
+            return DictOutput(tuple(value.keys()), [self.describe(v, where) for v in value.values()])
         if type(value) in pytree.SUPPORTED_NODES:
             node = pytree.SUPPORTED_NODES[type(value)]
             children, context = node.flatten_fn(value)
-            return PytreeOutput(type(value), context, [self.describe(v) for v in children])
+            return PytreeOutput(type(value), context, [self.describe(v, where) for v in children])
+        index = self.objects.index_of(value)
+        if index is not None:
+            return ObjectOutput(index)
+        if is_state_object(value) and holds_proxies(value):
+            raise TracingError(
+                f"dtcompile.jit: {where} holds a {type(value).__name__} the call made, with traced tensors "
+                "in it; new objects holding tensors cannot be rebuilt after each call (pass the object in "
+                "the call instead, so that its attributes are updated)"
+            )
         return ConstantOutput(value)
 
     def _size(self, value):

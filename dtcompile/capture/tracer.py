@@ -19,10 +19,11 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..core import InputPath, Trace, verify
 from .autograd import BackwardCapture, capture_backward
-from .inputs import DictInput, DTensorInput, InputNode, InputProxifier, SequenceInput, iter_leaves
+from .inputs import DictInput, DTensorInput, InputNode, InputProxifier, ObjectInput, SequenceInput, iter_leaves
+from .objects import AttributeUpdate
 from .outputs import OutputCollector, OutputNode
 from .placements import describe_placements
-from .recorder import CallAnnotator, OpRecorder, Recording
+from .recorder import CallAnnotator, OpRecorder, Recording, TracingError
 
 
 @dataclass
@@ -52,6 +53,9 @@ class CapturedCall:
     # For a call that needs gradients: the trace holds the forward and then the backward,
     # and this says where one ends and what the other takes and gives.
     backward: BackwardCapture | None = None
+    # The input objects the epilogue receives (to update or to return), and the updates.
+    objects: list[ObjectInput] = field(default_factory=list)
+    updates: list[AttributeUpdate] = field(default_factory=list)
 
 
 def _parameter_names(fn) -> list[str]:
@@ -104,7 +108,7 @@ def capture_call(
 
     grad_enabled = torch.is_grad_enabled()
     training = grad_enabled and bool(proxifier.differentiable)
-    collector = OutputCollector()
+    collector = OutputCollector(proxifier.objects)
     backward = None
     with enable_python_dispatcher(), CallAnnotator(recording), OpRecorder(recording):
         try:
@@ -114,6 +118,12 @@ def capture_call(
             else:
                 result = fn(*proxy_args, **proxy_kwargs)
             output = collector.describe(result)
+            updates = proxifier.objects.updates(collector.describe)
+            if training and proxifier.objects.needed:
+                raise TracingError(
+                    "dtcompile.jit: a call that needs gradients returns or changes an input object "
+                    f"({proxifier.objects.needed[0].path}); that is supported only without gradients"
+                )
             if training:
                 backward = capture_backward(recording, proxifier.differentiable, collector.values)
         finally:
@@ -142,7 +152,18 @@ def capture_call(
         if not any(node.spec.mesh is m for m in meshes):
             meshes.append(node.spec.mesh)
     shape_env = recording.fake_mode.shape_env
-    return CapturedCall(trace, inputs, output, recording.captured, grad_enabled, meshes, shape_env, backward)
+    return CapturedCall(
+        trace,
+        inputs,
+        output,
+        recording.captured,
+        grad_enabled,
+        meshes,
+        shape_env,
+        backward,
+        proxifier.objects.needed,
+        updates,
+    )
 
 
 def _tensor_attributes(module: torch.nn.Module):

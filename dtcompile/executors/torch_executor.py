@@ -63,9 +63,26 @@ _FUNCTIONS = {
     aten.narrow.default: "narrow",
     aten.constant_pad_nd.default: "constant_pad_nd",
     aten.native_layer_norm.default: "native_layer_norm",
+    aten.arange.default: "arange",
+    aten.arange.start: "arange",
+    aten.arange.start_step: "arange",
+    aten.scalar_tensor.default: "scalar_tensor",
+    aten.le.Tensor: "le",
+    aten.lt.Tensor: "lt",
+    aten.ge.Tensor: "ge",
+    aten.gt.Tensor: "gt",
+    aten.eq.Tensor: "eq",
+    aten.ne.Tensor: "ne",
+    aten.le.Scalar: "le",
+    aten.lt.Scalar: "lt",
+    aten.ge.Scalar: "ge",
+    aten.gt.Scalar: "gt",
+    aten.eq.Scalar: "eq",
+    aten.ne.Scalar: "ne",
+    aten._scaled_dot_product_flash_attention_for_cpu.default: "_scaled_dot_product_flash_attention_for_cpu",
 }
 # aten op -> function of torch._C._nn (printed as ``torch._C._nn.<name>``).
-_NN_FUNCTIONS = {aten.gelu.default: "gelu", aten.silu.default: "silu"}
+_NN_FUNCTIONS = {aten.gelu.default: "gelu", aten.silu.default: "silu", aten.linear.default: "linear"}
 # aten op -> Tensor method with the same arguments (printed as ``t0.<name>(...)``).
 # ``_unsafe_view`` differs from ``view`` only in autograd's view tracking, and compiled
 # programs run without autograd.
@@ -73,6 +90,11 @@ _METHODS = {
     aten.view.default: "view",
     aten._unsafe_view.default: "view",
     aten.split_with_sizes.default: "split_with_sizes",
+    aten.expand.default: "expand",
+    aten.add_.Tensor: "add_",
+    aten.mul_.Tensor: "mul_",
+    aten.copy_.default: "copy_",
+    aten.index_copy_.default: "index_copy_",
 }
 
 

@@ -9,6 +9,7 @@ from .api import (
     last_epilogue,
     last_prologue,
     last_traces,
+    timed_call,
 )
 from .consistency import RankMismatchError
 
@@ -22,4 +23,5 @@ __all__ = [
     "last_epilogue",
     "last_prologue",
     "last_traces",
+    "timed_call",
 ]

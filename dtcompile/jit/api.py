@@ -165,6 +165,15 @@ def cache_misses(jfn) -> int:
     return _compiled(jfn).stats.misses
 
 
+def timed_call(jfn, *args, **kwargs):
+    """Call ``jfn`` (a jitted function or module) and return ``(result, CallTimes)``: the
+    seconds spent in its guards (prologue), its computation and its epilogue. The call must
+    hit the cache (call it once first) and not need gradients."""
+    compiled = _compiled(jfn)
+    module = jfn if compiled.module is not None else None
+    return compiled.timed_call(module, args, kwargs)
+
+
 def compile_seconds(jfn) -> list[float]:
     """The wall time of each compilation, in order."""
     return list(_compiled(jfn).stats.compile_seconds)

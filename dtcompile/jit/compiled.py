@@ -23,12 +23,16 @@ from ..core import TensorProxy, Trace, verify
 from ..core.codegen import GeneratedFunction
 from ..executors import lower, resolve_executors
 from ..transforms import (
+    collapse_view_chains,
     combine_all_reduces,
     cse,
     dce,
+    fuse_linears,
     materialize_sizes,
     remove_identity_views,
+    remove_redundant_copies,
     saved_note,
+    schedule_collectives,
     split_forward_backward,
 )
 from .consistency import check_ranks_agree, group_labels
@@ -36,7 +40,19 @@ from .epilogue import build_epilogue
 from .prologue import build_prologue
 from .training import TrainingProgram
 
-PASSES = (remove_identity_views, cse, combine_all_reduces, dce)
+# Linear layers are matched before view chains are collapsed (a chain would swallow the
+# view that closes a linear); redundant views and copies go before CSE, which compares
+# what they leave; DCE drops what they all made dead; collectives are scheduled last.
+PASSES = (
+    remove_identity_views,
+    fuse_linears,
+    collapse_view_chains,
+    remove_redundant_copies,
+    cse,
+    combine_all_reduces,
+    dce,
+)
+FINISH = (schedule_collectives,)
 ENTRIES_WARNING = 32  # entries of one function after which a warning says so
 _instances: Counter[str] = Counter()  # compiled functions made so far, by name
 CACHE_OPTIONS = ("constant values", "no caching", "symbolic values")
@@ -52,16 +68,30 @@ class CacheEntry:
 
 
 class InferenceProgram:
-    """The computation, then the epilogue."""
+    """The computation, then the epilogue. The prologue's result holds the computation's
+    inputs and, after them when the call has any, the objects the epilogue updates."""
 
-    __slots__ = ("computation", "epilogue")
+    __slots__ = ("computation", "epilogue", "inputs")
 
-    def __init__(self, computation, epilogue: GeneratedFunction):
+    def __init__(self, computation, epilogue: GeneratedFunction, inputs: int | None):
         self.computation = computation
         self.epilogue = epilogue.fn
+        self.inputs = inputs  # how many of the prologue's values the computation takes; None: all
 
-    def __call__(self, inputs: tuple):
-        return self.epilogue(self.computation(*inputs))
+    def __call__(self, values: tuple):
+        n = self.inputs
+        if n is None:
+            return self.epilogue(self.computation(*values), ())
+        return self.epilogue(self.computation(*values[:n]), values[n:])
+
+
+@dataclass(frozen=True)
+class CallTimes:
+    """Where one call's time went, in seconds."""
+
+    guards: float  # the prologues tried: guards and unpacking of the inputs
+    computation: float  # the per-rank program
+    epilogue: float  # wrapping outputs as DTensors, rebuilding the result, updating input objects
 
 
 @dataclass
@@ -108,6 +138,29 @@ class CompiledFunction:
             )
         return entry.run(inputs)
 
+    def timed_call(self, module, args: tuple, kwargs: dict) -> tuple[object, CallTimes]:
+        """A call that hits the cache, timed part by part (see :class:`CallTimes`)."""
+        start = time.perf_counter()
+        for entry in self.entries:
+            inputs = entry.prologue.fn(module, args, kwargs)
+            if inputs is not None:
+                break
+        else:
+            raise RuntimeError(
+                f"dtcompile.timed_call: no compiled entry of {self.name} accepts this call; call it first"
+            )
+        program = entry.run
+        if not isinstance(program, InferenceProgram):
+            raise RuntimeError("dtcompile.timed_call: times calls without gradients only")
+        guarded = time.perf_counter()
+        n = program.inputs
+        outs = program.computation(*(inputs if n is None else inputs[:n]))
+        computed = time.perf_counter()
+        result = program.epilogue(outs, () if n is None else inputs[n:])
+        done = time.perf_counter()
+        self.stats.hits += 1
+        return result, CallTimes(guarded - start, computed - guarded, done - computed)
+
     def compile(self, args: tuple, kwargs: dict) -> CacheEntry:
         start = time.perf_counter()
         captured = capture_call(self.fn, args, kwargs, module=self.module, symbolic=self.symbolic)
@@ -125,6 +178,7 @@ class CompiledFunction:
                 self.module,
                 unwrap_differentiable=captured.backward is None,
                 shape_env=captured.shape_env,
+                objects=captured.objects,
             ),
             run=run,
             epilogue=epilogue,
@@ -171,19 +225,20 @@ class CompiledFunction:
         return execution
 
     def _inference(self, captured: CapturedCall, labels, executors):
-        traces = self._optimized(captured.trace, (*self.sizes, *PASSES))
+        traces = self._optimized(captured.trace, (*self.sizes, *PASSES, *FINISH))
         check_ranks_agree(traces[-1:], captured.meshes, labels, self.name, self._sync_key())
         execution = self._lowered(traces[-1], labels, executors)
-        epilogue = build_epilogue(captured.output)
-        return InferenceProgram(execution.compile(), epilogue), epilogue, traces + [execution]
+        epilogue = build_epilogue(captured.output, updates=captured.updates)
+        inputs = len(captured.trace.inputs) if captured.objects else None
+        return InferenceProgram(execution.compile(), epilogue, inputs), epilogue, traces + [execution]
 
     def _training(self, captured: CapturedCall, labels, executors):
         backward = captured.backward
         slots = _slot_count(captured)
-        joint_traces = self._optimized(captured.trace, (remove_identity_views, cse))
+        joint_traces = self._optimized(captured.trace, (remove_identity_views, collapse_view_chains, cse))
         split = split_forward_backward(joint_traces[-1], backward.cotangents, slots)
-        forward_traces = self._optimized(split.forward, (*self.sizes, combine_all_reduces, dce))
-        backward_traces = self._optimized(split.backward, (*self.sizes, combine_all_reduces, dce))
+        forward_traces = self._optimized(split.forward, (*self.sizes, combine_all_reduces, dce, *FINISH))
+        backward_traces = self._optimized(split.backward, (*self.sizes, combine_all_reduces, dce, *FINISH))
         check_ranks_agree(
             [forward_traces[-1], backward_traces[-1]], captured.meshes, labels, self.name, self._sync_key()
         )

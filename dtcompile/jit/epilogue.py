@@ -18,6 +18,7 @@ from ..capture import (
     DictOutput,
     DTensorOutput,
     NumberOutput,
+    ObjectOutput,
     OutputNode,
     PytreeOutput,
     SequenceOutput,
@@ -76,6 +77,8 @@ class _Builder:
             return f"outs[{node.index}]"
         if isinstance(node, ConstantOutput):
             return self.constant(node.value, "CONST")
+        if isinstance(node, ObjectOutput):
+            return f"objs[{node.index}]"
         if isinstance(node, SequenceOutput):
             inner = ", ".join(self.rebuild(c, wrap) for c in node.children)
             if node.type is list:
@@ -99,12 +102,16 @@ def _dtensor_outputs(node: OutputNode):
         yield from _dtensor_outputs(child)
 
 
-def build_epilogue(output: OutputNode, wrap: bool = True) -> GeneratedFunction:
-    """``epilogue(outs)``: the call's result from the computation's flat outputs. With
+def build_epilogue(output: OutputNode, wrap: bool = True, updates=()) -> GeneratedFunction:
+    """``epilogue(outs, objs)``: the call's result from the computation's flat outputs,
+    after making the ``updates`` (AttributeUpdates) on the input objects ``objs``. With
     ``wrap=False`` the DTensor slots already hold DTensors (see ``build_output_wrapper``)."""
     b = _Builder()
+    for update in updates:
+        value = b.rebuild(update.value, wrap)
+        b.statements.append(f"    objs[{update.index}].__dict__[{update.name!r}] = {value}")
     result = b.rebuild(output, wrap)
-    lines = ["def epilogue(outs):", *b.statements, f"    return {result}"]
+    lines = ["def epilogue(outs, objs):", *b.statements, f"    return {result}"]
     return GeneratedFunction("epilogue", lines, b.globals, "epilogue: rebuilds the result from the local outputs")
 
 

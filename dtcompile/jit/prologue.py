@@ -20,14 +20,16 @@ from ..capture import (
     DictInput,
     DTensorInput,
     LocalTensorMeta,
+    ObjectInput,
     PytreeInput,
+    SameObjectInput,
     SequenceInput,
     TensorInput,
 )
 from ..core.codegen import GeneratedFunction, literal_or_global
 from ..core.printing import python_literal
 from ..core.symbolic import is_symbolic, python_source, symbolic_expr
-from .guards import meshes_match, spec_matches
+from .guards import TensorGuards, meshes_match, spec_matches
 
 
 class _Builder:
@@ -47,6 +49,10 @@ class _Builder:
             "meshes_match": meshes_match,
         }
         self.results: list[str] = []
+        self.object_vars: dict[int, str] = {}  # id of an ObjectInput -> the variable bound to it
+        # Tensors of the module's state with static metadata: (variable, the tensor traced),
+        # checked together by one TensorGuards call (C++) at the end.
+        self.batched: list[tuple[str, torch.Tensor]] = []
         self._count = 0
 
     def fresh(self, prefix: str) -> str:
@@ -64,15 +70,21 @@ class _Builder:
         self.lines.append(f"    {name} = {expr}")
         return name
 
-    def tensor_meta(self, var: str, meta: LocalTensorMeta, proxy) -> None:
+    def tensor_meta(self, var: str, meta: LocalTensorMeta, proxy, example: torch.Tensor | None = None) -> None:
+        """Guard a tensor's metadata. With ``example`` (the tensor traced, for the module's
+        state) a tensor with static metadata joins the batch checked at the end."""
+        self.devices.add(meta.device.type)
+        offset = proxy.storage_offset()
+        static = not any(is_symbolic(x) for x in (*proxy.shape, *proxy.stride(), offset))
+        if static and example is not None and TensorGuards is not None:
+            self.batched.append((var, example))
+            return
         tensor_type = self.constant(meta.type, "TYPE")
         device = self.fresh("DEVICE")  # a global: a literal would build a device per call
         self.globals[device] = meta.device
-        self.devices.add(meta.device.type)
         self.fail_if(f"type({var}) is not {tensor_type}")
         # The storage offset too: a program may read it (``x.storage_offset()``).
-        offset = proxy.storage_offset()
-        if not any(is_symbolic(x) for x in (*proxy.shape, *proxy.stride(), offset)):
+        if static:
             self.fail_if(
                 f"{var}.dtype is not {python_literal(meta.dtype)} or {var}.shape != {python_literal(meta.shape)}"
                 f" or {var}.stride() != {python_literal(meta.stride)} or {var}.device != {device}"
@@ -129,12 +141,44 @@ class _Builder:
             raise AssertionError(f"dtcompile: a guard on sizes uses {sorted(map(str, missing))}, which no input binds")
         return python_source(expr, self.symbols)
 
-    def node(self, node, expr: str) -> None:
+    def check_batched(self) -> None:
+        """The batched tensors' type, dtype, device, requires_grad, sizes and strides in one
+        TensorGuards check (C++), and their storage offsets. TensorGuards also compares
+        dispatch keys, which an active dispatch mode (CommDebugMode) changes: where it
+        fails, the same checks run in Python before the call is turned down."""
+        if not self.batched:
+            return
+        variables = [var for var, _ in self.batched]
+        examples = [example for _, example in self.batched]
+        guards = self.fresh("TENSOR_GUARDS")
+        self.globals[guards] = TensorGuards(
+            *examples,
+            dynamic_dims_sizes=[list(t.shape) for t in examples],
+            dynamic_dims_strides=[list(t.stride()) for t in examples],
+        )
+        slow = " and ".join(self._python_check(var, t) for var, t in self.batched)
+        self.fail_if(f"not {guards}.check({', '.join(variables)}) and not ({slow})")
+        offsets = [f"{var}.storage_offset() != {t.storage_offset()}" for var, t in self.batched]
+        for start in range(0, len(offsets), 16):
+            self.fail_if(" or ".join(offsets[start : start + 16]))
+
+    def _python_check(self, var: str, t: torch.Tensor) -> str:
+        device = self.fresh("DEVICE")
+        self.globals[device] = t.device
+        return (
+            f"type({var}) is {self.constant(type(t), 'TYPE')} and {var}.dtype is {python_literal(t.dtype)}"
+            f" and {var}.shape == {python_literal(tuple(t.shape))} and {var}.stride() == {python_literal(t.stride())}"
+            f" and {var}.device == {device} and {var}.requires_grad is {t.requires_grad}"
+        )
+
+    def node(self, node, expr: str, example=None) -> None:
+        """Guard and unpack ``node``, found at ``expr``; ``example`` is the value traced,
+        where it is known (the module's state)."""
         if isinstance(node, ConstantInput):
             self._constant(node.value, expr)
         elif isinstance(node, TensorInput):
             var = self.bind(expr)
-            self.tensor_meta(var, node.meta, node.proxy)
+            self.tensor_meta(var, node.meta, node.proxy, example)
             self.results.append(var)
         elif isinstance(node, DTensorInput):
             var = self.bind(expr)
@@ -157,7 +201,7 @@ class _Builder:
                 self.sizes(f"{var}.stride()", node.traced_spec.tensor_meta.stride, "gstride")
             self.fail_if(f"{var}.requires_grad is not {node.requires_grad}")
             local = self.bind(f"{var}._local_tensor", "local")
-            self.tensor_meta(local, node.meta, node.proxy)
+            self.tensor_meta(local, node.meta, node.proxy, None if example is None else example._local_tensor)
             self.results.append(var if node.requires_grad and not self.unwrap_differentiable else local)
         elif isinstance(node, SequenceInput):
             if expr == "args":  # always the tuple of positional arguments
@@ -189,6 +233,17 @@ class _Builder:
             )
             for i, child in enumerate(node.children):
                 self.node(child, f"{children}[{i}]")
+        elif isinstance(node, ObjectInput):
+            var = self.bind(expr, "obj")
+            self.object_vars[id(node)] = var
+            state = self.bind(f"{var}.__dict__", "state")
+            self.fail_if(
+                f"type({var}) is not {self.constant(node.type, 'TYPE')} or tuple({state}) != {self.constant(node.names, 'NAMES')}"
+            )
+            for name, child in zip(node.names, node.children):
+                self.node(child, f"{state}[{name!r}]")
+        elif isinstance(node, SameObjectInput):
+            self.fail_if(f"{expr} is not {self.object_vars[id(node.first)]}")
         else:
             raise TypeError(f"unknown input node {node!r}")
 
@@ -253,11 +308,13 @@ def build_prologue(
     module: torch.nn.Module | None,
     unwrap_differentiable: bool = True,
     shape_env=None,
+    objects: list[ObjectInput] = (),
 ) -> GeneratedFunction:
     """The prologue of one cache entry (see the module docstring). With
     ``unwrap_differentiable=False`` it returns a DTensor that requires grad itself, not its
     local tensor. With a ``shape_env`` (symbolic values) it binds the symbolic sizes and
-    checks the ShapeEnv's guards."""
+    checks the ShapeEnv's guards. After the computation's inputs it returns ``objects``
+    (input objects the epilogue updates or returns)."""
     b = _Builder(unwrap_differentiable)
     b.fail_if(f"torch.is_grad_enabled() is not {grad_enabled}")
     # The arguments first: a call an entry does not fit usually fails there, cheaply.
@@ -274,13 +331,15 @@ def build_prologue(
         ):
             for name, node in pairs:
                 owner, _, leaf = name.rpartition(".")
-                b.node(node, f"{variables[owner]}.{table}.get({leaf!r})")
+                example = getattr(module.get_submodule(owner), table).get(leaf)
+                b.node(node, f"{variables[owner]}.{table}.get({leaf!r})", example)
     for i, (tensor, proxy) in enumerate(captured):
         # Held by reference: its values are read at each call, its metadata guarded.
         name = f"CAPTURED{i}"
         b.globals[name] = tensor
-        b.tensor_meta(name, LocalTensorMeta.of(tensor), proxy)
+        b.tensor_meta(name, LocalTensorMeta.of(tensor), proxy, tensor)
         b.results.append(name)
+    b.check_batched()
     if shape_env is not None:
         b.symbolic_guards(shape_env)
     for device in sorted(b.devices):
@@ -290,6 +349,7 @@ def build_prologue(
         if enabled:
             check += f" or torch.get_autocast_dtype({device!r}) is not {torch.get_autocast_dtype(device)}"
         b.fail_if(check)
+    b.results += [b.object_vars[id(node)] for node in objects]
     returned = ", ".join(b.results)
     lines = [
         "def prologue(module, args, kwargs):",

@@ -125,7 +125,7 @@ class TrainingProgram:
         )
 
     def __call__(self, inputs: tuple):
-        return self.rebuild.fn(CompiledStep.apply(self, *inputs))
+        return self.rebuild.fn(CompiledStep.apply(self, *inputs), ())
 
 
 class CompiledStep(torch.autograd.Function):

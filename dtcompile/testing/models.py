@@ -166,3 +166,46 @@ def parallel_llama(
     """A small Llama-style model with the same weights on every rank, sharded over ``mesh``."""
     torch.manual_seed(seed)
     return parallelize_module(LlamaModel(vocab, dim, layers, n_heads, hidden), mesh, llama_plan(layers))
+
+
+def hf_llama_plan(layers: int) -> dict:
+    """The usual tensor-parallel plan of a Hugging Face Llama: q/k/v/gate/up column-wise,
+    o/down row-wise (attention then runs on each rank's heads as plain tensors)."""
+    plan = {}
+    for i in range(layers):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+    return plan
+
+
+def parallel_hf_llama(
+    mesh,
+    vocab: int = 1024,
+    hidden: int = 256,
+    layers: int = 2,
+    heads: int = 8,
+    kv_heads: int = 4,
+    intermediate: int | None = None,
+    max_positions: int = 2048,
+    seed: int = 0,
+):
+    """A ``transformers`` ``LlamaForCausalLM`` from a small config, random weights equal on
+    every rank (no download), sharded over ``mesh`` with :func:`hf_llama_plan`. Returns
+    ``(model, config)``; the model is in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate or 4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    return parallelize_module(model, mesh, hf_llama_plan(layers)), config

@@ -2,11 +2,14 @@
 
 from .all_reduce_sums import combine_all_reduces
 from .autodiff import SplitTraces, saved_note, split_forward_backward
+from .copies import remove_redundant_copies
 from .cse import cse
 from .dce import dce
 from .effects import has_side_effects, mutates, returns_alias, storage_bases
+from .linear import fuse_linears
+from .schedule import schedule_collectives
 from .sizes import UnmaterializableSizeError, has_symbolic_sizes, materialize_sizes
-from .views import remove_identity_views
+from .views import collapse_view_chains, remove_identity_views
 
 __all__ = [
     "UnmaterializableSizeError",
@@ -16,11 +19,15 @@ __all__ = [
     "saved_note",
     "split_forward_backward",
     "combine_all_reduces",
+    "collapse_view_chains",
     "cse",
     "dce",
+    "fuse_linears",
     "has_side_effects",
     "mutates",
     "remove_identity_views",
+    "remove_redundant_copies",
+    "schedule_collectives",
     "returns_alias",
     "storage_bases",
 ]

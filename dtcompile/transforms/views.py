@@ -1,15 +1,23 @@
-"""Removal of views that change nothing.
+"""Removal of redundant views.
 
-DTensor's ``from_local`` issues ``view_as(x)``; factory ops under grad mode come back
-``detach``ed. Compiled programs run without autograd, so these are the same tensor.
+Identity views: DTensor's ``from_local`` issues ``view_as(x)``; factory ops under grad
+mode come back ``detach``ed; ``expand`` and ``slice`` often keep the whole tensor.
+Compiled programs run without autograd, so these are the same tensor.
+
+View chains: ``view(unsqueeze(view(x)))`` of a row-major ``x`` is one ``view`` of ``x``
+(DTensor's ``linear`` ends in a ``view`` that the model's ``view`` reshapes again; masks
+are built by chains of ``unsqueeze``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..core import TensorProxy, Trace, renamed
+from ..core import TensorProxy, Trace, aten_symbol, renamed
+from ..core.proxy import contiguous_strides
 from ..core.symbolic import known_equal, known_shape_equal
 
 aten = torch.ops.aten
@@ -19,7 +27,22 @@ _VIEW_OPS = {
     aten.alias.default,
     aten.reshape.default,
     aten.detach.default,
+    aten.expand.default,
+    aten.slice.Tensor,
 }
+# Views that keep a row-major tensor's elements in order; the reshapes among them.
+_ORDER_KEEPING = {
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+}
+_RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 
 def _is_identity_view(bsym) -> bool:
@@ -28,6 +51,7 @@ def _is_identity_view(bsym) -> bool:
     source, result = bsym.args[0], bsym.output
     return (
         isinstance(result, TensorProxy)
+        and result.dtype == source.dtype
         and known_shape_equal(result.shape, source.shape)
         and known_shape_equal(result.stride(), source.stride())
         and known_equal(result.storage_offset(), source.storage_offset())
@@ -57,3 +81,36 @@ def remove_identity_views(trace: Trace) -> Trace:
         kept.append(bsym)
 
     return trace.derive(f"{trace.fn_name}, after removing identity views", kept, renamed(trace.output, renames))
+
+
+def _row_major(proxy: TensorProxy) -> bool:
+    """Strides exactly row-major, size-1 dims included (what ``view`` gives such a tensor)."""
+    return known_shape_equal(proxy.stride(), contiguous_strides(proxy.shape))
+
+
+def collapse_view_chains(trace: Trace) -> Trace:
+    """Reshape a row-major tensor directly instead of through intermediate views: the
+    last op of an order-keeping view chain from a row-major ``x``, whose result is
+    row-major, becomes a ``view`` of ``x`` (the same ``view``/``reshape`` call, or a
+    ``view`` to the result's shape where that shape is constant); the intermediates are
+    left to dead-code elimination. Same storage, offset, shape and strides: the same tensor."""
+    root: dict[str, TensorProxy] = {}  # label -> the row-major tensor it relabels in order
+    symbols = []
+    for bsym in trace.bound_symbols:
+        source = bsym.args[0] if bsym.args else None
+        if bsym.op in _ORDER_KEEPING and isinstance(source, TensorProxy) and isinstance(bsym.output, TensorProxy):
+            origin = root.get(source.label)
+            if origin is None and _row_major(source):
+                origin = source
+            if origin is not None:
+                if origin is not source and _row_major(bsym.output):
+                    if bsym.op in _RESHAPES:
+                        bsym = dataclasses.replace(bsym, args=(origin, *bsym.args[1:]))
+                    elif all(type(size) is int for size in bsym.output.shape):  # unsqueeze(unsqueeze(x))
+                        view = aten.view.default
+                        bsym = dataclasses.replace(
+                            bsym, symbol=aten_symbol(view), args=(origin, list(bsym.output.shape)), kwargs={}, op=view
+                        )
+                root[bsym.output.label] = origin
+        symbols.append(bsym)
+    return trace.derive(f"{trace.fn_name}, after collapsing view chains", symbols, trace.output)

@@ -1,0 +1,146 @@
+"""Objects that hold tensors, passed in a call (a KV cache), and what the call did to them.
+
+A state object is a plain Python object (not a module, function or class) whose
+``__dict__`` is its state. The traced program gets a *stand-in*: an object of the same
+class, made without ``__init__``, whose ``__dict__`` holds the proxified attributes, so
+its methods run on proxies. The real object is never touched while tracing.
+
+After tracing, each stand-in's ``__dict__`` is compared with what it was given: an
+attribute assigned a new value (``self.keys = torch.cat(...)``, ``self.is_initialized =
+True``) is an :class:`AttributeUpdate` that the epilogue makes on the real object after
+each call. In-place changes to a tensor attribute (``self.keys.index_copy_``) are ops of
+the program itself. Changes the epilogue could not replay (an attribute deleted, a list
+or dict of the call changed in place, a new object holding traced tensors) are errors.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+from dataclasses import dataclass
+
+import torch
+
+from ..core import InputPath
+from .recorder import TracingError
+
+_MISSING = object()
+
+
+def is_state_object(value: object) -> bool:
+    """Whether ``value`` is an object dtcompile takes apart by its ``__dict__``."""
+    if isinstance(value, (type, types.ModuleType, enum.Enum, torch.nn.Module)) or callable(value):
+        return False
+    if not isinstance(getattr(value, "__dict__", None), dict):
+        return False
+    # torch's own objects (meshes, process groups, placements) are not state to replay.
+    return not type(value).__module__.startswith("torch")
+
+
+def new_stand_in(value: object) -> object:
+    """An object of ``value``'s class with no state yet, made without running its ``__init__``."""
+    return object.__new__(type(value))
+
+
+def holds_proxies(value: object, depth: int = 4) -> bool:
+    """Whether a new object made by the call holds traced tensors (a few levels down)."""
+    from ..core import TensorProxy
+
+    if isinstance(value, TensorProxy):
+        return True
+    if depth == 0:
+        return False
+    if isinstance(value, torch.Tensor):
+        return isinstance(getattr(value, "_local_tensor", None), TensorProxy)
+    if isinstance(value, (list, tuple)):
+        return any(holds_proxies(v, depth - 1) for v in value)
+    if isinstance(value, dict):
+        return any(holds_proxies(v, depth - 1) for v in value.values())
+    if is_state_object(value):
+        return any(holds_proxies(v, depth - 1) for v in vars(value).values())
+    return False
+
+
+@dataclass
+class AttributeUpdate:
+    """After each call, ``objects[index].__dict__[name]`` is set to ``value`` (an OutputNode)."""
+
+    index: int
+    name: str
+    value: object
+
+
+@dataclass
+class _Traced:
+    node: object  # the ObjectInput
+    stand_in: object
+    given: dict  # the attributes the stand-in was given
+
+
+class StateObjects:
+    """The stand-ins of one trace, the containers given to the program, and which real
+    objects the epilogue needs (to update them or to return them)."""
+
+    def __init__(self):
+        self.traced: list[_Traced] = []
+        self._by_stand_in: dict[int, _Traced] = {}
+        self.by_real: dict[int, object] = {}  # id of a real object -> its ObjectInput
+        # (path, container given to the program, its items then): lists and dicts of the
+        # call must not change in place, which the epilogue could not replay.
+        self.containers: list[tuple[InputPath, object, list]] = []
+        self.needed: list[object] = []  # ObjectInputs the epilogue receives, in order
+
+    def add(self, node, stand_in: object, given: dict) -> None:
+        traced = _Traced(node, stand_in, dict(given))
+        self.traced.append(traced)
+        self._by_stand_in[id(stand_in)] = traced
+
+    def add_container(self, path: InputPath, container: object) -> None:
+        items = list(container.items()) if isinstance(container, dict) else list(container)
+        self.containers.append((path, container, items))
+
+    def index_of(self, value: object) -> int | None:
+        """The epilogue's index of the real object whose stand-in is ``value``, or None."""
+        traced = self._by_stand_in.get(id(value))
+        if traced is None or traced.stand_in is not value:
+            return None
+        for i, node in enumerate(self.needed):
+            if node is traced.node:
+                return i
+        self.needed.append(traced.node)
+        return len(self.needed) - 1
+
+    def updates(self, describe) -> list[AttributeUpdate]:
+        """What the call changed on each object, as updates (values described by
+        ``describe``, the output collector's); raises where it cannot be replayed."""
+        for path, container, items in self.containers:
+            now = list(container.items()) if isinstance(container, dict) else list(container)
+            if len(now) != len(items) or any(_differs(a, b) for a, b in zip(now, items)):
+                raise TracingError(
+                    f"dtcompile.jit: the call changed {path} (a {type(container).__name__}) in place; "
+                    "dtcompile replays attribute assignments on input objects, not in-place changes "
+                    "to their lists and dicts"
+                )
+        updates = []
+        for traced in self.traced:
+            state = traced.stand_in.__dict__
+            removed = [name for name in traced.given if name not in state]
+            if removed:
+                raise TracingError(
+                    f"dtcompile.jit: the call deleted {traced.node.path}.{removed[0]}; deleting an input "
+                    "object's attributes is not supported"
+                )
+            changed = [n for n, v in state.items() if traced.given.get(n, _MISSING) is not v]
+            if not changed:
+                continue
+            index = self.index_of(traced.stand_in)
+            for name in changed:
+                value = describe(state[name], traced.node.path.attr(name))
+                updates.append(AttributeUpdate(index, name, value))
+        return updates
+
+
+def _differs(a, b) -> bool:
+    if isinstance(a, tuple):  # a dict's (key, value) pair
+        return a[0] != b[0] or a[1] is not b[1]
+    return a is not b

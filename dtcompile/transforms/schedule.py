@@ -1,0 +1,72 @@
+"""Collective scheduling: start each collective as early as its inputs allow, wait for it
+as late as its users allow, so that local work runs while the data is on the wire.
+
+DTensor records a collective (``_c10d_functional.all_reduce``) and its ``wait_tensor``
+where the redistribution happened, usually side by side. Here each start moves up to just
+after the last symbol it depends on: the producers of its inputs, any write to memory,
+and the collective before it (every rank must issue collectives in the same order). Each
+wait moves down to just before the first symbol that reads its result, or that writes to
+memory (the collective may still be reading its input), or the end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core import Trace
+from .effects import mutates
+
+functional = torch.ops._c10d_functional
+
+
+def _is_wait(bsym) -> bool:
+    return bsym.op is functional.wait_tensor.default
+
+
+def _is_collective(bsym) -> bool:
+    return bsym.op is not None and bsym.op.namespace == "_c10d_functional" and not _is_wait(bsym)
+
+
+def _starts_early(symbols: list) -> list:
+    placed: list = []
+    for bsym in symbols:
+        if not _is_collective(bsym):
+            placed.append(bsym)
+            continue
+        needs = {p.label for p in bsym.input_proxies()}
+        position = len(placed)
+        while position > 0:
+            before = placed[position - 1]
+            made = {p.label for p in before.output_proxies()}
+            if made & needs or mutates(before) or _is_collective(before):
+                break
+            position -= 1
+        placed.insert(position, bsym)
+    return placed
+
+
+def _waits_late(symbols: list) -> list:
+    placed: list = []
+    for bsym in reversed(symbols):
+        if not _is_wait(bsym):
+            placed.append(bsym)
+            continue
+        gives = {p.label for p in bsym.output_proxies()}
+        position = len(placed)  # ``placed`` is reversed: its end is the earliest symbol
+        while position > 0:
+            after = placed[position - 1]
+            reads = {p.label for p in after.input_proxies()}
+            if reads & gives or mutates(after):
+                break
+            position -= 1
+        placed.insert(position, bsym)
+    placed.reverse()
+    return placed
+
+
+def schedule_collectives(trace: Trace) -> Trace:
+    """Collectives started early and waited late (see the module docstring)."""
+    if not any(_is_collective(b) for b in trace.bound_symbols):
+        return trace
+    symbols = _waits_late(_starts_early(list(trace.bound_symbols)))
+    return trace.derive(f"{trace.fn_name}, with collectives started early and waited late", symbols, trace.output)

@@ -1,0 +1,196 @@
+"""Single process: objects holding tensors as inputs (a KV cache), their in-place and
+attribute updates, and ModelOutput results, against eager."""
+
+import copy
+
+import pytest
+import torch
+from support import assert_same_result, assert_same_tensor
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+import dtcompile
+from dtcompile.core import InputPath
+
+
+@pytest.fixture(autouse=True)
+def no_grad():
+    with torch.no_grad():
+        yield
+
+
+class Buffer:
+    """A small KV-cache-like object: a preallocated buffer written in place, a tensor
+    replaced by a new one at each call, and plain attributes."""
+
+    def __init__(self, size: int):
+        self.slots = torch.zeros(size, 4)
+        self.history = None
+        self.position = torch.tensor(0)
+        self.initialized = False
+
+    def append(self, x):
+        if not self.initialized:
+            self.history = x.new_zeros(0, x.shape[-1])
+            self.initialized = True
+        index = torch.arange(x.shape[0]) + self.position
+        self.slots.index_copy_(0, index, x)
+        self.position.add_(x.shape[0])
+        self.history = torch.cat([self.history, x])
+        return self.slots.sum(0)
+
+
+class Holder:
+    def __init__(self, buffer):
+        self.buffer = buffer
+        self.calls = 0
+
+
+def step(x, buffer):
+    return buffer.append(x) * 2
+
+
+def run_both(fn, make_state, inputs, cache="constant values"):
+    """Run ``fn`` eagerly and compiled over ``inputs`` on two copies of the state; returns
+    (eager results, compiled results, eager state, compiled state, jitted)."""
+    eager_state, compiled_state = make_state(), make_state()
+    jitted = dtcompile.jit(fn, cache=cache)
+    eager = [fn(x, eager_state) for x in inputs]
+    compiled = [jitted(x, compiled_state) for x in inputs]
+    return eager, compiled, eager_state, compiled_state, jitted
+
+
+def assert_same_buffer(got: Buffer, expected: Buffer):
+    assert got.initialized is expected.initialized
+    for name in ("slots", "history", "position"):
+        assert_same_tensor(getattr(got, name), getattr(expected, name))
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_object_state_follows_eager_over_calls(cache):
+    inputs = [torch.randn(n, 4) for n in (2, 3, 3, 2)]
+    eager, compiled, eager_state, compiled_state, jitted = run_both(step, lambda: Buffer(16), inputs, cache)
+    for got, expected in zip(compiled, eager):
+        assert_same_tensor(got, expected)
+    assert_same_buffer(compiled_state, eager_state)
+    # The history grows at every call: one entry per call with constant values; with
+    # symbolic values one for the first call (it initializes) and one for the others.
+    expected = len(inputs) if cache == "constant values" else 2
+    assert dtcompile.cache_misses(jitted) == expected
+
+
+def test_object_tensors_are_inputs_with_paths_into_the_object():
+    jitted = dtcompile.jit(step)
+    buffer = Buffer(8)
+    jitted(torch.randn(2, 4), buffer)
+    jitted(torch.randn(2, 4), buffer)  # initialized now: every tensor comes from the object
+    paths = [p.provenance for p in dtcompile.last_traces(jitted)[0].inputs]
+    assert InputPath("args").index(1).attr("slots") in paths
+    assert "args[1].history" in [str(p) for p in paths]
+    assert "args[1].position" in [str(p) for p in paths]
+
+
+def test_nested_objects_and_the_object_returned():
+    def fn(x, holder):
+        holder.calls = holder.calls + 1
+        return holder.buffer.append(x), holder
+
+    inputs = [torch.randn(2, 4) for _ in range(3)]
+    eager, compiled, eager_state, compiled_state, _ = run_both(fn, lambda: Holder(Buffer(8)), inputs)
+    for (got, got_holder), (expected, _) in zip(compiled, eager):
+        assert_same_tensor(got, expected)
+        assert got_holder is compiled_state  # the caller's own object, not a copy
+    assert compiled_state.calls == eager_state.calls == 3
+    assert_same_buffer(compiled_state.buffer, eager_state.buffer)
+
+
+def test_in_place_updates_are_kept_in_order_and_never_merged():
+    def fn(x, holder):
+        slots = holder.buffer.slots
+        slots.mul_(2)
+        slots.add_(x)  # nobody reads the results: DCE must keep both
+        slots.mul_(2)
+        slots.add_(x)  # the same op as two lines up: CSE must not merge it
+        return x + 1
+
+    x = torch.randn(8, 4)
+    eager, compiled, eager_state, compiled_state, _ = run_both(fn, lambda: Holder(Buffer(8)), [x, x])
+    assert_same_tensor(compiled_state.buffer.slots, eager_state.buffer.slots)
+
+
+def test_a_model_output_result_is_rebuilt():
+    def fn(x, buffer):
+        hidden = buffer.append(x)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=buffer)
+
+    inputs = [torch.randn(2, 4) for _ in range(2)]
+    eager, compiled, _, compiled_state, _ = run_both(fn, lambda: Buffer(8), inputs)
+    for got, expected in zip(compiled, eager):
+        assert type(got) is BaseModelOutputWithPast
+        assert list(got.keys()) == list(expected.keys())
+        assert_same_tensor(got.last_hidden_state, expected.last_hidden_state)
+        assert got.past_key_values is compiled_state
+        assert got[0] is got.last_hidden_state
+
+
+def test_a_changed_object_guards_its_entry():
+    jitted = dtcompile.jit(step)
+    first, second = Buffer(8), Buffer(12)
+    jitted(torch.randn(2, 4), first)
+    jitted(torch.randn(2, 4), second)  # another slots size: another entry
+    assert dtcompile.cache_misses(jitted) == 2
+    second.extra = 1  # an attribute the trace did not see
+    eager_buffer = copy.deepcopy(second)
+    assert_same_result(jitted(torch.ones(2, 4), second), step(torch.ones(2, 4), eager_buffer))
+    assert dtcompile.cache_misses(jitted) == 3
+
+
+def test_changes_that_cannot_be_replayed_are_errors():
+    def appends(x, state):
+        state.items.append(x + 1)
+        return x
+
+    class State:
+        def __init__(self):
+            self.items = [torch.zeros(2)]
+
+    with pytest.raises(dtcompile.TracingError, match=r"changed args\[1\]\.items .* in place"):
+        dtcompile.jit(appends)(torch.randn(2), State())
+
+    def deletes(x, buffer):
+        del buffer.history
+        return x
+
+    with pytest.raises(dtcompile.TracingError, match="deleted args"):
+        dtcompile.jit(deletes)(torch.randn(2), Buffer(4))
+
+    def makes(x, buffer):
+        fresh = Buffer(4)
+        fresh.slots = x + 1
+        return fresh
+
+    with pytest.raises(dtcompile.TracingError, match="holds a Buffer the call made"):
+        dtcompile.jit(makes)(torch.randn(4, 4), Buffer(4))
+
+
+def test_object_updates_in_a_call_that_needs_gradients_are_an_error():
+    def fn(x, buffer):
+        buffer.history = x * 2
+        return x.sum()
+
+    with torch.enable_grad(), pytest.raises(dtcompile.TracingError, match="needs gradients"):
+        dtcompile.jit(fn)(torch.randn(2, 4, requires_grad=True), Buffer(4))
+
+
+def test_timed_call_splits_a_call_into_its_parts():
+    jitted = dtcompile.jit(step, cache="symbolic values")  # the growing history: one entry
+    buffer = Buffer(16)
+    jitted(torch.randn(2, 4), buffer)
+    jitted(torch.randn(3, 4), buffer)  # not 2 rows: duck sizing would tie x's rows to the history's
+    eager_buffer = copy.deepcopy(buffer)
+    x = torch.randn(2, 4)
+    result, times = dtcompile.timed_call(jitted, x, buffer)
+    assert_same_tensor(result, step(x, eager_buffer))
+    assert_same_buffer(buffer, eager_buffer)
+    assert times.guards > 0 and times.computation > 0 and times.epilogue > 0
+    with pytest.raises(RuntimeError, match="no compiled entry"):
+        dtcompile.timed_call(jitted, torch.randn(2, 4, dtype=torch.float64), buffer)  # never compiled
