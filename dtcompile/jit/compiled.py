@@ -1,9 +1,10 @@
 """A compiled function: its cache of entries, the compilation pipeline and its stats.
 
-Per call: run the prologue of each entry until one accepts the call (a hit), then the
-entry's program. No entry accepts: trace, run the passes, lower onto the executors,
-check that the ranks agree, and add the entry (a miss). A call that needs gradients
-compiles a forward and a backward program run by one autograd Function (``training.py``).
+Per call: run the prologue of each entry, the most recently used first, until one
+accepts the call (a hit), then the entry's program. No entry accepts: trace, run the
+passes, lower onto the executors, check that the ranks agree, and add the entry (a miss).
+A call that needs gradients compiles a forward and a backward program run by one
+autograd Function (``training.py``).
 """
 
 from __future__ import annotations
@@ -125,10 +126,13 @@ class CompiledFunction:
         self.sizes = (materialize_sizes, dce) if self.symbolic else ()
 
     def __call__(self, module, args: tuple, kwargs: dict):
-        for entry in self.entries:
+        entries = self.entries
+        for i, entry in enumerate(entries):
             inputs = entry.prologue.fn(module, args, kwargs)
             if inputs is not None:
                 self.stats.hits += 1
+                if i:  # the entry that served this call goes first: calls come in runs (decode steps)
+                    entries.insert(0, entries.pop(i))
                 return entry.run(inputs)
         entry = self.compile(args, kwargs)
         inputs = entry.prologue.fn(module, args, kwargs)
