@@ -12,8 +12,8 @@ on the same weights (these machines are noisy: modes are compared side by side),
 script prints, per mode: time to first token (TTFT), time between output tokens (TBOT,
 the median decode step), throughput, compile time (the first generation's time beyond a
 steady one) and the process's peak memory, with ratios to eager, and whether the tokens
-equal eager's. The timed generations of the modes run in lockstep, call by call, each
-call started together on all ranks, so that every mode sees the same machine. For dtcompile it also
+equal eager's. The modes' timed generations alternate (``--interleave``), each call
+started together on all ranks. For dtcompile it also
 prints the microseconds per decode call spent in the prologue (guards) and the epilogue
 (wrapping outputs, updating the cache object).
 """
@@ -57,6 +57,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-iterations", type=int, default=5)
     p.add_argument("--warmup-iterations", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--interleave",
+        choices=("generation", "step"),
+        default="generation",
+        help="how the modes' timed calls alternate (see generate_interleaved)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the results here (rank 0)")
     return p.parse_args(argv)
 
@@ -113,16 +119,27 @@ def generate(forward, prompt, args, config) -> tuple[torch.Tensor, float]:
     return generation.result(), time.perf_counter() - start
 
 
-def generate_in_lockstep(forwards: dict, prompt, args, config) -> dict:
-    """One generation per mode, their calls interleaved (each mode's prefill, then each
-    mode's first decode step, ...), every call started together on all ranks: the modes
-    see the same machine from moment to moment. Per mode: tokens, TTFT and step seconds."""
+def generate_interleaved(forwards: dict, prompt, args, config, iteration: int) -> dict:
+    """One generation per mode. ``--interleave generation``: the modes' generations one
+    after another, in an order that rotates with ``iteration``, the ranks synced before
+    each (within a generation the ranks keep step through the model's collectives, as in
+    serving, and the CPU caches stay warm). ``--interleave step``: the modes' calls one by
+    one, the ranks synced before each call (each mode sees the same machine from moment
+    to moment, but the models evict each other's weights from the CPU caches and the sync
+    itself disturbs the call after it). Per mode: tokens, TTFT and step seconds."""
     runs = {mode: Generation(forward, prompt, args, config) for mode, forward in forwards.items()}
     times = {mode: [] for mode in forwards}
-    for _ in range(args.output_length):
-        for mode, run in runs.items():
+    modes = list(forwards)
+    shift = iteration % len(modes)
+    modes = modes[shift:] + modes[:shift]
+    if args.interleave == "step":
+        order = [(mode, True) for _ in range(args.output_length) for mode in modes]
+    else:
+        order = [(mode, step == 0) for mode in modes for step in range(args.output_length)]
+    for mode, synced in order:
+        if synced and dist.get_world_size() > 1:
             sync()
-            times[mode].append(run.step())
+        times[mode].append(runs[mode].step())
     return {
         mode: {"tokens": run.result(), "ttft": times[mode][0], "steps": times[mode][1:], "total": sum(times[mode])}
         for mode, run in runs.items()
@@ -193,11 +210,11 @@ def main(argv=None) -> dict:
     for mode, forward in forwards.items():  # compiles: each mode alone
         tokens, first_seconds[mode] = generate(forward, prompt, args, config)
         equal[mode] = [torch.equal(tokens, reference)]
-    for _ in range(args.warmup_iterations):
-        generate_in_lockstep(forwards, prompt, args, config)
+    for i in range(args.warmup_iterations):
+        generate_interleaved(forwards, prompt, args, config, i)
     timed = {mode: [] for mode in args.mode}
-    for _ in range(args.num_iterations):
-        for mode, run in generate_in_lockstep(forwards, prompt, args, config).items():
+    for i in range(args.num_iterations):
+        for mode, run in generate_interleaved(forwards, prompt, args, config, i).items():
             equal[mode].append(torch.equal(run["tokens"], reference))
             timed[mode].append(run)
 
@@ -266,7 +283,7 @@ def print_report(report: dict) -> None:
         f"Llama {setup['layers']} layers, hidden {setup['hidden_size']}, heads {setup['heads']}/{setup['kv_heads']}, "
         f"vocab {setup['vocab']}; {setup['ranks']} rank(s) on {setup['device']}; batch {setup['batch_size']}, "
         f"{setup['input_length']} tokens in, {setup['output_length']} out; {setup['kv_cache']} KV cache; "
-        f"cache={setup['cache']!r}; {setup['num_iterations']} iterations"
+        f"cache={setup['cache']!r}; {setup['num_iterations']} iterations interleaved by {setup['interleave']}"
     )
     eager = results.get("eager")
     header = f"{'mode':<10} {'TTFT ms':>9} {'TBOT ms':>9} {'tokens/s':>9} {'compile s':>10} {'tokens = eager':>15}"
