@@ -125,15 +125,23 @@ class CompiledFunction:
         # one producer per value (DCE) before CSE compares the symbols that read them.
         self.sizes = (materialize_sizes, dce) if self.symbolic else ()
 
-    def __call__(self, module, args: tuple, kwargs: dict):
+    def _lookup(self, module, args: tuple, kwargs: dict):
+        """The entry whose prologue accepts the call, and the prologue's result; or None.
+        The entry found goes first in the list: calls come in runs (decode steps)."""
         entries = self.entries
         for i, entry in enumerate(entries):
             inputs = entry.prologue.fn(module, args, kwargs)
             if inputs is not None:
                 self.stats.hits += 1
-                if i:  # the entry that served this call goes first: calls come in runs (decode steps)
+                if i:
                     entries.insert(0, entries.pop(i))
-                return entry.run(inputs)
+                return entry, inputs
+        return None
+
+    def __call__(self, module, args: tuple, kwargs: dict):
+        found = self._lookup(module, args, kwargs)
+        if found is not None:
+            return found[0].run(found[1])
         entry = self.compile(args, kwargs)
         inputs = entry.prologue.fn(module, args, kwargs)
         if inputs is None:
@@ -145,24 +153,20 @@ class CompiledFunction:
     def timed_call(self, module, args: tuple, kwargs: dict) -> tuple[object, CallTimes]:
         """A call that hits the cache, timed part by part (see :class:`CallTimes`)."""
         start = time.perf_counter()
-        for entry in self.entries:
-            inputs = entry.prologue.fn(module, args, kwargs)
-            if inputs is not None:
-                break
-        else:
+        found = self._lookup(module, args, kwargs)
+        guarded = time.perf_counter()
+        if found is None:
             raise RuntimeError(
                 f"dtcompile.timed_call: no compiled entry of {self.name} accepts this call; call it first"
             )
-        program = entry.run
+        program, inputs = found[0].run, found[1]
         if not isinstance(program, InferenceProgram):
             raise RuntimeError("dtcompile.timed_call: times calls without gradients only")
-        guarded = time.perf_counter()
         n = program.inputs
         outs = program.computation(*(inputs if n is None else inputs[:n]))
         computed = time.perf_counter()
         result = program.epilogue(outs, () if n is None else inputs[n:])
         done = time.perf_counter()
-        self.stats.hits += 1
         return result, CallTimes(guarded - start, computed - guarded, done - computed)
 
     def compile(self, args: tuple, kwargs: dict) -> CacheEntry:
