@@ -65,7 +65,7 @@ def plot(runs: list[dict], path: str) -> None:
         for i, mode in enumerate(modes):
             xs, heights = [], []
             for j, run in enumerate(runs):
-                if mode in run["results"]:
+                if mode in run["results"] and not (key == "compile_s" and mode == "eager"):  # eager compiles nothing
                     xs.append(j + (i - (len(modes) - 1) / 2) * width)
                     heights.append(max(run["results"][mode][key], 1e-3))
             bars = axis.bar(xs, heights, width, label=MODE_NAMES[mode], color=COLORS[mode])
