@@ -1,13 +1,16 @@
 """The collectives executor: DTensor's functional collectives on the mesh's process groups.
 
 DTensor records a collective as a functional op (``_c10d_functional.all_reduce``: a new
-tensor) and a ``wait_tensor``. This executor runs an all_reduce as the in-place functional
-op ``all_reduce_`` and its ``wait_tensor`` (C++ from end to end), and the other
-collectives as async torch.distributed calls and an explicit ``work.wait()``, on the
-process groups the DeviceMesh already holds (Gloo on CPU, NCCL on GPU). An all_reduce
-works in place when its input is a buffer the trace made and nothing reads afterwards;
-otherwise it reduces a contiguous copy, which is what the functional op returns.
-Collectives it does not know stay functional ops.
+tensor) and a ``wait_tensor``. This executor runs the pair as an async call on the process
+group the DeviceMesh already holds (Gloo on CPU, NCCL on GPU) and an explicit
+``work.wait()``: an all_reduce as the group's own ``allreduce`` (what ``dist.all_reduce``
+ends in, without its Python checks: about 20 us less per call on Gloo), the others through
+torch.distributed. Either way the c10d op runs through the dispatcher, so debugging tools
+such as CommDebugMode see each collective. (The in-place functional ``all_reduce_``, which
+Inductor's programs call, is invisible to CommDebugMode, and was not measurably faster.)
+An all_reduce works in place when its input is a buffer the trace made and nothing reads
+afterwards; otherwise it reduces a contiguous copy, which is what the functional op
+returns. Collectives it does not know stay functional ops.
 
 Programs look their process groups up by name at each call (0.1 us) instead of holding
 them: a held group outlives ``destroy_process_group``, and Gloo's worker threads then
@@ -30,10 +33,22 @@ from .base import LoweringContext
 functional = torch.ops._c10d_functional
 _REDUCE_OPS = {"sum": "SUM", "product": "PRODUCT", "min": "MIN", "max": "MAX"}
 _DIST = ("dist", dist, "torch.distributed")
-_FUNCTIONAL = ("functional", functional, "torch.ops._c10d_functional")
 _PROCESS_GROUP = ("process_group", _resolve_process_group, "torch.distributed.distributed_c10d._resolve_process_group")
 
 
+def _allreduce_options() -> dict[str, object]:
+    options = {}
+    for name in _REDUCE_OPS.values():
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = getattr(dist.ReduceOp, name)
+        options[name] = opts
+    return options
+
+
+# ``process_group(name).allreduce([t], options)``: what ``dist.all_reduce`` ends in, without
+# its Python checks and logging wrappers (about 20 us a call on Gloo).
+ALLREDUCE_OPTIONS = _allreduce_options()
+_OPTIONS = ("allreduce_options", ALLREDUCE_OPTIONS, "dtcompile.executors.collectives.ALLREDUCE_OPTIONS")
 # Newer releases rename two collectives and deprecate the old names.
 _REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
@@ -41,8 +56,7 @@ _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "al
 
 @dataclass(frozen=True)
 class StartCollective(Symbol):
-    """``functional.all_reduce_(...)`` or ``work = dist.<collective>(..., async_op=True)``:
-    the output is not ready until waited."""
+    """``work = dist.<collective>(..., async_op=True)``: the output is not ready until waited."""
 
     kind: str = ""
     work: str = ""
@@ -53,13 +67,13 @@ class StartCollective(Symbol):
         source, out = bsym.args[0].label, bsym.output.label
         async_args = f"group=process_group({self.group!r}), async_op=True"
         if self.kind == "all_reduce":
-            # The in-place functional op (C++ end to end, as Inductor's programs call it):
-            # about 10% less time per decode step on 2 Gloo ranks than ``dist.all_reduce``
-            # and ``work.wait()``; its ``wait_tensor`` finds the work by the tensor.
-            start = f"functional.all_reduce_({{}}, {bsym.args[1]!r}, {self.group!r})"
+            start = f"process_group({self.group!r}).allreduce([{{}}], allreduce_options[{_REDUCE_OPS[bsym.args[1]]!r}])"
             if self.in_place:
-                return [start.format(source), f"{out} = {source}"]
-            return [f"{out} = {source}.clone(memory_format=torch.contiguous_format)", start.format(out)]
+                return [f"{self.work} = {start.format(source)}", f"{out} = {source}"]
+            return [
+                f"{out} = {source}.clone(memory_format=torch.contiguous_format)",
+                f"{self.work} = {start.format(out)}",
+            ]
         # Output sizes from the input's, at run time: they may be symbolic.
         if self.kind == "all_gather_into_tensor":
             size = f"({source}.shape[0] * {python_literal(bsym.args[1])}, *{source}.shape[1:])"
@@ -86,14 +100,12 @@ class StartCollective(Symbol):
 
 @dataclass(frozen=True)
 class WaitCollective(Symbol):
-    """``work.wait()`` (``wait_tensor`` for an all_reduce); the collective's output is then
-    ready under its new name."""
+    """``work.wait()``; the collective's output is then ready under its new name."""
 
-    work: str = ""  # empty: the functional op's wait
+    work: str = ""
 
     def lines(self, bsym: BoundSymbol) -> list[str]:
-        wait = f"{self.work}.wait()" if self.work else f"functional.wait_tensor({bsym.args[0].label})"
-        return [wait, f"{bsym.output.label} = {bsym.args[0].label}"]
+        return [f"{self.work}.wait()", f"{bsym.output.label} = {bsym.args[0].label}"]
 
 
 def _group_position(op) -> int:
@@ -132,12 +144,12 @@ class CollectivesExecutor:
         contiguous = isinstance(source, TensorProxy) and is_contiguous_stride(source.shape, source.stride())
         if not contiguous or reduce_op not in _REDUCE_OPS or source.dtype.is_complex:
             return [bsym]  # the functional op itself handles these
-        work = "" if kind == "all_reduce" else f"{bsym.output.label}_work"
+        work = f"{bsym.output.label}_work"
         context.work_of[bsym.output.label] = work
         in_place = kind == "all_reduce" and context.dead_after(source, index)
         symbol = StartCollective(
             name=kind,
-            globals=(_DIST, _PROCESS_GROUP, _FUNCTIONAL),
+            globals=(_DIST, _PROCESS_GROUP, _OPTIONS) if kind == "all_reduce" else (_DIST, _PROCESS_GROUP),
             kind=kind,
             work=work,
             group=bsym.args[_group_position(bsym.op)],
