@@ -9,6 +9,7 @@ or ``None`` as soon as one assumption fails, so the next cache entry can be trie
 from __future__ import annotations
 
 import math
+import operator
 
 import sympy
 import torch
@@ -270,35 +271,49 @@ class _Builder:
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
-def _hooks_check(owner: str, tables: dict[str, object]) -> str:
-    """The condition under which ``owner``'s hooks differ from ``tables`` (hook tables as
-    traced): the same hook ids, in order; an empty table must stay empty."""
-    checks = []
-    for table, hooks in tables.items():
-        keys = tuple(hooks)
-        checks.append(f"tuple({owner}.{table}) != {keys!r}" if keys else f"{owner}.{table}")
-    return " or ".join(checks)
-
-
-def _module_walk(b: _Builder, module: torch.nn.Module) -> dict[str, str]:
-    """Bind every submodule by its path, checking that it is the module traced (a
-    replaced submodule would run code the program does not have), its training flag
-    (dropout and norms depend on it) and its hooks (traced into the program). Returns the
-    variable of each submodule's path."""
-    variables = {"": "module"}
-    for path, submodule in module.named_modules():
-        if path:
-            parent, _, leaf = path.rpartition(".")
-            var = b.bind(f"{variables[parent]}._modules.get({leaf!r})", "m")
-            expected = b.fresh("MODULE")
-            b.globals[expected] = submodule
-            b.fail_if(f"{var} is not {expected}")
-            variables[path] = var
-        var = variables[path]
-        b.fail_if(f"{var}.training is not {submodule.training}")
-        hooks = {table: getattr(submodule, table) for table in _HOOK_TABLES}
-        b.fail_if(_hooks_check(var, hooks))
-    return variables
+def _module_checks(b: _Builder, module: torch.nn.Module) -> dict[str, str]:
+    """Check the module tree in a few C-level passes over prepared lists: every submodule
+    is the module traced, under its name in its parent (a replaced submodule would run
+    code the program does not have); each training flag is as traced (dropout and norms
+    depend on it); each hook table holds the hooks traced into the program, and the empty
+    ones stay empty. Parents are the objects traced once these checks pass, so their
+    tables are read from the objects themselves (a module's ``_modules`` and hook dicts
+    are changed in place by ``setattr`` and ``register_*_hook``, never replaced). Returns
+    the source of each submodule by path (a global: the object traced)."""
+    modules = list(module.named_modules())
+    sources = {"": "module"}
+    tables, keys, children = [], [], []
+    for path, submodule in modules[1:]:
+        parent, _, leaf = path.rpartition(".")
+        tables.append(module.get_submodule(parent)._modules)
+        keys.append(leaf)
+        children.append(submodule)
+        sources[path] = b.fresh("MODULE")
+        b.globals[sources[path]] = submodule
+    if children:
+        b.globals.update(MODULE_TABLES=tables, MODULE_KEYS=keys, MODULE_CHILDREN=children)
+        b.fail_if("list(map(dict.get, MODULE_TABLES, MODULE_KEYS)) != MODULE_CHILDREN")
+    b.globals.update(
+        TRAINING=operator.attrgetter("training"),
+        MODULES=[m for _, m in modules],
+        TRAINING_FLAGS=[m.training for _, m in modules],
+    )
+    b.fail_if("list(map(TRAINING, MODULES)) != TRAINING_FLAGS")
+    empty, hooked, hook_ids = [], [], []
+    for _, submodule in modules:
+        for table in _HOOK_TABLES:
+            hooks = getattr(submodule, table)
+            if hooks:
+                hooked.append(hooks)
+                hook_ids.append(tuple(hooks))
+            else:
+                empty.append(hooks)
+    b.globals["EMPTY_HOOK_TABLES"] = empty
+    b.fail_if("any(map(len, EMPTY_HOOK_TABLES))")
+    if hooked:
+        b.globals.update(HOOK_TABLES=hooked, HOOK_IDS=hook_ids)
+        b.fail_if("list(map(tuple, HOOK_TABLES)) != HOOK_IDS")
+    return sources
 
 
 def build_prologue(
@@ -323,7 +338,7 @@ def build_prologue(
     if module is not None:
         # Global module hooks (debugging tools such as CommDebugMode install them) are not
         # guarded: they ran while tracing, and run again only when a call compiles.
-        variables = _module_walk(b, module)
+        sources = _module_checks(b, module)
         for table, pairs in (
             ("_parameters", inputs.params),
             ("_buffers", inputs.buffers),
@@ -332,7 +347,7 @@ def build_prologue(
             for name, node in pairs:
                 owner, _, leaf = name.rpartition(".")
                 example = getattr(module.get_submodule(owner), table).get(leaf)
-                b.node(node, f"{variables[owner]}.{table}.get({leaf!r})", example)
+                b.node(node, f"{sources[owner]}.{table}.get({leaf!r})", example)
     for i, (tensor, proxy) in enumerate(captured):
         # Held by reference: its values are read at each call, its metadata guarded.
         name = f"CAPTURED{i}"
