@@ -30,6 +30,7 @@ class LoweringContext:
     base: dict[str, str] = field(default_factory=dict)  # label -> the label whose memory it views
     fresh_bases: set[str] = field(default_factory=set)  # bases made inside the trace
     work_of: dict[str, str] = field(default_factory=dict)  # collective output -> its work handle
+    combine_of: dict[str, str] = field(default_factory=dict)  # exchanged all_reduce output -> its combining function
 
     def __post_init__(self):
         never = len(self.trace.bound_symbols)

@@ -16,7 +16,8 @@ FUNCTIONAL_TO_C10D = {
 
 def comm_counts(mode: CommDebugMode) -> Counter:
     """Collectives seen by CommDebugMode, by functional name, whether they ran as
-    functional collectives (eager DTensor) or as c10d calls (the compiled program)."""
+    functional collectives (eager DTensor) or as c10d calls (the compiled program; an
+    all_reduce of two Gloo ranks runs as an all_gather, see ``executed_counts``)."""
     c10d = {v: k for k, v in FUNCTIONAL_TO_C10D.items()}
     counts = Counter()
     for op, n in mode.get_comm_counts().items():
@@ -32,3 +33,13 @@ def trace_collectives(trace) -> list:
 
 def trace_counts(trace) -> Counter:
     return Counter(b.op._opname for b in trace_collectives(trace))
+
+
+def executed_counts(trace) -> Counter:
+    """The collectives an execution trace runs, by functional name: an all_reduce the
+    collectives executor runs as an exchange (two Gloo ranks) is an all_gather."""
+    counts = Counter()
+    for bsym in trace_collectives(trace):
+        exchange = getattr(bsym.symbol, "exchange", False)
+        counts["all_gather_into_tensor" if exchange else bsym.op._opname] += 1
+    return counts

@@ -97,3 +97,37 @@ def summed_all_reduces_case():
 def test_summed_all_reduces_combine_only_where_nothing_else_reads_them(ranks2):
     # a and b stay (a is returned), the last two are summed into one: three in all.
     assert ranks2.run(summed_all_reduces_case) == [3, 3]
+
+
+def exchange_case():
+    """An all_reduce of two Gloo ranks runs as an all_gather and one add: the same numbers
+    as eager's ring all_reduce, bit for bit; with more ranks the all_reduce stays."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = parallel_mlp(mesh, dim=32, hidden=64)
+    torch.manual_seed(1)
+    x = torch.randn(4, 8, 32)
+    jitted = dtcompile.jit(model)
+    with torch.no_grad():
+        expected = model(x)
+        jitted(x)
+        with CommDebugMode() as comms:
+            got = jitted(x)
+    text = str(dtcompile.last_traces(jitted)[-1])
+    ops = {str(op).rsplit(".", 1)[-1]: n for op, n in comms.get_comm_counts().items() if n}
+    return torch.equal(_plain(got), _plain(expected)), "_allgather_base(" in text, ops
+
+
+def _plain(value):
+    """The local tensor, waited for (eager returns an AsyncCollectiveTensor)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    value = value._local_tensor if isinstance(value, DTensor) else value
+    return value.wait() if isinstance(value, AsyncCollectiveTensor) else value
+
+
+def test_two_gloo_ranks_all_reduce_as_an_exchange(ranks2, ranks4):
+    assert ranks2.run(exchange_case) == [(True, True, {"_allgather_base_": 1})] * 2
+    equal, exchanged, ops = ranks4.run(exchange_case)[0]
+    assert equal and not exchanged and ops == {"allreduce_": 1}
