@@ -194,3 +194,52 @@ def test_timed_call_splits_a_call_into_its_parts():
     assert times.guards > 0 and times.computation > 0 and times.epilogue > 0
     with pytest.raises(RuntimeError, match="no compiled entry"):
         dtcompile.timed_call(jitted, torch.randn(2, 4, dtype=torch.float64), buffer)  # never compiled
+
+
+def test_objects_traced_apart_are_guarded_apart():
+    class State:
+        def __init__(self):
+            self.t = torch.zeros(2)
+
+    def fn(x, a, b):
+        a.t = a.t + x
+        b.t = b.t + x
+        return x * 2
+
+    jitted, x = dtcompile.jit(fn), torch.ones(2)
+    jitted(x, State(), State())
+    eager_state, compiled_state = State(), State()
+    fn(x, eager_state, eager_state)
+    jitted(x, compiled_state, compiled_state)  # one object twice: not the entry for two
+    assert_same_tensor(compiled_state.t, eager_state.t)
+    assert dtcompile.cache_misses(jitted) == 2
+
+
+def test_container_subclasses_are_not_taken_apart():
+    class Mapping(dict):
+        pass
+
+    with pytest.raises(dtcompile.UnsupportedInputError, match=r"args\[0\] is a Mapping"):
+        dtcompile.jit(lambda d: d["a"] * 2)(Mapping(a=torch.ones(2)))
+
+
+def test_an_object_a_module_holds_must_not_keep_traced_tensors():
+    class State:
+        def __init__(self):
+            self.t = torch.zeros(2)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.state = State()
+
+        def forward(self, x):
+            self.state.t = self.state.t + x
+            return self.state.t * 2
+
+    model = Model()
+    jitted = dtcompile.jit(model)
+    for _ in range(2):  # the state is put back: the second call fails the same way
+        with pytest.raises(dtcompile.TracingError, match="module's attribute 'state.t'|module's attribute 'state'"):
+            jitted(torch.ones(2))
+        assert type(model.state.t) is torch.Tensor and torch.equal(model.state.t, torch.zeros(2))

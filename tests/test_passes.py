@@ -338,3 +338,16 @@ def test_linear_matching_leaves_a_matmul_read_elsewhere():
     got, expected = dtcompile.jit(fn)(x, w), fn(x, w)
     for g, e in zip(got, expected):
         assert_same_tensor(g, e)
+
+
+def test_a_linear_reads_its_input_where_the_matmul_did():
+    def fn(x, w):
+        y = torch.mm(x.view(6, 4), w.t())
+        x.add_(1.0)  # written after the matmul, before the view back
+        return y.view(2, 3, 5)
+
+    x, w = torch.randn(2, 3, 4), torch.randn(5, 4)
+    jitted = dtcompile.jit(fn)
+    got, expected = jitted(x.clone(), w), fn(x.clone(), w)
+    assert torch.equal(got, expected)
+    assert "aten.linear.default" in op_names(dtcompile.last_traces(jitted)[-2])

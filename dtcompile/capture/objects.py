@@ -31,8 +31,10 @@ def is_state_object(value: object) -> bool:
     """Whether ``value`` is an object dtcompile takes apart by its ``__dict__``."""
     if isinstance(value, (type, types.ModuleType, enum.Enum, torch.nn.Module)) or callable(value):
         return False
-    if not isinstance(getattr(value, "__dict__", None), dict):
-        return False
+    if isinstance(value, (list, tuple, dict, set, frozenset, str, bytes)):
+        return False  # a container subclass keeps its items outside ``__dict__``
+    if not isinstance(getattr(value, "__dict__", None), dict) or type(value).__new__ is not object.__new__:
+        return False  # a stand-in is made with ``object.__new__``
     # torch's own objects (meshes, process groups, placements) are not state to replay.
     return not type(value).__module__.startswith("torch")
 

@@ -20,7 +20,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from ..core import InputPath, Trace, verify
 from .autograd import BackwardCapture, capture_backward
 from .inputs import DictInput, DTensorInput, InputNode, InputProxifier, ObjectInput, SequenceInput, iter_leaves
-from .objects import AttributeUpdate
+from .objects import AttributeUpdate, holds_proxies, is_state_object
 from .outputs import OutputCollector, OutputNode
 from .placements import describe_placements
 from .recorder import CallAnnotator, OpRecorder, Recording, TracingError
@@ -109,6 +109,7 @@ def capture_call(
     grad_enabled = torch.is_grad_enabled()
     training = grad_enabled and bool(proxifier.differentiable)
     collector = OutputCollector(proxifier.objects)
+    module_objects = _module_objects(module) if module is not None else []
     backward = None
     with enable_python_dispatcher(), CallAnnotator(recording), OpRecorder(recording):
         try:
@@ -129,6 +130,13 @@ def capture_call(
         finally:
             recording.forget_values()
             collector.release_masks()
+            stained = _restore_stained(module_objects)
+    if stained:
+        raise TracingError(
+            f"dtcompile.jit: the call stored a traced tensor in the module's attribute {stained[0]!r}; objects "
+            "a module holds are read when tracing, not at each call. Pass the object in the call instead "
+            "(its tensors then become inputs and its attribute changes are replayed after each call)"
+        )
 
     leaves = [n for top in inputs.nodes() for n in iter_leaves(top)]
     proxies = [n.proxy for n in leaves if hasattr(n, "proxy")] + recording.captured_proxies
@@ -164,6 +172,36 @@ def capture_call(
         proxifier.objects.needed,
         updates,
     )
+
+
+def _module_objects(module: torch.nn.Module) -> list[tuple[str, object, dict]]:
+    """``(path, object, its state now)`` for each object a module holds (and the objects
+    those hold, a few levels down): read at trace time, they are not inputs."""
+    found, seen = [], set()
+
+    def visit(path: str, value: object, depth: int) -> None:
+        if depth > 3 or id(value) in seen or not is_state_object(value):
+            return
+        seen.add(id(value))
+        found.append((path, value, dict(vars(value))))
+        for name, child in vars(value).items():
+            visit(f"{path}.{name}", child, depth + 1)
+
+    for owner_name, owner in module.named_modules():
+        for attr, value in vars(owner).items():
+            visit(f"{owner_name}.{attr}" if owner_name else attr, value, 0)
+    return found
+
+
+def _restore_stained(objects: list[tuple[str, object, dict]]) -> list[str]:
+    """Where the call left traced tensors in objects a module holds: their paths, after
+    putting every such object's state back as it was before tracing."""
+    stained = [path for path, obj, _ in objects if any(holds_proxies(v, 1) for v in vars(obj).values())]
+    if stained:
+        for _, obj, state in objects:
+            obj.__dict__.clear()
+            obj.__dict__.update(state)
+    return stained
 
 
 def _tensor_attributes(module: torch.nn.Module):

@@ -53,6 +53,9 @@ PASSES = (
     combine_all_reduces,
     dce,
 )
+# Scheduling moves each collective next to its inputs, which uneven shards make differ
+# between ranks (a pad on some ranks only): the ranks' programs are compared before it.
+# It keeps the collectives' order, so programs that agree before it cannot deadlock after.
 FINISH = (schedule_collectives,)
 ENTRIES_WARNING = 32  # entries of one function after which a warning says so
 _instances: Counter[str] = Counter()  # compiled functions made so far, by name
@@ -234,7 +237,8 @@ class CompiledFunction:
 
     def _inference(self, captured: CapturedCall, labels, executors):
         traces = self._optimized(captured.trace, (*self.sizes, *PASSES, *FINISH))
-        check_ranks_agree(traces[-1:], captured.meshes, labels, self.name, self._sync_key())
+        before_finish = traces[-1 - len(FINISH)]
+        check_ranks_agree([before_finish], captured.meshes, labels, self.name, self._sync_key())
         execution = self._lowered(traces[-1], labels, executors)
         epilogue = build_epilogue(captured.output, updates=captured.updates)
         inputs = len(captured.trace.inputs) if captured.objects else None
@@ -248,7 +252,11 @@ class CompiledFunction:
         forward_traces = self._optimized(split.forward, (*self.sizes, combine_all_reduces, dce, *FINISH))
         backward_traces = self._optimized(split.backward, (*self.sizes, combine_all_reduces, dce, *FINISH))
         check_ranks_agree(
-            [forward_traces[-1], backward_traces[-1]], captured.meshes, labels, self.name, self._sync_key()
+            [forward_traces[-1 - len(FINISH)], backward_traces[-1 - len(FINISH)]],
+            captured.meshes,
+            labels,
+            self.name,
+            self._sync_key(),
         )
         forward_execution = self._lowered(forward_traces[-1], labels, executors)
         forward_execution.header_notes.append(saved_note(forward_traces[-1], slots))

@@ -364,6 +364,10 @@ def build_prologue(
         if enabled:
             check += f" or torch.get_autocast_dtype({device!r}) is not {torch.get_autocast_dtype(device)}"
         b.fail_if(check)
+    if len(b.object_vars) > 1:
+        # Objects traced as distinct must be distinct: the program updates each on its own.
+        distinct = ", ".join(f"id({var})" for var in b.object_vars.values())
+        b.fail_if(f"len({{{distinct}}}) != {len(b.object_vars)}")
     b.results += [b.object_vars[id(node)] for node in objects]
     returned = ", ".join(b.results)
     lines = [

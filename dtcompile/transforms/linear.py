@@ -75,7 +75,10 @@ def fuse_linears(trace: Trace) -> Trace:
     leaves, _ = tree_flatten(trace.output)
     readers.update(x.label for x in leaves if is_proxy(x))
 
-    replaced: dict[int, BoundSymbol] = {}  # id of a symbol -> the linear that replaces it
+    # The linear goes where the mm was (it must read x and w as the mm did: a write to x
+    # may follow); the closing view, which only read the mm, goes.
+    replaced: dict[int, BoundSymbol] = {}  # id of an mm -> the linear that replaces it
+    dropped: set[int] = set()
     for bsym in trace.bound_symbols:
         operands = _operands(bsym, producers)
         if operands is None:
@@ -101,13 +104,17 @@ def fuse_linears(trace: Trace) -> Trace:
         output = TensorProxy(
             old.fake, old.label, NoProvenance(str(aten.linear.default)), requires_grad=old.requires_grad
         )
-        replaced[id(target)] = BoundSymbol(
-            aten_symbol(aten.linear.default), args, {}, output, target.note, op=aten.linear.default
+        replaced[id(bsym)] = BoundSymbol(
+            aten_symbol(aten.linear.default), args, {}, output, bsym.note, op=aten.linear.default
         )
+        if target is not bsym:
+            dropped.add(id(target))
 
     outputs: dict[str, TensorProxy] = {}  # label -> the linear's own proxy, for its readers
     symbols = []
     for original in trace.bound_symbols:
+        if id(original) in dropped:
+            continue
         bsym = replaced.get(id(original), original)
         symbols.append(bsym.with_inputs_renamed(outputs) if outputs else bsym)
         if bsym is not original:

@@ -1,7 +1,7 @@
 """Removal of redundant views.
 
 Identity views: DTensor's ``from_local`` issues ``view_as(x)``; factory ops under grad
-mode come back ``detach``ed; ``expand`` and ``slice`` often keep the whole tensor.
+mode come back ``detach``ed; ``x[..., 0:]`` and ``expand(-1, ...)`` keep the whole tensor.
 Compiled programs run without autograd, so these are the same tensor.
 
 View chains: ``view(unsqueeze(view(x)))`` of a row-major ``x`` is one ``view`` of ``x``
@@ -30,6 +30,7 @@ _VIEW_OPS = {
     aten.expand.default,
     aten.slice.Tensor,
 }
+_LARGE = 2**62  # a slice's end at or past this is "to the end"
 # Views that keep a row-major tensor's elements in order; the reshapes among them.
 _ORDER_KEEPING = {
     aten.view.default,
@@ -45,8 +46,26 @@ _ORDER_KEEPING = {
 _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 
+def _whole_on_every_rank(bsym) -> bool:
+    """A ``slice`` or ``expand`` that keeps the whole tensor whatever its size: ``[0:]``
+    (step 1), ``expand(-1, ...)``. Whether ``x[:2]`` or ``expand(1, 12)`` keeps it depends
+    on the local size, which uneven shards make differ between ranks; removing the op on
+    some ranks only would make their programs differ."""
+    args = bsym.args
+    if bsym.op is aten.slice.Tensor:
+        start = args[2] if len(args) > 2 else bsym.kwargs.get("start")
+        end = args[3] if len(args) > 3 else bsym.kwargs.get("end")
+        step = args[4] if len(args) > 4 else bsym.kwargs.get("step", 1)
+        return start in (None, 0) and (end is None or (type(end) is int and end >= _LARGE)) and step == 1
+    if bsym.op is aten.expand.default:
+        return all(type(size) is int and size == -1 for size in args[1])
+    return True
+
+
 def _is_identity_view(bsym) -> bool:
     if bsym.op not in _VIEW_OPS or not bsym.args or not isinstance(bsym.args[0], TensorProxy):
+        return False
+    if not _whole_on_every_rank(bsym):
         return False
     source, result = bsym.args[0], bsym.output
     return (

@@ -3,6 +3,7 @@ divide) are traced with their sizes as they are, and give eager DTensor's result
 
 import pytest
 import torch
+import torch.distributed as dist
 from checks import assert_all_same, counts, data
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -96,3 +97,23 @@ def test_uneven_shards_match_eager_one_entry_per_uneven_shape(mesh_shape, ranks2
         assert [counts[0] for counts, _, _ in seen] == misses, seen
         assert [sum(counts) for counts, _, _ in seen] == list(range(1, len(seen) + 1)), seen
         assert any(symbolic for _, symbolic, _ in seen) and not all(symbolic for _, symbolic, _ in seen)
+
+
+def _first_row_and_whole(x):
+    first = x.to_local()[:1]  # a real slice on a rank holding 2 rows, the whole shard on one holding 1
+    return first * 2, x.full_tensor()
+
+
+def local_slices_of_uneven_shards():
+    """Passes that decide from local sizes (a slice that keeps the whole shard) may decide
+    differently on each rank; the ranks' programs must still agree, and match eager."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    x = distribute_tensor(torch.arange(12.0).reshape(3, 4), mesh, [Shard(0)])  # local rows: 2 and 1
+    with torch.no_grad():
+        expected = [t.wait() if hasattr(t, "wait") else t for t in _first_row_and_whole(x)]
+        got = dtcompile.jit(_first_row_and_whole)(x)
+    return all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+def test_local_slices_of_uneven_shards_match_eager(ranks2):
+    assert ranks2.run(local_slices_of_uneven_shards) == [True, True]
