@@ -329,12 +329,6 @@ def test_unsupported_tensor_subclass_and_layout():
         jitted(x.to_sparse(), x)
 
 
-@pytest.mark.parametrize("reads_data", [lambda x: x * x.sum().item(), lambda x: x if x.sum() > 0 else -x])
-def test_reading_tensor_data_while_tracing_is_a_tracing_error(reads_data):
-    with pytest.raises(dtcompile.TracingError, match="value at trace time"):
-        dtcompile.jit(reads_data)(torch.randn(3))
-
-
 def test_cache_options_and_executors_are_checked():
     with pytest.raises(ValueError, match="cache must be one of"):
         dtcompile.jit(lambda x: x, cache="sometimes")

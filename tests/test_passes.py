@@ -35,7 +35,7 @@ def test_inputs_carry_their_path_into_the_call():
         return x + pair[0] * pair[1]["w"] + mask
 
     x = torch.randn(3)
-    trace = traced(fn, x, (x, {"w": x}), mask=x)
+    trace = traced(fn, x, (x.clone(), {"w": x.clone()}), mask=x.clone())
     paths = {p.label: p.provenance for p in trace.inputs}
     assert list(paths.values()) == [
         InputPath("args").index(0),

@@ -1,5 +1,6 @@
 """Turning a call into a per-rank trace, below DTensor."""
 
+from ..core import TracingError
 from .autograd import BackwardCapture
 from .inputs import (
     ConstantInput,
@@ -15,11 +16,12 @@ from .inputs import (
     UnsupportedInputError,
     iter_leaves,
 )
-from .objects import AttributeUpdate
+from .objects import AttributeUpdate, new_object
 from .outputs import (
     ConstantOutput,
     DictOutput,
     DTensorOutput,
+    NewObjectOutput,
     NumberOutput,
     ObjectOutput,
     OutputNode,
@@ -29,8 +31,7 @@ from .outputs import (
     TensorOutput,
 )
 from .placements import describe_placement, describe_placements
-from .recorder import TracingError
-from .tracer import CallInputs, CapturedCall, capture_call
+from .tracer import CallInputs, CapturedCall, capture_call, is_tracing
 
 __all__ = [
     "AttributeUpdate",
@@ -43,6 +44,8 @@ __all__ = [
     "ConstantOutput",
     "DTensorInput",
     "DTensorOutput",
+    "NewObjectOutput",
+    "new_object",
     "NumberOutput",
     "Slot",
     "DictInput",
@@ -60,6 +63,7 @@ __all__ = [
     "BackwardCapture",
     "UnsupportedInputError",
     "capture_call",
+    "is_tracing",
     "describe_placement",
     "describe_placements",
     "iter_leaves",

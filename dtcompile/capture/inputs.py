@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from ..core import InputPath, TensorProxy
 from ..core.proxy import contiguous_strides
+from ..core.symbolic import is_symbolic
 from .objects import StateObjects, is_state_object, new_stand_in
 from .recorder import Recording
 
@@ -83,6 +84,9 @@ class DTensorInput(InputNode):
     meta: LocalTensorMeta  # of the local tensor
     requires_grad: bool
     traced_spec: object = None  # the spec traced with: ``spec``, or with symbolic sizes
+    # The input whose tensor is this DTensor's local tensor too (two DTensors made from one
+    # local tensor): the local is then that input, not a new one.
+    local_of: InputNode | None = None
 
 
 @dataclass
@@ -118,9 +122,19 @@ class ObjectInput(InputNode):
 
 @dataclass
 class SameObjectInput(InputNode):
-    """An object met a second time in the call: the same object as ``first``."""
+    """An object, tensor or DTensor met a second time in the call: the very object at
+    ``first`` (with ``local``: the local tensor of the DTensor at ``first``)."""
 
-    first: ObjectInput
+    first: InputNode
+    local: bool = False
+
+
+def brings_proxy(node: InputNode) -> bool:
+    """Whether the node gives the computation an input of its own (a tensor, or a
+    DTensor's local tensor met for the first time)."""
+    if isinstance(node, DTensorInput):
+        return node.local_of is None
+    return isinstance(node, TensorInput)
 
 
 def identifier(text: str, taken: set[str]) -> str:
@@ -148,9 +162,23 @@ class InputProxifier:
         self.differentiable: list[tuple[TensorProxy, object]] = []
         self.objects = StateObjects()
         self._stand_ins: dict[int, tuple[object, ObjectInput]] = {}  # id of a real object -> its stand-in
+        # Tensors met so far, so that one met again is the same input (``f(z, z)``, tied
+        # weights, a DTensor's local tensor passed too): id of the real tensor (a plain
+        # tensor, a DTensor or a DTensor's local) -> (what the program got, its node, the
+        # node's local tensor is meant). The values stay alive: they are the call's.
+        self._tensors: dict[int, tuple[object, InputNode, bool]] = {}
+
+    def _seen(self, value: torch.Tensor, path: InputPath) -> tuple[object, InputNode] | None:
+        seen = self._tensors.get(id(value))
+        if seen is None:
+            return None
+        traced, first, local = seen
+        return traced, SameObjectInput(path, first, local)
 
     def proxify(self, value: object, path: InputPath, name_hint: str) -> tuple[object, InputNode]:
         dynamic = self.symbolic and path.root in ("args", "kwargs")
+        if isinstance(value, torch.Tensor) and id(value) in self._tensors:
+            return self._seen(value, path)
         if isinstance(value, DTensor):
             return self._dtensor(value, path, name_hint, dynamic)
         if isinstance(value, torch.Tensor):
@@ -168,12 +196,15 @@ class InputProxifier:
             proxy = self.recording.input_proxy(value, identifier(name_hint, self.taken), path, dynamic)
             if value.requires_grad:
                 self.differentiable.append((proxy, proxy))
-            return proxy, TensorInput(path, proxy, LocalTensorMeta.of(value))
+            node = TensorInput(path, proxy, LocalTensorMeta.of(value))
+            self._tensors[id(value)] = (proxy, node, False)
+            return proxy, node
         if isinstance(value, CONSTANT_TYPES) or type(value) is torch.Size:
             return value, ConstantInput(path, value)
-        if type(value) in (tuple, list):
+        if type(value) in (tuple, list) or pytree.is_namedtuple_instance(value):
             pairs = [self.proxify(v, path.index(i), f"{name_hint}_{i}") for i, v in enumerate(value)]
-            values = type(value)(p for p, _ in pairs)
+            items = [p for p, _ in pairs]
+            values = type(value)(*items) if pytree.is_namedtuple_instance(value) else type(value)(items)
             if type(value) is list:
                 self.objects.add_container(path, values)
             return values, SequenceInput(path, type(value), [n for _, n in pairs])
@@ -221,15 +252,31 @@ class InputProxifier:
             )
         local = value._local_tensor
         local_path = path.attr("_local_tensor")
-        dynamic = dynamic and _evenly_sharded(value)
-        proxy = self.recording.input_proxy(local, identifier(name_hint, self.taken), local_path, dynamic)
+        shared = self._tensors.get(id(local))
+        if shared is not None and not value.requires_grad and not _requires_grad(shared[1]):
+            # A second DTensor around a local tensor met before: the same input. (Not where a
+            # gradient flows: each DTensor would then be a leaf of its own.)
+            first = shared[1]
+            proxy = first.proxy
+            dynamic = any(is_symbolic(size) for size in proxy.shape) and _evenly_sharded(value)
+        else:
+            first = None
+            dynamic = dynamic and _evenly_sharded(value)
+            proxy = self.recording.input_proxy(local, identifier(name_hint, self.taken), local_path, dynamic)
         spec = _symbolic_spec(value, proxy) if dynamic else value._spec
         wrapped = DTensor(proxy, spec, requires_grad=value.requires_grad)
-        node = DTensorInput(path, proxy, value._spec, LocalTensorMeta.of(local), value.requires_grad, spec)
+        node = DTensorInput(path, proxy, value._spec, LocalTensorMeta.of(local), value.requires_grad, spec, first)
+        self._tensors[id(value)] = (wrapped, node, False)
+        if first is None:
+            self._tensors[id(local)] = (proxy, node, True)
         self.dtensor_inputs.append(node)
         if value.requires_grad:
             self.differentiable.append((proxy, wrapped))
         return wrapped, node
+
+
+def _requires_grad(node: InputNode) -> bool:
+    return node.requires_grad if isinstance(node, DTensorInput) else node.meta.requires_grad
 
 
 def _shard_factors(value: DTensor) -> list[int]:

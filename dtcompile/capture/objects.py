@@ -21,22 +21,45 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core import InputPath
-from .recorder import TracingError
+from ..core import InputPath, TensorProxy, TracingError
 
 _MISSING = object()
 
 
 def is_state_object(value: object) -> bool:
-    """Whether ``value`` is an object dtcompile takes apart by its ``__dict__``."""
-    if isinstance(value, (type, types.ModuleType, enum.Enum, torch.nn.Module)) or callable(value):
+    """Whether ``value`` is an object dtcompile takes apart by its ``__dict__`` when it is
+    an input (a KV cache): a rebuildable object whose state is all in its ``__dict__``."""
+    return is_rebuildable_object(value) and isinstance(getattr(value, "__dict__", None), dict)
+
+
+def object_state(value: object) -> dict:
+    """An object's attributes: its ``__dict__`` and the values in its ``__slots__``."""
+    state = dict(getattr(value, "__dict__", None) or {})
+    for cls in type(value).__mro__:
+        for name in getattr(cls, "__slots__", ()):
+            if name not in ("__dict__", "__weakref__") and hasattr(value, name):
+                state.setdefault(name, getattr(value, name))
+    return state
+
+
+def is_rebuildable_object(value: object) -> bool:
+    """Whether an object the call made can be made anew after each call from its class and
+    attributes (a dataclass, a plain object, one with ``__slots__``): made by
+    ``object.__new__``, its state all in its attributes."""
+    if isinstance(value, (type, types.ModuleType, enum.Enum, torch.nn.Module, torch.Tensor)) or callable(value):
         return False
-    if isinstance(value, (list, tuple, dict, set, frozenset, str, bytes)):
-        return False  # a container subclass keeps its items outside ``__dict__``
-    if not isinstance(getattr(value, "__dict__", None), dict) or type(value).__new__ is not object.__new__:
-        return False  # a stand-in is made with ``object.__new__``
-    # torch's own objects (meshes, process groups, placements) are not state to replay.
+    if isinstance(value, (list, tuple, dict, set, frozenset, str, bytes)) or type(value).__new__ is not object.__new__:
+        return False
     return not type(value).__module__.startswith("torch")
+
+
+def new_object(cls: type, names: tuple, values: tuple) -> object:
+    """An object of ``cls`` with these attributes, made without ``__init__`` (``__setattr__``
+    bypassed too, so frozen dataclasses and ``__slots__`` work)."""
+    obj = object.__new__(cls)
+    for name, value in zip(names, values):
+        object.__setattr__(obj, name, value)
+    return obj
 
 
 def new_stand_in(value: object) -> object:
@@ -46,8 +69,6 @@ def new_stand_in(value: object) -> object:
 
 def holds_proxies(value: object, depth: int = 4) -> bool:
     """Whether a new object made by the call holds traced tensors (a few levels down)."""
-    from ..core import TensorProxy
-
     if isinstance(value, TensorProxy):
         return True
     if depth == 0:
@@ -58,8 +79,8 @@ def holds_proxies(value: object, depth: int = 4) -> bool:
         return any(holds_proxies(v, depth - 1) for v in value)
     if isinstance(value, dict):
         return any(holds_proxies(v, depth - 1) for v in value.values())
-    if is_state_object(value):
-        return any(holds_proxies(v, depth - 1) for v in vars(value).values())
+    if is_rebuildable_object(value):
+        return any(holds_proxies(v, depth - 1) for v in object_state(value).values())
     return False
 
 

@@ -14,10 +14,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from ..core import TensorProxy
+from ..core import TensorProxy, TracingError
 from ..core.symbolic import as_constant, is_symbolic
-from .objects import StateObjects, holds_proxies, is_state_object
-from .recorder import TracingError
+from .objects import StateObjects, holds_proxies, is_rebuildable_object, object_state
 
 
 @dataclass
@@ -69,7 +68,17 @@ class ObjectOutput(OutputNode):
 
 @dataclass
 class SequenceOutput(OutputNode):
+    type: type  # tuple, list, torch.Size or a namedtuple class
+    children: list[OutputNode]
+
+
+@dataclass
+class NewObjectOutput(OutputNode):
+    """An object the call made (a dataclass holding tensors): made anew after each call
+    from its class and attributes, as eager's call makes a new one."""
+
     type: type
+    names: tuple[str, ...]
     children: list[OutputNode]
 
 
@@ -94,6 +103,7 @@ class OutputCollector:
         self.proxies: list[TensorProxy] = []  # the local tensor of each output slot
         self.values: list = []  # what each slot holds in the call's result: a DTensor or a proxy
         self.mask_buffers: list = []  # filled with proxies by tracing; emptied by release_masks
+        self._describing: set[int] = set()  # objects being described now (a cycle is an error)
 
     def _slot(self, proxy: TensorProxy, value=None) -> int:
         self.proxies.append(proxy)
@@ -126,7 +136,7 @@ class OutputCollector:
             if any(is_symbolic(x) for x in value):
                 return SequenceOutput(torch.Size, [self.describe(x) for x in value])
             return ConstantOutput(value)  # sizes are constants; pytree would rebuild a tuple
-        if type(value) in (tuple, list):
+        if type(value) in (tuple, list) or pytree.is_namedtuple_instance(value):
             return SequenceOutput(type(value), [self.describe(v, where) for v in value])
         if type(value) is dict:
             return DictOutput(tuple(value.keys()), [self.describe(v, where) for v in value.values()])
@@ -137,13 +147,26 @@ class OutputCollector:
         index = self.objects.index_of(value)
         if index is not None:
             return ObjectOutput(index)
-        if is_state_object(value) and holds_proxies(value):
-            raise TracingError(
-                f"dtcompile.jit: {where} holds a {type(value).__name__} the call made, with traced tensors "
-                "in it; new objects holding tensors cannot be rebuilt after each call (pass the object in "
-                "the call instead, so that its attributes are updated)"
-            )
+        if holds_proxies(value):
+            if not is_rebuildable_object(value):
+                raise TracingError(
+                    f"dtcompile.jit: {where} holds traced tensors inside a {type(value).__name__}, which "
+                    "dtcompile cannot make anew after each call (a container subclass or a class with its "
+                    "own __new__); return a tuple, list, dict, namedtuple, dataclass or plain object instead"
+                )
+            return self._new_object(value, where)
         return ConstantOutput(value)
+
+    def _new_object(self, value: object, where: object) -> NewObjectOutput:
+        if id(value) in self._describing:
+            raise TracingError(f"dtcompile.jit: {where} holds a {type(value).__name__} that refers to itself")
+        self._describing.add(id(value))
+        try:
+            state = object_state(value)
+            children = [self.describe(v, where) for v in state.values()]
+        finally:
+            self._describing.discard(id(value))
+        return NewObjectOutput(type(value), tuple(state), children)
 
     def _size(self, value):
         """An int, or the Slot of a symbolic size the computation will return."""

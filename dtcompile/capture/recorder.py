@@ -19,25 +19,34 @@ import itertools
 import logging
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..core import BoundSymbol, InputPath, NoProvenance, Note, TensorProxy, aten_symbol
+from ..core import (
+    BoundSymbol,
+    InputPath,
+    NoProvenance,
+    Note,
+    TensorProxy,
+    aten_symbol,
+    data_dependent_error,
+)
 from ..core.printing import NamedConstant, Unprintable, python_literal
 from ..core.symbolic import is_symbolic
 from .placements import describe_placements
 
-
-class TracingError(RuntimeError):
-    """The traced program does something dtcompile cannot record."""
-
-
 _FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
 _DATA_DEPENDENT_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
+# Tensor methods that hand the caller a tensor's data outside torch (NumPy, Python lists).
+_DATA_READS = {torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.tolist, torch.Tensor.data_ptr}
 
 
 _FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
@@ -70,6 +79,8 @@ class Recording:
         self.dtensor_calls = 0
         self.valued: list[TensorProxy] = []  # proxies whose trace-time value is known
         self.constants: dict[str, NamedConstant] = {}  # arguments with no literal, by name
+        self.current_call: str | None = None  # the torch-level call of the user's code running now
+        self.snapshot = None  # a DataSnapshot of the user's data the traced code must not change
 
     def new_name(self) -> str:
         while True:
@@ -175,10 +186,7 @@ class Recording:
         if value is not None and not any(isinstance(v, torch.Tensor) for v in tree_flatten(value)[0]):
             return value  # ``.item()``, ``equal`` of values made from constants: known now
         if func in _DATA_DEPENDENT_OPS:
-            raise TracingError(
-                f"{func} needs a tensor's value at trace time (.item(), .tolist() or Python "
-                "control flow on tensor data); dtcompile traces shapes, not values"
-            )
+            raise data_dependent_error(self.current_call, f"a Python number read by {func}")
 
         def to_fake(x):
             if isinstance(x, NamedConstant):
@@ -189,8 +197,10 @@ class Recording:
         try:
             with self.fake_mode, _fake_errors_unlogged():
                 fake_out = func(*fake_args, **fake_kwargs)
-        except DataDependentOutputException as error:
-            raise TracingError(f"{func} has a data-dependent output; dtcompile cannot trace it") from error
+        except (DataDependentOutputException, DynamicOutputShapeException) as error:
+            raise data_dependent_error(
+                self.current_call, f"the output of {func}, whose shape or value depends on the data"
+            ) from error
 
         made_by = NoProvenance(str(func))
 
@@ -255,6 +265,11 @@ class OpRecorder(TorchDispatchMode):
         return self.recording.record(func, args, kwargs)
 
 
+def _is_traced(value) -> bool:
+    """A proxy, or a DTensor around one."""
+    return isinstance(value, TensorProxy) or isinstance(getattr(value, "_local_tensor", None), TensorProxy)
+
+
 def _short_name(func) -> str:
     name = resolve_name(func) or getattr(func, "__name__", repr(func))
     for prefix, short in (("torch.nn.functional.", "F."), ("torch.Tensor.", "Tensor."), ("torch._C._nn.", "F.")):
@@ -305,12 +320,16 @@ class CallAnnotator(TorchFunctionMode):
             return func(*args, **kwargs)
         start = len(self.recording.bound_symbols)
         leaves, _ = tree_flatten((args, kwargs))
+        if func in _DATA_READS and any(_is_traced(x) for x in leaves):
+            raise data_dependent_error(_short_name(func), "the data leaves torch")
         handled_by_dtensor = any(isinstance(x, DTensor) for x in leaves)
         self.recording.dtensor_calls += handled_by_dtensor
+        outer_call, self.recording.current_call = self.recording.current_call, _short_name(func)
         try:
             out = func(*args, **kwargs)
         finally:
             self.recording.dtensor_calls -= handled_by_dtensor
+            self.recording.current_call = outer_call
         new = self.recording.bound_symbols[start:]
         if new:
             proxies: list[TensorProxy] = []

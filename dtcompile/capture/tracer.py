@@ -7,7 +7,6 @@ the tree of outputs the epilogue rebuilds, and the constants the program closes 
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from dataclasses import dataclass, field
 
@@ -15,15 +14,26 @@ import torch
 import torch.distributed as dist
 from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
-from ..core import InputPath, Trace, verify
+from ..core import InputPath, Trace, TracingError, data_dependent_error, verify
 from .autograd import BackwardCapture, capture_backward
-from .inputs import DictInput, DTensorInput, InputNode, InputProxifier, ObjectInput, SequenceInput, iter_leaves
-from .objects import AttributeUpdate, holds_proxies, is_state_object
+from .inputs import (
+    DictInput,
+    DTensorInput,
+    InputNode,
+    InputProxifier,
+    ObjectInput,
+    SequenceInput,
+    brings_proxy,
+    iter_leaves,
+)
+from .module_state import ModuleState, ModuleUpdate
+from .objects import AttributeUpdate
 from .outputs import OutputCollector, OutputNode
 from .placements import describe_placements
-from .recorder import CallAnnotator, OpRecorder, Recording, TracingError
+from .recorder import CallAnnotator, OpRecorder, Recording
+from .snapshots import DataSnapshot
 
 
 @dataclass
@@ -56,6 +66,20 @@ class CapturedCall:
     # The input objects the epilogue receives (to update or to return), and the updates.
     objects: list[ObjectInput] = field(default_factory=list)
     updates: list[AttributeUpdate] = field(default_factory=list)
+    # Attributes the forward assigned on the module's submodules, made again after each call.
+    module_updates: list[ModuleUpdate] = field(default_factory=list)
+
+
+_tracing: list[object] = []  # the recordings of the calls being traced now (nested jitted calls inline)
+
+
+def is_tracing() -> bool:
+    """Whether a call is being traced now: a jitted function called by the traced code then
+    runs inline, as part of the outer program."""
+    return bool(_tracing)
+
+
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
 def _parameter_names(fn) -> list[str]:
@@ -95,27 +119,31 @@ def capture_call(
     state: dict[int, object] = {}  # id of a tensor the module holds -> what the traced module holds
     if module is not None:
         for kind, named in (
-            ("params", module.named_parameters()),
-            ("buffers", module.named_buffers()),
+            ("params", module.named_parameters(remove_duplicate=False)),
+            ("buffers", module.named_buffers(remove_duplicate=False)),
             ("attributes", _tensor_attributes(module)),
         ):
             for name, tensor in named:
-                if id(tensor) in state:  # the same tensor under a second name
-                    continue
+                # A tensor under a second name (tied weights, an argument the module also
+                # holds) is the same input, guarded to be the same object at each call.
                 proxy, node = proxifier.proxify(tensor, InputPath(kind).key(name), name)
                 getattr(inputs, kind).append((name, node))
-                state[id(tensor)] = proxy
+                state.setdefault(id(tensor), proxy)
 
     grad_enabled = torch.is_grad_enabled()
     training = grad_enabled and bool(proxifier.differentiable)
     collector = OutputCollector(proxifier.objects)
-    module_objects = _module_objects(module) if module is not None else []
+    module_state = ModuleState(module, state) if module is not None else None
+    recording.snapshot = snapshot = _user_data(fn, module_state)
+    module_updates: list[ModuleUpdate] = []
     backward = None
+    _tracing.append(recording)
     with enable_python_dispatcher(), CallAnnotator(recording), OpRecorder(recording):
         try:
-            if module is not None:
-                with _state_swapped(module, state):
+            if module_state is not None:
+                with module_state:
                     result = module(*proxy_args, **proxy_kwargs)
+                    module_updates = module_state.updates(collector.describe, training)
             else:
                 result = fn(*proxy_args, **proxy_kwargs)
             output = collector.describe(result)
@@ -127,19 +155,26 @@ def capture_call(
                 )
             if training:
                 backward = capture_backward(recording, proxifier.differentiable, collector.values)
+        except GuardOnDataDependentSymNode as error:  # a size read from data, asked about in Python
+            raise data_dependent_error(
+                recording.current_call, f"Python control flow on {error.cond}, a size read from tensor data"
+            ) from error
         finally:
+            _tracing.pop()
             recording.forget_values()
             collector.release_masks()
-            stained = _restore_stained(module_objects)
-    if stained:
+            changed = snapshot.changed()
+            snapshot.restore()
+    if changed:
         raise TracingError(
-            f"dtcompile.jit: the call stored a traced tensor in the module's attribute {stained[0]!r}; objects "
-            "a module holds are read when tracing, not at each call. Pass the object in the call instead "
-            "(its tensors then become inputs and its attribute changes are replayed after each call)"
+            f"dtcompile.jit: the traced code changed {changed[0]}, which the call does not receive. A compiled "
+            "program runs the Python code once, while tracing, so such side effects would not happen at each "
+            "call (the change was undone). Return the values instead, or pass the object in the call (its "
+            "attribute assignments are then replayed after each call)"
         )
 
-    leaves = [n for top in inputs.nodes() for n in iter_leaves(top)]
-    proxies = [n.proxy for n in leaves if hasattr(n, "proxy")] + recording.captured_proxies
+    leaves = [n for top in inputs.nodes() for n in iter_leaves(top) if brings_proxy(n)]
+    proxies = [n.proxy for n in leaves] + recording.captured_proxies
     outputs = tuple(collector.proxies)
     if backward is not None:
         proxies += backward.cotangents
@@ -151,7 +186,7 @@ def capture_call(
         output=outputs,
         title="computation, as recorded below DTensor" + (" (forward, then backward)" if backward else ""),
         header_notes=[_rank_line()],
-        input_notes={n.proxy.label: _input_note(n) for n in leaves if hasattr(n, "proxy")},
+        input_notes={n.proxy.label: _input_note(n) for n in leaves},
         globals={label: (constant.value, None) for label, constant in recording.constants.items()},
     )
     verify(trace)
@@ -171,71 +206,39 @@ def capture_call(
         backward,
         proxifier.objects.needed,
         updates,
+        module_updates,
     )
 
 
-def _module_objects(module: torch.nn.Module) -> list[tuple[str, object, dict]]:
-    """``(path, object, its state now)`` for each object a module holds (and the objects
-    those hold, a few levels down): read at trace time, they are not inputs."""
-    found, seen = [], set()
-
-    def visit(path: str, value: object, depth: int) -> None:
-        if depth > 3 or id(value) in seen or not is_state_object(value):
-            return
-        seen.add(id(value))
-        found.append((path, value, dict(vars(value))))
-        for name, child in vars(value).items():
-            visit(f"{path}.{name}", child, depth + 1)
-
-    for owner_name, owner in module.named_modules():
-        for attr, value in vars(owner).items():
-            visit(f"{owner_name}.{attr}" if owner_name else attr, value, 0)
-    return found
-
-
-def _restore_stained(objects: list[tuple[str, object, dict]]) -> list[str]:
-    """Where the call left traced tensors in objects a module holds: their paths, after
-    putting every such object's state back as it was before tracing."""
-    stained = [path for path, obj, _ in objects if any(holds_proxies(v, 1) for v in vars(obj).values())]
-    if stained:
-        for _, obj, state in objects:
-            obj.__dict__.clear()
-            obj.__dict__.update(state)
-    return stained
+def _user_data(fn, module_state: ModuleState | None) -> DataSnapshot:
+    """A snapshot of the Python data the traced code can change without receiving it: the
+    containers and objects the module tree holds (not its tensors and tables, which
+    ``ModuleState`` swaps and reads), and what the function and the module's hooks reach."""
+    snapshot = DataSnapshot()
+    if module_state is None:
+        snapshot.add_callable(fn, getattr(fn, "__qualname__", "the function"))
+        return snapshot
+    for module in module_state.modules:
+        prefix = module_state.paths[id(module)]
+        for name, value in vars(module).items():
+            if name not in ("_parameters", "_buffers"):
+                snapshot.add(value, f"the module attribute {prefix}.{name}" if prefix else f"the module attribute {name}")
+        for table in _HOOK_TABLES:
+            for hook in getattr(module, table).values():
+                kind = table.strip("_")[:-1].replace("_", " ")
+                owner = f"module {prefix!r}" if prefix else "the module"
+                snapshot.add_callable(hook, f"the {kind} {getattr(hook, '__qualname__', hook)} of {owner}")
+    return snapshot
 
 
 def _tensor_attributes(module: torch.nn.Module):
     """``(dotted name, tensor)`` for each plain tensor attribute of the module and its
     submodules (a cached mask, say): neither parameters nor buffers, but read at every
     call like them, so that assigning a new tensor is seen."""
-    for owner_name, owner in module.named_modules():
+    for owner_name, owner in module.named_modules(remove_duplicate=False):
         for attr, value in vars(owner).items():
             if isinstance(value, torch.Tensor):
                 yield (f"{owner_name}.{attr}" if owner_name else attr), value
-
-
-@contextlib.contextmanager
-def _state_swapped(module: torch.nn.Module, state: dict[int, object]):
-    """The module's parameters, buffers and tensor attributes replaced by their proxies
-    while it is traced, and restored afterwards, even if tracing fails.
-
-    Every place that holds a tensor gets its proxy, so tied weights stay tied. This is not
-    ``torch.func.functional_call``: that leaves the proxies in a module registered under
-    two names (``self.b = self.a``), since it saves the second name's "original" after
-    setting the first, which is the same attribute of the same module.
-    """
-    saved = []
-    for owner in module.modules():  # each module object once, however many names it has
-        for table in (owner._parameters, owner._buffers, vars(owner)):
-            for leaf, tensor in list(table.items()):
-                if isinstance(tensor, torch.Tensor) and id(tensor) in state:
-                    saved.append((table, leaf, tensor))
-                    table[leaf] = state[id(tensor)]
-    try:
-        yield
-    finally:
-        for table, leaf, tensor in saved:
-            table[leaf] = tensor
 
 
 def _input_note(node) -> str:

@@ -1,5 +1,6 @@
 """The IR: proxies, provenance, symbols, traces. Imports nothing above it."""
 
+from .errors import TracingError, data_dependent_error
 from .provenance import InputPath, NoProvenance, Provenance, Step
 from .proxy import NumberProxy, TensorProxy, is_proxy
 from .symbol import BoundSymbol, Note, Symbol, aten_symbol, renamed
@@ -18,6 +19,8 @@ __all__ = [
     "is_proxy",
     "Trace",
     "TraceError",
+    "TracingError",
+    "data_dependent_error",
     "aten_symbol",
     "renamed",
     "verify",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .errors import data_dependent_error
 from .provenance import Provenance
 from .symbolic import known_equal
 
@@ -97,10 +98,7 @@ class TensorProxy(torch.Tensor):
         """The value as (nested) lists, for a proxy made from constants only (the recorder
         knows its value while tracing); any other proxy has no value to read."""
         if self.value is None:
-            raise RuntimeError(
-                f"dtcompile: .tolist() of {self.label} needs its value at trace time; dtcompile traces "
-                "shapes, not values"
-            )
+            raise data_dependent_error("Tensor.tolist", f"the values of {self.label} as a list")
         return self.value.tolist()
 
     def type_string(self) -> str:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from ..capture import CapturedCall, capture_call
+from ..capture import CapturedCall, capture_call, is_tracing
 from ..core import TensorProxy, Trace, verify
 from ..core.codegen import GeneratedFunction
 from ..executors import lower, resolve_executors
@@ -142,6 +142,10 @@ class CompiledFunction:
         return None
 
     def __call__(self, module, args: tuple, kwargs: dict):
+        if is_tracing():
+            # Called by code being traced (a jitted layer inside a jitted model): part of the
+            # outer program, so it runs as written, on the outer trace's proxies.
+            return self.fn(*args, **kwargs)
         found = self._lookup(module, args, kwargs)
         if found is not None:
             return found[0].run(found[1])
@@ -240,7 +244,7 @@ class CompiledFunction:
         before_finish = traces[-1 - len(FINISH)]
         check_ranks_agree([before_finish], captured.meshes, labels, self.name, self._sync_key())
         execution = self._lowered(traces[-1], labels, executors)
-        epilogue = build_epilogue(captured.output, updates=captured.updates)
+        epilogue = build_epilogue(captured.output, updates=captured.updates, module_updates=captured.module_updates)
         inputs = len(captured.trace.inputs) if captured.objects else None
         return InferenceProgram(execution.compile(), epilogue, inputs), epilogue, traces + [execution]
 

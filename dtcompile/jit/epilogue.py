@@ -17,6 +17,7 @@ from ..capture import (
     ConstantOutput,
     DictOutput,
     DTensorOutput,
+    NewObjectOutput,
     NumberOutput,
     ObjectOutput,
     OutputNode,
@@ -24,6 +25,7 @@ from ..capture import (
     SequenceOutput,
     Slot,
     TensorOutput,
+    new_object,
 )
 from ..core.codegen import GeneratedFunction, literal_or_global
 
@@ -85,7 +87,14 @@ class _Builder:
                 return f"[{inner}]"
             if node.type is torch.Size:
                 return f"torch.Size([{inner}])"
+            if node.type is not tuple:  # a namedtuple
+                return f"{self.constant(node.type, 'TYPE')}({inner})"
             return f"({inner}{',' if len(node.children) == 1 else ''})"
+        if isinstance(node, NewObjectOutput):
+            self.globals["new_object"] = new_object
+            inner = ", ".join(self.rebuild(c, wrap) for c in node.children)
+            names = self.constant(node.names, "NAMES")
+            return f"new_object({self.constant(node.type, 'TYPE')}, {names}, ({inner}{',' if len(node.children) == 1 else ''}))"
         if isinstance(node, DictOutput):
             return "{" + ", ".join(f"{k!r}: {self.rebuild(c, wrap)}" for k, c in zip(node.keys, node.children)) + "}"
         if isinstance(node, PytreeOutput):
@@ -102,14 +111,21 @@ def _dtensor_outputs(node: OutputNode):
         yield from _dtensor_outputs(child)
 
 
-def build_epilogue(output: OutputNode, wrap: bool = True, updates=()) -> GeneratedFunction:
+def build_epilogue(output: OutputNode, wrap: bool = True, updates=(), module_updates=()) -> GeneratedFunction:
     """``epilogue(outs, objs)``: the call's result from the computation's flat outputs,
-    after making the ``updates`` (AttributeUpdates) on the input objects ``objs``. With
+    after making the ``updates`` (AttributeUpdates) on the input objects ``objs`` and the
+    ``module_updates`` (the forward's assignments to module attributes). With
     ``wrap=False`` the DTensor slots already hold DTensors (see ``build_output_wrapper``)."""
     b = _Builder()
     for update in updates:
         value = b.rebuild(update.value, wrap)
         b.statements.append(f"    objs[{update.index}].__dict__[{update.name!r}] = {value}")
+    for update in module_updates:
+        table = f"{b.constant(update.module, 'MODULE')}.{update.table}"
+        if update.value is None:
+            b.statements.append(f"    {table}.pop({update.key!r}, None)")
+        else:
+            b.statements.append(f"    {table}[{update.key!r}] = {b.rebuild(update.value, wrap)}")
     result = b.rebuild(output, wrap)
     lines = ["def epilogue(outs, objs):", *b.statements, f"    return {result}"]
     return GeneratedFunction("epilogue", lines, b.globals, "epilogue: rebuilds the result from the local outputs")

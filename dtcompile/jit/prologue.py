@@ -51,6 +51,13 @@ class _Builder:
         }
         self.results: list[str] = []
         self.object_vars: dict[int, str] = {}  # id of an ObjectInput -> the variable bound to it
+        # id of a TensorInput or DTensorInput -> the variable bound to the tensor (the DTensor),
+        # and to the local tensor (the tensor itself, the DTensor's local): a tensor met again
+        # must be the very same object.
+        self.tensor_vars: dict[int, str] = {}
+        self.local_vars: dict[int, str] = {}
+        self.in_object = 0  # inside an object of the call (its tensors are not arguments)
+        self.argument_tensors: list[str] = []  # the call's tensors outside objects, each met once
         # Tensors of the module's state with static metadata: (variable, the tensor traced),
         # checked together by one TensorGuards call (C++) at the end.
         self.batched: list[tuple[str, torch.Tensor]] = []
@@ -181,8 +188,14 @@ class _Builder:
             var = self.bind(expr)
             self.tensor_meta(var, node.meta, node.proxy, example)
             self.results.append(var)
+            self.tensor_vars[id(node)] = self.local_vars[id(node)] = var
+            if not self.in_object:
+                self.argument_tensors.append(var)
         elif isinstance(node, DTensorInput):
             var = self.bind(expr)
+            self.tensor_vars[id(node)] = var
+            if not self.in_object:
+                self.argument_tensors.append(var)
             self.fail_if(f"type({var}) is not DTensor")
             spec = self.bind(f"{var}._spec", "spec")
             if node.traced_spec is node.spec:
@@ -202,6 +215,10 @@ class _Builder:
                 self.sizes(f"{var}.stride()", node.traced_spec.tensor_meta.stride, "gstride")
             self.fail_if(f"{var}.requires_grad is not {node.requires_grad}")
             local = self.bind(f"{var}._local_tensor", "local")
+            self.local_vars[id(node)] = local
+            if node.local_of is not None:  # the local tensor is an input met before
+                self.fail_if(f"{local} is not {self.local_vars[id(node.local_of)]}")
+                return
             self.tensor_meta(local, node.meta, node.proxy, None if example is None else example._local_tensor)
             self.results.append(var if node.requires_grad and not self.unwrap_differentiable else local)
         elif isinstance(node, SequenceInput):
@@ -210,7 +227,8 @@ class _Builder:
                 self.fail_if(f"len(args) != {len(node.children)}")
             else:
                 var = self.bind(expr)
-                self.fail_if(f"type({var}) is not {node.type.__name__} or len({var}) != {len(node.children)}")
+                kind = node.type.__name__ if node.type in (tuple, list) else self.constant(node.type, "TYPE")
+                self.fail_if(f"type({var}) is not {kind} or len({var}) != {len(node.children)}")
             for i, child in enumerate(node.children):
                 self.node(child, f"{var}[{i}]")
         elif isinstance(node, DictInput):
@@ -235,6 +253,7 @@ class _Builder:
             for i, child in enumerate(node.children):
                 self.node(child, f"{children}[{i}]")
         elif isinstance(node, ObjectInput):
+            self.in_object += 1
             var = self.bind(expr, "obj")
             self.object_vars[id(node)] = var
             state = self.bind(f"{var}.__dict__", "state")
@@ -243,8 +262,13 @@ class _Builder:
             )
             for name, child in zip(node.names, node.children):
                 self.node(child, f"{state}[{name!r}]")
+            self.in_object -= 1
         elif isinstance(node, SameObjectInput):
-            self.fail_if(f"{expr} is not {self.object_vars[id(node.first)]}")
+            if isinstance(node.first, ObjectInput):
+                same = self.object_vars[id(node.first)]
+            else:
+                same = (self.local_vars if node.local else self.tensor_vars)[id(node.first)]
+            self.fail_if(f"{expr} is not {same}")
         else:
             raise TypeError(f"unknown input node {node!r}")
 
@@ -280,7 +304,7 @@ def _module_checks(b: _Builder, module: torch.nn.Module) -> dict[str, str]:
     tables are read from the objects themselves (a module's ``_modules`` and hook dicts
     are changed in place by ``setattr`` and ``register_*_hook``, never replaced). Returns
     the source of each submodule by path (a global: the object traced)."""
-    modules = list(module.named_modules())
+    modules = list(module.named_modules(remove_duplicate=False))  # a module under two names: both
     sources = {"": "module"}
     tables, keys, children = [], [], []
     for path, submodule in modules[1:]:
@@ -293,14 +317,16 @@ def _module_checks(b: _Builder, module: torch.nn.Module) -> dict[str, str]:
     if children:
         b.globals.update(MODULE_TABLES=tables, MODULE_KEYS=keys, MODULE_CHILDREN=children)
         b.fail_if("list(map(dict.get, MODULE_TABLES, MODULE_KEYS)) != MODULE_CHILDREN")
+    unique = list({id(m): m for _, m in modules}.values())
     b.globals.update(
         TRAINING=operator.attrgetter("training"),
-        MODULES=[m for _, m in modules],
-        TRAINING_FLAGS=[m.training for _, m in modules],
+        MODULES=unique,
+        TRAINING_FLAGS=[m.training for m in unique],
     )
     b.fail_if("list(map(TRAINING, MODULES)) != TRAINING_FLAGS")
+    _state_table_checks(b, unique)
     empty, hooked, hook_ids = [], [], []
-    for _, submodule in modules:
+    for submodule in unique:
         for table in _HOOK_TABLES:
             hooks = getattr(submodule, table)
             if hooks:
@@ -314,6 +340,27 @@ def _module_checks(b: _Builder, module: torch.nn.Module) -> dict[str, str]:
         b.globals.update(HOOK_TABLES=hooked, HOOK_IDS=hook_ids)
         b.fail_if("list(map(tuple, HOOK_TABLES)) != HOOK_IDS")
     return sources
+
+
+def _state_table_checks(b: _Builder, modules: list[torch.nn.Module]) -> None:
+    """Each module's parameter, buffer and submodule tables hold as many entries as traced
+    (none added or removed), and the empty slots (``Linear(bias=False)``'s ``bias``) are
+    still empty: a parameter assigned there later must be used. The tensors in the other
+    slots are read and guarded one by one."""
+    tables, lengths, empty_tables, empty_keys = [], [], [], []
+    for module in modules:
+        for table in (module._parameters, module._buffers, module._modules):
+            tables.append(table)
+            lengths.append(len(table))
+            for key, value in table.items():
+                if value is None:
+                    empty_tables.append(table)
+                    empty_keys.append(key)
+    b.globals.update(STATE_TABLES=tables, STATE_LENGTHS=lengths)
+    b.fail_if("list(map(len, STATE_TABLES)) != STATE_LENGTHS")
+    if empty_keys:
+        b.globals.update(EMPTY_TABLES=empty_tables, EMPTY_KEYS=empty_keys, NONES=[None] * len(empty_keys))
+        b.fail_if("list(map(dict.get, EMPTY_TABLES, EMPTY_KEYS)) != NONES")
 
 
 def build_prologue(
@@ -335,6 +382,10 @@ def build_prologue(
     # The arguments first: a call an entry does not fit usually fails there, cheaply.
     b.node(inputs.args, "args")
     b.node(inputs.kwargs, "kwargs")
+    if len(b.argument_tensors) > 1:
+        # Tensors traced as distinct objects are distinct at the call (code may ask ``q is k``).
+        distinct = ", ".join(f"id({var})" for var in b.argument_tensors)
+        b.fail_if(f"len({{{distinct}}}) != {len(b.argument_tensors)}")
     if module is not None:
         # Global module hooks (debugging tools such as CommDebugMode install them) are not
         # guarded: they ran while tracing, and run again only when a call compiles.

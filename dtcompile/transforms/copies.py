@@ -56,7 +56,7 @@ def _same_tensor_metadata(a: TensorProxy, b: TensorProxy) -> bool:
 
 def remove_redundant_copies(trace: Trace) -> Trace:
     """Replace each copy that changes nothing by its input (see the module docstring)."""
-    base = storage_bases(trace)
+    base = storage_bases(trace, inputs_may_alias=True)
     written = {base.get(p.label) for bsym in trace.bound_symbols if mutates(bsym) for p in bsym.input_tensors()}
     leaves, _ = tree_flatten(trace.output)
     returned = {base.get(x.label) for x in leaves if isinstance(x, TensorProxy)}  # storages the caller gets

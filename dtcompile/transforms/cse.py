@@ -28,7 +28,7 @@ def cse(trace: Trace) -> Trace:
     the caller one tensor twice, or two outputs that share memory, so that writing to one
     changes the other.
     """
-    base = storage_bases(trace)
+    base = storage_bases(trace, inputs_may_alias=True)
     leaves, _ = tree_flatten(trace.output)
     returned = {base[x.label] for x in leaves if isinstance(x, TensorProxy)}  # storages the caller gets
     seen: dict[str, object] = {}

@@ -31,16 +31,26 @@ def returns_alias(bsym: BoundSymbol) -> bool:
     return any(ret.alias_info is not None for ret in bsym.op._schema.returns)
 
 
-def storage_bases(trace) -> dict[str, str]:
+def storage_bases(trace, inputs_may_alias: bool = False) -> dict[str, str]:
     """For each tensor of ``trace``, the first tensor that shares its memory (itself for a
     fresh buffer). Read from the FakeTensors, which share storage exactly where eager's
     tensors would: views, in-place results and ops without alias annotations
-    (``_unsafe_view``) included."""
+    (``_unsafe_view``) included.
+
+    With ``inputs_may_alias``, every input's memory is one class: what the call passes in
+    may share memory in ways the trace did not see (``f(z, z)``, two views of one tensor,
+    DTensors around one local tensor), so a pass that reasons about writes treats a write to
+    one input as a write to all of them. The traced program runs its ops in eager's order,
+    so with passes that do this, it computes eager's values whatever the inputs share."""
     first: dict[StorageWeakRef, str] = {}
     base: dict[str, str] = {}
-    tensors = [p for p in trace.inputs if isinstance(p, TensorProxy)]
-    tensors += [p for bsym in trace.bound_symbols for p in bsym.output_tensors()]
+    inputs = [p for p in trace.inputs if isinstance(p, TensorProxy)]
+    tensors = inputs + [p for bsym in trace.bound_symbols for p in bsym.output_tensors()]
     for proxy in tensors:
         key = StorageWeakRef(proxy.fake.untyped_storage())
         base[proxy.label] = first.setdefault(key, proxy.label)
+    if inputs_may_alias and inputs:
+        shared = {base[p.label] for p in inputs}
+        merged = base[inputs[0].label]
+        base = {label: merged if b in shared else b for label, b in base.items()}
     return base

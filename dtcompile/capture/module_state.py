@@ -1,0 +1,109 @@
+"""A module while it is traced: its tensors swapped for proxies, what the call assigned to
+its modules' attributes, and the module put back as it was.
+
+The traced module is the user's own object. While its forward runs on proxies, every
+table that holds one of its tensors (``_parameters``, ``_buffers``, ``__dict__``) holds the
+tensor's proxy instead, so tied weights stay tied. This is not
+``torch.func.functional_call``: that leaves the proxies in a module registered under two
+names (``self.b = self.a``), since it saves the second name's "original" after setting the
+first, which is the same attribute of the same module.
+
+Assignments the forward makes (``self.step = self.step + 1`` on a buffer, ``self.last =
+y``, ``self.calls = 3``) are read off the tables afterwards and become
+:class:`ModuleUpdate`\\ s, which the epilogue makes after each call, as eager's forward
+would. Whatever happened, the module is then put back exactly as it was before tracing:
+it never keeps a proxy, and a compile that fails leaves it unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core import TracingError
+
+_TABLES = ("_parameters", "_buffers", "__dict__")
+_MISSING = object()
+
+
+@dataclass
+class ModuleUpdate:
+    """After each call, ``getattr(module, table)[key]`` is set to ``value`` (an
+    OutputNode), or the key is removed where ``value`` is None."""
+
+    module: torch.nn.Module
+    table: str  # "_parameters", "_buffers" or "__dict__"
+    key: str
+    value: object | None
+    path: str  # where it is, for messages: ``layers.0.last``
+
+
+def _table(module: torch.nn.Module, name: str) -> dict:
+    return vars(module) if name == "__dict__" else getattr(module, name)
+
+
+class ModuleState:
+    """The module tree of a traced call (see the module docstring)."""
+
+    def __init__(self, module: torch.nn.Module, proxies: dict[int, object]):
+        self.proxies = proxies  # id of a tensor the module holds -> its proxy
+        self.paths: dict[int, str] = {}
+        self.modules: list[torch.nn.Module] = []
+        for path, submodule in module.named_modules(remove_duplicate=False):
+            if id(submodule) not in self.paths:
+                self.paths[id(submodule)] = path
+                self.modules.append(submodule)
+        self._before: list[tuple[dict, dict]] = []  # (table, its items before tracing)
+        self._traced: list[tuple[torch.nn.Module, str, dict]] = []  # (module, table name, items as traced)
+
+    def __enter__(self) -> ModuleState:
+        for module in self.modules:
+            for name in _TABLES:
+                table = _table(module, name)
+                self._before.append((table, dict(table)))
+        for module in self.modules:
+            for name in _TABLES:
+                table = _table(module, name)
+                for key, value in list(table.items()):
+                    if isinstance(value, torch.Tensor) and id(value) in self.proxies:
+                        table[key] = self.proxies[id(value)]
+                self._traced.append((module, name, dict(table)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+    def restore(self) -> None:
+        """Every table as it was before tracing (the same dict objects: others hold them)."""
+        for table, items in self._before:
+            if table.keys() != items.keys() or any(table[k] is not v for k, v in items.items()):
+                table.clear()
+                table.update(items)
+
+    def assignments(self) -> list[tuple[torch.nn.Module, str, str, object]]:
+        """``(module, table, key, new value or _MISSING)`` for each entry the call changed."""
+        changed = []
+        for module, name, traced in self._traced:
+            table = _table(module, name)
+            for key, value in table.items():
+                if traced.get(key, _MISSING) is not value:
+                    changed.append((module, name, key, value))
+            changed += [(module, name, key, _MISSING) for key in traced if key not in table]
+        return changed
+
+    def updates(self, describe, needs_gradients: bool) -> list[ModuleUpdate]:
+        """The call's assignments as updates, their values described by ``describe`` (the
+        output collector's); an error in a call that needs gradients."""
+        updates = []
+        for module, table, key, value in self.assignments():
+            prefix = self.paths[id(module)]
+            path = f"{prefix}.{key}" if prefix else key
+            if needs_gradients:
+                raise TracingError(
+                    f"dtcompile.jit: the forward assigns the module attribute {path!r}; that is replayed after "
+                    "each call only in calls that need no gradients"
+                )
+            described = None if value is _MISSING else describe(value, f"the module attribute {path!r}")
+            updates.append(ModuleUpdate(module, table, key, described, path))
+        return updates

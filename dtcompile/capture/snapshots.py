@@ -1,0 +1,123 @@
+"""What a traced call did to Python data it does not own, and putting that data back.
+
+Tracing runs the user's Python once, on proxies. Whatever it does to Python data outside
+the call's inputs (a list a hook appends to, a counter object a module holds, a dict of
+activations) happens that once, with proxies, and never again at run time: eager would do
+it at every call, with real tensors. A :class:`DataSnapshot` records the state of such
+data before the trace; afterwards it tells which of it changed, and puts it back as it
+was, so that no proxy is left in user data and a failed compile changes nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .objects import is_rebuildable_object, object_state
+
+
+def _state(value: object) -> tuple | None:
+    """A shallow copy of what ``value`` holds, tagged with its kind; None for values not
+    snapshotted (numbers, tensors, modules, functions, torch's own objects)."""
+    if isinstance(value, list):
+        return ("list", list(value))
+    if isinstance(value, dict):
+        return ("dict", list(value.items()))
+    if isinstance(value, set):
+        return ("set", set(value))
+    if is_rebuildable_object(value):
+        return ("object", list(object_state(value).items()))
+    return None
+
+
+def _children(value: object) -> list[tuple[str, object]]:
+    if isinstance(value, list):
+        return [(f"[{i}]", v) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        return [(f"[{k!r}]", v) for k, v in value.items()]
+    if isinstance(value, set):
+        return []
+    return [(f".{k}", v) for k, v in object_state(value).items()]
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    """Whether two states hold the same things: equal keys, and the very same objects."""
+    (kind, items), (other_kind, other_items) = a, b
+    if kind != other_kind or len(items) != len(other_items):
+        return False
+    if kind == "set":
+        return items == other_items
+    if kind == "list":
+        return all(x is y for x, y in zip(items, other_items))
+    return all(k == j and x is y for (k, x), (j, y) in zip(items, other_items))
+
+
+class DataSnapshot:
+    """The shallow state of containers and plain objects reachable from some roots, a few
+    levels down, taken before a trace (see the module docstring)."""
+
+    def __init__(self):
+        self._taken: dict[int, tuple[object, str, object]] = {}  # id -> (the value, its path, its state)
+
+    def add(self, value: object, path: str, depth: int = 3) -> None:
+        """Record ``value`` (found at ``path``) and what it holds, ``depth`` levels down."""
+        if depth < 0 or id(value) in self._taken or isinstance(value, (torch.Tensor, torch.nn.Module)):
+            return
+        state = _state(value)
+        if state is None:
+            return
+        self._taken[id(value)] = (value, path, state)
+        for suffix, child in _children(value):
+            self.add(child, path + suffix, depth - 1)
+
+    def add_callable(self, fn: object, path: str) -> None:
+        """Record the data a function can reach and change: what its closure cells hold,
+        the object a bound method belongs to (``store.append``), a partial's arguments,
+        and the globals its code names. torch's own functions (debugging tools' hooks) are
+        left out."""
+        if isinstance(fn, functools.partial):
+            for i, arg in enumerate(fn.args):
+                self.add(arg, f"argument {i} of {path}")
+            for key, arg in fn.keywords.items():
+                self.add(arg, f"argument {key!r} of {path}")
+            fn = fn.func
+        owner = getattr(fn, "__self__", None)
+        if owner is not None:  # a bound method's object: modules and Python modules are skipped
+            self.add(owner, f"the object of {path}")
+        fn = getattr(fn, "__func__", fn)
+        code = getattr(fn, "__code__", None)
+        if code is None or (getattr(fn, "__module__", None) or "").startswith("torch"):
+            return
+        for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+            try:
+                self.add(cell.cell_contents, f"{name!r} (a closure variable of {path})", depth=2)
+            except ValueError:  # an empty cell
+                continue
+        names = fn.__globals__
+        for name in code.co_names:
+            if name in names:
+                self.add(names[name], f"{name!r} (a global of {path})", depth=2)
+
+    def changed(self) -> list[str]:
+        """The paths of the values whose state is not what it was."""
+        return [path for value, path, state in self._taken.values() if not _same(_state(value), state)]
+
+    def restore(self) -> None:
+        """Put every value recorded back in the state it had."""
+        for value, _, state in self._taken.values():
+            if _same(_state(value), state):
+                continue
+            kind, items = state
+            if kind == "list":
+                value[:] = items
+            elif kind in ("dict", "set"):
+                value.clear()
+                value.update(items)
+            else:
+                names = {name for name, _ in items}
+                for name in list(object_state(value)):
+                    if name not in names:
+                        object.__delattr__(value, name)
+                for name, item in items:
+                    object.__setattr__(value, name, item)

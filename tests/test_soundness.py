@@ -1,0 +1,326 @@
+"""Eager's results or a clear error, in one process: aliased inputs, module state changed
+by assignment, Python side effects, outputs rebuilt as eager returns them, jitted code
+called inside jitted code, and data-dependent code refused by name."""
+
+import collections
+import copy
+import dataclasses
+
+import pytest
+import torch
+from support import assert_same_result
+
+import dtcompile
+from dtcompile.core import TensorProxy
+
+NT = collections.namedtuple("NT", "scaled shifted")
+
+
+@dataclasses.dataclass
+class Pair:
+    first: torch.Tensor
+    count: int = 2
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FrozenPair:
+    first: torch.Tensor
+    rest: list
+
+
+def _calls(fn, *calls, no_grad=True):
+    """``fn`` compiled and eager, called with each argument tuple (fresh clones for each)."""
+    jitted = dtcompile.jit(fn)
+    for args in calls:
+        with torch.no_grad() if no_grad else torch.enable_grad():
+            got = jitted(*copy.deepcopy(args))
+            expected = fn(*copy.deepcopy(args))
+        assert_same_result(got, expected)
+    return jitted
+
+
+# Item 1: aliased inputs. Passes reason about writes as if any two inputs may share memory.
+def _writes_x_reads_y(x, y):
+    a = y * 2
+    x.add_(1)
+    return a + y * 2
+
+
+def _copy_then_write(x, y):
+    a = y.clone()
+    x.mul_(2)
+    return a + y
+
+
+@pytest.mark.parametrize("fn", [_writes_x_reads_y, _copy_then_write])
+def test_inputs_that_share_memory_get_eagers_values(fn):
+    jitted = dtcompile.jit(fn)
+    for make in (
+        lambda: (torch.zeros(3), torch.zeros(3)),  # distinct (traced first)
+        lambda: (lambda z: (z, z))(torch.zeros(3)),  # the same tensor twice
+        lambda: (lambda z: (z[:3], z[1:]))(torch.arange(4.0)),  # overlapping views
+        lambda: (lambda z: (z[0], z[1]))(torch.ones(2, 3)),  # views of one base, apart
+    ):
+        got_args, expected_args = make(), make()
+        got = jitted(*got_args)
+        expected = fn(*expected_args)
+        assert_same_result(got, expected)
+        assert_same_result(list(got_args), list(expected_args))
+
+
+def test_tensors_traced_apart_or_together_are_guarded_by_identity():
+    def fn(q, k):
+        return q * 2 if q is k else q - k
+
+    jitted = dtcompile.jit(fn)
+    a, b = torch.ones(3), torch.full((3,), 5.0)
+    for args in ((a, a), (a, b), (b, b), (b, a)):
+        assert_same_result(jitted(*args), fn(*args))
+    assert dtcompile.cache_misses(jitted) == 2
+
+
+# Item 3: module state changed by assignment after or during calls.
+def test_a_parameter_assigned_to_an_empty_slot_is_used():
+    lin = torch.nn.Linear(3, 4, bias=False)
+    jitted = dtcompile.jit(lin)
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        assert_same_result(jitted(x), lin(x))
+        lin.bias = torch.nn.Parameter(torch.randn(4))
+        assert_same_result(jitted(x), lin(x))
+        lin.bias = None
+        assert_same_result(jitted(x), lin(x))
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(3, 3)
+        self.b = torch.nn.Linear(3, 3)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_untying_and_tying_weights_after_a_call():
+    model = _Tied()
+    jitted = dtcompile.jit(model)
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        assert_same_result(jitted(x), model(x))
+        model.b.weight = torch.nn.Parameter(torch.randn(3, 3))  # untied
+        assert_same_result(jitted(x), model(x))
+        model.b.weight = model.a.weight  # tied again
+        assert_same_result(jitted(x), model(x))
+        model.a.register_buffer("extra", torch.ones(1))  # a new buffer: a new entry, same values
+        assert_same_result(jitted(x), model(x))
+    assert dtcompile.cache_misses(jitted) == 3
+
+
+class _Counting(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.register_buffer("step", torch.zeros(()))
+
+    def forward(self, x):
+        self.step = self.step + 1  # a new tensor in the buffer slot
+        y = self.lin(x) * self.step
+        self.last = y.detach()  # a plain tensor attribute
+        self.lin.seen = x.shape[0]  # a number on a submodule
+        return y
+
+
+def test_attribute_assignments_in_the_forward_are_made_at_each_call():
+    model = _Counting()
+    eager = copy.deepcopy(model)
+    jitted = dtcompile.jit(model)
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        for _ in range(3):
+            assert_same_result(jitted(x), eager(x))
+            assert_same_result(model.step, eager.step)
+            assert_same_result(model.last, eager.last)
+            assert model.lin.seen == eager.lin.seen
+    assert not any(isinstance(t, TensorProxy) for t in [*model.buffers(), *vars(model).values()])
+
+
+def test_attribute_assignments_in_a_training_forward_are_an_error_and_change_nothing():
+    model = _Counting()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(dtcompile.TracingError, match="assigns the module attribute 'step'"):
+        dtcompile.jit(model)(torch.randn(2, 3))
+    assert not hasattr(model, "last") and not hasattr(model.lin, "seen")
+    for key, value in model.state_dict().items():
+        assert type(value) is torch.Tensor and torch.equal(value, before[key])
+
+
+# Item 5: Python side effects happen at each call, or the compile says why they cannot.
+def test_a_forward_hook_that_stores_activations_is_refused_and_leaves_no_proxy():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
+    store = []
+    model[0].register_forward_hook(lambda module, inputs, output: store.append(output))
+    with torch.no_grad(), pytest.raises(dtcompile.TracingError, match="'store' .*forward hook"):
+        dtcompile.jit(model)(torch.randn(2, 3))
+    assert store == []
+
+
+def test_side_effects_on_data_the_call_does_not_receive_are_refused():
+    log = {"calls": 0}
+
+    def counts(x):
+        log["calls"] += 1
+        return x * 2
+
+    with pytest.raises(dtcompile.TracingError, match="'log'"):
+        dtcompile.jit(counts)(torch.randn(3))
+    assert log == {"calls": 0}
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.history = []
+
+        def forward(self, x):
+            self.history.append(x * 2)
+            return x + 1
+
+    holder = Holder()
+    with torch.no_grad(), pytest.raises(dtcompile.TracingError, match="history"):
+        dtcompile.jit(holder)(torch.randn(3))
+    assert holder.history == []
+
+
+# Item 6: outputs rebuilt as eager returns them.
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: NT(x * 2, x + 1),
+        lambda x: [NT(x * 2, NT(x, 1)), {"pair": Pair(x - 1, 3)}],
+        lambda x: Pair(x * 2),
+        lambda x: torch.max(x, 1),
+    ],
+)
+def test_namedtuple_dataclass_and_structseq_outputs(fn):
+    x = torch.randn(4, 3)
+    jitted = dtcompile.jit(fn)
+    for _ in range(2):
+        got, expected = jitted(x), fn(x)
+        assert type(got) is type(expected)
+        flat_got, flat_expected = _leaves(got), _leaves(expected)
+        assert len(flat_got) == len(flat_expected)
+        for g, e in zip(flat_got, flat_expected):
+            assert_same_result(g, e)
+
+
+def test_frozen_slotted_dataclass_outputs_are_made_anew_each_call():
+    jitted = dtcompile.jit(lambda x: FrozenPair(x * 2, [x, 3]))
+    x = torch.randn(3)
+    first, second = jitted(x), jitted(x)
+    assert type(second) is FrozenPair and first is not second
+    assert_same_result(second.first, x * 2)
+    assert_same_result(second.rest, [x, 3])
+
+
+def test_outputs_that_cannot_be_rebuilt_are_an_error():
+    class Bag(list):
+        pass
+
+    with pytest.raises(dtcompile.TracingError, match="inside a Bag"):
+        dtcompile.jit(lambda x: [Bag([x * 2])])(torch.randn(3))
+
+
+def test_namedtuple_inputs():
+    def fn(pair):
+        return pair.scaled * pair.shifted
+
+    jitted = dtcompile.jit(fn)
+    x = torch.randn(3)
+    assert_same_result(jitted(NT(x, 2.0)), fn(NT(x, 2.0)))
+    assert_same_result(jitted(NT(x, 3.0)), fn(NT(x, 3.0)))
+    with pytest.raises(AttributeError):
+        jitted((x, 3.0))  # a plain tuple is a new entry, traced like eager: it fails like eager
+
+
+def _leaves(value):
+    if isinstance(value, (tuple, list)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    if dataclasses.is_dataclass(value):
+        return [leaf for f in dataclasses.fields(value) for leaf in _leaves(getattr(value, f.name))]
+    return [value]
+
+
+# Item 7: jitted code called by jitted code runs inline.
+def test_jitted_functions_and_modules_inside_jitted_code_run_inline():
+    inner = dtcompile.jit(lambda x: x * 2)
+    layer = torch.nn.Linear(3, 3)
+    jitted_layer = dtcompile.jit(layer)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), jitted_layer)
+    jitted_model = dtcompile.jit(model)
+
+    def outer(x):
+        return jitted_layer(inner(x)) + 1
+
+    x = torch.randn(2, 3)
+    jitted_outer = dtcompile.jit(outer)
+    with torch.no_grad():
+        got = [jitted_outer(x), jitted_outer(x + 1), jitted_model(x)]
+        # Traced as part of the outer programs: the inner ones never compiled on their own.
+        assert dtcompile.cache_misses(inner) == 0 and dtcompile.cache_misses(jitted_layer) == 0
+        for g, e in zip(got, [outer(x), outer(x + 1), model(x)]):
+            assert_same_result(g, e)
+
+
+# Item 8: data-dependent code is a TracingError naming the torch-level call.
+@pytest.mark.parametrize(
+    "fn, call",
+    [
+        (lambda x: x * x.sum().item(), "Tensor.item"),
+        (lambda x: x if x.sum() > 0 else -x, "Tensor.__bool__"),
+        (lambda x: x * len(x.sum(1).tolist()), "Tensor.tolist"),
+        (lambda x: x * int(x.sum()), "Tensor.__int__"),
+        (lambda x: x * x.numpy().sum(), "Tensor.numpy"),
+        (lambda x: x * 2 if torch.equal(x, x) else x, "torch.equal"),
+    ],
+)
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_reading_tensor_data_is_a_tracing_error_naming_the_call(fn, call, cache):
+    with pytest.raises(dtcompile.TracingError, match=f"{call.replace('.', '[.]')} depends on the values"):
+        dtcompile.jit(fn, cache=cache)(torch.randn(4, 3))
+
+
+_DATA_SHAPED = [
+    (lambda x: x[x > 0] * 2, "Tensor.__getitem__"),
+    (lambda x: x.nonzero() + 1, "Tensor.nonzero"),
+    (lambda x: torch.masked_select(x, x > 0).sum(0, keepdim=True), "torch.masked_select"),
+    (lambda x: x[x.sum(1) > 0].reshape(-1, 3).t(), "Tensor.__getitem__"),
+    (lambda x: torch.zeros(x.nonzero().shape[0]) + 1, "Tensor.nonzero"),
+]
+
+
+@pytest.mark.parametrize("fn, call", _DATA_SHAPED)
+def test_shapes_from_data_need_symbolic_values(fn, call):
+    with pytest.raises(dtcompile.TracingError, match=f"{call.replace('.', '[.]')} depends on the values.*symbolic"):
+        dtcompile.jit(fn)(torch.randn(4, 3))
+
+
+@pytest.mark.parametrize("fn, call", _DATA_SHAPED)
+def test_shapes_from_data_under_symbolic_values_compile_once(fn, call):
+    jitted = dtcompile.jit(fn, cache="symbolic values")
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        x = torch.randn(4, 3, generator=generator)
+        assert_same_result(jitted(x), fn(x))
+    assert dtcompile.cache_misses(jitted) == 1
+
+
+def test_python_branches_on_shapes_from_data_are_a_tracing_error():
+    def fn(x):
+        kept = x[x > 0]
+        return kept * 2 if kept.shape[0] > 5 else kept
+
+    with pytest.raises(dtcompile.TracingError, match="Python control flow on u0 > 5"):
+        dtcompile.jit(fn, cache="symbolic values")(torch.randn(4, 3))
