@@ -164,7 +164,6 @@ def test_changes_that_cannot_be_replayed_are_errors():
         dtcompile.jit(deletes)(torch.randn(2), Buffer(4))
 
 
-
 def test_a_new_object_holding_tensors_is_made_anew_after_each_call():
     def makes(x, buffer):
         fresh = Buffer(4)

@@ -324,3 +324,32 @@ def test_python_branches_on_shapes_from_data_are_a_tracing_error():
 
     with pytest.raises(dtcompile.TracingError, match="Python control flow on u0 > 5"):
         dtcompile.jit(fn, cache="symbolic values")(torch.randn(4, 3))
+
+
+# Item 4: tensors a program closes over that require grad are differentiable inputs.
+def test_closed_over_parameters_get_gradients():
+    weight = torch.nn.Parameter(torch.randn(3, 3))
+    layer = torch.nn.Linear(3, 2)
+
+    def loss(d, target):
+        return torch.nn.functional.mse_loss(layer(d @ weight), target)
+
+    jitted = dtcompile.jit(loss)
+    d, target = torch.randn(4, 3), torch.randn(4, 2)
+    for _ in range(2):
+        params = [weight, *layer.parameters()]
+        for p in params:
+            p.grad = None
+        got = jitted(d, target)
+        got.backward()
+        got_grads = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        expected = loss(d, target)
+        expected.backward()
+        assert_same_result(got.detach(), expected.detach())
+        for g, p in zip(got_grads, params):
+            assert_same_result(g, p.grad)
+    assert dtcompile.cache_misses(jitted) == 1
+    with torch.no_grad():  # without gradients: another entry
+        assert_same_result(jitted(d, target), loss(d, target))

@@ -81,6 +81,8 @@ class Recording:
         self.constants: dict[str, NamedConstant] = {}  # arguments with no literal, by name
         self.current_call: str | None = None  # the torch-level call of the user's code running now
         self.snapshot = None  # a DataSnapshot of the user's data the traced code must not change
+        self.captured_held: list[torch.Tensor] = []  # what the program holds of each: the tensor, or its DTensor
+        self._captured_dtensors: dict[int, DTensor] = {}  # id of a closed-over DTensor -> its traced stand-in
 
     def new_name(self) -> str:
         while True:
@@ -119,6 +121,7 @@ class Recording:
             proxy.value = real
             self.valued.append(proxy)
             self.captured.append(real)
+            self.captured_held.append(real)
             self.captured_proxies.append(proxy)
             self._captured_index[id(real)] = proxy
         return proxy
@@ -146,6 +149,28 @@ class Recording:
             return x.value if isinstance(x, TensorProxy) else x
 
         return func(*tree_map(to_value, args), **tree_map(to_value, kwargs))
+
+    def capture_dtensor(self, real: DTensor) -> DTensor:
+        """What the traced code uses for a DTensor it closes over (a parameter of a model
+        called inside a loss function): a DTensor around the captured proxy of its local
+        tensor, with its spec, so that its ops are recorded and run at every call, and
+        gradients flow to it when it requires grad."""
+        traced = self._captured_dtensors.get(id(real))
+        if traced is None:
+            proxy = self.capture(real._local_tensor)
+            self.captured_held[next(i for i, p in enumerate(self.captured_proxies) if p is proxy)] = real
+            traced = DTensor(proxy, real._spec, requires_grad=real.requires_grad)
+            self._captured_dtensors[id(real)] = traced
+        return traced
+
+    def closed_over_differentiable(self) -> list[tuple[TensorProxy, torch.Tensor]]:
+        """``(proxy, what the trace differentiates)`` for each captured tensor or DTensor
+        that requires grad (a closed-over parameter): gradients flow to it as to an input."""
+        found = []
+        for held, proxy in zip(self.captured_held, self.captured_proxies):
+            if held.requires_grad:
+                found.append((proxy, self._captured_dtensors[id(held)] if isinstance(held, DTensor) else held))
+        return found
 
     def _captured(self, x):
         """An argument as the trace holds it: a proxy for a real tensor, a named constant
@@ -308,11 +333,17 @@ def _describe_output(value) -> str:
 
 class CallAnnotator(TorchFunctionMode):
     """Notes on each recorded symbol the torch-level call it came from, and tells the
-    recording when DTensor is handling a call (its factory ops are then its own)."""
+    recording when DTensor is handling a call (its factory ops are then its own). A
+    DTensor the code closes over is replaced by its traced stand-in (``capture_dtensor``)."""
 
     def __init__(self, recording: Recording):
         super().__init__()
         self.recording = recording
+
+    def _traced_dtensor(self, value):
+        if isinstance(value, DTensor) and not isinstance(value._local_tensor, TensorProxy):
+            return self.recording.capture_dtensor(value)
+        return value
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -322,6 +353,9 @@ class CallAnnotator(TorchFunctionMode):
         leaves, _ = tree_flatten((args, kwargs))
         if func in _DATA_READS and any(_is_traced(x) for x in leaves):
             raise data_dependent_error(_short_name(func), "the data leaves torch")
+        if any(isinstance(x, DTensor) and not isinstance(x._local_tensor, TensorProxy) for x in leaves):
+            args, kwargs = tree_map(self._traced_dtensor, (args, kwargs))
+            leaves, _ = tree_flatten((args, kwargs))
         handled_by_dtensor = any(isinstance(x, DTensor) for x in leaves)
         self.recording.dtensor_calls += handled_by_dtensor
         outer_call, self.recording.current_call = self.recording.current_call, _short_name(func)

@@ -56,6 +56,8 @@ class CapturedCall:
     trace: Trace
     inputs: CallInputs
     output: OutputNode
+    # The tensors the program closes over, as the prologue holds them: each captured tensor,
+    # or the closed-over DTensor whose local tensor it is.
     captured: list[torch.Tensor]
     grad_enabled: bool
     meshes: list  # the DeviceMeshes of the DTensor inputs, without repeats
@@ -131,7 +133,6 @@ def capture_call(
                 state.setdefault(id(tensor), proxy)
 
     grad_enabled = torch.is_grad_enabled()
-    training = grad_enabled and bool(proxifier.differentiable)
     collector = OutputCollector(proxifier.objects)
     module_state = ModuleState(module, state) if module is not None else None
     recording.snapshot = snapshot = _user_data(fn, module_state)
@@ -143,9 +144,13 @@ def capture_call(
             if module_state is not None:
                 with module_state:
                     result = module(*proxy_args, **proxy_kwargs)
+                    closed = recording.closed_over_differentiable()
+                    training = grad_enabled and bool(proxifier.differentiable or closed)
                     module_updates = module_state.updates(collector.describe, training)
             else:
                 result = fn(*proxy_args, **proxy_kwargs)
+                closed = recording.closed_over_differentiable()
+                training = grad_enabled and bool(proxifier.differentiable or closed)
             output = collector.describe(result)
             updates = proxifier.objects.updates(collector.describe)
             if training and proxifier.objects.needed:
@@ -154,7 +159,7 @@ def capture_call(
                     f"({proxifier.objects.needed[0].path}); that is supported only without gradients"
                 )
             if training:
-                backward = capture_backward(recording, proxifier.differentiable, collector.values)
+                backward = capture_backward(recording, proxifier.differentiable + closed, collector.values)
         except GuardOnDataDependentSymNode as error:  # a size read from data, asked about in Python
             raise data_dependent_error(
                 recording.current_call, f"Python control flow on {error.cond}, a size read from tensor data"
@@ -199,7 +204,7 @@ def capture_call(
         trace,
         inputs,
         output,
-        recording.captured,
+        recording.captured_held,
         grad_enabled,
         meshes,
         shape_env,
@@ -222,7 +227,9 @@ def _user_data(fn, module_state: ModuleState | None) -> DataSnapshot:
         prefix = module_state.paths[id(module)]
         for name, value in vars(module).items():
             if name not in ("_parameters", "_buffers"):
-                snapshot.add(value, f"the module attribute {prefix}.{name}" if prefix else f"the module attribute {name}")
+                snapshot.add(
+                    value, f"the module attribute {prefix}.{name}" if prefix else f"the module attribute {name}"
+                )
         for table in _HOOK_TABLES:
             for hook in getattr(module, table).values():
                 kind = table.strip("_")[:-1].replace("_", " ")

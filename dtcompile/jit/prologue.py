@@ -399,11 +399,17 @@ def build_prologue(
                 owner, _, leaf = name.rpartition(".")
                 example = getattr(module.get_submodule(owner), table).get(leaf)
                 b.node(node, f"{sources[owner]}.{table}.get({leaf!r})", example)
-    for i, (tensor, proxy) in enumerate(captured):
+    for i, (held, proxy) in enumerate(captured):
         # Held by reference: its values are read at each call, its metadata guarded.
         name = f"CAPTURED{i}"
-        b.globals[name] = tensor
-        b.tensor_meta(name, LocalTensorMeta.of(tensor), proxy, tensor)
+        b.globals[name] = held
+        if isinstance(held, DTensor):  # a closed-over DTensor of a training call: its local tensor is the input
+            b.fail_if(f"{name}.requires_grad is not {held.requires_grad}")
+            local = b.bind(f"{name}._local_tensor", "local")
+            b.tensor_meta(local, LocalTensorMeta.of(held._local_tensor), proxy, held._local_tensor)
+            b.results.append(name if held.requires_grad and not unwrap_differentiable else local)
+            continue
+        b.tensor_meta(name, LocalTensorMeta.of(held), proxy, held)
         b.results.append(name)
     b.check_batched()
     if shape_env is not None:
