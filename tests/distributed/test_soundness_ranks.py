@@ -1,0 +1,183 @@
+"""Eager's results or a clear error with DTensors on Gloo ranks: aliased DTensor inputs,
+tensor-parallel module state changed by assignment, side effects, outputs, nested jitted
+code, data-dependent code and closed-over DTensor parameters (issue 11)."""
+
+import collections
+import copy
+
+import torch
+import torch.distributed as dist
+from checks import assert_all_same, assert_same
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import dtcompile
+from dtcompile.core import TensorProxy
+from dtcompile.testing.models import parallel_mlp
+
+Pair = collections.namedtuple("Pair", "scaled summed")
+
+
+def _mesh():
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def aliased_dtensors():
+    mesh = _mesh()
+
+    def fn(x, y):
+        a = y * 2
+        x.add_(1)
+        return a + y * 2
+
+    jitted = dtcompile.jit(fn)
+    for make in (
+        lambda: (
+            distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0)]),
+            distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0)]),
+        ),
+        lambda: (lambda d: (d, d))(distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0)])),
+        lambda: (  # two DTensors around one local tensor
+            lambda t: (DTensor.from_local(t, mesh, [Shard(0)]), DTensor.from_local(t, mesh, [Shard(0)]))
+        )(torch.zeros(2, 4)),
+    ):
+        got_args, expected_args = make(), make()
+        with torch.no_grad():
+            assert_same(jitted(*got_args), fn(*expected_args))
+        assert_all_same(list(got_args), list(expected_args))
+
+    def same_or_not(q, k):
+        return q * 2 if q is k else q - k
+
+    jitted = dtcompile.jit(same_or_not)
+    a = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+    b = distribute_tensor(torch.full((4, 4), 3.0), mesh, [Shard(0)])
+    with torch.no_grad():
+        for args in ((a, a), (a, b), (b, b)):
+            assert_same(jitted(*args), same_or_not(*args))
+    return dtcompile.cache_misses(jitted)
+
+
+def test_aliased_dtensor_inputs(ranks2):
+    assert ranks2.run(aliased_dtensors) == [2, 2]
+
+
+class _Recording(torch.nn.Module):
+    """A tensor-parallel MLP that records its output and counts its calls."""
+
+    def __init__(self, mesh):
+        super().__init__()
+        self.mlp = parallel_mlp(mesh, dim=8, hidden=16)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls = self.calls + 1
+        y = self.mlp(x)
+        self.last = y.detach() * self.calls
+        return y
+
+
+def module_state_with_dtensors():
+    mesh = _mesh()
+    model = _Recording(mesh)
+    eager = copy.deepcopy(model)
+    jitted = dtcompile.jit(model)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for _ in range(3):
+            assert_same(jitted(x), eager(x))
+            assert_same(model.calls, eager.calls)
+            assert_same(model.last, eager.last)
+        # A new DTensor parameter in a slot: used at the next call.
+        new_weight = distribute_tensor(torch.randn(16, 8), mesh, [Shard(0)])
+        model.mlp.up.weight = torch.nn.Parameter(new_weight)
+        eager.mlp.up.weight = torch.nn.Parameter(new_weight.clone())
+        assert_same(jitted(x), eager(x))
+    return not any(isinstance(getattr(v, "_local_tensor", v), TensorProxy) for v in vars(model).values())
+
+
+def test_module_state_changed_by_assignment_with_dtensors(ranks2):
+    assert ranks2.run(module_state_with_dtensors) == [True, True]
+
+
+def side_effects_with_dtensors():
+    mesh = _mesh()
+    model = parallel_mlp(mesh, dim=8, hidden=16)
+    store = []
+    model.up.register_forward_hook(lambda module, inputs, output: store.append(output))
+    try:
+        with torch.no_grad():
+            dtcompile.jit(model)(torch.randn(2, 8))
+    except dtcompile.TracingError as error:
+        return "store" in str(error) and store == []
+    return False
+
+
+def test_hooks_with_side_effects_on_dtensors_are_refused(ranks2):
+    assert ranks2.run(side_effects_with_dtensors) == [True, True]
+
+
+def outputs_nested_and_data_reads():
+    mesh = _mesh()
+    model = parallel_mlp(mesh, dim=8, hidden=16)
+    jitted_model = dtcompile.jit(model)
+
+    def fn(x):
+        y = jitted_model(x)  # runs inline
+        d = DTensor.from_local(y, mesh, [Replicate()])
+        return Pair(d * 2, d.sum())
+
+    jitted = dtcompile.jit(fn)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for _ in range(2):
+            got = jitted(x)
+            assert type(got) is Pair
+            assert_all_same(tuple(got), tuple(fn(x)))
+    assert dtcompile.cache_misses(jitted_model) == 1  # only by the eager call of fn above
+    refused = []
+    d = distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
+    for read in (lambda t: t * t.sum().item(), lambda t: t * len(t.tolist()), lambda t: t if t.sum() > 0 else -t):
+        try:
+            dtcompile.jit(read)(d)
+        except dtcompile.TracingError as error:
+            refused.append("depends on the values in a tensor" in str(error))
+    return refused
+
+
+def test_outputs_nested_jit_and_data_reads_with_dtensors(ranks2):
+    assert ranks2.run(outputs_nested_and_data_reads) == [[True] * 3] * 2
+
+
+def closed_over_dtensor_parameters():
+    mesh = _mesh()
+    model = parallel_mlp(mesh, dim=8, hidden=16)
+    eager = copy.deepcopy(model)
+
+    def loss_of(m):
+        return lambda x, target: torch.nn.functional.mse_loss(m(x), target)
+
+    jitted = dtcompile.jit(loss_of(model))
+    generator = torch.Generator().manual_seed(2)
+    x, target = torch.randn(4, 8, generator=generator), torch.randn(4, 8, generator=generator)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_optimizer = torch.optim.SGD(eager.parameters(), lr=0.1)
+    for _ in range(3):
+        got = jitted(x, target)
+        got.backward()
+        expected = loss_of(eager)(x, target)
+        expected.backward()
+        assert_same(got.detach(), expected.detach())
+        for p, q in zip(model.parameters(), eager.parameters()):
+            assert_same(p.grad, q.grad)
+        optimizer.step()
+        eager_optimizer.step()
+        optimizer.zero_grad()
+        eager_optimizer.zero_grad()
+    with torch.no_grad():  # parameters changed in place by the optimizer: read at each call
+        assert_same(jitted(x, target), loss_of(eager)(x, target))
+    return dtcompile.cache_misses(jitted)
+
+
+def test_closed_over_dtensor_parameters_get_gradients(ranks2):
+    assert ranks2.run(closed_over_dtensor_parameters) == [2, 2]
