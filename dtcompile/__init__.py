@@ -7,6 +7,7 @@ of local ops and collectives, with no DTensor dispatch left at run time.
 
 from .capture import TracingError, UnsupportedInputError
 from .jit import (
+    EagerMismatchError,
     RankMismatchError,
     cache_hits,
     cache_misses,
@@ -21,6 +22,7 @@ from .jit import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "EagerMismatchError",
     "RankMismatchError",
     "TracingError",
     "UnsupportedInputError",

@@ -11,7 +11,7 @@ import torch
 from support import assert_same_result
 
 import dtcompile
-from dtcompile.core import TensorProxy
+from dtcompile.core import BoundSymbol, Symbol, TensorProxy
 
 NT = collections.namedtuple("NT", "scaled shifted")
 
@@ -353,3 +353,54 @@ def test_closed_over_parameters_get_gradients():
     assert dtcompile.cache_misses(jitted) == 1
     with torch.no_grad():  # without gradients: another entry
         assert_same_result(jitted(d, target), loss(d, target))
+
+
+# check="eager": a compiled call checked against eager, naming the first differing line.
+class _MulAsAdd:
+    """A broken executor: it runs every multiplication as an addition."""
+
+    name = "broken"
+
+    def claims(self, bsym):
+        return bsym.op is torch.ops.aten.mul.Tensor
+
+    def lower(self, bsym, index, context):
+        add = Symbol("torch.add", globals=(("torch", torch, "torch"),))
+        return [BoundSymbol(add, bsym.args, bsym.kwargs, bsym.output, bsym.note, bsym.op)]
+
+
+def test_check_eager_names_the_first_line_that_differs():
+    def fn(x):
+        return (x + 1).exp() * 3 - x
+
+    jitted = dtcompile.jit(fn, check="eager", executors=["collectives", _MulAsAdd(), "torch"])
+    with pytest.raises(
+        dtcompile.EagerMismatchError, match=r"(?s)output 0: values differ.*torch\.add\(t1, 3\)  # Tensor\.mul"
+    ):
+        jitted(torch.randn(3))
+
+
+def test_check_eager_tells_a_tracing_difference_and_passes_otherwise(monkeypatch):
+    scale = [2.0]  # a list's contents are not guarded
+    jitted = dtcompile.jit(lambda x: x * scale[0], check="eager")
+    assert_same_result(jitted(torch.ones(2)), torch.full((2,), 2.0))
+    scale[0] = 3.0
+    with pytest.raises(dtcompile.EagerMismatchError, match="difference is in what tracing saw"):
+        jitted(torch.ones(2))
+
+    def writes(x, counter):
+        counter.add_(1)
+        return torch.randn(2) + x * counter  # random numbers too: the generator is replayed
+
+    monkeypatch.setenv("DTCOMPILE_CHECK", "eager")
+    jitted = dtcompile.jit(writes)
+    x, counter = torch.ones(2), torch.zeros(())
+    torch.manual_seed(0)
+    got = [jitted(x, counter) for _ in range(3)]
+    torch.manual_seed(0)
+    eager_counter = torch.zeros(())
+    expected = [writes(x, eager_counter) for _ in range(3)]
+    assert_same_result(got, expected)
+    assert_same_result(counter, eager_counter)  # each call's change made once
+    with pytest.raises(ValueError, match="check must be one of"):
+        dtcompile.jit(writes, check="sometimes")

@@ -16,7 +16,7 @@ from .inputs import (
     UnsupportedInputError,
     iter_leaves,
 )
-from .objects import AttributeUpdate, new_object
+from .objects import AttributeUpdate, is_state_object, new_object
 from .outputs import (
     ConstantOutput,
     DictOutput,
@@ -30,6 +30,7 @@ from .outputs import (
     Slot,
     TensorOutput,
 )
+from .snapshots import DataSnapshot
 from .placements import describe_placement, describe_placements
 from .tracer import CallInputs, CapturedCall, capture_call, is_tracing
 
@@ -63,6 +64,8 @@ __all__ = [
     "BackwardCapture",
     "UnsupportedInputError",
     "capture_call",
+    "DataSnapshot",
+    "is_state_object",
     "is_tracing",
     "describe_placement",
     "describe_placements",

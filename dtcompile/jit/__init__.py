@@ -11,9 +11,11 @@ from .api import (
     last_traces,
     timed_call,
 )
+from .check import EagerMismatchError
 from .consistency import RankMismatchError
 
 __all__ = [
+    "EagerMismatchError",
     "JittedFunction",
     "RankMismatchError",
     "cache_hits",

@@ -41,7 +41,9 @@ class JittedFunction:
             compiled = self._dtcompile
             method = functools.partial(self._fn, instance)
             functools.update_wrapper(method, self._fn)
-            bound = self._bound[instance] = jit(method, cache=compiled.cache, executors=compiled.executor_spec)
+            bound = self._bound[instance] = jit(
+                method, cache=compiled.cache, executors=compiled.executor_spec, check=compiled.check
+            )
         return bound
 
 
@@ -56,20 +58,22 @@ def _plain(jitted: torch.nn.Module) -> torch.nn.Module:
     return plain
 
 
-def _rejit(module: torch.nn.Module, cache: str, executors) -> torch.nn.Module:
-    return jit(module, cache=cache, executors=executors)
+def _rejit(module: torch.nn.Module, cache: str, executors, check=None) -> torch.nn.Module:
+    return jit(module, cache=cache, executors=executors, check=check)
 
 
 def _jitted_module_deepcopy(self, memo):
     """A deep copy of the module, compiled anew (with an empty cache of its own)."""
     compiled = self._dtcompile
-    return jit(copy.deepcopy(_plain(self), memo), cache=compiled.cache, executors=compiled.executor_spec)
+    return jit(
+        copy.deepcopy(_plain(self), memo), cache=compiled.cache, executors=compiled.executor_spec, check=compiled.check
+    )
 
 
 def _jitted_module_reduce_ex(self, protocol):
     """Pickled as the plain module and unpickled compiled anew (``torch.save`` works)."""
     compiled = self._dtcompile
-    return _rejit, (_plain(self), compiled.cache, compiled.executor_spec)
+    return _rejit, (_plain(self), compiled.cache, compiled.executor_spec, compiled.check)
 
 
 _jitted_classes: dict[type, type] = {}
@@ -92,12 +96,12 @@ def _jitted_class(cls: type) -> type:
     return jitted_cls
 
 
-def _jit_module(module: torch.nn.Module, cache: str, executors) -> torch.nn.Module:
+def _jit_module(module: torch.nn.Module, cache: str, executors, check) -> torch.nn.Module:
     """The module, compiled: an object of a subclass of the module's class that shares the
     module's ``__dict__`` (so its parameters, buffers, submodules, training flag and
     attributes are the module's own) and whose call runs the compiled program (hooks ran
     while tracing; the prologue guards them)."""
-    compiled = CompiledFunction(module, module=module, cache=cache, executors=executors)
+    compiled = CompiledFunction(module, module=module, cache=cache, executors=executors, check=check)
     compiled.name = type(module).__qualname__
     jitted = object.__new__(_jitted_class(type(module)))
     object.__setattr__(jitted, "__dict__", module.__dict__)
@@ -105,7 +109,7 @@ def _jit_module(module: torch.nn.Module, cache: str, executors) -> torch.nn.Modu
     return jitted
 
 
-def jit(fn_or_module, *, cache: str = "constant values", executors=None):
+def jit(fn_or_module, *, cache: str = "constant values", executors=None, check: str | None = None):
     """Compile a function or module over DTensors (or plain tensors) into per-rank programs.
 
     ``cache``: ``"constant values"`` (one compilation per input metadata; the default),
@@ -114,12 +118,17 @@ def jit(fn_or_module, *, cache: str = "constant values", executors=None):
     every call; for debugging). ``executors``: names in claiming order, by default
     ``["collectives", "torch"]``. A module comes back as a jitted module: the same object
     state under a subclass of its class whose call runs the compiled program.
+
+    ``check="eager"`` (or the environment variable ``DTCOMPILE_CHECK=eager``) also runs the
+    eager program at each call and raises :class:`EagerMismatchError` where outputs or
+    changed inputs differ, naming the first line of the per-rank program whose value
+    differs: a debugging mode (each call runs three or four times).
     """
     if isinstance(fn_or_module, torch.nn.Module):
-        return _jit_module(fn_or_module, cache, executors)
+        return _jit_module(fn_or_module, cache, executors, check)
     if not callable(fn_or_module):
         raise TypeError(f"dtcompile.jit expects a function or an nn.Module, not {type(fn_or_module).__name__}")
-    compiled = CompiledFunction(fn_or_module, module=None, cache=cache, executors=executors)
+    compiled = CompiledFunction(fn_or_module, module=None, cache=cache, executors=executors, check=check)
     return JittedFunction(fn_or_module, compiled)
 
 

@@ -9,6 +9,7 @@ autograd Function (``training.py``).
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from collections import Counter
@@ -36,6 +37,7 @@ from ..transforms import (
     schedule_collectives,
     split_forward_backward,
 )
+from .check import checked_call, running_eager
 from .consistency import check_ranks_agree, group_labels
 from .epilogue import build_epilogue
 from .prologue import build_prologue
@@ -60,6 +62,7 @@ FINISH = (schedule_collectives,)
 ENTRIES_WARNING = 32  # entries of one function after which a warning says so
 _instances: Counter[str] = Counter()  # compiled functions made so far, by name
 CACHE_OPTIONS = ("constant values", "no caching", "symbolic values")
+CHECK_OPTIONS = (None, "eager")
 
 
 @dataclass
@@ -69,6 +72,9 @@ class CacheEntry:
     epilogue: GeneratedFunction
     traces: list[Trace]
     compile_seconds: float
+    # The program as recorded below DTensor, runnable (its sizes materialized): what
+    # ``check="eager"`` compares the compiled program with, line by line. None for training.
+    reference: Trace | None = None
 
 
 class InferenceProgram:
@@ -109,9 +115,13 @@ class CompileStats:
 class CompiledFunction:
     """The compiled form of one function or module, with its cache."""
 
-    def __init__(self, fn, *, module: torch.nn.Module | None, cache: str, executors):
+    def __init__(self, fn, *, module: torch.nn.Module | None, cache: str, executors, check: str | None = None):
         if cache not in CACHE_OPTIONS:
             raise ValueError(f"dtcompile.jit: cache must be one of {CACHE_OPTIONS}, not {cache!r}")
+        check = os.environ.get("DTCOMPILE_CHECK") or None if check is None else check
+        if check not in CHECK_OPTIONS:
+            raise ValueError(f"dtcompile.jit: check must be one of {CHECK_OPTIONS}, not {check!r}")
+        self.check = check
         self.fn = fn
         self.module = module
         self.cache = cache
@@ -142,20 +152,31 @@ class CompiledFunction:
         return None
 
     def __call__(self, module, args: tuple, kwargs: dict):
-        if is_tracing():
+        if is_tracing() or running_eager():
             # Called by code being traced (a jitted layer inside a jitted model): part of the
-            # outer program, so it runs as written, on the outer trace's proxies.
+            # outer program, so it runs as written, on the outer trace's proxies. (Or by the
+            # eager reference of a checked call: eager too.)
             return self.fn(*args, **kwargs)
+        if self.check is not None:
+            return checked_call(self, module, args, kwargs, lambda: self.fn(*args, **kwargs))
         found = self._lookup(module, args, kwargs)
         if found is not None:
             return found[0].run(found[1])
+        entry, inputs = self.entry_for(module, args, kwargs)
+        return entry.run(inputs)
+
+    def entry_for(self, module, args: tuple, kwargs: dict) -> tuple[CacheEntry, tuple]:
+        """The entry that accepts the call, compiled if none does, and the prologue's result."""
+        found = self._lookup(module, args, kwargs)
+        if found is not None:
+            return found
         entry = self.compile(args, kwargs)
         inputs = entry.prologue.fn(module, args, kwargs)
         if inputs is None:
             raise AssertionError(
                 f"dtcompile: the prologue of a fresh entry rejected the call it was compiled for:\n{entry.prologue}"
             )
-        return entry.run(inputs)
+        return entry, inputs
 
     def timed_call(self, module, args: tuple, kwargs: dict) -> tuple[object, CallTimes]:
         """A call that hits the cache, timed part by part (see :class:`CallTimes`)."""
@@ -181,8 +202,10 @@ class CompiledFunction:
         captured = capture_call(self.fn, args, kwargs, module=self.module, symbolic=self.symbolic)
         labels = group_labels(captured.meshes)
         executors = self.executors_for(captured)
+        reference = None
         if captured.backward is None:
             run, epilogue, traces = self._inference(captured, labels, executors)
+            reference = traces[len(self.sizes)]
         else:
             run, epilogue, traces = self._training(captured, labels, executors)
         entry = CacheEntry(
@@ -199,6 +222,7 @@ class CompiledFunction:
             epilogue=epilogue,
             traces=traces,
             compile_seconds=time.perf_counter() - start,
+            reference=reference,
         )
         self.stats.misses += 1
         self.stats.compile_seconds.append(entry.compile_seconds)
