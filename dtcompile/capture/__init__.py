@@ -30,8 +30,8 @@ from .outputs import (
     Slot,
     TensorOutput,
 )
-from .snapshots import DataSnapshot
 from .placements import describe_placement, describe_placements
+from .snapshots import DataSnapshot
 from .tracer import CallInputs, CapturedCall, capture_call, is_tracing
 
 __all__ = [
