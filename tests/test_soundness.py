@@ -404,3 +404,34 @@ def test_check_eager_tells_a_tracing_difference_and_passes_otherwise(monkeypatch
     assert_same_result(counter, eager_counter)  # each call's change made once
     with pytest.raises(ValueError, match="check must be one of"):
         dtcompile.jit(writes, check="sometimes")
+
+
+def test_tensor_hooks_registered_by_the_function():
+    store = []
+
+    def keeps_gradients(x):
+        y = x * 2
+        y.register_hook(store.append)
+        return y.sum()
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(dtcompile.TracingError, match="'store'"):
+        dtcompile.jit(keeps_gradients)(x)
+    assert store == []
+
+    def scales_gradients(x):
+        y = x * 2
+        y.register_hook(lambda grad: grad * 3)
+        return (y * y).sum()
+
+    dtcompile.jit(scales_gradients)(x).backward()
+    got, x.grad = x.grad, None
+    scales_gradients(x).backward()
+    assert_same_result(got, x.grad)
+
+    def after_accumulation(x):
+        x.register_post_accumulate_grad_hook(lambda t: None)
+        return x.sum()
+
+    with pytest.raises(dtcompile.TracingError, match="register_post_accumulate_grad_hook"):
+        dtcompile.jit(after_accumulation)(torch.randn(3, requires_grad=True))

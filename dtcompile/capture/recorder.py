@@ -47,6 +47,7 @@ _FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
 _DATA_DEPENDENT_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
 # Tensor methods that hand the caller a tensor's data outside torch (NumPy, Python lists).
 _DATA_READS = {torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.tolist, torch.Tensor.data_ptr}
+_HOOK_REGISTRATIONS = {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
 
 
 _FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
@@ -340,6 +341,18 @@ class CallAnnotator(TorchFunctionMode):
         super().__init__()
         self.recording = recording
 
+    def _check_hook(self, func, args) -> None:
+        """A hook registered on a traced tensor runs while the backward is traced: its
+        effects on Python data are checked like the function's own (``recording.snapshot``)."""
+        if func is not torch.Tensor.register_hook:
+            raise TracingError(
+                f"dtcompile.jit: {_short_name(func)} on a traced tensor: such a hook runs when a gradient is "
+                "accumulated into a leaf, which a compiled call's traced backward never does"
+            )
+        hook = args[1] if len(args) > 1 else None
+        if self.recording.snapshot is not None and hook is not None:
+            self.recording.snapshot.add_callable(hook, f"the tensor hook {getattr(hook, '__qualname__', hook)}")
+
     def _traced_dtensor(self, value):
         if isinstance(value, DTensor) and not isinstance(value._local_tensor, TensorProxy):
             return self.recording.capture_dtensor(value)
@@ -353,6 +366,8 @@ class CallAnnotator(TorchFunctionMode):
         leaves, _ = tree_flatten((args, kwargs))
         if func in _DATA_READS and any(_is_traced(x) for x in leaves):
             raise data_dependent_error(_short_name(func), "the data leaves torch")
+        if func in _HOOK_REGISTRATIONS and _is_traced(args[0]):
+            self._check_hook(func, args)
         if any(isinstance(x, DTensor) and not isinstance(x._local_tensor, TensorProxy) for x in leaves):
             args, kwargs = tree_map(self._traced_dtensor, (args, kwargs))
             leaves, _ = tree_flatten((args, kwargs))

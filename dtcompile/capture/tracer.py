@@ -172,7 +172,7 @@ def capture_call(
             snapshot.restore()
     if changed:
         raise TracingError(
-            f"dtcompile.jit: the traced code changed {changed[0]}, which the call does not receive. A compiled "
+            f"dtcompile.jit: the traced code changed {changed[0]}, a Python value outside its inputs. A compiled "
             "program runs the Python code once, while tracing, so such side effects would not happen at each "
             "call (the change was undone). Return the values instead, or pass the object in the call (its "
             "attribute assignments are then replayed after each call)"
