@@ -36,6 +36,7 @@ from ..core import (
     NoProvenance,
     Note,
     TensorProxy,
+    TracingError,
     aten_symbol,
     data_dependent_error,
 )
