@@ -435,3 +435,24 @@ def test_tensor_hooks_registered_by_the_function():
 
     with pytest.raises(dtcompile.TracingError, match="register_post_accumulate_grad_hook"):
         dtcompile.jit(after_accumulation)(torch.randn(3, requires_grad=True))
+
+
+def _buffers_written_apart(x):
+    a, b = torch.zeros(3), torch.zeros(3)  # equal computations, then written apart
+    a.add_(x)
+    b.mul_(x)
+    return a * 2 + b
+
+
+def _empties_filled_apart(x):
+    a, b = torch.empty_like(x), torch.empty_like(x)
+    a.copy_(x)
+    b.fill_(2.0)
+    return a + b
+
+
+@pytest.mark.parametrize("fn", [_buffers_written_apart, _empties_filled_apart])
+def test_equal_buffers_written_in_place_are_not_merged(fn):
+    jitted = dtcompile.jit(fn)
+    for x in (torch.ones(3), torch.arange(3.0)):
+        torch.testing.assert_close(jitted(x), fn(x))

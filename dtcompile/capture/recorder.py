@@ -42,6 +42,7 @@ from ..core import (
 )
 from ..core.printing import NamedConstant, Unprintable, python_literal
 from ..core.symbolic import is_symbolic
+from .c10d import is_c10d_op, record_c10d
 from .placements import describe_placements
 
 _FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
@@ -174,13 +175,17 @@ class Recording:
                 found.append((proxy, self._captured_dtensors[id(held)] if isinstance(held, DTensor) else held))
         return found
 
+    def _captured_tensor(self, x):
+        """A real tensor's proxy (see :meth:`capture`); anything else as it is."""
+        if isinstance(x, torch.Tensor) and not isinstance(x, TensorProxy):
+            return self.capture(x)
+        return x
+
     def _captured(self, x):
         """An argument as the trace holds it: a proxy for a real tensor, a named constant
         for an object with no literal."""
-        if isinstance(x, torch.Tensor) and not isinstance(x, TensorProxy):
-            return self.capture(x)
-        if isinstance(x, TensorProxy):
-            return x
+        if isinstance(x, torch.Tensor):
+            return self._captured_tensor(x)
         try:
             python_literal(x)
         except Unprintable:
@@ -207,6 +212,8 @@ class Recording:
             # real values; where the program uses one, it is captured. (The user's code runs
             # outside DTensor's handling: its ops on closed-over tensors are recorded.)
             return func(*args, **kwargs)
+        if is_c10d_op(func):  # ``dist.all_reduce(y)`` in the user's code
+            return record_c10d(self, func, *tree_map(self._captured_tensor, (args, kwargs)))
         args, kwargs = tree_map(self._captured, (args, kwargs))
         proxies = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, TensorProxy)]
         value = self.trace_time_value(func, args, kwargs, proxies)

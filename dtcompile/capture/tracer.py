@@ -18,6 +18,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, S
 
 from ..core import InputPath, Trace, TracingError, data_dependent_error, verify
 from .autograd import BackwardCapture, capture_backward
+from .c10d import object_collective_refusal
 from .inputs import (
     DictInput,
     DTensorInput,
@@ -164,6 +165,11 @@ def capture_call(
             raise data_dependent_error(
                 recording.current_call, f"Python control flow on {error.cond}, a size read from tensor data"
             ) from error
+        except Exception as error:
+            refusal = object_collective_refusal(error)
+            if refusal is None:
+                raise
+            raise refusal from error
         finally:
             _tracing.pop()
             recording.forget_values()

@@ -6,7 +6,7 @@ from torch.utils._pytree import tree_flatten, tree_structure
 
 from ..core import TensorProxy, Trace, is_proxy, renamed
 from ..core.printing import Unprintable, python_literal
-from .effects import has_side_effects, mutates, storage_bases
+from .effects import has_side_effects, mutates, storage_bases, written_tensors
 
 
 def _key(bsym) -> str | None:
@@ -26,9 +26,12 @@ def cse(trace: Trace) -> Trace:
     is not the same value). Two computations whose results (or views of them) are both
     returned stay apart: eager returns distinct tensors there, and merging them would hand
     the caller one tensor twice, or two outputs that share memory, so that writing to one
-    changes the other.
+    changes the other. Nor are two computations whose memory is written in place anywhere
+    in the trace (two ``empty_like`` buffers a collective then fills): merged, both writes
+    would land in one buffer.
     """
     base = storage_bases(trace, inputs_may_alias=True)
+    written_anywhere = {base.get(p.label) for bsym in trace.bound_symbols for p in written_tensors(bsym)}
     leaves, _ = tree_flatten(trace.output)
     returned = {base[x.label] for x in leaves if isinstance(x, TensorProxy)}  # storages the caller gets
     seen: dict[str, object] = {}
@@ -45,6 +48,8 @@ def cse(trace: Trace) -> Trace:
                 if not any(base.get(p.label) in written for p in (*b.input_tensors(), *b.output_tensors()))
             }
         key = None if has_side_effects(bsym) else _key(bsym)
+        if key is not None and any(base.get(p.label) in written_anywhere for p in bsym.output_tensors()):
+            key = None
         earlier = seen.get(key) if key is not None else None
         if earlier is not None and tree_structure(earlier.output) == tree_structure(bsym.output):
             old, _ = tree_flatten(bsym.output)

@@ -1,0 +1,256 @@
+"""Collectives the traced code calls itself (``dist.all_reduce(y)``), recorded.
+
+Hugging Face's tensor parallelism and hand-written (Megatron-style) TP call
+``torch.distributed`` on plain local tensors. Those calls reach the recorder as c10d ops
+(``c10d.allreduce_``: in place, returning a ``Work``). Each is recorded as what DTensor's
+own collectives are recorded as, a functional collective and its wait
+(``_c10d_functional.all_reduce`` then ``wait_tensor``), followed by a ``copy_`` of the
+result into the tensor the call wrote. The passes and the collectives executor then treat
+it like any of DTensor's: the ranks compare it at compile time, the executor runs it on
+the group (in place when nothing else reads the input).
+
+The call returns a completed ``Work`` (c10d's ``FakeWork``): ``async_op=True`` with
+``work.wait()`` works, and the recorded collective is already complete at its
+``wait_tensor``, which comes right after it (eager lets code read the buffer only after
+``wait``, so waiting early changes no value).
+
+What cannot be recorded raises :class:`TracingError` naming the call: point-to-point
+``send``/``recv``, rooted collectives (``reduce``, ``gather``, ``scatter``), barriers (they
+order processes, not data), and object collectives (``all_gather_object``: pickled Python
+objects, read back as values).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import FakeWork, ProcessGroup
+
+from ..core import Note, TracingError
+
+aten = torch.ops.aten
+functional = torch.ops._c10d_functional
+
+_C10D_MODULE = "torch.distributed.distributed_c10d"
+# ReduceOp's numbers, as a c10d op receives them, and the functional collectives' names.
+_REDUCE_NAMES = {int(v): k.lower() for k, v in dist.ReduceOp.RedOpType.__members__.items()}
+_REFUSED = {
+    "send": "point-to-point communication",
+    "recv_": "point-to-point communication",
+    "recv_any_source_": "point-to-point communication",
+    "reduce_": "a rooted collective (use all_reduce)",
+    "gather_": "a rooted collective (use all_gather)",
+    "scatter_": "a rooted collective",
+    "barrier": "a barrier: it orders processes, not data (call it outside the compiled function)",
+    "monitored_barrier_": "a barrier: it orders processes, not data (call it outside the compiled function)",
+    "allgather_coalesced_": "a deprecated collective (use all_gather_into_tensor)",
+}
+
+
+def is_c10d_op(func) -> bool:
+    return getattr(func, "namespace", None) == "c10d"
+
+
+def _public_c10d_name(frames) -> str | None:
+    """The outermost public function of torch.distributed among ``frames``."""
+    name = None
+    for frame in frames:
+        if frame.f_globals.get("__name__") == _C10D_MODULE and not frame.f_code.co_name.startswith("_"):
+            name = frame.f_code.co_name
+    return name
+
+
+def _stack():
+    frame = sys._getframe(1)
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+def _user_call() -> tuple[str, str]:
+    """The ``torch.distributed`` function the traced code called, as ``dist.<name>``; and
+    its bare name."""
+    name = _public_c10d_name(_stack()) or "a torch.distributed collective"
+    return f"dist.{name}", name
+
+
+def _object_collective_error(call: str) -> TracingError:
+    return TracingError(
+        f"dtcompile.jit: {call} sends pickled Python objects between ranks and reads them back as values; "
+        "it cannot be recorded in a compiled program (call it outside the compiled function)"
+    )
+
+
+def object_collective_refusal(error: Exception) -> TracingError | None:
+    """The clear error for an object collective (``dist.all_gather_object``) that failed
+    while traced before it reached a collective (pickling into a traced tensor); else None."""
+    if isinstance(error, TracingError):
+        return None
+    frames, tb = [], error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    name = _public_c10d_name(reversed(frames))
+    if name is None or not name.endswith(("_object", "_object_list")):
+        return None
+    return _object_collective_error(f"dist.{name}")
+
+
+class _Recorder:
+    """Records one c10d call as functional collectives through the recording."""
+
+    def __init__(self, recording, call: str):
+        self.recording = recording
+        self.call = call
+
+    def op(self, func, *args):
+        return self.recording.record(func, args, {})
+
+    def group(self, pg) -> tuple[str, int]:
+        group = ProcessGroup.unbox(pg) if isinstance(pg, torch.ScriptObject) else pg
+        return group.group_name, group.size()
+
+    def reduce_op(self, op) -> str:
+        number = op.op() if isinstance(op, torch.ScriptObject) else int(op)
+        name = _REDUCE_NAMES.get(number, str(number))
+        if name not in ("sum", "avg", "product", "min", "max", "band", "bor", "bxor"):
+            raise TracingError(f"dtcompile.jit: {self.call} with ReduceOp {name.upper()} cannot be recorded")
+        return name
+
+    def waited(self, collective, *args):
+        return self.op(functional.wait_tensor.default, self.op(collective, *args))
+
+    def write(self, target, result) -> None:
+        """``target.copy_(result)``, ``result`` viewed as ``target``'s shape."""
+        if tuple(result.shape) != tuple(target.shape):
+            result = self.op(aten.reshape.default, result, list(target.shape))
+        self.op(aten.copy_.default, target, result)
+
+    def flat(self, tensors: list) -> object:
+        """The tensors flattened and joined into one 1-D tensor."""
+        flat = [self.op(aten.reshape.default, t, [-1]) for t in tensors]
+        return flat[0] if len(flat) == 1 else self.op(aten.cat.default, flat)
+
+    def scatter_rows(self, result, targets: list) -> None:
+        """Write consecutive pieces of the 1-D ``result`` into ``targets``, in order."""
+        start = 0
+        for target in targets:
+            end = start + target.numel()
+            self.write(target, self.op(aten.slice.Tensor, result, 0, start, end))
+            start = end
+
+
+def _all_reduce(r: _Recorder, tensors, pg, reduce_op, *rest):
+    group, _ = r.group(pg)
+    op = r.reduce_op(reduce_op)
+    for t in tensors:
+        r.write(t, r.waited(functional.all_reduce.default, t, op, group))
+
+
+def _all_gather_base(r: _Recorder, output, input, pg, *rest):
+    group, size = r.group(pg)
+    r.write(output, r.waited(functional.all_gather_into_tensor.default, input, size, group))
+
+
+def _all_gather(r: _Recorder, output_lists, inputs, pg, *rest):
+    group, size = r.group(pg)
+    for outputs, input in zip(output_lists, inputs):
+        r.scatter_rows(r.waited(functional.all_gather_into_tensor.default, r.flat([input]), size, group), outputs)
+
+
+def _all_gather_coalesced(r: _Recorder, outputs, inputs, pg, *rest):
+    for output, input in zip(outputs, inputs):
+        _all_gather_base(r, output, input, pg)
+
+
+def _reduce_scatter_base(r: _Recorder, output, input, pg, reduce_op, *rest):
+    group, size = r.group(pg)
+    op = r.reduce_op(reduce_op)
+    r.write(output, r.waited(functional.reduce_scatter_tensor.default, input, op, size, group))
+
+
+def _reduce_scatter(r: _Recorder, outputs, input_lists, pg, reduce_op, *rest):
+    group, size = r.group(pg)
+    op = r.reduce_op(reduce_op)
+    for output, inputs in zip(outputs, input_lists):
+        r.write(output, r.waited(functional.reduce_scatter_tensor.default, r.flat(inputs), op, size, group))
+
+
+def _reduce_scatter_coalesced(r: _Recorder, outputs, inputs, pg, reduce_op, *rest):
+    for output, input in zip(outputs, inputs):
+        _reduce_scatter_base(r, output, input, pg, reduce_op)
+
+
+def _broadcast(r: _Recorder, tensors, pg, root_rank, root_tensor, *rest):
+    group, _ = r.group(pg)  # root_rank is the group's rank, as the functional op takes it
+    for t in tensors:
+        r.write(t, r.waited(functional.broadcast.default, t, root_rank, group))
+
+
+def _all_to_all_base(r: _Recorder, output, input, pg, output_splits, input_splits, *rest):
+    group, size = r.group(pg)
+    if not input_splits:
+        input_splits = [input.shape[0] // size] * size
+    if not output_splits:
+        output_splits = [output.shape[0] // size] * size
+    result = r.waited(functional.all_to_all_single.default, input, list(output_splits), list(input_splits), group)
+    r.write(output, result)
+
+
+def _all_to_all(r: _Recorder, outputs, inputs, pg, *rest):
+    group, _ = r.group(pg)
+    result = r.waited(
+        functional.all_to_all_single.default,
+        r.flat(inputs),
+        [o.numel() for o in outputs],
+        [i.numel() for i in inputs],
+        group,
+    )
+    r.scatter_rows(result, outputs)
+
+
+_RECORDED = {
+    "allreduce_": _all_reduce,
+    "allreduce_coalesced_": _all_reduce,
+    "_allgather_base_": _all_gather_base,
+    "allgather_": _all_gather,
+    "allgather_into_tensor_coalesced_": _all_gather_coalesced,
+    "_reduce_scatter_base_": _reduce_scatter_base,
+    "reduce_scatter_": _reduce_scatter,
+    "reduce_scatter_tensor_coalesced_": _reduce_scatter_coalesced,
+    "broadcast_": _broadcast,
+    "alltoall_base_": _all_to_all_base,
+    "alltoall_": _all_to_all,
+}
+
+
+def record_c10d(recording, func, args: tuple, kwargs: dict):
+    """Record the c10d op ``func`` (its tensors already the trace's proxies) as functional
+    collectives on ``recording``; return what the op returns to ``torch.distributed``: the
+    tensors it wrote and a completed ``Work``."""
+    call, name = _user_call()
+    if name.endswith(("_object", "_object_list")):
+        raise _object_collective_error(call)
+    op_name = func._schema.name.split("::")[-1]
+    if op_name in _REFUSED:
+        raise TracingError(f"dtcompile.jit: {call} is {_REFUSED[op_name]}; it cannot be recorded in a compiled program")
+    handler = _RECORDED.get(op_name)
+    if handler is None:
+        raise TracingError(f"dtcompile.jit: {call} (c10d.{op_name}) cannot be recorded in a compiled program")
+    schema = func._schema.arguments
+    arguments = list(args) + [kwargs[a.name] for a in schema[len(args) :] if a.name in kwargs]
+    start = len(recording.bound_symbols)
+    handler(_Recorder(recording, call), *arguments)
+    written = args[0]
+    flat = [
+        t for t in (written if isinstance(written, list) else [written]) for t in (t if isinstance(t, list) else [t])
+    ]
+    note = Note(f"{call}({', '.join(f'{{{i}}}' for i in range(len(flat)))})", tuple(flat))
+    for bsym in recording.bound_symbols[start:]:
+        if bsym.note is None:
+            bsym.note = note
+    work = FakeWork().boxed()
+    returns = func._schema.returns
+    return work if len(returns) == 1 else (written, work)

@@ -1,0 +1,311 @@
+"""Collectives the program calls itself (``dist.all_reduce(y)``), compiled against eager
+on Gloo ranks: every in-place c10d collective and the functional ones, synchronous and
+with ``async_op=True``, in functions, hand-written tensor-parallel modules (forward and
+backward) and a Hugging Face model loaded with ``tp_plan="auto"``; what cannot be
+recorded is refused with a TracingError naming the call (issue 11, item 0)."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from checks import assert_all_same, assert_same
+
+import dtcompile
+
+
+def _ranks():
+    return dist.get_rank(), dist.get_world_size()
+
+
+def all_reduce_sum(x):
+    y = x * 2
+    dist.all_reduce(y)
+    return y + 1
+
+
+def all_reduce_max_async(x):
+    y = x * 2
+    work = dist.all_reduce(y, op=dist.ReduceOp.MAX, async_op=True)
+    work.wait()
+    return y + 1
+
+
+def all_reduce_of_the_input(x):
+    dist.all_reduce(x)  # the caller's tensor changes, as in eager
+    return x * 3
+
+
+def all_reduce_on_a_subgroup(x):
+    y = x.sin()
+    dist.all_reduce(y, group=dist.new_group(list(range(dist.get_world_size()))))
+    return y
+
+
+def all_gather_into_tensor(x):
+    _, n = _ranks()
+    out = torch.empty(x.shape[0] * n, *x.shape[1:])
+    dist.all_gather_into_tensor(out, x + 1)
+    return out
+
+
+def all_gather_list(x):
+    _, n = _ranks()
+    outs = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(outs, x * 2)
+    return torch.stack(outs) + 1
+
+
+def reduce_scatter_tensor_async(x):
+    _, n = _ranks()
+    out = torch.empty(x.shape[0] // n, *x.shape[1:])
+    dist.reduce_scatter_tensor(out, x * 2, async_op=True).wait()
+    return out
+
+
+def reduce_scatter_list(x):
+    _, n = _ranks()
+    out = torch.empty(x.shape[0] // n, *x.shape[1:])
+    dist.reduce_scatter(out, list((x * 2).chunk(n)))
+    return out
+
+
+def broadcast_from_last(x):
+    _, n = _ranks()
+    y = x + 1
+    dist.broadcast(y, src=n - 1)
+    return y * 2
+
+
+def all_to_all_single(x):
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x * 2)
+    return out
+
+
+def all_to_all_list(x):
+    _, n = _ranks()
+    inputs = list((x * 2).chunk(n))
+    outputs = [torch.empty_like(t) for t in inputs]
+    dist.all_to_all(outputs, inputs)
+    return torch.cat(outputs)
+
+
+def functional_all_reduce(x):
+    return funcol.all_reduce(x * 2, "sum", dist.group.WORLD) + 1
+
+
+def two_buffers_filled_by_collectives(x):
+    a, b = torch.zeros_like(x), torch.zeros_like(x)  # equal computations, filled apart
+    a.copy_(x)
+    dist.all_reduce(a)
+    dist.broadcast(b, src=0)
+    return a + b
+
+
+FUNCTIONS = [
+    all_reduce_sum,
+    all_reduce_max_async,
+    all_reduce_of_the_input,
+    all_reduce_on_a_subgroup,
+    all_gather_into_tensor,
+    all_gather_list,
+    reduce_scatter_tensor_async,
+    reduce_scatter_list,
+    broadcast_from_last,
+    all_to_all_single,
+    all_to_all_list,
+    functional_all_reduce,
+    two_buffers_filled_by_collectives,
+]
+
+
+def functions_equal_eager():
+    rank, n = _ranks()
+    for fn in FUNCTIONS:
+        jitted = dtcompile.jit(fn)
+        for call in range(2):  # the compiling call, then a cached one
+            x = torch.arange(4.0 * n).reshape(2 * n, 2) * (rank + 1) + call
+            got_x, expected_x = x.clone(), x.clone()
+            assert_same(jitted(got_x), fn(expected_x), f"{fn.__name__}, call {call}")
+            assert_same(got_x, expected_x, f"{fn.__name__}: the argument after call {call}")
+        assert dtcompile.cache_misses(jitted) == 1, fn.__name__
+    return True
+
+
+def test_direct_collectives_equal_eager(ranks2):
+    assert ranks2.run(functions_equal_eager) == [True, True]
+
+
+def test_direct_collectives_on_four_ranks(ranks4):
+    assert ranks4.run(functions_equal_eager) == [True] * 4
+
+
+class _AllReduceForward(torch.autograd.Function):
+    """Megatron's "reduce from the tensor-parallel region": all_reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _AllReduceBackward(torch.autograd.Function):
+    """Megatron's "copy to the tensor-parallel region": identity forward, all_reduce backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class HandWrittenParallelMLP(torch.nn.Module):
+    """A column-parallel then row-parallel MLP on plain local shards, as Megatron writes it."""
+
+    def __init__(self, dim=8, hidden=16):
+        super().__init__()
+        rank, n = _ranks()
+        torch.manual_seed(0)
+        up, down = torch.randn(hidden, dim), torch.randn(dim, hidden)
+        self.up = torch.nn.Parameter(up.chunk(n, dim=0)[rank].clone())
+        self.down = torch.nn.Parameter(down.chunk(n, dim=1)[rank].clone())
+
+    def forward(self, x):
+        x = _AllReduceBackward.apply(x)
+        h = torch.nn.functional.gelu(x @ self.up.t())
+        return _AllReduceForward.apply(h @ self.down.t())
+
+
+def hand_written_tensor_parallel():
+    torch.manual_seed(1)
+    model = HandWrittenParallelMLP()
+    reference = HandWrittenParallelMLP()
+    jitted = dtcompile.jit(model)
+    for step in range(2):
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(step))
+        with torch.no_grad():
+            assert_same(jitted(x), reference(x), f"inference {step}")
+        got_x, expected_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+        got, expected = jitted(got_x), reference(expected_x)
+        assert_same(got, expected, f"training {step}")
+        got.square().sum().backward()
+        expected.square().sum().backward()
+        assert_all_same(
+            [got_x.grad, model.up.grad, model.down.grad], [expected_x.grad, reference.up.grad, reference.down.grad]
+        )
+    return True
+
+
+def test_hand_written_tensor_parallelism_forward_and_backward(ranks2):
+    assert ranks2.run(hand_written_tensor_parallel) == [True, True]
+
+
+def _save_small_llama(path: str) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if dist.get_rank() == 0:
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+        LlamaForCausalLM(config).save_pretrained(path)
+    dist.barrier()
+
+
+def hf_tp_plan_auto(path: str):
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    _save_small_llama(path)
+    rank, n = _ranks()  # what torchrun sets, and Hugging Face reads
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n))
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32).eval()
+    jitted = dtcompile.jit(model)
+    prompt = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_same(jitted(input_ids=prompt).logits, model(input_ids=prompt).logits, "prefill")
+    notes = {str(b.note) for b in dtcompile.last_traces(jitted)[0].bound_symbols}
+    assert any(note.startswith("dist.all_reduce") for note in notes), "the model calls dist.all_reduce itself"
+
+    def generate(forward):
+        cache, inputs, tokens = DynamicCache(config=model.config), prompt, []
+        with torch.no_grad():
+            for _ in range(4):
+                out = forward(input_ids=inputs, past_key_values=cache, use_cache=True)
+                inputs = out.logits[:, -1].argmax(-1, keepdim=True)
+                tokens.append(inputs)
+        return torch.cat(tokens, dim=1), out.logits
+
+    got_tokens, got_logits = generate(jitted)
+    expected_tokens, expected_logits = generate(model)
+    assert torch.equal(got_tokens, expected_tokens)
+    assert_same(got_logits, expected_logits, "last decode step")
+    return True
+
+
+def test_hugging_face_tp_plan_auto_prefill_and_decode(ranks2, tmp_path):
+    assert ranks2.run(hf_tp_plan_auto, os.fspath(tmp_path), timeout=300) == [True, True]
+
+
+def _send_recv(x):
+    rank, _ = _ranks()
+    if rank == 0:
+        dist.send(x, dst=1)
+    else:
+        dist.recv(x, src=0)
+    return x
+
+
+def _gather_object(x):
+    objects = [None] * dist.get_world_size()
+    dist.all_gather_object(objects, {"rank": dist.get_rank()})
+    return x * len(objects)
+
+
+def _barrier(x):
+    dist.barrier()
+    return x + 1
+
+
+def _reduce(x):
+    dist.reduce(x, dst=0)
+    return x
+
+
+REFUSED = {
+    _send_recv: ("dist.send", "dist.recv"),
+    _gather_object: ("dist.all_gather_object",),
+    _barrier: ("dist.barrier",),
+    _reduce: ("dist.reduce",),
+}
+
+
+def refused_collectives():
+    messages = []
+    for fn, calls in REFUSED.items():
+        with pytest.raises(dtcompile.TracingError) as error:
+            dtcompile.jit(fn)(torch.ones(2))
+        assert any(call + " " in str(error.value) for call in calls), str(error.value)
+        messages.append(str(error.value))
+    return messages
+
+
+def test_what_cannot_be_recorded_is_refused_naming_the_call(ranks2):
+    for messages in ranks2.run(refused_collectives):
+        assert "point-to-point" in messages[0] and "pickled Python objects" in messages[1]
