@@ -14,6 +14,7 @@ from dataclasses import replace
 import torch
 
 from ..core import BoundSymbol, Symbol
+from ..core.op_classes import is_communication
 from ..core.prims import READS, ShapeQuery, SizeExpression
 
 aten = torch.ops.aten
@@ -123,7 +124,7 @@ class TorchExecutor:
     def claims(self, bsym: BoundSymbol) -> bool:
         if bsym.op is None:
             return isinstance(bsym.symbol, (ShapeQuery, SizeExpression))
-        return bsym.op.namespace != "_c10d_functional"
+        return not is_communication(bsym.op)
 
     def lower(self, bsym: BoundSymbol, index: int, context) -> list[BoundSymbol]:
         if isinstance(bsym.symbol, ShapeQuery):
