@@ -29,7 +29,7 @@ from ..core import BoundSymbol, Symbol, TensorProxy
 from ..core.op_classes import group_name
 from ..core.printing import python_literal
 from ..core.proxy import is_contiguous_stride
-from .base import LoweringContext
+from .base import Executor, LoweringContext
 
 functional = torch.ops._c10d_functional
 _REDUCE_OPS = {"sum": "SUM", "product": "PRODUCT", "min": "MIN", "max": "MAX"}
@@ -126,7 +126,7 @@ class WaitCollective(Symbol):
         return [f"{self.work}.wait()", f"{bsym.output.label} = {bsym.args[0].label}"]
 
 
-class CollectivesExecutor:
+class CollectivesExecutor(Executor):
     """Claims DTensor's functional collectives and their waits."""
 
     name = "collectives"

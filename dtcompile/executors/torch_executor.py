@@ -16,6 +16,7 @@ import torch
 from ..core import BoundSymbol, Symbol
 from ..core.op_classes import is_communication
 from ..core.prims import READS, ShapeQuery, SizeExpression
+from .base import Executor
 
 aten = torch.ops.aten
 _TORCH = (("torch", torch, "torch"),)
@@ -112,7 +113,7 @@ def _fast_symbol(op) -> Symbol | None:
     return None
 
 
-class TorchExecutor:
+class TorchExecutor(Executor):
     """Runs the local ops. Collectives are left to the collectives executor; where no
     executor claims a symbol, ``lower`` runs it through its OpOverload."""
 
