@@ -11,7 +11,8 @@ import torch
 from support import assert_same_result
 
 import dtcompile
-from dtcompile.core import BoundSymbol, Symbol, TensorProxy
+from dtcompile.core import TensorProxy
+from dtcompile.testing.broken import MulAsAddExecutor
 
 NT = collections.namedtuple("NT", "scaled shifted")
 
@@ -356,24 +357,11 @@ def test_closed_over_parameters_get_gradients():
 
 
 # check="eager": a compiled call checked against eager, naming the first differing line.
-class _MulAsAdd:
-    """A broken executor: it runs every multiplication as an addition."""
-
-    name = "broken"
-
-    def claims(self, bsym):
-        return bsym.op is torch.ops.aten.mul.Tensor
-
-    def lower(self, bsym, index, context):
-        add = Symbol("torch.add", globals=(("torch", torch, "torch"),))
-        return [BoundSymbol(add, bsym.args, bsym.kwargs, bsym.output, bsym.note, bsym.op)]
-
-
 def test_check_eager_names_the_first_line_that_differs():
     def fn(x):
         return (x + 1).exp() * 3 - x
 
-    jitted = dtcompile.jit(fn, check="eager", executors=["collectives", _MulAsAdd(), "torch"])
+    jitted = dtcompile.jit(fn, check="eager", executors=["collectives", MulAsAddExecutor(), "torch"])
     with pytest.raises(
         dtcompile.EagerMismatchError, match=r"(?s)output 0: values differ.*torch\.add\(t1, 3\)  # Tensor\.mul"
     ):

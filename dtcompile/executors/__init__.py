@@ -33,6 +33,10 @@ def resolve_executors(names, devices=()) -> list[Executor]:
     for item in names:
         if isinstance(item, str) and item not in AVAILABLE:
             raise ValueError(f"dtcompile: unknown executor {item!r}; available: {sorted(AVAILABLE)}")
+        if not isinstance(item, (str, Executor)):
+            raise ValueError(
+                f"dtcompile: executors must be names or dtcompile.executors.Executor objects, not {item!r}"
+            )
     if not any(item == "collectives" or isinstance(item, CollectivesExecutor) for item in names):
         names.insert(0, "collectives")
     return [AVAILABLE[item]() if isinstance(item, str) else item for item in names]

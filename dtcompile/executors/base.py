@@ -9,7 +9,6 @@ the Python that runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from torch.utils._pytree import tree_flatten
 
@@ -54,12 +53,23 @@ class LoweringContext:
         return all(self.last_use.get(label, -1) <= index for label, b in self.base.items() if b == base)
 
 
-class Executor(Protocol):
+class Executor:
+    """What an executor does: claim symbols and lower each one it claims; and, before
+    that, replace regions of the trace by symbols of its own (``partition``: by default
+    none, executors that run one op at a time leave the trace as it is)."""
+
     name: str
 
-    def claims(self, bsym: BoundSymbol) -> bool: ...
+    def partition(self, trace: Trace, earlier: list[Executor]) -> Trace:
+        """The trace with the regions this executor runs replaced, leaving alone what an
+        executor in ``earlier`` claims."""
+        return trace
 
-    def lower(self, bsym: BoundSymbol, index: int, context: LoweringContext) -> list[BoundSymbol]: ...
+    def claims(self, bsym: BoundSymbol) -> bool:
+        raise NotImplementedError
+
+    def lower(self, bsym: BoundSymbol, index: int, context: LoweringContext) -> list[BoundSymbol]:
+        raise NotImplementedError
 
 
 def lower(trace: Trace, executors: list[Executor]) -> Trace:
@@ -69,8 +79,7 @@ def lower(trace: Trace, executors: list[Executor]) -> Trace:
     symbol of their own (``partition``), leaving alone what an executor before them in the
     list claims; the symbols are then lowered one by one."""
     for position, executor in enumerate(executors):
-        if hasattr(executor, "partition"):
-            trace = executor.partition(trace, executors[:position])
+        trace = executor.partition(trace, executors[:position])
     context = LoweringContext(trace)
     lowered: list[BoundSymbol] = []
     for index, bsym in enumerate(trace.bound_symbols):

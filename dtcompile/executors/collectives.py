@@ -26,9 +26,10 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..core import BoundSymbol, Symbol, TensorProxy
+from ..core.op_classes import group_name
 from ..core.printing import python_literal
 from ..core.proxy import is_contiguous_stride
-from .base import LoweringContext
+from .base import Executor, LoweringContext
 
 functional = torch.ops._c10d_functional
 _REDUCE_OPS = {"sum": "SUM", "product": "PRODUCT", "min": "MIN", "max": "MAX"}
@@ -125,17 +126,7 @@ class WaitCollective(Symbol):
         return [f"{self.work}.wait()", f"{bsym.output.label} = {bsym.args[0].label}"]
 
 
-def _group_position(op) -> int:
-    """Where the group name is among a functional collective's arguments."""
-    return {
-        functional.all_reduce.default: 2,
-        functional.all_gather_into_tensor.default: 2,
-        functional.reduce_scatter_tensor.default: 3,
-        functional.all_to_all_single.default: 3,
-    }[op]
-
-
-class CollectivesExecutor:
+class CollectivesExecutor(Executor):
     """Claims DTensor's functional collectives and their waits."""
 
     name = "collectives"
@@ -165,7 +156,7 @@ class CollectivesExecutor:
             return [bsym]  # the functional op itself handles these
         work = f"{bsym.output.label}_work"
         context.work_of[bsym.output.label] = work
-        group = bsym.args[_group_position(bsym.op)]
+        group = group_name(bsym)
         exchange = kind == "all_reduce" and _exchange_fits(bsym, reduce_op, group, context)
         if exchange:
             context.combine_of[bsym.output.label] = _EXCHANGE_COMBINE[reduce_op]

@@ -14,7 +14,9 @@ from dataclasses import replace
 import torch
 
 from ..core import BoundSymbol, Symbol
+from ..core.op_classes import is_communication
 from ..core.prims import READS, ShapeQuery, SizeExpression
+from .base import Executor
 
 aten = torch.ops.aten
 _TORCH = (("torch", torch, "torch"),)
@@ -111,7 +113,7 @@ def _fast_symbol(op) -> Symbol | None:
     return None
 
 
-class TorchExecutor:
+class TorchExecutor(Executor):
     """Runs the local ops. Collectives are left to the collectives executor; where no
     executor claims a symbol, ``lower`` runs it through its OpOverload."""
 
@@ -123,7 +125,7 @@ class TorchExecutor:
     def claims(self, bsym: BoundSymbol) -> bool:
         if bsym.op is None:
             return isinstance(bsym.symbol, (ShapeQuery, SizeExpression))
-        return bsym.op.namespace != "_c10d_functional"
+        return not is_communication(bsym.op)
 
     def lower(self, bsym: BoundSymbol, index: int, context) -> list[BoundSymbol]:
         if isinstance(bsym.symbol, ShapeQuery):

@@ -1,14 +1,14 @@
 """Passes over traces. Each takes a trace and returns a new one; none mutates its input."""
 
 from .all_reduce_sums import combine_all_reduces
-from .autodiff import SplitTraces, saved_note, split_forward_backward
 from .copies import remove_redundant_copies
 from .cse import cse
 from .dce import dce
-from .effects import has_side_effects, mutates, returns_alias, storage_bases
+from .effects import has_side_effects, mutates, storage_bases
 from .linear import fuse_linears
 from .schedule import schedule_collectives
 from .sizes import UnmaterializableSizeError, has_symbolic_sizes, materialize_sizes
+from .split import SplitTraces, saved_note, split_forward_backward
 from .views import collapse_view_chains, remove_identity_views
 
 __all__ = [
@@ -28,6 +28,5 @@ __all__ = [
     "remove_identity_views",
     "remove_redundant_copies",
     "schedule_collectives",
-    "returns_alias",
     "storage_bases",
 ]

@@ -38,13 +38,6 @@ def has_side_effects(bsym: BoundSymbol) -> bool:
     return mutates(bsym) or is_random(bsym)
 
 
-def returns_alias(bsym: BoundSymbol) -> bool:
-    """True when an output may share memory with an input (views, in-place results)."""
-    if bsym.op is None:
-        return True
-    return any(ret.alias_info is not None for ret in bsym.op._schema.returns)
-
-
 def storage_bases(trace, inputs_may_alias: bool = False) -> dict[str, str]:
     """For each tensor of ``trace``, the first tensor that shares its memory (itself for a
     fresh buffer). Read from the FakeTensors, which share storage exactly where eager's

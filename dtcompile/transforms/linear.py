@@ -16,15 +16,11 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..core import BoundSymbol, NoProvenance, TensorProxy, Trace, aten_symbol, is_proxy, renamed
-from ..core.proxy import contiguous_strides, is_contiguous_stride
+from ..core.op_classes import RESHAPES, is_row_major
+from ..core.proxy import is_contiguous_stride
 from ..core.symbolic import known_equal, known_shape_equal
 
 aten = torch.ops.aten
-_RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
-
-
-def _row_major(proxy: TensorProxy) -> bool:
-    return known_shape_equal(proxy.stride(), contiguous_strides(proxy.shape))
 
 
 def _operands(bsym, producers: dict):
@@ -49,7 +45,7 @@ def _operands(bsym, producers: dict):
 def _folded_input(a: TensorProxy, producers: dict):
     """The input ``x`` that ``a`` folds to ``[M, K]``, when it is a row-major reshape of one."""
     reshape = producers.get(a.label)
-    if reshape is None or reshape.op not in _RESHAPES:
+    if reshape is None or reshape.op not in RESHAPES:
         return None
     x = reshape.args[0]
     if not isinstance(x, TensorProxy) or x.dim() < 3 or not is_contiguous_stride(x.shape, x.stride()):
@@ -70,7 +66,7 @@ def fuse_linears(trace: Trace) -> Trace:
             readers[proxy.label] += 1
         for proxy in bsym.output_proxies():
             producers[proxy.label] = bsym
-        if bsym.op in _RESHAPES and isinstance(bsym.args[0], TensorProxy):
+        if bsym.op in RESHAPES and isinstance(bsym.args[0], TensorProxy):
             reshaped_by[bsym.args[0].label] = bsym
     leaves, _ = tree_flatten(trace.output)
     readers.update(x.label for x in leaves if is_proxy(x))
@@ -97,7 +93,7 @@ def fuse_linears(trace: Trace) -> Trace:
             if readers[result.label] != 1 or target is None:
                 continue
             expected = (*x.shape[:-1], w.shape[0])
-            if not known_shape_equal(target.output.shape, expected) or not _row_major(target.output):
+            if not known_shape_equal(target.output.shape, expected) or not is_row_major(target.output):
                 continue
         args = (x, w) if bias is None else (x, w, bias)
         old = target.output  # same name and metadata, made by the linear now

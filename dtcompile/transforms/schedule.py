@@ -11,20 +11,17 @@ memory (the collective may still be reading its input), or the end.
 
 from __future__ import annotations
 
-import torch
-
 from ..core import Trace
+from ..core.op_classes import is_collective, is_wait
 from .effects import mutates
-
-functional = torch.ops._c10d_functional
 
 
 def _is_wait(bsym) -> bool:
-    return bsym.op is functional.wait_tensor.default
+    return is_wait(bsym.op)
 
 
 def _is_collective(bsym) -> bool:
-    return bsym.op is not None and bsym.op.namespace == "_c10d_functional" and not _is_wait(bsym)
+    return is_collective(bsym.op)
 
 
 def _starts_early(symbols: list) -> list:

@@ -17,33 +17,11 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..core import TensorProxy, Trace, aten_symbol, renamed
-from ..core.proxy import contiguous_strides
+from ..core.op_classes import MAYBE_IDENTITY_VIEWS, ORDER_KEEPING_VIEWS, RESHAPES, is_row_major
 from ..core.symbolic import known_equal, known_shape_equal
 
 aten = torch.ops.aten
-_VIEW_OPS = {
-    aten.view.default,
-    aten._unsafe_view.default,
-    aten.alias.default,
-    aten.reshape.default,
-    aten.detach.default,
-    aten.expand.default,
-    aten.slice.Tensor,
-}
 _LARGE = 2**62  # a slice's end at or past this is "to the end"
-# Views that keep a row-major tensor's elements in order; the reshapes among them.
-_ORDER_KEEPING = {
-    aten.view.default,
-    aten._unsafe_view.default,
-    aten.reshape.default,
-    aten.alias.default,
-    aten.detach.default,
-    aten.unsqueeze.default,
-    aten.squeeze.dim,
-    aten.squeeze.dims,
-    aten.squeeze.default,
-}
-_RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 
 def _whole_on_every_rank(bsym) -> bool:
@@ -63,7 +41,7 @@ def _whole_on_every_rank(bsym) -> bool:
 
 
 def _is_identity_view(bsym) -> bool:
-    if bsym.op not in _VIEW_OPS or not bsym.args or not isinstance(bsym.args[0], TensorProxy):
+    if bsym.op not in MAYBE_IDENTITY_VIEWS or not bsym.args or not isinstance(bsym.args[0], TensorProxy):
         return False
     if not _whole_on_every_rank(bsym):
         return False
@@ -102,11 +80,6 @@ def remove_identity_views(trace: Trace) -> Trace:
     return trace.derive(f"{trace.fn_name}, after removing identity views", kept, renamed(trace.output, renames))
 
 
-def _row_major(proxy: TensorProxy) -> bool:
-    """Strides exactly row-major, size-1 dims included (what ``view`` gives such a tensor)."""
-    return known_shape_equal(proxy.stride(), contiguous_strides(proxy.shape))
-
-
 def collapse_view_chains(trace: Trace) -> Trace:
     """Reshape a row-major tensor directly instead of through intermediate views: the
     last op of an order-keeping view chain from a row-major ``x``, whose result is
@@ -117,13 +90,13 @@ def collapse_view_chains(trace: Trace) -> Trace:
     symbols = []
     for bsym in trace.bound_symbols:
         source = bsym.args[0] if bsym.args else None
-        if bsym.op in _ORDER_KEEPING and isinstance(source, TensorProxy) and isinstance(bsym.output, TensorProxy):
+        if bsym.op in ORDER_KEEPING_VIEWS and isinstance(source, TensorProxy) and isinstance(bsym.output, TensorProxy):
             origin = root.get(source.label)
-            if origin is None and _row_major(source):
+            if origin is None and is_row_major(source):
                 origin = source
             if origin is not None:
-                if origin is not source and _row_major(bsym.output):
-                    if bsym.op in _RESHAPES:
+                if origin is not source and is_row_major(bsym.output):
+                    if bsym.op in RESHAPES:
                         bsym = dataclasses.replace(bsym, args=(origin, *bsym.args[1:]))
                     elif all(type(size) is int for size in bsym.output.shape):  # unsqueeze(unsqueeze(x))
                         view = aten.view.default

@@ -12,7 +12,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import dtcompile
-from dtcompile.core import BoundSymbol, Symbol, TensorProxy
+from dtcompile.core import TensorProxy
+from dtcompile.testing.broken import MulAsAddExecutor
 from dtcompile.testing.models import parallel_mlp
 
 Pair = collections.namedtuple("Pair", "scaled summed")
@@ -186,7 +187,7 @@ def test_closed_over_dtensor_parameters_get_gradients(ranks2):
 def checked_against_eager(broken):
     mesh = _mesh()
     model = parallel_mlp(mesh, dim=8, hidden=16)
-    executors = ["collectives", _MulAsAdd(), "torch"] if broken else None
+    executors = ["collectives", MulAsAddExecutor(), "torch"] if broken else None
 
     def fn(x):
         return model(x) * 3
@@ -206,16 +207,3 @@ def test_check_eager_on_ranks(ranks2):
     assert ranks2.run(checked_against_eager, False) == ["ok", "ok"]
     for message in ranks2.run(checked_against_eager, True):
         assert "torch.add(" in message and "# Tensor.mul(" in message
-
-
-class _MulAsAdd:
-    """A broken executor: it runs every multiplication as an addition."""
-
-    name = "broken"
-
-    def claims(self, bsym):
-        return bsym.op is torch.ops.aten.mul.Tensor
-
-    def lower(self, bsym, index, context):
-        add = Symbol("torch.add", globals=(("torch", torch, "torch"),))
-        return [BoundSymbol(add, bsym.args, bsym.kwargs, bsym.output, bsym.note, bsym.op)]

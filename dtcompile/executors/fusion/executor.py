@@ -20,6 +20,7 @@ from typing import Protocol
 
 from ...core import BoundSymbol, Symbol, Trace
 from ...core.printing import output_target
+from ..base import Executor
 from . import nvfuser_direct, reference
 from .layout import dense_order, in_layout
 from .program import FusionProgram
@@ -107,7 +108,7 @@ class FusionRegion(Symbol):
         ]
 
 
-class FusionExecutor:
+class FusionExecutor(Executor):
     """Runs regions of the trace as fusions; claims nothing else.
 
     ``backend``: ``"nvfuser_direct"`` or ``"reference"``. ``fuse_matmul``: put mm/bmm/

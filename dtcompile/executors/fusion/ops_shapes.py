@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...core import BoundSymbol
+from ...core.op_classes import MATMULS
 from ...core.symbolic import as_constant
 from .translator import (
     LOW_PRECISION,
@@ -32,7 +33,7 @@ VIEWS = frozenset(
         aten.expand.default,
     }
 )
-MATMUL_OPS = frozenset({aten.mm.default, aten.bmm.default, aten.addmm.default})
+MATMUL_OPS = MATMULS
 
 
 # --- views ---------------------------------------------------------------------------------

@@ -62,10 +62,6 @@ BINARY = (
     "logical_and",
     "logical_or",
 )
-REDUCTIONS = ("sum", "max", "min")
-SHAPES = ("broadcast", "reshape", "permute", "squeeze", "expand", "size", "full")
-MATMULS = ("matmul",)
-PRIMITIVES = frozenset(UNARY + BINARY + REDUCTIONS + SHAPES + MATMULS + ("where", "cast", "set"))
 
 
 @dataclass(frozen=True)
@@ -146,9 +142,6 @@ class FusionProgram:
         return "\n".join(lines)
 
     __str__ = text
-
-    def tensor_inputs(self) -> list[TensorInput]:
-        return [i for i in self.inputs if isinstance(i, TensorInput)]
 
 
 def _dtype(dtype: torch.dtype) -> str:

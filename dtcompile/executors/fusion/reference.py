@@ -8,6 +8,8 @@ torch op with nvFuser's meaning.
 
 from __future__ import annotations
 
+import torch
+
 from ...core.codegen import compile_function
 from .program import BINARY, UNARY, FusionProgram, Op, Ref
 
@@ -96,8 +98,6 @@ class ReferenceFusion:
     """A compiled program: call it with the inputs, get the outputs (unrestrided)."""
 
     def __init__(self, program: FusionProgram):
-        import torch
-
         self.source = source(program)
         self.fn = compile_function(self.source, "fusion", {"torch": torch})
 

@@ -1,0 +1,67 @@
+"""Which class an op belongs to: the one table passes and executors ask.
+
+Where torch's schemas carry the fact (a collective's namespace, where its group argument
+sits, an in-place write), it is read from them; the view sets are ours, each named for
+the question it answers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .proxy import TensorProxy, contiguous_strides
+from .symbolic import known_shape_equal
+
+aten = torch.ops.aten
+_FUNCTIONAL = "_c10d_functional"
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+# Reshapes: a view of a row-major tensor when the sizes allow, else a copy.
+RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
+# Views that keep a row-major tensor's elements in order.
+ORDER_KEEPING_VIEWS = RESHAPES | {
+    aten.alias.default,
+    aten.detach.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+}
+# Views that can be the identity (sizes unchanged): candidates for removal.
+MAYBE_IDENTITY_VIEWS = RESHAPES | {aten.alias.default, aten.detach.default, aten.expand.default, aten.slice.Tensor}
+MATMULS = frozenset({aten.mm.default, aten.bmm.default, aten.addmm.default})
+
+
+def is_wait(op) -> bool:
+    """``wait_tensor``: the end of a functional collective."""
+    return op is WAIT
+
+
+def is_collective(op) -> bool:
+    """A functional collective's start (``_c10d_functional.all_reduce``), not its wait."""
+    return op is not None and op.namespace == _FUNCTIONAL and op is not WAIT
+
+
+def is_communication(op) -> bool:
+    """A collective's start or its wait: what the collectives executor runs."""
+    return op is not None and op.namespace == _FUNCTIONAL
+
+
+def group_argument(op) -> int | None:
+    """Where a functional collective takes its group's name, from its schema; None for an
+    op with no group."""
+    names = [argument.name for argument in op._schema.arguments]
+    return names.index("group_name") if "group_name" in names else None
+
+
+def group_name(bsym) -> object:
+    """The group a functional collective's bound symbol runs on (its name), or None."""
+    position = group_argument(bsym.op)
+    if position is None:
+        return None
+    return bsym.kwargs.get("group_name", bsym.args[position] if position < len(bsym.args) else None)
+
+
+def is_row_major(proxy: TensorProxy) -> bool:
+    """Strides exactly row-major, size-1 dims included (what ``view`` gives such a tensor)."""
+    return known_shape_equal(proxy.stride(), contiguous_strides(proxy.shape))
