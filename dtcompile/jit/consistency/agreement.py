@@ -86,7 +86,7 @@ class RankAgreement:
     def _raise_difference(self, mine: list[str], programs: dict[int, list[str]]) -> None:
         rank = dist.get_rank()
         groups: dict[tuple[str, ...], list[int]] = defaultdict(list)
-        for r, lines in programs.items():
+        for r, lines in sorted(programs.items()):
             groups[tuple(lines)].append(r)
         who = "; ".join(f"ranks {g}" for g in groups.values())
         for r, lines in sorted(programs.items()):
