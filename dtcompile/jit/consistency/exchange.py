@@ -3,21 +3,22 @@
 The ranks exchange values through the store, never a collective: a rank that does not
 come (it failed, or hit a cache entry the others missed) must not make the others hang.
 Each rank posts ``ok <value>`` or ``failed <error>`` under ``key/<rank>``; a waiting rank
-polls in short intervals, so a posted failure is seen within milliseconds, and gives up
-after ``DTCOMPILE_SYNC_TIMEOUT`` seconds (120 by default).
+waits on the store in slices of 50 ms, so a posted failure is seen within them, and gives
+up after ``DTCOMPILE_SYNC_TIMEOUT`` seconds (120 by default).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 
 import torch.distributed as dist
 
 from .errors import RankFailedError
 
 _OK, _FAILED = "ok ", "failed "
-_POLL_START, _POLL_MAX = 0.001, 0.05  # seconds between polls: short at first, then capped
+_POLL = 0.05  # seconds: the longest a waiting rank takes to see a posted failure
 
 
 def sync_timeout() -> float:
@@ -48,33 +49,38 @@ def exchange(store, key: str, ranks: tuple[int, ...], value: str, what: str) -> 
     rank posts a failure, :class:`MissingRanks` when some never post."""
     rank = dist.get_rank()
     store.set(f"{key}/{rank}", _OK + value)
-    values = {rank: value}
-    pending = [r for r in ranks if r != rank]
+    pending = [f"{key}/{r}" for r in ranks if r != rank]
     timeout = sync_timeout()
     deadline = time.monotonic() + timeout
-    pause = _POLL_START
-    while pending:
-        for r in list(pending):
-            if not store.check([f"{key}/{r}"]):
-                continue
-            posted = store.get(f"{key}/{r}").decode()
-            pending.remove(r)
-            if posted.startswith(_FAILED):
-                error = posted[len(_FAILED) :]
-                raise RankFailedError(
-                    f"dtcompile: rank {r} failed while compiling {what}, which this rank (rank {rank}) "
-                    f"compiled with it: {error}",
-                    r,
-                    error,
-                )
-            values[r] = posted[len(_OK) :]
-        if not pending:
+    while True:
+        # The store answers a wait as soon as the keys exist: a failure is posted under the
+        # same key as a value, so short slices bound how late a failure is seen.
+        try:
+            store.wait(pending, timedelta(seconds=max(0.001, min(_POLL, deadline - time.monotonic()))))
             break
-        if time.monotonic() > deadline:
-            raise MissingRanks(pending, timeout)
-        time.sleep(pause)
-        pause = min(pause * 2, _POLL_MAX)
-    return values
+        except RuntimeError:  # the timeout of a slice (FileStore and TCPStore raise different types)
+            present = [k for k in pending if store.check([k])]
+            _raise_failures(store, present, rank, what)
+            if time.monotonic() > deadline:
+                missing = [r for r in ranks if r != rank and f"{key}/{r}" not in present]
+                raise MissingRanks(missing, timeout) from None
+    posted = _raise_failures(store, pending, rank, what)
+    return {rank: value, **{r: posted[f"{key}/{r}"] for r in ranks if r != rank}}
+
+
+def _raise_failures(store, keys: list[str], rank: int, what: str) -> dict[str, str]:
+    """The values posted under ``keys`` (all present); a posted failure raises."""
+    values = dict(zip(keys, (v.decode() for v in store.multi_get(keys)))) if keys else {}
+    for key, posted in values.items():
+        if posted.startswith(_FAILED):
+            failed, error = int(key.rsplit("/", 1)[1]), posted[len(_FAILED) :]
+            raise RankFailedError(
+                f"dtcompile: rank {failed} failed while compiling {what}, which this rank (rank {rank}) "
+                f"compiled with it: {error}",
+                failed,
+                error,
+            )
+    return {key: posted[len(_OK) :] for key, posted in values.items()}
 
 
 def release(store, key: str, ranks: tuple[int, ...], names: list[str]) -> None:
