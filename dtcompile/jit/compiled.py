@@ -38,7 +38,15 @@ from ..transforms import (
     split_forward_backward,
 )
 from .check import checked_call, running_eager
-from .consistency import RankAgreement, code_identity, explain_stall, group_labels
+from .consistency import (
+    RankAgreement,
+    calls_checked,
+    check_hit,
+    code_identity,
+    explain_stall,
+    group_labels,
+    post_miss,
+)
 from .epilogue import build_epilogue
 from .prologue import build_prologue
 from .training import TrainingProgram
@@ -75,6 +83,7 @@ class CacheEntry:
     # ``check="eager"`` compares the compiled program with, line by line. None for training.
     reference: Trace | None = None
     ranks: tuple[int, ...] = ()  # the ranks that checked they agree on this entry's program
+    digest: str = ""  # the digest of what they agreed on
 
 
 class InferenceProgram:
@@ -133,6 +142,7 @@ class CompiledFunction:
         self.symbolic = cache == "symbolic values"
         # Names the compiled code alike on every rank, whatever else each rank jits.
         self.identity = code_identity(fn, module)
+        self.calls_checked = calls_checked()  # DTCOMPILE_RANK_CHECK=calls: the ranks agree at every call
         # Under symbolic values, every size the trace uses is computed in the trace first,
         # one producer per value (DCE) before CSE compares the symbols that read them.
         self.sizes = (materialize_sizes, dce) if self.symbolic else ()
@@ -144,6 +154,8 @@ class CompiledFunction:
         for i, entry in enumerate(entries):
             inputs = entry.prologue.fn(module, args, kwargs)
             if inputs is not None:
+                if self.calls_checked:  # before any collective of the entry runs
+                    check_hit(self.identity, self.name, entry.ranks, entry.digest)
                 self.stats.hits += 1
                 if i:
                     entries.insert(0, entries.pop(i))
@@ -203,6 +215,8 @@ class CompiledFunction:
 
     def compile(self, args: tuple, kwargs: dict) -> CacheEntry:
         agreement = RankAgreement(self.identity, self.name, args, kwargs, self.module)
+        if self.calls_checked:
+            post_miss(self.identity)
         try:
             return self._compile(args, kwargs, agreement)
         except BaseException as error:
@@ -237,7 +251,7 @@ class CompiledFunction:
             reference=reference,
         )
         # Last, so that every way this rank can fail comes before the ranks meet.
-        entry.ranks = agreement.check(to_check, captured.meshes, labels)
+        entry.ranks, entry.digest = agreement.check(to_check, captured.meshes, labels)
         self.stats.misses += 1
         self.stats.compile_seconds.append(entry.compile_seconds)
         self.stats.last = entry

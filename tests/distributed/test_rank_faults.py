@@ -236,3 +236,42 @@ def test_a_cached_call_that_one_rank_misses_fails_every_rank_within_the_timeouts
     # Rank 0's collective timed out, and it says why.
     assert kind0 == "RankMismatchError", message0
     assert "rank 0 ran its cached program" in message0 and "ranks [1] compiled a new one" in message0
+
+
+@contextmanager
+def calls_checked():
+    os.environ["DTCOMPILE_RANK_CHECK"] = "calls"
+    try:
+        yield
+    finally:
+        del os.environ["DTCOMPILE_RANK_CHECK"]
+
+
+def guards_fail_on_one_rank_with_calls_checked():
+    mesh = init_device_mesh("cpu", (2,))
+    with calls_checked():
+        jitted = dtcompile.jit(_gathered_double)
+    x = DTensor.from_local(torch.ones(2, 3) * (1 + dist.get_rank()), mesh, [Shard(0)], run_check=False)
+    outcomes = [_timed(jitted, x), _timed(jitted, x)]  # a miss, then a hit, on both ranks
+    other = DTensor.from_local(torch.ones(3, 3), mesh, [Shard(0)], run_check=False)
+    outcomes.append(_timed(jitted, other if dist.get_rank() == 1 else x))  # a miss on rank 1 only
+    # No collective was left waiting: the ranks go on together.
+    kind, got, seconds = _timed(jitted, x)
+    assert kind == "ok", got
+    with torch.no_grad():
+        assert_same(got, _gathered_double(x))
+    return [(kind, message if kind != "ok" else None, seconds) for kind, message, seconds in outcomes]
+
+
+def test_with_calls_checked_a_cached_call_that_one_rank_misses_fails_every_rank_fast(ranks2):
+    results = ranks2.run(guards_fail_on_one_rank_with_calls_checked, timeout=TIMEOUT)
+    for rank, outcomes in enumerate(results):
+        assert [kind for kind, _, _ in outcomes[:2]] == ["ok", "ok"], outcomes
+        kind, message, seconds = outcomes[2]
+        assert seconds < FAST, (rank, seconds)
+        if rank == 0:
+            assert kind == "RankMismatchError", message
+            assert "rank 0 would run its cached program" in message and "ranks [1] missed the cache" in message
+        else:
+            assert kind == "RankFailedError", message
+            assert "rank 0 failed" in message and "ranks [1] missed the cache" in message

@@ -50,28 +50,30 @@ class RankAgreement:
         except Exception:  # noqa: BLE001 - the store being gone must not hide the error
             pass
 
-    def check(self, traces: list[Trace], meshes: list, labels: dict[str, str]) -> tuple[int, ...]:
+    def check(self, traces: list[Trace], meshes: list, labels: dict[str, str]) -> tuple[tuple[int, ...], str]:
         """Raise :class:`RankMismatchError` unless every rank of ``meshes``, and of the
         process groups the traces' collectives run on, agrees with this one. The ranks
-        checked; none (a no-op) without a real multi-process group."""
+        checked (none, a no-op, without a real multi-process group) and the digest of what
+        they agreed on."""
         if not _multi_process():
-            return ()
+            return (), ""
         mesh_ranks = {int(r) for mesh in meshes for r in mesh.mesh.flatten().tolist()}
         ranks = tuple(sorted(mesh_ranks.union(*(collective_ranks(t) for t in traces))))
         if len(ranks) < 2 or dist.get_rank() not in ranks:
-            return ()
+            return (), ""
         key, store = self._take_key(), default_store()
         mine = [*(_INPUTS + " " + line for line in self.signature)]
         mine += [_PROGRAM + " " + line for trace in traces for line in collective_lines(trace, labels)]
         text = "\n".join(mine)
-        hashes = self._exchange(store, f"{key}/hash", ranks, hashlib.sha256(text.encode()).hexdigest())
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        hashes = self._exchange(store, f"{key}/hash", ranks, digest)
         if len(set(hashes.values())) == 1:
             release(store, key, ranks, [f"{key}/hash/{r}" for r in ranks])
-            return ranks
+            return ranks, digest
         texts = self._exchange(store, f"{key}/text", ranks, text)
         release(store, key, ranks, [f"{key}/{kind}/{r}" for kind in ("hash", "text") for r in ranks])
         self._raise_difference(mine, {r: t.split("\n") if t else [] for r, t in texts.items()})
-        return ranks
+        return ranks, digest  # not reached: texts that differ raise above
 
     def _exchange(self, store, key: str, ranks: tuple[int, ...], value: str) -> dict[int, str]:
         try:

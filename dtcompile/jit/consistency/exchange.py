@@ -75,8 +75,7 @@ def _raise_failures(store, keys: list[str], rank: int, what: str) -> dict[str, s
         if posted.startswith(_FAILED):
             failed, error = int(key.rsplit("/", 1)[1]), posted[len(_FAILED) :]
             raise RankFailedError(
-                f"dtcompile: rank {failed} failed while compiling {what}, which this rank (rank {rank}) "
-                f"compiled with it: {error}",
+                f"dtcompile: rank {failed} failed and did not compile {what} with this rank (rank {rank}): {error}",
                 failed,
                 error,
             )
