@@ -3,8 +3,9 @@
 The ranks exchange values through the store, never a collective: a rank that does not
 come (it failed, or hit a cache entry the others missed) must not make the others hang.
 Each rank posts ``ok <value>`` or ``failed <error>`` under ``key/<rank>``; a waiting rank
-waits on the store in slices of 50 ms, so a posted failure is seen within them, and gives
-up after ``DTCOMPILE_SYNC_TIMEOUT`` seconds (120 by default).
+waits on the store (answered as soon as the values exist: a failure is posted under the
+same key as a value), then polls it, so a posted failure is seen within 1 s even while
+another rank is late, and gives up after ``DTCOMPILE_SYNC_TIMEOUT`` seconds (120 by default).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch.distributed as dist
 from .errors import RankFailedError
 
 _OK, _FAILED = "ok ", "failed "
-_POLL = 0.05  # seconds: the longest a waiting rank takes to see a posted failure
+_FIRST_WAIT = 1.0  # seconds: the longest a failure goes unseen while another rank is late
+_POLL_FIRST, _POLL_MAX = 0.001, 0.02  # seconds between polls after it: short, then capped
 
 
 def sync_timeout() -> float:
@@ -52,18 +54,22 @@ def exchange(store, key: str, ranks: tuple[int, ...], value: str, what: str) -> 
     pending = [f"{key}/{r}" for r in ranks if r != rank]
     timeout = sync_timeout()
     deadline = time.monotonic() + timeout
-    while True:
-        # The store answers a wait as soon as the keys exist: a failure is posted under the
-        # same key as a value, so short slices bound how late a failure is seen.
-        try:
-            store.wait(pending, timedelta(seconds=max(0.001, min(_POLL, deadline - time.monotonic()))))
-            break
-        except RuntimeError:  # the timeout of a slice (FileStore and TCPStore raise different types)
+    # A failure is posted under the same key as a value, so waiting for the keys sees it.
+    # First a store wait, which returns as soon as the keys exist (the common case: the
+    # peers are about as fast); then polls, which see one rank's failure while another is
+    # late. (Not waits in slices: each store wait that times out logs a warning.)
+    try:
+        store.wait(pending, timedelta(seconds=min(_FIRST_WAIT, timeout)))
+    except RuntimeError:  # the wait timed out (FileStore and TCPStore raise different types)
+        pause = _POLL_FIRST
+        while not store.check(pending):
             present = [k for k in pending if store.check([k])]
             _raise_failures(store, present, rank, what)
             if time.monotonic() > deadline:
                 missing = [r for r in ranks if r != rank and f"{key}/{r}" not in present]
                 raise MissingRanks(missing, timeout) from None
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX)
     posted = _raise_failures(store, pending, rank, what)
     return {rank: value, **{r: posted[f"{key}/{r}"] for r in ranks if r != rank}}
 
