@@ -175,6 +175,26 @@ def test_a_failed_rank_is_a_rank_mismatch():
     assert issubclass(dtcompile.RankFailedError, dtcompile.RankMismatchError)
 
 
+def late_rank_and_failed_rank():
+    """Rank 3 fails at once, rank 2 comes 3 s late: ranks 0 and 1 see the failure while
+    they still wait for rank 2, and rank 2 sees it when it comes."""
+    mesh = init_device_mesh("cpu", (4,))
+    x = distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)])
+    if dist.get_rank() == 2:
+        time.sleep(3)
+    return _timed(dtcompile.jit(_fails_on(3)), x)
+
+
+def test_a_failure_is_seen_while_another_rank_is_late(ranks4):
+    results = ranks4.run(late_rank_and_failed_rank, timeout=TIMEOUT)
+    assert results[3][:2] == ("ValueError", "bad input on rank 3")
+    for rank in (0, 1, 2):
+        kind, message, seconds = results[rank]
+        assert kind == "RankFailedError" and "rank 3 failed" in message, message
+        # Ranks 0 and 1 before rank 2 comes (they see a failure within 1 s of waiting).
+        assert seconds < (FAST if rank == 2 else 3.0), (rank, seconds)
+
+
 # --- 12. DTensor inputs whose global metadata differs between ranks --------------------
 
 
@@ -193,13 +213,19 @@ def different_global_inputs(case: str):
     if case == "kwargs":
         x = DTensor.from_local(torch.ones(2 + rank, 3), mesh, [Shard(0)], run_check=False)
         return _timed(dtcompile.jit(_scaled_sum), 2.0, x=x)
+    if case == "parameter":  # a module's parameter of 3 x 4 on rank 0, 3 x 6 on rank 1
+        linear = torch.nn.Linear(2 + rank, 3, bias=False)
+        weight = DTensor.from_local(torch.ones(3, 2 + rank), mesh, [Shard(1)], run_check=False)
+        linear.weight = torch.nn.Parameter(weight)
+        x = DTensor.from_local(torch.ones(5, 2 + rank), mesh, [Shard(1)], run_check=False)
+        return _timed(dtcompile.jit(linear), x)
     return _timed(dtcompile.jit(_scaled_sum), 2.0, x)
 
 
-@pytest.mark.parametrize("case", ["shape", "dtype", "placement", "kwargs"])
+@pytest.mark.parametrize("case", ["shape", "dtype", "placement", "kwargs", "parameter"])
 def test_dtensor_inputs_that_differ_between_ranks_raise_on_every_rank(ranks2, case):
     results = ranks2.run(different_global_inputs, case, timeout=TIMEOUT)
-    path = "kwargs['x']" if case == "kwargs" else "args[1]"
+    path = {"kwargs": "kwargs['x']", "parameter": "args[0]"}.get(case, "args[1]")
     for rank, (kind, message, seconds) in enumerate(results):
         assert seconds < FAST, (rank, seconds)
         assert kind == "RankMismatchError", message
