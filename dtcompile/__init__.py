@@ -8,6 +8,7 @@ of local ops and collectives, with no DTensor dispatch left at run time.
 from .capture import TracingError, UnsupportedInputError
 from .jit import (
     EagerMismatchError,
+    RankFailedError,
     RankMismatchError,
     cache_hits,
     cache_misses,
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "EagerMismatchError",
+    "RankFailedError",
     "RankMismatchError",
     "TracingError",
     "UnsupportedInputError",

@@ -12,11 +12,12 @@ from .api import (
     timed_call,
 )
 from .check import EagerMismatchError
-from .consistency import RankMismatchError
+from .consistency import RankFailedError, RankMismatchError
 
 __all__ = [
     "EagerMismatchError",
     "JittedFunction",
+    "RankFailedError",
     "RankMismatchError",
     "cache_hits",
     "cache_misses",

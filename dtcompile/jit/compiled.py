@@ -2,7 +2,8 @@
 
 Per call: run the prologue of each entry, the most recently used first, until one
 accepts the call (a hit), then the entry's program. No entry accepts: trace, run the
-passes, lower onto the executors, check that the ranks agree, and add the entry (a miss).
+passes, lower onto the executors, check that the ranks agree (``consistency/``: a rank that
+fails while compiling tells the others), and add the entry (a miss).
 A call that needs gradients compiles a forward and a backward program run by one
 autograd Function (``training.py``).
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,7 +38,15 @@ from ..transforms import (
     split_forward_backward,
 )
 from .check import checked_call, running_eager
-from .consistency import check_ranks_agree, group_labels
+from .consistency import (
+    RankAgreement,
+    calls_checked,
+    check_hit,
+    code_identity,
+    explain_stall,
+    group_labels,
+    post_miss,
+)
 from .epilogue import build_epilogue
 from .prologue import build_prologue
 from .training import TrainingProgram
@@ -60,7 +68,6 @@ PASSES = (
 # It keeps the collectives' order, so programs that agree before it cannot deadlock after.
 FINISH = (schedule_collectives,)
 ENTRIES_WARNING = 32  # entries of one function after which a warning says so
-_instances: Counter[str] = Counter()  # compiled functions made so far, by name
 CACHE_OPTIONS = ("constant values", "no caching", "symbolic values")
 CHECK_OPTIONS = (None, "eager")
 
@@ -75,6 +82,8 @@ class CacheEntry:
     # The program as recorded below DTensor, runnable (its sizes materialized): what
     # ``check="eager"`` compares the compiled program with, line by line. None for training.
     reference: Trace | None = None
+    ranks: tuple[int, ...] = ()  # the ranks that checked they agree on this entry's program
+    digest: str = ""  # the digest of what they agreed on
 
 
 class InferenceProgram:
@@ -131,9 +140,9 @@ class CompiledFunction:
         self.stats = CompileStats()
         self.name = getattr(fn, "__qualname__", None) or type(fn).__name__
         self.symbolic = cache == "symbolic values"
-        # Names this function alike on every rank (ranks jit the same functions in order).
-        _instances[self.name] += 1
-        self.sync_key = f"{self.name}#{_instances[self.name]}"
+        # Names the compiled code alike on every rank, whatever else each rank jits.
+        self.identity = code_identity(fn, module)
+        self.calls_checked = calls_checked()  # DTCOMPILE_RANK_CHECK=calls: the ranks agree at every call
         # Under symbolic values, every size the trace uses is computed in the trace first,
         # one producer per value (DCE) before CSE compares the symbols that read them.
         self.sizes = (materialize_sizes, dce) if self.symbolic else ()
@@ -145,6 +154,8 @@ class CompiledFunction:
         for i, entry in enumerate(entries):
             inputs = entry.prologue.fn(module, args, kwargs)
             if inputs is not None:
+                if self.calls_checked:  # before any collective of the entry runs
+                    check_hit(self.identity, self.name, entry.ranks, entry.digest)
                 self.stats.hits += 1
                 if i:
                     entries.insert(0, entries.pop(i))
@@ -161,7 +172,12 @@ class CompiledFunction:
             return checked_call(self, module, args, kwargs, lambda: self.fn(*args, **kwargs))
         found = self._lookup(module, args, kwargs)
         if found is not None:
-            return found[0].run(found[1])
+            entry, inputs = found
+            try:
+                return entry.run(inputs)
+            except RuntimeError as error:  # a collective that timed out: did a peer compile instead?
+                explain_stall(self.identity, self.name, entry.ranks, error)
+                raise
         entry, inputs = self.entry_for(module, args, kwargs)
         return entry.run(inputs)
 
@@ -198,16 +214,26 @@ class CompiledFunction:
         return result, CallTimes(guarded - start, computed - guarded, done - computed)
 
     def compile(self, args: tuple, kwargs: dict) -> CacheEntry:
+        agreement = RankAgreement(self.identity, self.name, args, kwargs, self.module)
+        if self.calls_checked:
+            post_miss(self.identity)
+        try:
+            return self._compile(args, kwargs, agreement)
+        except BaseException as error:
+            agreement.report_failure(error)  # the ranks compiling with this one raise now
+            raise
+
+    def _compile(self, args: tuple, kwargs: dict, agreement: RankAgreement) -> CacheEntry:
         start = time.perf_counter()
         captured = capture_call(self.fn, args, kwargs, module=self.module, symbolic=self.symbolic)
         labels = group_labels(captured.meshes)
         executors = self.executors_for(captured)
         reference = None
         if captured.backward is None:
-            run, epilogue, traces = self._inference(captured, labels, executors)
+            run, epilogue, traces, to_check = self._inference(captured, labels, executors)
             reference = traces[len(self.sizes)]
         else:
-            run, epilogue, traces = self._training(captured, labels, executors)
+            run, epilogue, traces, to_check = self._training(captured, labels, executors)
         entry = CacheEntry(
             prologue=build_prologue(
                 captured.inputs,
@@ -224,6 +250,8 @@ class CompiledFunction:
             compile_seconds=time.perf_counter() - start,
             reference=reference,
         )
+        # Last, so that every way this rank can fail comes before the ranks meet.
+        entry.ranks, entry.digest = agreement.check(to_check, captured.meshes, labels)
         self.stats.misses += 1
         self.stats.compile_seconds.append(entry.compile_seconds)
         self.stats.last = entry
@@ -245,9 +273,6 @@ class CompiledFunction:
         devices = {p.device for p in captured.trace.inputs if isinstance(p, TensorProxy)}
         return resolve_executors(None, devices)
 
-    def _sync_key(self) -> str:
-        return f"{self.sync_key}/{self.stats.misses}"
-
     def _optimized(self, trace: Trace, passes) -> list[Trace]:
         traces = [trace]
         for transform in passes:
@@ -265,12 +290,11 @@ class CompiledFunction:
 
     def _inference(self, captured: CapturedCall, labels, executors):
         traces = self._optimized(captured.trace, (*self.sizes, *PASSES, *FINISH))
-        before_finish = traces[-1 - len(FINISH)]
-        check_ranks_agree([before_finish], captured.meshes, labels, self.name, self._sync_key())
         execution = self._lowered(traces[-1], labels, executors)
         epilogue = build_epilogue(captured.output, updates=captured.updates, module_updates=captured.module_updates)
         inputs = len(captured.trace.inputs) if captured.objects else None
-        return InferenceProgram(execution.compile(), epilogue, inputs), epilogue, traces + [execution]
+        program = InferenceProgram(execution.compile(), epilogue, inputs)
+        return program, epilogue, traces + [execution], [traces[-1 - len(FINISH)]]
 
     def _training(self, captured: CapturedCall, labels, executors):
         backward = captured.backward
@@ -279,13 +303,6 @@ class CompiledFunction:
         split = split_forward_backward(joint_traces[-1], backward.cotangents, slots)
         forward_traces = self._optimized(split.forward, (*self.sizes, combine_all_reduces, dce, *FINISH))
         backward_traces = self._optimized(split.backward, (*self.sizes, combine_all_reduces, dce, *FINISH))
-        check_ranks_agree(
-            [forward_traces[-1 - len(FINISH)], backward_traces[-1 - len(FINISH)]],
-            captured.meshes,
-            labels,
-            self.name,
-            self._sync_key(),
-        )
         forward_execution = self._lowered(forward_traces[-1], labels, executors)
         forward_execution.header_notes.append(saved_note(forward_traces[-1], slots))
         backward_execution = self._lowered(backward_traces[-1], labels, executors)
@@ -300,7 +317,8 @@ class CompiledFunction:
             captured.trace.output,
         )
         traces = [*joint_traces, *forward_traces, forward_execution, *backward_traces, backward_execution]
-        return program, program.rebuild, traces
+        to_check = [forward_traces[-1 - len(FINISH)], backward_traces[-1 - len(FINISH)]]
+        return program, program.rebuild, traces, to_check
 
 
 def _slot_count(captured: CapturedCall) -> int:

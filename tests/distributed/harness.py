@@ -6,7 +6,8 @@ calls ``fn(*args)`` on every rank and returns the list of results, rank by rank.
 must be a module-level function of a file under ``tests/``; the ranks import that file by
 path. An exception on any rank fails the call with that rank's traceback; a call that
 does not finish within its timeout (a hang in a collective) kills the ranks, and the
-next call starts fresh ones.
+next call starts fresh ones. ``RankPool(2, pg_timeout=4)`` gives the process group a
+short timeout, for tests where a rank is left waiting in a collective on purpose.
 """
 
 from __future__ import annotations
@@ -38,14 +39,17 @@ def _load(path: str, cache: dict):
     return module
 
 
-def _worker(rank: int, world_size: int, init_file: str, conn, paths: list[str]) -> None:
+def _worker(rank: int, world_size: int, init_file: str, conn, paths: list[str], pg_timeout: float | None) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     sys.path[:0] = paths
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    timeout = {} if pg_timeout is None else {"timeout": timedelta(seconds=pg_timeout)}
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, **timeout)
     modules: dict = {}
     while True:
         message = conn.recv()
@@ -63,10 +67,12 @@ def _worker(rank: int, world_size: int, init_file: str, conn, paths: list[str]) 
 
 
 class RankPool:
-    """``world_size`` Gloo ranks in spawned processes."""
+    """``world_size`` Gloo ranks in spawned processes; ``pg_timeout``: the process group's
+    timeout in seconds (Gloo's default when None)."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, pg_timeout: float | None = None):
         self.world_size = world_size
+        self.pg_timeout = pg_timeout
         self._procs: list = []
         self._conns: list = []
         self._tmp = None
@@ -83,7 +89,9 @@ class RankPool:
         paths = [str(TESTS_DIR), str(TESTS_DIR / "distributed")]
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(rank, self.world_size, init_file, child, paths), daemon=True)
+            proc = ctx.Process(
+                target=_worker, args=(rank, self.world_size, init_file, child, paths, self.pg_timeout), daemon=True
+            )
             proc.start()
             self._procs.append(proc)
             self._conns.append(parent)

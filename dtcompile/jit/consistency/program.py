@@ -1,0 +1,104 @@
+"""What of a per-rank program must be equal on every rank: its collectives.
+
+Ranks that run different collectives hang at the first one that differs (or Gloo aborts
+on mismatched sizes). Local arithmetic may differ freely (``x * (1.0 + rank)`` runs as in
+eager), and so may local sizes with uneven shards and the pads and narrows DTensor adds
+for them. So a program is compared as the sequence of its collectives: kind, process
+group (as a rank-independent mesh-dim label), reduce op and other constant arguments,
+dtype, and the shapes of collectives whose inputs must be equally sized on every rank.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from ...core import TensorProxy, Trace, is_proxy
+from ...core.printing import Unprintable, python_literal
+
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d", "c10d_functional")
+_WAITS = ("wait_tensor", "wait")
+# Collectives whose input sizes may differ between ranks (explicit split sizes).
+_RAGGED = ("all_to_all_single", "alltoall_base", "all_to_all")
+
+
+def is_collective(bsym) -> bool:
+    op = bsym.op
+    if op is None or op.namespace not in _COLLECTIVE_NAMESPACES:
+        return False
+    return op._schema.name.split("::")[-1] not in _WAITS
+
+
+def _describe(value: object, group_labels: dict[str, str], sizes: bool) -> str:
+    if isinstance(value, TensorProxy):
+        dtype = str(value.dtype).removeprefix("torch.")
+        if not sizes:
+            return f"T:{dtype}"
+        shape = ",".join(str(s) if isinstance(s, int) else "?" for s in value.shape)
+        return f"T:{dtype}[{shape}]"
+    if is_proxy(value):
+        return "N"  # a traced number: a local size or value, which may differ
+    if isinstance(value, str):
+        return repr(group_labels.get(value, value))
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_describe(v, group_labels, sizes) for v in value) + "]"
+    if isinstance(value, (bool, int, float)) or value is None:
+        return repr(value)
+    try:
+        return python_literal(value)
+    except Unprintable:
+        return type(value).__name__
+
+
+def collective_lines(trace: Trace, group_labels: dict[str, str]) -> list[str]:
+    """The trace's collectives, in order, as lines equal on every rank of a program that
+    cannot hang."""
+    lines = []
+    for bsym in trace.bound_symbols:
+        if not is_collective(bsym):
+            continue
+        sizes = bsym.op._schema.name.split("::")[-1] not in _RAGGED
+        args = [_describe(a, group_labels, sizes) for a in bsym.args]
+        args += [f"{k}={_describe(v, group_labels, sizes)}" for k, v in bsym.kwargs.items()]
+        lines.append(f"{bsym.symbol.name}({', '.join(args)})")
+    return lines
+
+
+def first_difference(mine: list[str], theirs: list[str]) -> tuple[int, str, str] | None:
+    """The first line where two programs' descriptions differ, if any."""
+    matcher = difflib.SequenceMatcher(a=mine, b=theirs, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag != "equal":
+            return i1, "\n    ".join(mine[i1:i2]) or "(nothing)", "\n    ".join(theirs[j1:j2]) or "(nothing)"
+    return None
+
+
+def collective_ranks(trace: Trace) -> set[int]:
+    """The ranks of the process groups the trace's collectives run on. A DTensor the
+    function makes itself (``DTensor.from_local`` of a plain tensor argument) has no mesh
+    among the inputs, but its collectives still need every rank of their group."""
+    ranks: set[int] = set()
+    for bsym in trace.bound_symbols:
+        if not is_collective(bsym):
+            continue
+        names = [a.name for a in bsym.op._schema.arguments]
+        if "group_name" not in names:
+            continue
+        position = names.index("group_name")
+        group_name = bsym.kwargs.get("group_name", bsym.args[position] if position < len(bsym.args) else None)
+        if isinstance(group_name, str):
+            ranks.update(dist.get_process_group_ranks(_resolve_process_group(group_name)))
+    return ranks
+
+
+def group_labels(meshes) -> dict[str, str]:
+    """A rank-independent label for each process group of the meshes: the mesh dim's name
+    (``tp``), or ``mesh0.dim1`` for unnamed dims."""
+    labels = {}
+    for m, mesh in enumerate(meshes):
+        names = mesh.mesh_dim_names
+        for d in range(mesh.ndim):
+            labels.setdefault(mesh.get_group(d).group_name, names[d] if names else f"mesh{m}.dim{d}")
+    return labels
