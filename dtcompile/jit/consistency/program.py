@@ -16,19 +16,11 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ...core import TensorProxy, Trace, is_proxy
+from ...core.op_classes import group_name, is_collective
 from ...core.printing import Unprintable, python_literal
 
-_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d", "c10d_functional")
-_WAITS = ("wait_tensor", "wait")
 # Collectives whose input sizes may differ between ranks (explicit split sizes).
 _RAGGED = ("all_to_all_single", "alltoall_base", "all_to_all")
-
-
-def is_collective(bsym) -> bool:
-    op = bsym.op
-    if op is None or op.namespace not in _COLLECTIVE_NAMESPACES:
-        return False
-    return op._schema.name.split("::")[-1] not in _WAITS
 
 
 def _describe(value: object, group_labels: dict[str, str], sizes: bool) -> str:
@@ -57,7 +49,7 @@ def collective_lines(trace: Trace, group_labels: dict[str, str]) -> list[str]:
     cannot hang."""
     lines = []
     for bsym in trace.bound_symbols:
-        if not is_collective(bsym):
+        if not is_collective(bsym.op):
             continue
         sizes = bsym.op._schema.name.split("::")[-1] not in _RAGGED
         args = [_describe(a, group_labels, sizes) for a in bsym.args]
@@ -81,15 +73,9 @@ def collective_ranks(trace: Trace) -> set[int]:
     among the inputs, but its collectives still need every rank of their group."""
     ranks: set[int] = set()
     for bsym in trace.bound_symbols:
-        if not is_collective(bsym):
-            continue
-        names = [a.name for a in bsym.op._schema.arguments]
-        if "group_name" not in names:
-            continue
-        position = names.index("group_name")
-        group_name = bsym.kwargs.get("group_name", bsym.args[position] if position < len(bsym.args) else None)
-        if isinstance(group_name, str):
-            ranks.update(dist.get_process_group_ranks(_resolve_process_group(group_name)))
+        group = group_name(bsym) if is_collective(bsym.op) else None
+        if isinstance(group, str):
+            ranks.update(dist.get_process_group_ranks(_resolve_process_group(group)))
     return ranks
 
 
