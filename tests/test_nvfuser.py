@@ -289,3 +289,91 @@ def test_nvfuser_cuda_default_executor_fuses_with_eagers_strides():
     for g, e in zip(got, expected):
         assert g.shape == e.shape and g.stride() == e.stride()
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+
+
+def _attention_scaled_by_its_width(x):
+    scores = (x @ x.transpose(-1, -2)) / x.shape[-1] ** 0.5
+    return scores.softmax(-1) @ x
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: (x / x.shape[-1]).exp() + 1,  # a size read at run time, in a float division
+        _attention_scaled_by_its_width,  # a float made from a size
+        lambda x: F.layer_norm(x * 2, x.shape[-1:]) + 1,
+    ],
+    ids=["divided-by-a-size", "scaled-by-sqrt-of-a-size", "layer-norm"],
+)
+def test_nvfuser_numbers_from_symbolic_sizes(fn):
+    jitted = dtcompile.jit(fn, cache="symbolic values", executors=[FusionExecutor("reference", min_ops=1), "torch"])
+    for n in (3, 5, 8):
+        x = torch.randn(2, n, n, requires_grad=True)
+        got, expected = jitted(x), fn(x)
+        assert_same_result(got, expected)
+        got.sum().backward()
+        grad, x.grad = x.grad, None
+        expected.sum().backward()
+        torch.testing.assert_close(grad, x.grad)
+    assert dtcompile.cache_misses(jitted) == 1
+    assert _fusions(jitted)
+
+
+def test_nvfuser_number_inputs_say_their_kind():
+    def fn(x):
+        return x * (x.shape[0] ** 0.5) + x.shape[1]
+
+    jitted = dtcompile.jit(fn, cache="symbolic values", executors=[FusionExecutor("reference", min_ops=1), "torch"])
+    x = torch.randn(4, 3)
+    assert_same_result(jitted(x), fn(x))
+    texts = [key[1] for key in CACHE.fusions]
+    assert any(": float" in text for text in texts) and any(": int" in text for text in texts), texts
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: torch.softmax(x.sum() * 2, 0) + 1,
+        lambda x: torch.log_softmax(x.sum() * 2, -1).exp() * 3,
+        lambda x: (x.sum() * 2).transpose(0, -1) + 1,
+        lambda x: (x.sum() * 2).permute([]) - 1,
+        lambda x: (x.sum() * 2).sum(0).exp() + (x.sum() * 3).amax(-1),
+        lambda x: (x.sum() * 2).mean() + (x.sum() * 2).var(0, correction=0),
+    ],
+    ids=["softmax", "log-softmax", "transpose", "permute", "sum-and-amax-over-dim", "mean-and-var"],
+)
+def test_nvfuser_zero_dim_tensors(fn):
+    jitted = dtcompile.jit(fn, executors=[FusionExecutor("reference", min_ops=1), "torch"])
+    x = torch.randn(3)
+    with torch.no_grad():
+        assert_same_result(jitted(x), fn(x))
+
+
+class _Unbuildable:
+    """A fusion backend that fails to build every program, as nvFuser may."""
+
+    name = "unbuildable"
+
+    def available(self):
+        return True, "always"
+
+    def supports_device(self, device):
+        return True
+
+    def compile(self, program):
+        raise RuntimeError("cannot build this fusion")
+
+
+def test_a_fusion_that_fails_to_build_runs_on_torch_with_a_note():
+    executor = FusionExecutor("reference", min_ops=1)
+    executor.backend = _Unbuildable()
+
+    def fn(x):
+        return (x * 2).exp() + 1
+
+    jitted = dtcompile.jit(fn, executors=[executor, "torch"])
+    x = torch.randn(4)
+    assert_same_result(jitted(x), fn(x))
+    execution = str(dtcompile.last_traces(jitted)[-1])
+    assert "left unfused: unbuildable could not build it (RuntimeError: cannot build this fusion)" in execution
+    assert not _fusions(jitted)

@@ -153,6 +153,7 @@ class FusionExecutor(Executor):
             return fused
         symbols: list[BoundSymbol] = []
         count = fused_ops = 0
+        failures: list[str] = []
         proxies = {p.label: p for p in trace.inputs}
         proxies.update((p.label, p) for bsym in trace.bound_symbols for p in bsym.output_proxies())
         for item in partition(trace, lambda b: self.fusible(b, earlier)):
@@ -161,13 +162,23 @@ class FusionExecutor(Executor):
             elif item.compute_ops < self.min_ops or not item.outputs:
                 symbols.extend(item.unfused)
             else:
-                symbols.append(self._fusion_call(item, f"fusion{count}", proxies))
+                try:
+                    call = self._fusion_call(item, f"fusion{count}", proxies)
+                except Exception as error:  # the backend could not build it: torch runs the region
+                    failures.append(
+                        f"a region of {len(item.symbols)} ops was left unfused: {self.backend.name} could not "
+                        f"build it ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+                    )
+                    symbols.extend(item.unfused)
+                    continue
+                symbols.append(call)
                 symbols.extend(item.views_after)
                 count += 1
                 fused_ops += len(item.symbols)
         fused = trace.derive(trace.title, symbols)
         fusions = "1 fusion" if count == 1 else f"{count} fusions"
         fused.header_notes.append(f"{self.name} ({self.backend.name} backend): {fusions} of {fused_ops} ops")
+        fused.header_notes += failures
         return fused
 
     def _fusion_call(self, region: Region, name: str, proxies: dict) -> BoundSymbol:

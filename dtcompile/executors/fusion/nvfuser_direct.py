@@ -47,6 +47,7 @@ def _define(fd, program: FusionProgram) -> None:
     from nvfuser_direct import DataType
 
     env: dict[str, object] = {}
+    scalar_types = {"int": DataType.Int, "float": DataType.Double, "bool": DataType.Bool}
 
     def arg(value):
         if isinstance(value, Ref):
@@ -57,7 +58,7 @@ def _define(fd, program: FusionProgram) -> None:
 
     for item in program.inputs:
         if isinstance(item, NumberInput):
-            env[item.name] = fd.define_scalar(dtype=DataType.Int)
+            env[item.name] = fd.define_scalar(dtype=scalar_types[item.kind])
             continue
         env[item.name] = fd.define_tensor(
             shape=[1 if b else -1 for b in item.broadcast],

@@ -65,25 +65,26 @@ def _var(t: Translator, bsym: BoundSymbol):
     return t.op("div", squares, divisor, dtype=dtype)
 
 
-def _softmax_parts(t: Translator, x: Ref, dim: int, dtype):
-    """``(x - max, exp of it, its sum)`` along ``dim``, kept as size-1 dims."""
-    shifted = t.op("sub", x, t.reduce("max", x, [dim], True), dtype=dtype)
+def _softmax_parts(t: Translator, x: Ref, dims: list[int], dtype):
+    """``(x - max, exp of it, its sum)`` along ``dims`` (one dim, or none for a 0-d
+    tensor), kept as size-1 dims."""
+    shifted = t.op("sub", x, t.reduce("max", x, dims, True), dtype=dtype)
     exps = t.op("exp", shifted, dtype=dtype)
-    return shifted, exps, t.reduce("sum", exps, [dim], True)
+    return shifted, exps, t.reduce("sum", exps, dims, True)
 
 
 @handles(aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default)
 def _softmax(t: Translator, bsym: BoundSymbol):
     x = t.value(bsym.args[0])
-    dim = normalized_dims(bsym.args[1], t.rank(x))[0]
+    dims = normalized_dims(bsym.args[1], t.rank(x))
     dtype = compute_dtype(bsym.output.dtype)
     x = t.cast(x, dtype)
-    shifted, exps, total = _softmax_parts(t, x, dim, dtype)
+    shifted, exps, total = _softmax_parts(t, x, dims, dtype)
     if bsym.op is aten._log_softmax.default:
         return t.op("sub", shifted, t.op("log", total, dtype=dtype), dtype=dtype)
     result = t.op("div", exps, total, dtype=dtype)
     if bsym.op is aten._safe_softmax.default:  # rows that are all -inf give 0, not NaN
-        all_masked = t.op("eq", t.reduce("max", x, [dim], True), float("-inf"), dtype=dtype)
+        all_masked = t.op("eq", t.reduce("max", x, dims, True), float("-inf"), dtype=dtype)
         result = t.op("where", all_masked, 0.0, result, dtype=dtype)
     return result
 
@@ -91,13 +92,13 @@ def _softmax(t: Translator, bsym: BoundSymbol):
 @handles(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
 def _softmax_backward(t: Translator, bsym: BoundSymbol):
     grad, out = (t.value(a) for a in bsym.args[:2])
-    dim = normalized_dims(bsym.args[2], t.rank(grad))[0]
+    dims = normalized_dims(bsym.args[2], t.rank(grad))
     dtype = compute_dtype(bsym.output.dtype)
     grad, out = t.cast(grad, dtype), t.cast(out, dtype)
     if bsym.op is aten._log_softmax_backward_data.default:
-        total = t.reduce("sum", grad, [dim], True)
+        total = t.reduce("sum", grad, dims, True)
         return t.op("sub", grad, t.op("mul", t.op("exp", out, dtype=dtype), total, dtype=dtype), dtype=dtype)
-    total = t.reduce("sum", t.op("mul", grad, out, dtype=dtype), [dim], True)
+    total = t.reduce("sum", t.op("mul", grad, out, dtype=dtype), dims, True)
     return t.op("mul", out, t.op("sub", grad, total, dtype=dtype), dtype=dtype)
 
 

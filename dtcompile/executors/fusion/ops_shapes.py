@@ -56,6 +56,8 @@ def _reshape(t: Translator, bsym: BoundSymbol):
 def _permute(t: Translator, bsym: BoundSymbol):
     x = t.value(bsym.args[0])
     rank = t.rank(x)
+    if rank == 0:  # a 0-d tensor's only "dim" (0 or -1) is itself
+        return x
     if bsym.op is aten.permute.default:
         dims = [d % rank for d in bsym.args[1]]
     else:

@@ -98,12 +98,14 @@ class TensorInput:
 
 @dataclass(frozen=True)
 class NumberInput:
-    """A size the trace computes at run time (symbolic values)."""
+    """A number the trace computes at run time (a size under symbolic values, or a float
+    made from sizes): ``kind`` is its Python type's name, ``int``, ``float`` or ``bool``."""
 
     name: str
+    kind: str = "int"
 
     def __str__(self) -> str:
-        return f"{self.name}: int"
+        return f"{self.name}: {self.kind}"
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ class Translator:
                 self.program.inputs.append(TensorInput(name, arg.dtype, broadcast, *layout))
                 self.proxies[name] = arg
             else:
-                self.program.inputs.append(NumberInput(name))
+                self.program.inputs.append(NumberInput(name, number_kind(arg.expr)))
             self.input_labels.append(arg.label)
             self.values[arg.label] = Ref(name)
             self.dtypes[name] = arg.dtype if isinstance(arg, TensorProxy) else None
@@ -123,7 +123,10 @@ class Translator:
         return self.ranks[value.name]
 
     def cast(self, value, dtype: torch.dtype):
-        if not isinstance(value, Ref) or self.dtypes[value.name] == dtype:
+        """``value`` as a tensor of ``dtype``. Numbers (constants, and sizes the fusion
+        reads) stay numbers: eager combines a Python number with a tensor in the tensor's
+        dtype, so casting one would only make it a tensor of the wrong rank."""
+        if not isinstance(value, Ref) or self.dtypes[value.name] in (dtype, None):
             return value
         cast = self.emit("cast", value, dtype, dtype=dtype)
         if value.name in self.proxies:  # the same sizes: ``size`` may read them from the cast
@@ -170,7 +173,18 @@ class Translator:
         return self.op(primitive, *(self.cast(a, dtype) for a in args), dtype=dtype)
 
     def reduce(self, primitive: str, value: Ref, dims, keepdim: bool) -> Ref:
+        """A reduction over ``dims``; over none (a 0-d tensor), the value itself."""
+        if not dims:
+            return value
         return self.emit(primitive, value, list(dims), keepdim, dtype=self.dtype(value))
+
+
+def number_kind(expr) -> str:
+    """``int``, ``float`` or ``bool``: the Python type of a number the trace computes,
+    from its symbolic expression (sizes are integers; ``s0 ** 0.5`` is a float)."""
+    if getattr(expr, "is_Boolean", False):
+        return "bool"
+    return "int" if getattr(expr, "is_integer", False) else "float"
 
 
 # --- the registry ---------------------------------------------------------------------------
