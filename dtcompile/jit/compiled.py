@@ -21,22 +21,10 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..capture import CapturedCall, capture_call, is_tracing
-from ..core import TensorProxy, Trace, verify
+from ..core import TensorProxy, Trace
 from ..core.codegen import GeneratedFunction
 from ..executors import lower, resolve_executors
-from ..transforms import (
-    collapse_view_chains,
-    combine_all_reduces,
-    cse,
-    dce,
-    fuse_linears,
-    materialize_sizes,
-    remove_identity_views,
-    remove_redundant_copies,
-    saved_note,
-    schedule_collectives,
-    split_forward_backward,
-)
+from ..transforms import pipelines, saved_note, split_forward_backward
 from .check import checked_call, running_eager
 from .consistency import (
     RankAgreement,
@@ -51,22 +39,6 @@ from .epilogue import build_epilogue
 from .prologue import build_prologue
 from .training import TrainingProgram
 
-# Linear layers are matched before view chains are collapsed (a chain would swallow the
-# view that closes a linear); redundant views and copies go before CSE, which compares
-# what they leave; DCE drops what they all made dead; collectives are scheduled last.
-PASSES = (
-    remove_identity_views,
-    fuse_linears,
-    collapse_view_chains,
-    remove_redundant_copies,
-    cse,
-    combine_all_reduces,
-    dce,
-)
-# Scheduling moves each collective next to its inputs, which uneven shards make differ
-# between ranks (a pad on some ranks only): the ranks' programs are compared before it.
-# It keeps the collectives' order, so programs that agree before it cannot deadlock after.
-FINISH = (schedule_collectives,)
 ENTRIES_WARNING = 32  # entries of one function after which a warning says so
 CACHE_OPTIONS = ("constant values", "no caching", "symbolic values")
 CHECK_OPTIONS = (None, "eager")
@@ -143,9 +115,7 @@ class CompiledFunction:
         # Names the compiled code alike on every rank, whatever else each rank jits.
         self.identity = code_identity(fn, module)
         self.calls_checked = calls_checked()  # DTCOMPILE_RANK_CHECK=calls: the ranks agree at every call
-        # Under symbolic values, every size the trace uses is computed in the trace first,
-        # one producer per value (DCE) before CSE compares the symbols that read them.
-        self.sizes = (materialize_sizes, dce) if self.symbolic else ()
+        self.sizes = pipelines.sizes(self.symbolic)
 
     def _lookup(self, module, args: tuple, kwargs: dict):
         """The entry whose prologue accepts the call, and the prologue's result; or None.
@@ -273,13 +243,6 @@ class CompiledFunction:
         devices = {p.device for p in captured.trace.inputs if isinstance(p, TensorProxy)}
         return resolve_executors(None, devices)
 
-    def _optimized(self, trace: Trace, passes) -> list[Trace]:
-        traces = [trace]
-        for transform in passes:
-            traces.append(transform(traces[-1]))
-            verify(traces[-1])
-        return traces
-
     def _lowered(self, trace: Trace, labels: dict[str, str], executors) -> Trace:
         execution = lower(trace, executors)
         execution.header_notes += [
@@ -289,20 +252,20 @@ class CompiledFunction:
         return execution
 
     def _inference(self, captured: CapturedCall, labels, executors):
-        traces = self._optimized(captured.trace, (*self.sizes, *PASSES, *FINISH))
+        traces = pipelines.run_passes(captured.trace, pipelines.inference_passes(self.symbolic))
         execution = self._lowered(traces[-1], labels, executors)
         epilogue = build_epilogue(captured.output, updates=captured.updates, module_updates=captured.module_updates)
         inputs = len(captured.trace.inputs) if captured.objects else None
         program = InferenceProgram(execution.compile(), epilogue, inputs)
-        return program, epilogue, traces + [execution], [traces[-1 - len(FINISH)]]
+        return program, epilogue, traces + [execution], [pipelines.before_finish(traces)]
 
     def _training(self, captured: CapturedCall, labels, executors):
         backward = captured.backward
         slots = _slot_count(captured)
-        joint_traces = self._optimized(captured.trace, (remove_identity_views, collapse_view_chains, cse))
+        joint_traces = pipelines.run_passes(captured.trace, pipelines.JOINT)
         split = split_forward_backward(joint_traces[-1], backward.cotangents, slots)
-        forward_traces = self._optimized(split.forward, (*self.sizes, combine_all_reduces, dce, *FINISH))
-        backward_traces = self._optimized(split.backward, (*self.sizes, combine_all_reduces, dce, *FINISH))
+        forward_traces = pipelines.run_passes(split.forward, pipelines.half_passes(self.symbolic))
+        backward_traces = pipelines.run_passes(split.backward, pipelines.half_passes(self.symbolic))
         forward_execution = self._lowered(forward_traces[-1], labels, executors)
         forward_execution.header_notes.append(saved_note(forward_traces[-1], slots))
         backward_execution = self._lowered(backward_traces[-1], labels, executors)
@@ -317,7 +280,7 @@ class CompiledFunction:
             captured.trace.output,
         )
         traces = [*joint_traces, *forward_traces, forward_execution, *backward_traces, backward_execution]
-        to_check = [forward_traces[-1 - len(FINISH)], backward_traces[-1 - len(FINISH)]]
+        to_check = [pipelines.before_finish(forward_traces), pipelines.before_finish(backward_traces)]
         return program, program.rebuild, traces, to_check
 
 

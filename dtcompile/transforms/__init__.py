@@ -1,5 +1,6 @@
 """Passes over traces. Each takes a trace and returns a new one; none mutates its input."""
 
+from . import pipelines
 from .all_reduce_sums import combine_all_reduces
 from .copies import remove_redundant_copies
 from .cse import cse
@@ -12,6 +13,7 @@ from .split import SplitTraces, saved_note, split_forward_backward
 from .views import collapse_view_chains, remove_identity_views
 
 __all__ = [
+    "pipelines",
     "UnmaterializableSizeError",
     "has_symbolic_sizes",
     "materialize_sizes",
