@@ -14,6 +14,8 @@ result that comes back otherwise is copied into it.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -23,7 +25,7 @@ from ...core.printing import output_target
 from ..base import Executor
 from . import nvfuser_direct, reference
 from .layout import dense_order, in_layout
-from .program import FusionProgram
+from .program import FusionProgram, program_to_data
 from .regions import Region, partition
 from .translate import MATMUL_OPS, VIEWS, translatable, translate
 
@@ -56,6 +58,7 @@ class FusionCache:
         fusion = self.fusions.get(key)
         if fusion is None:
             self.misses += 1
+            _record(program)
             fusion = self.fusions[key] = backend.compile(program)
         else:
             self.hits += 1
@@ -70,6 +73,18 @@ class FusionCache:
 
 
 CACHE = FusionCache()
+# A folder where each process appends every program it compiles, as JSON lines: how
+# scripts/nvfuser_check.sh collects the programs the executor forms, to build them with
+# nvFuser's own frontend in another Python environment.
+RECORD_ENV = "DTCOMPILE_FUSION_RECORD"
+
+
+def _record(program: FusionProgram) -> None:
+    folder = os.environ.get(RECORD_ENV)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{os.getpid()}.jsonl"), "a") as file:
+            file.write(json.dumps(program_to_data(program)) + "\n")
 
 
 class FusedCall:

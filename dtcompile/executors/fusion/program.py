@@ -23,6 +23,7 @@ lists of dims or of sizes (ints or :class:`Ref` to numbers).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -156,3 +157,107 @@ def _text(arg) -> str:
     if isinstance(arg, (list, tuple)):
         return "[" + ", ".join(_text(a) for a in arg) + "]"
     return str(arg) if isinstance(arg, Ref) else repr(arg)
+
+
+def result_rank(op: Op, rank_of: Callable[[str], int | None]) -> int:
+    """The rank of ``op``'s result (0 for a number), from its operands' ranks
+    (``rank_of(name)``: a value's rank, None for a number)."""
+    tensors = [rank_of(a.name) for a in op.args if isinstance(a, Ref) and rank_of(a.name) is not None]
+    if op.dtype is None:
+        return 0
+    if op.primitive in ("sum", "max", "min"):
+        return tensors[0] if op.args[2] else tensors[0] - len(op.args[1])
+    if op.primitive in ("broadcast", "reshape", "expand"):
+        return len(op.args[1])
+    if op.primitive == "full":
+        return len(op.args[0])
+    if op.primitive == "squeeze":
+        return tensors[0] - len(op.args[1])
+    return max(tensors, default=0)
+
+
+def value_kinds(program: FusionProgram) -> dict[str, tuple[torch.dtype | None, int]]:
+    """``(dtype, rank)`` of every value of the program (dtype None and rank 0: a number)."""
+    kinds: dict[str, tuple[torch.dtype | None, int]] = {}
+    for i in program.inputs:
+        kinds[i.name] = (i.dtype, i.rank) if isinstance(i, TensorInput) else (None, 0)
+
+    def rank_of(name: str) -> int | None:
+        dtype, rank = kinds[name]
+        return None if dtype is None else rank
+
+    for op in program.ops:
+        kinds[op.out] = (op.dtype, result_rank(op, rank_of))
+    return kinds
+
+
+# --- as data: programs cross between Python environments as JSON, never as pickles ------
+
+
+def _arg_data(arg):
+    if isinstance(arg, Ref):
+        return {"ref": arg.name}
+    if isinstance(arg, torch.dtype):
+        return {"dtype": str(arg).removeprefix("torch.")}
+    if isinstance(arg, (list, tuple)):
+        return [_arg_data(a) for a in arg]
+    return arg
+
+
+def _arg_from_data(data):
+    if isinstance(data, dict):
+        return Ref(data["ref"]) if "ref" in data else getattr(torch, data["dtype"])
+    if isinstance(data, list):
+        return [_arg_from_data(d) for d in data]
+    return data
+
+
+def _dtype_data(dtype: torch.dtype | None):
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def program_to_data(program: FusionProgram) -> dict:
+    """The program as JSON-able data (``program_from_data`` reads it back)."""
+    inputs = []
+    for i in program.inputs:
+        if isinstance(i, TensorInput):
+            inputs.append(
+                {
+                    "tensor": i.name,
+                    "dtype": _dtype_data(i.dtype),
+                    "broadcast": list(i.broadcast),
+                    "contiguity": list(i.contiguity),
+                    "stride_order": list(i.stride_order),
+                }
+            )
+        else:
+            inputs.append({"number": i.name, "kind": i.kind})
+    ops = [
+        {"out": op.out, "primitive": op.primitive, "args": _arg_data(list(op.args)), "dtype": _dtype_data(op.dtype)}
+        for op in program.ops
+    ]
+    outputs = [{"value": o.value, "order": list(o.order)} for o in program.outputs]
+    return {"inputs": inputs, "ops": ops, "outputs": outputs}
+
+
+def program_from_data(data: dict) -> FusionProgram:
+    inputs = []
+    for i in data["inputs"]:
+        if "tensor" in i:
+            dtype = getattr(torch, i["dtype"])
+            inputs.append(
+                TensorInput(i["tensor"], dtype, tuple(i["broadcast"]), tuple(i["contiguity"]), tuple(i["stride_order"]))
+            )
+        else:
+            inputs.append(NumberInput(i["number"], i["kind"]))
+    ops = [
+        Op(
+            o["out"],
+            o["primitive"],
+            tuple(_arg_from_data(o["args"])),
+            None if o["dtype"] is None else getattr(torch, o["dtype"]),
+        )
+        for o in data["ops"]
+    ]
+    outputs = [Output(o["value"], tuple(o["order"])) for o in data["outputs"]]
+    return FusionProgram(inputs, ops, outputs)

@@ -17,7 +17,7 @@ import torch
 from ...core import BoundSymbol, NumberProxy, TensorProxy
 from ...core.symbolic import as_constant
 from .layout import dense_order, tensor_descriptor
-from .program import FusionProgram, NumberInput, Op, Output, Ref, TensorInput
+from .program import FusionProgram, NumberInput, Op, Output, Ref, TensorInput, result_rank
 
 aten = torch.ops.aten
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -75,18 +75,7 @@ class Translator:
         return ref
 
     def _result_rank(self, op: Op) -> int:
-        tensors = [self.ranks[a.name] for a in op.args if isinstance(a, Ref) and self.dtypes[a.name] is not None]
-        if op.dtype is None:
-            return 0
-        if op.primitive in ("sum", "max", "min"):
-            return tensors[0] if op.args[2] else tensors[0] - len(op.args[1])
-        if op.primitive in ("broadcast", "reshape", "expand"):
-            return len(op.args[1])
-        if op.primitive == "full":
-            return len(op.args[0])
-        if op.primitive == "squeeze":
-            return tensors[0] - len(op.args[1])
-        return max(tensors, default=0)
+        return result_rank(op, lambda name: None if self.dtypes[name] is None else self.ranks[name])
 
     def bind(self, proxy: TensorProxy, ref: Ref) -> None:
         """``ref`` is the traced ``proxy`` (cast to its dtype if it is not yet)."""
