@@ -32,6 +32,7 @@ from .module_state import ModuleState, ModuleUpdate
 from .objects import AttributeUpdate
 from .outputs import OutputCollector, OutputNode
 from .placements import describe_placements
+from .python_state import PythonState
 from .recorder import CallAnnotator, OpRecorder, Recording
 from .snapshots import DataSnapshot
 
@@ -45,6 +46,9 @@ class CallInputs:
     params: list[tuple[str, InputNode]] = field(default_factory=list)
     buffers: list[tuple[str, InputNode]] = field(default_factory=list)
     attributes: list[tuple[str, InputNode]] = field(default_factory=list)  # tensors in a module's __dict__
+    # The Python values the code can read (globals, closure cells, module attributes),
+    # guarded like the arguments.
+    python_state: PythonState = field(default_factory=PythonState)
 
     def nodes(self) -> list[InputNode]:
         module_state = self.params + self.buffers + self.attributes
@@ -70,6 +74,11 @@ class CapturedCall:
     updates: list[AttributeUpdate] = field(default_factory=list)
     # Attributes the forward assigned on the module's submodules, made again after each call.
     module_updates: list[ModuleUpdate] = field(default_factory=list)
+
+    @property
+    def python_state(self) -> PythonState:
+        """The Python values the code can read, guarded by the prologue."""
+        return self.inputs.python_state
 
 
 _tracing: list[object] = []  # the recordings of the calls being traced now (nested jitted calls inline)
@@ -136,6 +145,10 @@ def capture_call(
     collector = OutputCollector(proxifier.objects)
     module_state = ModuleState(module, state) if module is not None else None
     recording.snapshot = snapshot = _user_data(fn, module_state)
+    if module_state is not None:
+        inputs.python_state = PythonState.of_modules(module_state.modules, module_state.paths, _HOOK_TABLES)
+    else:
+        inputs.python_state = PythonState.of_function(fn)
     module_updates: list[ModuleUpdate] = []
     backward = None
     _tracing.append(recording)
@@ -177,6 +190,7 @@ def capture_call(
             "call (the change was undone). Return the values instead, or pass the object in the call (its "
             "attribute assignments are then replayed after each call)"
         )
+    inputs.python_state.forget_assigned([(vars(u.module), u.key) for u in module_updates if u.table == "__dict__"])
 
     leaves = [n for top in inputs.nodes() for n in iter_leaves(top) if brings_proxy(n)]
     proxies = [n.proxy for n in leaves] + recording.captured_proxies

@@ -8,6 +8,7 @@ or ``None`` as soon as one assumption fails, so the next cache entry can be trie
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 
@@ -27,6 +28,7 @@ from ..capture import (
     SequenceInput,
     TensorInput,
 )
+from ..capture.python_state import ABSENT, PythonGuards, value_key
 from ..core.codegen import GeneratedFunction, literal_or_global
 from ..core.printing import python_literal
 from ..core.symbolic import is_symbolic, python_source, symbolic_expr
@@ -363,6 +365,39 @@ def _state_table_checks(b: _Builder, modules: list[torch.nn.Module]) -> None:
         b.fail_if("list(map(dict.get, EMPTY_TABLES, EMPTY_KEYS)) != NONES")
 
 
+def _python_state_checks(b: _Builder, guards: PythonGuards) -> None:
+    """The Python values the program read (``capture/python_state.py``), in a few C-level
+    passes over prepared lists: objects by identity first, then values by exact type and
+    ``==``, then the few (tuples, NaN, zeros) that need their :func:`value_key`."""
+    if not guards:
+        return
+    b.globals.update(is_=operator.is_, ABSENT=itertools.repeat(ABSENT), CELL=operator.attrgetter("cell_contents"))
+    if guards.same_dicts:
+        b.globals.update(PY_SAME_DICTS=guards.same_dicts, PY_SAME_KEYS=guards.same_keys, PY_SAME=guards.same_objects)
+        b.fail_if("not all(map(is_, map(dict.get, PY_SAME_DICTS, PY_SAME_KEYS, ABSENT), PY_SAME))")
+    if guards.same_cells:
+        b.globals.update(PY_SAME_CELLS=guards.same_cells, PY_SAME_CELL_OBJECTS=guards.same_cell_objects)
+        b.fail_if("not all(map(is_, map(CELL, PY_SAME_CELLS), PY_SAME_CELL_OBJECTS))")
+    if not guards.values:
+        return
+    reads = []
+    if guards.value_dicts:
+        b.globals.update(PY_DICTS=guards.value_dicts, PY_KEYS=guards.value_keys)
+        reads.append("list(map(dict.get, PY_DICTS, PY_KEYS, ABSENT))")
+    if guards.value_cells:
+        b.globals["PY_CELLS"] = guards.value_cells
+        reads.append("list(map(CELL, PY_CELLS))")
+    values = b.bind(" + ".join(reads), "py")
+    b.globals.update(PY_TYPES=guards.value_types, PY_VALUES=guards.values)
+    b.fail_if(f"list(map(type, {values})) != PY_TYPES or {values} != PY_VALUES")
+    if guards.keyed:
+        b.globals.update(
+            VALUE_KEY=value_key, PY_KEYED=operator.itemgetter(*guards.keyed), PY_VALUE_KEYS=guards.keys
+        )
+        keyed = f"PY_KEYED({values})" if len(guards.keyed) > 1 else f"(PY_KEYED({values}),)"
+        b.fail_if(f"list(map(VALUE_KEY, {keyed})) != PY_VALUE_KEYS")
+
+
 def build_prologue(
     inputs: CallInputs,
     grad_enabled: bool,
@@ -399,6 +434,8 @@ def build_prologue(
                 owner, _, leaf = name.rpartition(".")
                 example = getattr(module.get_submodule(owner), table).get(leaf)
                 b.node(node, f"{sources[owner]}.{table}.get({leaf!r})", example)
+    # After the module checks: a module's attributes are read from the modules traced.
+    _python_state_checks(b, inputs.python_state.guards())
     for i, (held, proxy) in enumerate(captured):
         # Held by reference: its values are read at each call, its metadata guarded.
         name = f"CAPTURED{i}"

@@ -1,0 +1,341 @@
+"""Python state the traced program read: globals, closure cells and module attributes.
+
+A compiled program runs the user's Python once, while tracing; the Python values it read
+then (``S = 2.0`` in ``lambda x: x * S``, ``self.scale``, ``self.use_bias``,
+``self.config.eps``, a helper function it called) are baked into the program. Each is
+guarded like an argument, so that a change compiles a new entry, as eager would see it.
+
+Exact read tracking is not possible in Python (module ``__dict__`` lookups bypass every
+hook), so what is guarded is what the code *can* read, found before tracing:
+
+- **Code.** The traced function (or the methods of the module tree's classes, and the
+  functions in its hook tables) and, recursively, the user-level functions, classes and
+  Python modules these name through globals and closure cells. Library code is not
+  followed: torch, transformers, dtcompile itself (but for ``dtcompile.testing``), the
+  standard library, and anything installed in site-packages.
+- **Globals** each such function's code names (its ``co_names``, nested functions and
+  lambdas included) that are in its ``__globals__``; the **closure cells** it holds; the
+  attributes a user Python module holds under those names (``cfg.SCALE``).
+- **Module attributes**: every entry of each submodule's ``__dict__`` except tensors,
+  submodules and ``nn.Module``'s own tables (parameters, buffers, submodules, hooks and
+  the training flag are guarded elsewhere), and except attributes the forward assigns
+  (replayed after each call: guarding them would miss at every call).
+- **Objects one level deep**: the attributes of a plain object (a config) held in such an
+  attribute, global or cell, when they are scalars.
+
+How: ``None``/``bool``/``int``/``float``/``complex``/``str``/``bytes`` and tuples of them
+by exact type and value (``1``, ``1.0`` and ``True`` are three values; so are ``0.0`` and
+``-0.0``); anything else (functions, classes, tensors, modules, objects) by identity.
+
+Not guarded: attributes of objects two levels down (``self.config.sub.x``), the contents
+of lists and dicts (only which list or dict it is), values read inside library code (a
+global of ``transformers`` changed), defaults of a function's arguments, and globals the
+traced code itself assigns (their value after tracing is what the next call sees; the
+assignment is not replayed).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import sysconfig
+import types
+from dataclasses import dataclass, field
+
+import torch
+
+from .objects import is_rebuildable_object
+
+ABSENT = object()  # what a read of a missing name gives
+_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+_LIBRARIES = {"torch", "transformers", "dtcompile", "numpy", "accelerate", "safetensors", "triton", "sympy"}
+_LIBRARY_PATHS = tuple(
+    path for path in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")} if path
+)
+# nn.Module's own entries of a module's __dict__ (tables, hooks, the training flag):
+# guarded by the prologue's module checks, or never read by the program.
+_MODULE_TABLES = frozenset(vars(torch.nn.Module())) | {"forward"}
+
+
+def by_value(value: object) -> bool:
+    """Whether ``value`` is guarded by value (a scalar or a tuple of them), not identity."""
+    if type(value) is tuple:
+        return all(map(by_value, value))
+    return type(value) in _SCALARS
+
+
+def value_key(value: object) -> object:
+    """What a value guarded by value must stay equal to: its exact type and value, floats
+    by ``repr`` (so NaN equals itself and ``-0.0`` differs from ``0.0``), tuples item by
+    item (``(1,)`` differs from ``(1.0,)``)."""
+    kind = type(value)
+    if kind is tuple:
+        return (tuple, tuple(map(value_key, value)))
+    if kind is float or kind is complex:
+        return (kind, repr(value))
+    return (kind, value)
+
+
+def needs_value_key(value: object) -> bool:
+    """Whether ``==`` with a type check is not enough to compare ``value``: tuples (the
+    types of their items), NaN and zeros (signed)."""
+    if type(value) is tuple:
+        return True
+    if type(value) is float:
+        return math.isnan(value) or value == 0.0
+    if type(value) is complex:
+        return True
+    return False
+
+
+@dataclass
+class Read:
+    """One value the program can read: ``holder[key]`` (a globals dict, a module's or an
+    object's ``__dict__``) or ``holder.cell_contents`` (``key`` None), and the value then."""
+
+    holder: object
+    key: str | None
+    value: object
+    where: str  # for messages and docs: "global 'S' of f"
+
+    def current(self) -> object:
+        if self.key is None:
+            try:
+                return self.holder.cell_contents
+            except ValueError:  # the cell was emptied
+                return ABSENT
+        return self.holder.get(self.key, ABSENT)
+
+    def unchanged(self) -> bool:
+        now = self.current()
+        if by_value(self.value):
+            return by_value(now) and value_key(now) == value_key(self.value)
+        return now is self.value
+
+
+def _module_root(obj: object) -> str:
+    return (getattr(obj, "__module__", None) or "").partition(".")[0]
+
+
+def is_library(obj: object) -> bool:
+    """Whether a function or class is library code, whose reads are not guarded."""
+    module = getattr(obj, "__module__", None) or ""
+    if module.startswith("dtcompile.testing"):
+        return False
+    root = module.partition(".")[0]
+    if root in _LIBRARIES or root in sys.stdlib_module_names:
+        return True
+    code = getattr(obj, "__code__", None)
+    if code is not None:
+        filename = code.co_filename
+    else:
+        filename = getattr(sys.modules.get(module), "__file__", None) or ""
+    return "site-packages" in filename or "dist-packages" in filename or filename.startswith(_LIBRARY_PATHS)
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """The global and attribute names a code object and the functions nested in it use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+@dataclass
+class PythonState:
+    """What the traced program can read (see the module docstring): the reads, in order."""
+
+    reads: list[Read] = field(default_factory=list)
+    _seen_reads: set = field(default_factory=set, repr=False)
+    _walked: set = field(default_factory=set, repr=False)
+
+    @classmethod
+    def of_function(cls, fn: object) -> PythonState:
+        state = cls()
+        state.follow(fn, getattr(fn, "__qualname__", "the function"))
+        return state
+
+    @classmethod
+    def of_modules(cls, modules: list[torch.nn.Module], paths: dict[int, str], hook_tables) -> PythonState:
+        """The module tree's state: each (unique) submodule's attributes, its class's code
+        and its hooks."""
+        state = cls()
+        for module in modules:
+            state.module(module, paths[id(module)])
+            for table in hook_tables:
+                for hook in getattr(module, table).values():
+                    state.follow(hook, f"a hook of {paths[id(module)] or 'the module'}")
+        return state
+
+    def _read(self, holder: object, key: str | None, value: object, where: str) -> None:
+        if (id(holder), key) in self._seen_reads:
+            return
+        self._seen_reads.add((id(holder), key))
+        self.reads.append(Read(holder, key, value, where))
+
+    def module(self, module: torch.nn.Module, path: str) -> None:
+        """A module's attributes, and the code of its class."""
+        if id(module) in self._walked:
+            return
+        self._walked.add(id(module))
+        self._class(type(module))
+        owner = path or "the module"
+        for name, value in vars(module).items():
+            if name in _MODULE_TABLES or isinstance(value, (torch.Tensor, torch.nn.Module)):
+                continue
+            where = f"attribute {name!r} of {owner}"
+            self._read(vars(module), name, value, where)
+            self.follow(value, where)
+
+    def follow(self, value: object, where: str, names: set[str] = frozenset()) -> None:
+        """What reading ``value`` lets the code read further: a user function's globals and
+        cells, a user class's methods, a plain object's scalar attributes, the ``names``
+        of a user Python module."""
+        if id(value) in self._walked or by_value(value):
+            return
+        if isinstance(value, functools.partial):
+            self._walked.add(id(value))
+            self.follow(value.func, where)
+            return
+        compiled = getattr(value, "_dtcompile", None)  # a jitted function called inside: inlined
+        if compiled is not None and not isinstance(value, torch.nn.Module):
+            self.follow(getattr(value, "_fn", None), where)
+            return
+        if isinstance(value, types.MethodType):
+            self.follow(value.__func__, where)
+            self.follow(value.__self__, where)
+            return
+        if isinstance(value, torch.nn.Module):
+            self.module(value, where)
+            return
+        if isinstance(value, types.FunctionType):
+            self._function(value)
+        elif isinstance(value, type):
+            self._class(value)
+        elif isinstance(value, types.ModuleType):
+            self._python_module(value, names)
+        elif is_rebuildable_object(value) and isinstance(getattr(value, "__dict__", None), dict):
+            self._walked.add(id(value))
+            for name, item in vars(value).items():
+                if by_value(item):
+                    self._read(vars(value), name, item, f"{where}.{name}")
+
+    def _function(self, fn: types.FunctionType) -> None:
+        if id(fn) in self._walked or is_library(fn):
+            return
+        self._walked.add(id(fn))
+        code = fn.__code__
+        for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # not assigned yet: reading it would raise
+                continue
+            where = f"closure variable {name!r} of {fn.__qualname__}"
+            self._read(cell, None, value, where)
+            self.follow(value, where)
+        names = _code_names(code)
+        module_globals = fn.__globals__
+        for name in sorted(names):
+            if name in module_globals:
+                value = module_globals[name]
+                where = f"global {name!r} of {fn.__qualname__}"
+                self._read(module_globals, name, value, where)
+                self.follow(value, where, names)
+
+    def _class(self, cls: type) -> None:
+        """A user class's methods, its bases' too (library classes are skipped)."""
+        for klass in cls.__mro__:
+            if id(klass) in self._walked or is_library(klass) or klass is object:
+                continue
+            self._walked.add(id(klass))
+            for attr in vars(klass).values():
+                if isinstance(attr, (staticmethod, classmethod)):
+                    attr = attr.__func__
+                elif isinstance(attr, property):
+                    attr = attr.fget
+                if isinstance(attr, types.FunctionType):
+                    self._function(attr)
+
+    def _python_module(self, module: types.ModuleType, names: set[str]) -> None:
+        """The attributes a user Python module holds under names the code uses (``cfg.SCALE``)."""
+        if is_library(module) or getattr(module, "__name__", "").partition(".")[0] in sys.stdlib_module_names:
+            return
+        contents = vars(module)
+        for name in sorted(names):
+            if name in contents:
+                value = contents[name]
+                where = f"{module.__name__}.{name}"
+                self._read(contents, name, value, where)
+                self.follow(value, where)
+
+    def forget(self, keep) -> None:
+        """Drop the reads for which ``keep(read)`` is false."""
+        self.reads = [read for read in self.reads if keep(read)]
+
+    def forget_assigned(self, module_dict_updates: list[tuple[dict, str]]) -> None:
+        """Drop what the traced code assigned: values that changed while tracing (a global
+        counter), and the module attributes whose assignment is replayed after each call
+        (``(module __dict__, key)``); guarding those would miss at every call."""
+        assigned = {(id(table), key) for table, key in module_dict_updates}
+        self.forget(lambda read: (id(read.holder), read.key) not in assigned and read.unchanged())
+
+    def guards(self) -> PythonGuards:
+        return PythonGuards.of(self.reads)
+
+
+@dataclass
+class PythonGuards:
+    """The reads of a :class:`PythonState` as prepared lists, for C-level checks in the
+    prologue (``map`` over them; no Python line per value). Reads by identity come first
+    (a replaced config object fails before its attributes are compared), then reads by
+    value: exact types and ``==`` for most, :func:`value_key` for those that need it."""
+
+    # By identity: holder dicts and keys, and cells; and the objects expected.
+    same_dicts: list = field(default_factory=list)
+    same_keys: list = field(default_factory=list)
+    same_objects: list = field(default_factory=list)
+    same_cells: list = field(default_factory=list)
+    same_cell_objects: list = field(default_factory=list)
+    # By value (dict reads, then cells): the types and values expected.
+    value_dicts: list = field(default_factory=list)
+    value_keys: list = field(default_factory=list)
+    value_cells: list = field(default_factory=list)
+    value_types: list = field(default_factory=list)
+    values: list = field(default_factory=list)
+    # The positions (in value order) of the values compared by value_key, and their keys.
+    keyed: list[int] = field(default_factory=list)
+    keys: list = field(default_factory=list)
+
+    @classmethod
+    def of(cls, reads: list[Read]) -> PythonGuards:
+        g = cls()
+        by_dict = [r for r in reads if r.key is not None]
+        by_cell = [r for r in reads if r.key is None]
+        for read in by_dict:
+            if not by_value(read.value):
+                g.same_dicts.append(read.holder)
+                g.same_keys.append(read.key)
+                g.same_objects.append(read.value)
+        for read in by_cell:
+            if not by_value(read.value):
+                g.same_cells.append(read.holder)
+                g.same_cell_objects.append(read.value)
+        ordered = [r for r in by_dict if by_value(r.value)] + [r for r in by_cell if by_value(r.value)]
+        for read in ordered:
+            if read.key is None:
+                g.value_cells.append(read.holder)
+            else:
+                g.value_dicts.append(read.holder)
+                g.value_keys.append(read.key)
+            if needs_value_key(read.value):
+                g.keyed.append(len(g.values))
+                g.keys.append(value_key(read.value))
+            g.value_types.append(type(read.value))
+            g.values.append(read.value)
+        return g
+
+    def __bool__(self) -> bool:
+        return bool(self.same_dicts or self.same_cells or self.values)
+
