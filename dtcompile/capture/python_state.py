@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .objects import is_rebuildable_object
+from .outputs import ConstantOutput
 
 ABSENT = object()  # what a read of a missing name gives
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
@@ -274,11 +275,19 @@ class PythonState:
         """Drop the reads for which ``keep(read)`` is false."""
         self.reads = [read for read in self.reads if keep(read)]
 
-    def forget_assigned(self, module_dict_updates: list[tuple[dict, str]]) -> None:
+    def forget_assigned(self, module_updates: list) -> None:
         """Drop what the traced code assigned: values that changed while tracing (a global
-        counter), and the module attributes whose assignment is replayed after each call
-        (``(module __dict__, key)``); guarding those would miss at every call."""
-        assigned = {(id(table), key) for table, key in module_dict_updates}
+        counter), and module attributes the forward assigns (``ModuleUpdate``\\ s, made
+        again after each call) to a tensor or another value the program computes: guarding
+        those would miss at every call. An attribute assigned a constant (a scalar the
+        program baked in, which ``self.calls + 1`` may have been computed from) stays
+        guarded, so the replayed constant is right: an idempotent assignment
+        (``self.ready = True``) compiles once more, a Python counter at every call."""
+        assigned = {
+            (id(vars(u.module)), u.key)
+            for u in module_updates
+            if u.table == "__dict__" and not (isinstance(u.value, ConstantOutput) and by_value(u.value.value))
+        }
         self.forget(lambda read: (id(read.holder), read.key) not in assigned and read.unchanged())
 
     def guards(self) -> PythonGuards:
@@ -286,56 +295,52 @@ class PythonState:
 
 
 @dataclass
+class ReadGroup:
+    """Reads checked together: ``holder[key]`` for the dict reads, then the cells'
+    contents, and what each must be (the object, the value, or its :func:`value_key`)."""
+
+    dicts: list = field(default_factory=list)
+    keys: list = field(default_factory=list)
+    cells: list = field(default_factory=list)
+    expected: list = field(default_factory=list)
+    types: list = field(default_factory=list)
+
+    def add(self, read: Read, expected: object) -> None:
+        if read.key is None:
+            self.cells.append(read.holder)
+        else:
+            self.dicts.append(read.holder)
+            self.keys.append(read.key)
+        self.expected.append(expected)
+        self.types.append(type(read.value))
+
+    def __bool__(self) -> bool:
+        return bool(self.expected)
+
+
+@dataclass
 class PythonGuards:
     """The reads of a :class:`PythonState` as prepared lists, for C-level checks in the
-    prologue (``map`` over them; no Python line per value). Reads by identity come first
-    (a replaced config object fails before its attributes are compared), then reads by
-    value: exact types and ``==`` for most, :func:`value_key` for those that need it."""
+    prologue (``map`` over them; no Python line per value): objects by identity first (a
+    replaced config object fails before its attributes are compared), then values by exact
+    type and ``==``, then the few values (tuples, NaN, zeros) compared by :func:`value_key`."""
 
-    # By identity: holder dicts and keys, and cells; and the objects expected.
-    same_dicts: list = field(default_factory=list)
-    same_keys: list = field(default_factory=list)
-    same_objects: list = field(default_factory=list)
-    same_cells: list = field(default_factory=list)
-    same_cell_objects: list = field(default_factory=list)
-    # By value (dict reads, then cells): the types and values expected.
-    value_dicts: list = field(default_factory=list)
-    value_keys: list = field(default_factory=list)
-    value_cells: list = field(default_factory=list)
-    value_types: list = field(default_factory=list)
-    values: list = field(default_factory=list)
-    # The positions (in value order) of the values compared by value_key, and their keys.
-    keyed: list[int] = field(default_factory=list)
-    keys: list = field(default_factory=list)
+    same: ReadGroup = field(default_factory=ReadGroup)
+    equal: ReadGroup = field(default_factory=ReadGroup)
+    keyed: ReadGroup = field(default_factory=ReadGroup)
 
     @classmethod
     def of(cls, reads: list[Read]) -> PythonGuards:
         g = cls()
-        by_dict = [r for r in reads if r.key is not None]
-        by_cell = [r for r in reads if r.key is None]
-        for read in by_dict:
+        # Dict reads before cell reads in each group, as the prologue reads them.
+        for read in sorted(reads, key=lambda r: r.key is None):
             if not by_value(read.value):
-                g.same_dicts.append(read.holder)
-                g.same_keys.append(read.key)
-                g.same_objects.append(read.value)
-        for read in by_cell:
-            if not by_value(read.value):
-                g.same_cells.append(read.holder)
-                g.same_cell_objects.append(read.value)
-        ordered = [r for r in by_dict if by_value(r.value)] + [r for r in by_cell if by_value(r.value)]
-        for read in ordered:
-            if read.key is None:
-                g.value_cells.append(read.holder)
+                g.same.add(read, read.value)
+            elif needs_value_key(read.value):
+                g.keyed.add(read, value_key(read.value))
             else:
-                g.value_dicts.append(read.holder)
-                g.value_keys.append(read.key)
-            if needs_value_key(read.value):
-                g.keyed.append(len(g.values))
-                g.keys.append(value_key(read.value))
-            g.value_types.append(type(read.value))
-            g.values.append(read.value)
+                g.equal.add(read, read.value)
         return g
 
     def __bool__(self) -> bool:
-        return bool(self.same_dicts or self.same_cells or self.values)
-
+        return bool(self.same or self.equal or self.keyed)

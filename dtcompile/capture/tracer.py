@@ -190,7 +190,7 @@ def capture_call(
             "call (the change was undone). Return the values instead, or pass the object in the call (its "
             "attribute assignments are then replayed after each call)"
         )
-    inputs.python_state.forget_assigned([(vars(u.module), u.key) for u in module_updates if u.table == "__dict__"])
+    inputs.python_state.forget_assigned(module_updates)
 
     leaves = [n for top in inputs.nodes() for n in iter_leaves(top) if brings_proxy(n)]
     proxies = [n.proxy for n in leaves] + recording.captured_proxies

@@ -28,7 +28,7 @@ from ..capture import (
     SequenceInput,
     TensorInput,
 )
-from ..capture.python_state import ABSENT, PythonGuards, value_key
+from ..capture.python_state import ABSENT, PythonGuards, ReadGroup, value_key
 from ..core.codegen import GeneratedFunction, literal_or_global
 from ..core.printing import python_literal
 from ..core.symbolic import is_symbolic, python_source, symbolic_expr
@@ -368,34 +368,35 @@ def _state_table_checks(b: _Builder, modules: list[torch.nn.Module]) -> None:
 def _python_state_checks(b: _Builder, guards: PythonGuards) -> None:
     """The Python values the program read (``capture/python_state.py``), in a few C-level
     passes over prepared lists: objects by identity first, then values by exact type and
-    ``==``, then the few (tuples, NaN, zeros) that need their :func:`value_key`."""
+    ``==``, then the few (tuples, NaN, zeros) compared by their :func:`value_key`."""
     if not guards:
         return
     b.globals.update(is_=operator.is_, ABSENT=itertools.repeat(ABSENT), CELL=operator.attrgetter("cell_contents"))
-    if guards.same_dicts:
-        b.globals.update(PY_SAME_DICTS=guards.same_dicts, PY_SAME_KEYS=guards.same_keys, PY_SAME=guards.same_objects)
-        b.fail_if("not all(map(is_, map(dict.get, PY_SAME_DICTS, PY_SAME_KEYS, ABSENT), PY_SAME))")
-    if guards.same_cells:
-        b.globals.update(PY_SAME_CELLS=guards.same_cells, PY_SAME_CELL_OBJECTS=guards.same_cell_objects)
-        b.fail_if("not all(map(is_, map(CELL, PY_SAME_CELLS), PY_SAME_CELL_OBJECTS))")
-    if not guards.values:
-        return
-    reads = []
-    if guards.value_dicts:
-        b.globals.update(PY_DICTS=guards.value_dicts, PY_KEYS=guards.value_keys)
-        reads.append("list(map(dict.get, PY_DICTS, PY_KEYS, ABSENT))")
-    if guards.value_cells:
-        b.globals["PY_CELLS"] = guards.value_cells
-        reads.append("list(map(CELL, PY_CELLS))")
-    values = b.bind(" + ".join(reads), "py")
-    b.globals.update(PY_TYPES=guards.value_types, PY_VALUES=guards.values)
-    b.fail_if(f"list(map(type, {values})) != PY_TYPES or {values} != PY_VALUES")
+
+    def read(group: ReadGroup, prefix: str) -> list[str]:
+        """Expressions iterating the group's current values: dict reads, then cells."""
+        b.globals.update({f"{prefix}_DICTS": group.dicts, f"{prefix}_KEYS": group.keys, f"{prefix}_CELLS": group.cells})
+        b.globals[prefix] = group.expected
+        return [f"map(dict.get, {prefix}_DICTS, {prefix}_KEYS, ABSENT)"] * bool(group.dicts) + [
+            f"map(CELL, {prefix}_CELLS)"
+        ] * bool(group.cells)
+
+    if guards.same:
+        # Dict reads, then cells: each against its part of the objects expected.
+        split = len(guards.same.dicts)
+        b.globals.update(PY_SAME_OF_DICTS=guards.same.expected[:split], PY_SAME_OF_CELLS=guards.same.expected[split:])
+        for values, expected in zip(
+            read(guards.same, "PY_SAME"), ("PY_SAME_OF_DICTS", "PY_SAME_OF_CELLS")[not split :]
+        ):
+            b.fail_if(f"not all(map(is_, {values}, {expected}))")
+    if guards.equal:
+        values = b.bind(" + ".join(f"list({v})" for v in read(guards.equal, "PY_EQUAL")), "py")
+        b.globals["PY_EQUAL_TYPES"] = guards.equal.types
+        b.fail_if(f"list(map(type, {values})) != PY_EQUAL_TYPES or {values} != PY_EQUAL")
     if guards.keyed:
-        b.globals.update(
-            VALUE_KEY=value_key, PY_KEYED=operator.itemgetter(*guards.keyed), PY_VALUE_KEYS=guards.keys
-        )
-        keyed = f"PY_KEYED({values})" if len(guards.keyed) > 1 else f"(PY_KEYED({values}),)"
-        b.fail_if(f"list(map(VALUE_KEY, {keyed})) != PY_VALUE_KEYS")
+        b.globals["VALUE_KEY"] = value_key
+        keys = " + ".join(f"list(map(VALUE_KEY, {v}))" for v in read(guards.keyed, "PY_KEYED"))
+        b.fail_if(f"{keys} != PY_KEYED")
 
 
 def build_prologue(
