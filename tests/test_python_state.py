@@ -392,3 +392,105 @@ def test_library_code_is_not_followed():
     assert id(vars(sys.modules[__name__])) in holders
     assert not any(read.holder is vars(torch.nn.functional) for read in state.reads)
     assert {read.key for read in state.reads} >= {"helper", "EPS"}
+
+
+OFFSET = 0.0
+
+
+class WithHelper(torch.nn.Module):
+    """Reads a global in a method its forward calls, and in a forward hook."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.register_forward_hook(lambda module, args, out: out * HOOK_SCALE)
+
+    def shifted(self, y):
+        return y + OFFSET
+
+    def forward(self, x):
+        return self.shifted(self.lin(x))
+
+
+HOOK_SCALE = 1.0
+
+
+def test_a_method_and_a_hook_reading_globals():
+    global OFFSET, HOOK_SCALE
+    model = WithHelper()
+    jm = dtcompile.jit(model)
+    x = torch.randn(2, 3)
+    try:
+        for offset, hook_scale in ((0.0, 1.0), (1.0, 1.0), (1.0, 3.0), (1.0, 3.0)):
+            OFFSET, HOOK_SCALE = offset, hook_scale
+            assert_same_tensor(jm(x), model(x))
+        assert counts(jm) == (3, 1)
+    finally:
+        OFFSET, HOOK_SCALE = 0.0, 1.0
+
+
+MODEL = None  # set by the tests below
+
+
+def calls_a_global_model(x):
+    return MODEL(x).sum(-1)
+
+
+def test_a_function_calling_a_module_sees_its_attributes():
+    global MODEL
+    MODEL = TrainingBlock(Block(Config()))
+    jf = dtcompile.jit(calls_a_global_model)
+    x = torch.randn(2, 4)
+    try:
+        for change in (
+            lambda: None,
+            lambda: setattr(MODEL.block.norm, "eps", 3.0),
+            lambda: setattr(MODEL.block.config, "scale", 9.0),
+        ):
+            change()
+            assert_same_tensor(jf(x), calls_a_global_model(x))
+        assert counts(jf) == (3, 0)
+    finally:
+        MODEL = None
+
+
+def test_a_module_a_function_calls_must_not_assign_attributes():
+    global MODEL
+    MODEL = Block(Config())  # its forward assigns self.last: not replayable, it is no input
+    try:
+        with pytest.raises(dtcompile.TracingError, match="the attributes of the module global 'MODEL'"):
+            dtcompile.jit(calls_a_global_model)(torch.randn(2, 4))
+        assert MODEL.last is None  # put back: no proxy left
+    finally:
+        MODEL = None
+
+
+def test_training_call_with_a_changed_attribute():
+    torch.manual_seed(0)
+    model, reference = Block(Config()), Block(Config())
+    reference.load_state_dict(model.state_dict())
+    model.last = reference.last = torch.zeros(())  # not assigned in a training call: see Block
+    jm = dtcompile.jit(TrainingBlock(model))
+    eager = TrainingBlock(reference)
+    x = torch.randn(2, 4)
+    with torch.enable_grad():
+        for scale in (1.0, 2.0):
+            model.scale = reference.scale = scale
+            jm(x).sum().backward()
+            eager(x).sum().backward()
+            for p, q in zip(model.parameters(), reference.parameters()):
+                torch.testing.assert_close(p.grad, q.grad)
+    assert counts(jm) == (2, 0)
+
+
+class TrainingBlock(torch.nn.Module):
+    """Block's computation without its attribute assignment (not replayed with gradients)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        b = self.block
+        y = b.norm(b.lin(x)) * b.scale * b.config.scale
+        return y + 1 if b.use_bias and b.config.use_bias else y

@@ -56,7 +56,8 @@ _LIBRARY_PATHS = tuple(
 )
 # nn.Module's own entries of a module's __dict__ (tables, hooks, the training flag):
 # guarded by the prologue's module checks, or never read by the program.
-_MODULE_TABLES = frozenset(vars(torch.nn.Module())) | {"forward"}
+_MODULE_TABLES = frozenset(vars(torch.nn.Module()))
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
 def by_value(value: object) -> bool:
@@ -115,10 +116,6 @@ class Read:
         return now is self.value
 
 
-def _module_root(obj: object) -> str:
-    return (getattr(obj, "__module__", None) or "").partition(".")[0]
-
-
 def is_library(obj: object) -> bool:
     """Whether a function or class is library code, whose reads are not guarded."""
     module = getattr(obj, "__module__", None) or ""
@@ -135,6 +132,12 @@ def is_library(obj: object) -> bool:
     return "site-packages" in filename or "dist-packages" in filename or filename.startswith(_LIBRARY_PATHS)
 
 
+def _own(value: object) -> bool:
+    """Whether ``value`` is one of dtcompile's own objects (a compiled function's state)."""
+    module = type(value).__module__
+    return module.startswith("dtcompile.") and not module.startswith("dtcompile.testing")
+
+
 def _code_names(code: types.CodeType) -> set[str]:
     """The global and attribute names a code object and the functions nested in it use."""
     names = set(code.co_names)
@@ -149,6 +152,8 @@ class PythonState:
     """What the traced program can read (see the module docstring): the reads, in order."""
 
     reads: list[Read] = field(default_factory=list)
+    # Every module reached, with its path: its code runs and its attributes are read.
+    modules: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
     _seen_reads: set = field(default_factory=set, repr=False)
     _walked: set = field(default_factory=set, repr=False)
 
@@ -159,15 +164,9 @@ class PythonState:
         return state
 
     @classmethod
-    def of_modules(cls, modules: list[torch.nn.Module], paths: dict[int, str], hook_tables) -> PythonState:
-        """The module tree's state: each (unique) submodule's attributes, its class's code
-        and its hooks."""
+    def of_module(cls, module: torch.nn.Module) -> PythonState:
         state = cls()
-        for module in modules:
-            state.module(module, paths[id(module)])
-            for table in hook_tables:
-                for hook in getattr(module, table).values():
-                    state.follow(hook, f"a hook of {paths[id(module)] or 'the module'}")
+        state.module_tree(module, "")
         return state
 
     def _read(self, holder: object, key: str | None, value: object, where: str) -> None:
@@ -176,19 +175,24 @@ class PythonState:
         self._seen_reads.add((id(holder), key))
         self.reads.append(Read(holder, key, value, where))
 
-    def module(self, module: torch.nn.Module, path: str) -> None:
-        """A module's attributes, and the code of its class."""
-        if id(module) in self._walked:
-            return
-        self._walked.add(id(module))
-        self._class(type(module))
-        owner = path or "the module"
-        for name, value in vars(module).items():
-            if name in _MODULE_TABLES or isinstance(value, (torch.Tensor, torch.nn.Module)):
+    def module_tree(self, root: torch.nn.Module, prefix: str) -> None:
+        """Each submodule's attributes, the code of its class and its hooks."""
+        for path, module in root.named_modules(prefix=prefix):
+            if id(module) in self._walked:
                 continue
-            where = f"attribute {name!r} of {owner}"
-            self._read(vars(module), name, value, where)
-            self.follow(value, where)
+            self._walked.add(id(module))
+            self.modules.append((path, module))
+            owner = path or "the module"
+            self._class(type(module))
+            for name, value in vars(module).items():
+                if name in _MODULE_TABLES or isinstance(value, (torch.Tensor, torch.nn.Module)):
+                    continue
+                where = f"attribute {name!r} of {owner}"
+                self._read(vars(module), name, value, where)
+                self.follow(value, where)
+            for table in _HOOK_TABLES:
+                for hook in getattr(module, table).values():
+                    self.follow(hook, f"a hook of {owner}")
 
     def follow(self, value: object, where: str, names: set[str] = frozenset()) -> None:
         """What reading ``value`` lets the code read further: a user function's globals and
@@ -208,8 +212,8 @@ class PythonState:
             self.follow(value.__func__, where)
             self.follow(value.__self__, where)
             return
-        if isinstance(value, torch.nn.Module):
-            self.module(value, where)
+        if isinstance(value, torch.nn.Module):  # a model a function calls
+            self.module_tree(value, where)
             return
         if isinstance(value, types.FunctionType):
             self._function(value)
@@ -217,7 +221,7 @@ class PythonState:
             self._class(value)
         elif isinstance(value, types.ModuleType):
             self._python_module(value, names)
-        elif is_rebuildable_object(value) and isinstance(getattr(value, "__dict__", None), dict):
+        elif is_rebuildable_object(value) and isinstance(getattr(value, "__dict__", None), dict) and not _own(value):
             self._walked.add(id(value))
             for name, item in vars(value).items():
                 if by_value(item):

@@ -146,9 +146,14 @@ def capture_call(
     module_state = ModuleState(module, state) if module is not None else None
     recording.snapshot = snapshot = _user_data(fn, module_state)
     if module_state is not None:
-        inputs.python_state = PythonState.of_modules(module_state.modules, module_state.paths, _HOOK_TABLES)
+        inputs.python_state = PythonState.of_module(module)
     else:
         inputs.python_state = PythonState.of_function(fn)
+    for path, reached in inputs.python_state.modules:
+        if module_state is None or id(reached) not in module_state.paths:
+            # A module the code reaches (a global model a loss function calls) is not an
+            # input: its attributes must not change (nor keep a proxy), like other user data.
+            snapshot.add(vars(reached), f"the attributes of the module {path}")
     module_updates: list[ModuleUpdate] = []
     backward = None
     _tracing.append(recording)
