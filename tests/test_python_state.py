@@ -494,3 +494,33 @@ class TrainingBlock(torch.nn.Module):
         b = self.block
         y = b.norm(b.lin(x)) * b.scale * b.config.scale
         return y + 1 if b.use_bias and b.config.use_bias else y
+
+
+SKIP = [1]
+SETTINGS = {"scale": 2.0, "mode": "add"}
+
+
+def reads_containers(x):
+    y = x * SETTINGS["scale"]
+    y = y + 1 if SETTINGS["mode"] == "add" else y - 1
+    return y * 0 if 1 in SKIP else y
+
+
+def test_small_lists_and_dicts_of_scalars_are_guarded_by_contents():
+    jf = dtcompile.jit(reads_containers)
+    x = torch.randn(3)
+    try:
+        for change in (
+            lambda: None,
+            lambda: SETTINGS.update(scale=3.0),
+            lambda: SETTINGS.update(mode="sub"),
+            lambda: SKIP.remove(1),
+            lambda: SKIP.append(1.0),  # 1.0 in SKIP like 1: a new entry, the same result
+            lambda: None,
+        ):
+            change()
+            assert_same_tensor(jf(x), reads_containers(x))
+        assert counts(jf) == (5, 1)
+    finally:
+        SKIP[:] = [1]
+        SETTINGS.update(scale=2.0, mode="add")

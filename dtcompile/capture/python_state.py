@@ -16,21 +16,28 @@ hook), so what is guarded is what the code *can* read, found before tracing:
 - **Globals** each such function's code names (its ``co_names``, nested functions and
   lambdas included) that are in its ``__globals__``; the **closure cells** it holds; the
   attributes a user Python module holds under those names (``cfg.SCALE``).
-- **Module attributes**: every entry of each submodule's ``__dict__`` except tensors,
-  submodules and ``nn.Module``'s own tables (parameters, buffers, submodules, hooks and
-  the training flag are guarded elsewhere), and except attributes the forward assigns
-  (replayed after each call: guarding them would miss at every call).
+- **Module attributes** of the jitted module's tree, and of any module the code reaches
+  (a global model a loss function calls): every entry of each submodule's ``__dict__``
+  except tensors, submodules and ``nn.Module``'s own tables (parameters, buffers,
+  submodules, hooks and the training flag are guarded elsewhere), and except attributes
+  the forward assigns a tensor or a computed size (replayed after each call: guarding them
+  would miss at every call). An attribute the forward assigns a constant stays guarded:
+  ``self.calls = self.calls + 1`` bakes in the new value, which is right only for the old.
 - **Objects one level deep**: the attributes of a plain object (a config) held in such an
   attribute, global or cell, when they are scalars.
 
 How: ``None``/``bool``/``int``/``float``/``complex``/``str``/``bytes`` and tuples of them
 by exact type and value (``1``, ``1.0`` and ``True`` are three values; so are ``0.0`` and
-``-0.0``); anything else (functions, classes, tensors, modules, objects) by identity.
+``-0.0``); a small list or dict (string keys, up to 32 items) of such values by identity
+and by its contents; anything else (functions, classes, tensors, modules, objects) by
+identity.
 
 Not guarded: attributes of objects two levels down (``self.config.sub.x``), the contents
-of lists and dicts (only which list or dict it is), values read inside library code (a
-global of ``transformers`` changed), defaults of a function's arguments, and globals the
-traced code itself assigns (their value after tracing is what the next call sees; the
+of larger or non-scalar lists and dicts (only which list or dict it is), class attributes
+(``self.SCALE`` defined in the class body), values read inside library code (a global of
+``transformers`` changed), names reached only through strings (``getattr(cfg, name)``),
+defaults of a function's arguments, the arguments of a ``functools.partial``, and globals
+the traced code itself assigns (their value after tracing is what the next call sees; the
 assignment is not replayed).
 """
 
@@ -50,6 +57,7 @@ from .outputs import ConstantOutput
 
 ABSENT = object()  # what a read of a missing name gives
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
+_CONTAINER_ITEMS = 32  # the largest list or dict whose contents are guarded
 _LIBRARIES = {"torch", "transformers", "dtcompile", "numpy", "accelerate", "safetensors", "triton", "sympy"}
 _LIBRARY_PATHS = tuple(
     path for path in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")} if path
@@ -72,11 +80,25 @@ def value_key(value: object) -> object:
     by ``repr`` (so NaN equals itself and ``-0.0`` differs from ``0.0``), tuples item by
     item (``(1,)`` differs from ``(1.0,)``)."""
     kind = type(value)
-    if kind is tuple:
-        return (tuple, tuple(map(value_key, value)))
+    if kind is tuple or kind is list:
+        return (kind, tuple(map(value_key, value)))
+    if kind is dict:
+        return (dict, tuple((k, value_key(v)) for k, v in value.items()))
     if kind is float or kind is complex:
         return (kind, repr(value))
     return (kind, value)
+
+
+def scalar_container(value: object) -> bool:
+    """Whether ``value`` is a small list or dict (string keys) of values guarded by value,
+    whose contents are guarded too (by :func:`value_key`), beside its identity."""
+    if type(value) is list:
+        return len(value) <= _CONTAINER_ITEMS and all(map(by_value, value))
+    if type(value) is dict:
+        return (
+            len(value) <= _CONTAINER_ITEMS and all(type(k) is str for k in value) and all(map(by_value, value.values()))
+        )
+    return False
 
 
 def needs_value_key(value: object) -> bool:
@@ -100,6 +122,8 @@ class Read:
     key: str | None
     value: object
     where: str  # for messages and docs: "global 'S' of f"
+    contents: bool = False  # the contents of a small list or dict of scalars, not its identity
+    contents_key: object = None  # their value_key when read (the container may change later)
 
     def current(self) -> object:
         if self.key is None:
@@ -111,6 +135,8 @@ class Read:
 
     def unchanged(self) -> bool:
         now = self.current()
+        if self.contents:
+            return value_key(now) == self.contents_key
         if by_value(self.value):
             return by_value(now) and value_key(now) == value_key(self.value)
         return now is self.value
@@ -174,6 +200,8 @@ class PythonState:
             return
         self._seen_reads.add((id(holder), key))
         self.reads.append(Read(holder, key, value, where))
+        if scalar_container(value):
+            self.reads.append(Read(holder, key, value, f"the contents of {where}", True, value_key(value)))
 
     def module_tree(self, root: torch.nn.Module, prefix: str) -> None:
         """Each submodule's attributes, the code of its class and its hooks."""
@@ -338,7 +366,9 @@ class PythonGuards:
         g = cls()
         # Dict reads before cell reads in each group, as the prologue reads them.
         for read in sorted(reads, key=lambda r: r.key is None):
-            if not by_value(read.value):
+            if read.contents:
+                g.keyed.add(read, read.contents_key)
+            elif not by_value(read.value):
                 g.same.add(read, read.value)
             elif needs_value_key(read.value):
                 g.keyed.add(read, value_key(read.value))
