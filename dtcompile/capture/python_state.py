@@ -350,15 +350,27 @@ class ReadGroup:
         return bool(self.expected)
 
 
+def _plain_scalar(value: object) -> bool:
+    """A scalar ``==`` with a type check compares exactly (not NaN, a zero, complex)."""
+    return type(value) in _SCALARS and not needs_value_key(value)
+
+
 @dataclass
 class PythonGuards:
     """The reads of a :class:`PythonState` as prepared lists, for C-level checks in the
     prologue (``map`` over them; no Python line per value): objects by identity first (a
-    replaced config object fails before its attributes are compared), then values by exact
-    type and ``==``, then the few values (tuples, NaN, zeros) compared by :func:`value_key`."""
+    replaced config object fails before its attributes are compared), then scalars by
+    exact type and ``==`` (and the sign of zeros), small lists and dicts by their type,
+    ``==`` with a copy and their items' types, and last the few values (tuples, NaN,
+    containers of those) compared by :func:`value_key`, in Python."""
 
     same: ReadGroup = field(default_factory=ReadGroup)
     equal: ReadGroup = field(default_factory=ReadGroup)
+    zeros: ReadGroup = field(default_factory=ReadGroup)  # expected: copysign(1.0, value)
+    lists: ReadGroup = field(default_factory=ReadGroup)  # expected: a copy
+    dicts: ReadGroup = field(default_factory=ReadGroup)
+    list_item_types: list = field(default_factory=list)
+    dict_item_types: list = field(default_factory=list)
     keyed: ReadGroup = field(default_factory=ReadGroup)
 
     @classmethod
@@ -366,15 +378,27 @@ class PythonGuards:
         g = cls()
         # Dict reads before cell reads in each group, as the prologue reads them.
         for read in sorted(reads, key=lambda r: r.key is None):
+            value = read.value
             if read.contents:
-                g.keyed.add(read, read.contents_key)
-            elif not by_value(read.value):
-                g.same.add(read, read.value)
-            elif needs_value_key(read.value):
-                g.keyed.add(read, value_key(read.value))
+                items = list(value.values()) if type(value) is dict else list(value)
+                if not all(map(_plain_scalar, items)):
+                    g.keyed.add(read, read.contents_key)
+                elif type(value) is dict:
+                    g.dicts.add(read, dict(value))
+                    g.dict_item_types += map(type, items)
+                else:
+                    g.lists.add(read, list(value))
+                    g.list_item_types += map(type, items)
+            elif not by_value(value):
+                g.same.add(read, value)
+            elif _plain_scalar(value):
+                g.equal.add(read, value)
+            elif type(value) is float and value == 0.0:
+                g.equal.add(read, value)
+                g.zeros.add(read, math.copysign(1.0, value))
             else:
-                g.equal.add(read, read.value)
+                g.keyed.add(read, value_key(value))
         return g
 
     def __bool__(self) -> bool:
-        return bool(self.same or self.equal or self.keyed)
+        return bool(self.same or self.equal or self.lists or self.dicts or self.keyed)

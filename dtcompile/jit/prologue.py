@@ -393,6 +393,22 @@ def _python_state_checks(b: _Builder, guards: PythonGuards) -> None:
         values = b.bind(" + ".join(f"list({v})" for v in read(guards.equal, "PY_EQUAL")), "py")
         b.globals["PY_EQUAL_TYPES"] = guards.equal.types
         b.fail_if(f"list(map(type, {values})) != PY_EQUAL_TYPES or {values} != PY_EQUAL")
+    if guards.zeros:  # floats equal to zero, checked above: 0.0 or -0.0 as traced
+        b.globals.update(copysign=math.copysign, PY_ONES=[1.0] * len(guards.zeros.expected))
+        signs = " + ".join(f"list(map(copysign, PY_ONES, {v}))" for v in read(guards.zeros, "PY_ZERO_SIGNS"))
+        b.fail_if(f"{signs} != PY_ZERO_SIGNS")
+    b.globals["chain"] = itertools.chain.from_iterable
+    for group, item_types, name, items in (
+        (guards.lists, guards.list_item_types, "PY_LISTS", "chain({})"),
+        (guards.dicts, guards.dict_item_types, "PY_DICT_CONTENTS", "chain(map(dict.values, {}))"),
+    ):
+        if group:
+            values = b.bind(" + ".join(f"list({v})" for v in read(group, name)), "py")
+            b.globals.update({f"{name}_TYPES": group.types, f"{name}_ITEM_TYPES": item_types})
+            b.fail_if(
+                f"list(map(type, {values})) != {name}_TYPES or {values} != {name}"
+                f" or list(map(type, {items.format(values)})) != {name}_ITEM_TYPES"
+            )
     if guards.keyed:
         b.globals["VALUE_KEY"] = value_key
         keys = " + ".join(f"list(map(VALUE_KEY, {v}))" for v in read(guards.keyed, "PY_KEYED"))
