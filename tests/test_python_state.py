@@ -524,3 +524,46 @@ def test_small_lists_and_dicts_of_scalars_are_guarded_by_contents():
     finally:
         SKIP[:] = [1]
         SETTINGS.update(scale=2.0, mode="add")
+
+
+@pytest.mark.parametrize("cache", ["symbolic values", "no caching"])
+def test_a_global_under_other_cache_options(cache):
+    global G
+    jf = dtcompile.jit(by_float, cache=cache)
+    for value, rows in ((2.0, 3), (2.0, 5), (4.0, 5), (4.0, 7)):
+        G = value
+        x = torch.arange(1.0, rows + 1)
+        assert_same_tensor(jf(x), by_float(x))
+    if cache == "symbolic values":
+        assert counts(jf) == (2, 2)
+
+
+def test_a_global_under_the_eager_check():
+    global G
+    jf = dtcompile.jit(by_float, check="eager")
+    x = torch.arange(1.0, 4.0)
+    for value in (2.0, 5.0):
+        G = value
+        assert_same_tensor(jf(x), by_float(x))
+
+
+view = None  # a script's variable named like an attribute the function uses (``.view``)
+
+
+def uses_an_attribute_named_view(x):
+    return torch.nn.functional.relu(x).sum(0).view(1, -1)
+
+
+def test_attribute_names_do_not_guard_globals_of_that_name():
+    global view
+    jf = dtcompile.jit(uses_an_attribute_named_view)
+    x = torch.randn(3, 2)
+    try:
+        for _ in range(3):
+            view = jf(x)  # rebinds the global ``view`` at each call
+            assert_same_tensor(view, uses_an_attribute_named_view(x))
+        reads = dtcompile.capture.python_state.PythonState.of_function(uses_an_attribute_named_view).reads
+        assert [read.key for read in reads] == ["torch"]
+        assert counts(jf) == (1, 2)
+    finally:
+        view = None

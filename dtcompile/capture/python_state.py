@@ -13,9 +13,10 @@ hook), so what is guarded is what the code *can* read, found before tracing:
   Python modules these name through globals and closure cells. Library code is not
   followed: torch, transformers, dtcompile itself (but for ``dtcompile.testing``), the
   standard library, and anything installed in site-packages.
-- **Globals** each such function's code names (its ``co_names``, nested functions and
-  lambdas included) that are in its ``__globals__``; the **closure cells** it holds; the
-  attributes a user Python module holds under those names (``cfg.SCALE``).
+- **Globals** each such function's code loads (``LOAD_GLOBAL`` in its bytecode, nested
+  functions and lambdas included) that are in its ``__globals__``; the **closure cells**
+  it holds; the attributes a user Python module holds under the other names its code
+  uses (``cfg.SCALE``).
 - **Module attributes** of the jitted module's tree, and of any module the code reaches
   (a global model a loss function calls): every entry of each submodule's ``__dict__``
   except tensors, submodules and ``nn.Module``'s own tables (parameters, buffers,
@@ -43,6 +44,7 @@ assignment is not replayed).
 
 from __future__ import annotations
 
+import dis
 import functools
 import math
 import sys
@@ -143,8 +145,12 @@ class Read:
 
 
 def is_library(obj: object) -> bool:
-    """Whether a function or class is library code, whose reads are not guarded."""
-    module = getattr(obj, "__module__", None) or ""
+    """Whether a function, class or Python module is library code, whose reads are not
+    guarded."""
+    if isinstance(obj, types.ModuleType):
+        module = obj.__name__
+    else:
+        module = getattr(obj, "__module__", None) or ""
     if module.startswith("dtcompile.testing"):
         return False
     root = module.partition(".")[0]
@@ -164,13 +170,23 @@ def _own(value: object) -> bool:
     return module.startswith("dtcompile.") and not module.startswith("dtcompile.testing")
 
 
-def _code_names(code: types.CodeType) -> set[str]:
-    """The global and attribute names a code object and the functions nested in it use."""
-    names = set(code.co_names)
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+
+
+def _code_names(code: types.CodeType) -> tuple[set[str], set[str]]:
+    """The global names a code object and the functions nested in it load, and the other
+    names they use (attributes: ``cfg.SCALE``). Told apart by the bytecode, so that an
+    attribute (``out.sum``) does not guard a global of that name (a loop's ``out``)."""
+    global_names, other = set(), set(code.co_names)
+    for instruction in dis.get_instructions(code):
+        if instruction.opname in _GLOBAL_LOADS:
+            global_names.add(instruction.argval)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _code_names(const)
-    return names
+            inner_globals, inner_other = _code_names(const)
+            global_names |= inner_globals
+            other |= inner_other
+    return global_names, other - global_names
 
 
 @dataclass
@@ -268,14 +284,14 @@ class PythonState:
             where = f"closure variable {name!r} of {fn.__qualname__}"
             self._read(cell, None, value, where)
             self.follow(value, where)
-        names = _code_names(code)
+        global_names, attributes = _code_names(code)
         module_globals = fn.__globals__
-        for name in sorted(names):
+        for name in sorted(global_names):
             if name in module_globals:
                 value = module_globals[name]
                 where = f"global {name!r} of {fn.__qualname__}"
                 self._read(module_globals, name, value, where)
-                self.follow(value, where, names)
+                self.follow(value, where, attributes)
 
     def _class(self, cls: type) -> None:
         """A user class's methods, its bases' too (library classes are skipped)."""
@@ -293,7 +309,7 @@ class PythonState:
 
     def _python_module(self, module: types.ModuleType, names: set[str]) -> None:
         """The attributes a user Python module holds under names the code uses (``cfg.SCALE``)."""
-        if is_library(module) or getattr(module, "__name__", "").partition(".")[0] in sys.stdlib_module_names:
+        if is_library(module):
             return
         contents = vars(module)
         for name in sorted(names):
