@@ -42,6 +42,44 @@ def globals_and_cells_with_dtensors():
     return _counts(jitted)
 
 
+def _relu(x):
+    return torch.relu(x)
+
+
+def _tanh(x):
+    return torch.tanh(x)
+
+
+ACTIVATION = _relu
+WEIGHT = None  # a DTensor, set on each rank
+
+
+def uses_a_global_dtensor_and_function(x):
+    return ACTIVATION(x * WEIGHT).sum(0).redistribute(WEIGHT.device_mesh, [Replicate()])
+
+
+def global_dtensor_and_function_rebound():
+    global ACTIVATION, WEIGHT
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    jitted = dtcompile.jit(uses_a_global_dtensor_and_function)
+    x = distribute_tensor(torch.linspace(-2, 2, 16).reshape(4, 4), mesh, [Shard(0)])
+    try:
+        with torch.no_grad():
+            for activation, weight in ((_relu, 1.0), (_relu, 1.0), (_tanh, 1.0), (_tanh, -3.0), (_tanh, -3.0)):
+                if WEIGHT is None or WEIGHT.full_tensor()[0, 0].item() != weight:
+                    WEIGHT = distribute_tensor(torch.full((4, 4), weight), mesh, [Shard(0)])  # rebound
+                ACTIVATION = activation
+                expected = uses_a_global_dtensor_and_function(x)
+                assert_same(jitted(x), expected, f"{activation.__name__} {weight}")
+    finally:
+        ACTIVATION, WEIGHT = _relu, None
+    return _counts(jitted)
+
+
+def test_a_global_dtensor_and_a_global_function_rebound(ranks2):
+    assert ranks2.run(global_dtensor_and_function_rebound) == [(3, 2)] * 2
+
+
 def test_globals_and_closure_cells_with_dtensors(ranks2):
     # (2.0, 1.0) twice, then three new pairs of values (2 is not 2.0), then (2.0, 1.0) again.
     assert ranks2.run(globals_and_cells_with_dtensors) == [(4, 2)] * 2
