@@ -567,3 +567,27 @@ def test_attribute_names_do_not_guard_globals_of_that_name():
         assert counts(jf) == (1, 2)
     finally:
         view = None
+
+
+@dataclass
+class Activation:
+    fn: object = torch.relu
+
+
+class UsesConfigFunction(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = Activation()
+
+    def forward(self, x):
+        return self.config.fn(x)
+
+
+def test_a_function_a_config_holds_is_guarded_by_identity():
+    model = UsesConfigFunction()
+    jm = dtcompile.jit(model)
+    x = torch.randn(4)
+    assert_same_tensor(jm(x), torch.relu(x))
+    model.config.fn = torch.tanh
+    assert_same_tensor(jm(x), torch.tanh(x))
+    assert counts(jm) == (2, 0)

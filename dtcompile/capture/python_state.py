@@ -25,7 +25,8 @@ hook), so what is guarded is what the code *can* read, found before tracing:
   would miss at every call). An attribute the forward assigns a constant stays guarded:
   ``self.calls = self.calls + 1`` bakes in the new value, which is right only for the old.
 - **Objects one level deep**: the attributes of a plain object (a config) held in such an
-  attribute, global or cell, when they are scalars.
+  attribute, global or cell (``self.config.scale``, ``self.config.act``); the objects
+  these hold are guarded by identity, not followed further.
 
 How: ``None``/``bool``/``int``/``float``/``complex``/``str``/``bytes`` and tuples of them
 by exact type and value (``1``, ``1.0`` and ``True`` are three values; so are ``0.0`` and
@@ -93,7 +94,7 @@ def value_key(value: object) -> object:
 
 def scalar_container(value: object) -> bool:
     """Whether ``value`` is a small list or dict (string keys) of values guarded by value,
-    whose contents are guarded too (by :func:`value_key`), beside its identity."""
+    whose contents are guarded too, beside its identity."""
     if type(value) is list:
         return len(value) <= _CONTAINER_ITEMS and all(map(by_value, value))
     if type(value) is dict:
@@ -105,7 +106,7 @@ def scalar_container(value: object) -> bool:
 
 def needs_value_key(value: object) -> bool:
     """Whether ``==`` with a type check is not enough to compare ``value``: tuples (the
-    types of their items), NaN and zeros (signed)."""
+    types of their items), NaN, zeros (signed) and complex numbers (their parts)."""
     if type(value) is tuple:
         return True
     if type(value) is float:
@@ -240,8 +241,8 @@ class PythonState:
 
     def follow(self, value: object, where: str, names: set[str] = frozenset()) -> None:
         """What reading ``value`` lets the code read further: a user function's globals and
-        cells, a user class's methods, a plain object's scalar attributes, the ``names``
-        of a user Python module."""
+        cells, a user class's methods, a plain object's attributes, the ``names`` of a user
+        Python module."""
         if id(value) in self._walked or by_value(value):
             return
         if isinstance(value, functools.partial):
@@ -266,10 +267,9 @@ class PythonState:
         elif isinstance(value, types.ModuleType):
             self._python_module(value, names)
         elif is_rebuildable_object(value) and isinstance(getattr(value, "__dict__", None), dict) and not _own(value):
-            self._walked.add(id(value))
+            self._walked.add(id(value))  # one level: its attributes are not followed further
             for name, item in vars(value).items():
-                if by_value(item):
-                    self._read(vars(value), name, item, f"{where}.{name}")
+                self._read(vars(value), name, item, f"{where}.{name}")
 
     def _function(self, fn: types.FunctionType) -> None:
         if id(fn) in self._walked or is_library(fn):
@@ -317,7 +317,7 @@ class PythonState:
                 value = contents[name]
                 where = f"{module.__name__}.{name}"
                 self._read(contents, name, value, where)
-                self.follow(value, where)
+                self.follow(value, where, names)  # a package's module: ``pkg.sub.X``
 
     def forget(self, keep) -> None:
         """Drop the reads for which ``keep(read)`` is false."""
