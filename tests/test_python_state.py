@@ -591,3 +591,35 @@ def test_a_function_a_config_holds_is_guarded_by_identity():
     model.config.fn = torch.tanh
     assert_same_tensor(jm(x), torch.tanh(x))
     assert counts(jm) == (2, 0)
+
+
+class Switchable(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.act = torch.nn.ReLU()
+
+    def forward(self, x):
+        y = self.act(self.lin(x))
+        return y * 2 if self.training else y
+
+
+def test_the_state_of_a_module_a_function_calls():
+    global MODEL
+    MODEL = Switchable()
+    jf = dtcompile.jit(calls_a_global_model)
+    x = torch.randn(2, 3)
+    try:
+        for change in (
+            lambda: None,
+            lambda: MODEL.eval(),
+            lambda: setattr(MODEL.lin, "weight", torch.nn.Parameter(torch.randn(3, 3))),
+            lambda: setattr(MODEL, "act", torch.nn.Tanh()),
+            lambda: setattr(MODEL.lin, "bias", None),
+            lambda: None,
+        ):
+            change()
+            assert_same_tensor(jf(x), calls_a_global_model(x))
+        assert counts(jf) == (5, 1)
+    finally:
+        MODEL = None

@@ -18,7 +18,8 @@ hook), so what is guarded is what the code *can* read, found before tracing:
   it holds; the attributes a user Python module holds under the other names its code
   uses (``cfg.SCALE``).
 - **Module attributes** of the jitted module's tree, and of any module the code reaches
-  (a global model a loss function calls): every entry of each submodule's ``__dict__``
+  (a global model a loss function calls; for those also the training flag and which
+  parameters, buffers, submodules and tensor attributes they hold): every entry of each submodule's ``__dict__``
   except tensors, submodules and ``nn.Module``'s own tables (parameters, buffers,
   submodules, hooks and the training flag are guarded elsewhere), and except attributes
   the forward assigns a tensor or a computed size (replayed after each call: guarding them
@@ -209,7 +210,7 @@ class PythonState:
     @classmethod
     def of_module(cls, module: torch.nn.Module) -> PythonState:
         state = cls()
-        state.module_tree(module, "")
+        state.module_tree(module, "", reached=False)
         return state
 
     def _read(self, holder: object, key: str | None, value: object, where: str) -> None:
@@ -220,8 +221,11 @@ class PythonState:
         if scalar_container(value):
             self.reads.append(Read(holder, key, value, f"the contents of {where}", True, value_key(value)))
 
-    def module_tree(self, root: torch.nn.Module, prefix: str) -> None:
-        """Each submodule's attributes, the code of its class and its hooks."""
+    def module_tree(self, root: torch.nn.Module, prefix: str, reached: bool = True) -> None:
+        """Each submodule's attributes, the code of its class and its hooks. A module the
+        code ``reached`` (not the jitted one, whose state the prologue guards as inputs):
+        also its training flag, and which parameters, buffers, submodules and tensor
+        attributes it holds, by identity (its tensors are captured by reference)."""
         for path, module in root.named_modules(prefix=prefix):
             if id(module) in self._walked:
                 continue
@@ -229,6 +233,12 @@ class PythonState:
             self.modules.append((path, module))
             owner = path or "the module"
             self._class(type(module))
+            if reached:
+                self._read(vars(module), "training", module.training, f"the training flag of {owner}")
+                for table in (module._parameters, module._buffers, module._modules, vars(module)):
+                    for name, value in table.items():
+                        if value is None or isinstance(value, (torch.Tensor, torch.nn.Module)):
+                            self._read(table, name, value, f"{name!r} of {owner}")
             for name, value in vars(module).items():
                 if name in _MODULE_TABLES or isinstance(value, (torch.Tensor, torch.nn.Module)):
                     continue
