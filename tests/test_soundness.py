@@ -369,10 +369,10 @@ def test_check_eager_names_the_first_line_that_differs():
 
 
 def test_check_eager_tells_a_tracing_difference_and_passes_otherwise(monkeypatch):
-    scale = [2.0]  # a list's contents are not guarded
-    jitted = dtcompile.jit(lambda x: x * scale[0], check="eager")
+    scale = [[2.0]]  # the contents of a list of lists are not guarded (small lists of scalars are)
+    jitted = dtcompile.jit(lambda x: x * scale[0][0], check="eager")
     assert_same_result(jitted(torch.ones(2)), torch.full((2,), 2.0))
-    scale[0] = 3.0
+    scale[0][0] = 3.0
     with pytest.raises(dtcompile.EagerMismatchError, match="difference is in what tracing saw"):
         jitted(torch.ones(2))
 

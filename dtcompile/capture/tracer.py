@@ -33,6 +33,7 @@ from .module_state import ModuleState, ModuleUpdate
 from .objects import AttributeUpdate
 from .outputs import OutputCollector, OutputNode
 from .placements import describe_placements
+from .python_state import PythonState
 from .recorder import CallAnnotator, OpRecorder, Recording
 from .snapshots import DataSnapshot
 
@@ -46,6 +47,9 @@ class CallInputs:
     params: list[tuple[str, InputNode]] = field(default_factory=list)
     buffers: list[tuple[str, InputNode]] = field(default_factory=list)
     attributes: list[tuple[str, InputNode]] = field(default_factory=list)  # tensors in a module's __dict__
+    # The Python values the code can read (globals, closure cells, module attributes),
+    # guarded like the arguments.
+    python_state: PythonState = field(default_factory=PythonState)
 
     def nodes(self) -> list[InputNode]:
         module_state = self.params + self.buffers + self.attributes
@@ -71,6 +75,11 @@ class CapturedCall:
     updates: list[AttributeUpdate] = field(default_factory=list)
     # Attributes the forward assigned on the module's submodules, made again after each call.
     module_updates: list[ModuleUpdate] = field(default_factory=list)
+
+    @property
+    def python_state(self) -> PythonState:
+        """The Python values the code can read, guarded by the prologue."""
+        return self.inputs.python_state
 
 
 _tracing: list[object] = []  # the recordings of the calls being traced now (nested jitted calls inline)
@@ -137,6 +146,15 @@ def capture_call(
     collector = OutputCollector(proxifier.objects)
     module_state = ModuleState(module, state) if module is not None else None
     recording.snapshot = snapshot = _user_data(fn, module_state)
+    if module_state is not None:
+        inputs.python_state = PythonState.of_module(module)
+    else:
+        inputs.python_state = PythonState.of_function(fn)
+    for path, reached in inputs.python_state.modules:
+        if module_state is None or id(reached) not in module_state.paths:
+            # A module the code reaches (a global model a loss function calls) is not an
+            # input: its attributes must not change (nor keep a proxy), like other user data.
+            snapshot.add(vars(reached), f"the attributes of the module {path}")
     module_updates: list[ModuleUpdate] = []
     backward = None
     _tracing.append(recording)
@@ -183,6 +201,7 @@ def capture_call(
             "call (the change was undone). Return the values instead, or pass the object in the call (its "
             "attribute assignments are then replayed after each call)"
         )
+    inputs.python_state.forget_assigned(module_updates)
 
     leaves = [n for top in inputs.nodes() for n in iter_leaves(top) if brings_proxy(n)]
     proxies = [n.proxy for n in leaves] + recording.captured_proxies

@@ -8,6 +8,7 @@ or ``None`` as soon as one assumption fails, so the next cache entry can be trie
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 
@@ -27,6 +28,7 @@ from ..capture import (
     SequenceInput,
     TensorInput,
 )
+from ..capture.python_state import ABSENT, PythonGuards, ReadGroup, value_key
 from ..core.codegen import GeneratedFunction, literal_or_global
 from ..core.printing import python_literal
 from ..core.symbolic import is_symbolic, python_source, symbolic_expr
@@ -363,6 +365,56 @@ def _state_table_checks(b: _Builder, modules: list[torch.nn.Module]) -> None:
         b.fail_if("list(map(dict.get, EMPTY_TABLES, EMPTY_KEYS)) != NONES")
 
 
+def _python_state_checks(b: _Builder, guards: PythonGuards) -> None:
+    """The Python values the program read (``capture/python_state.py``), in a few C-level
+    passes over prepared lists: objects by identity first, then values by exact type and
+    ``==``, then the few (tuples, NaN, zeros) compared by their :func:`value_key`."""
+    if not guards:
+        return
+    b.globals.update(is_=operator.is_, ABSENT=itertools.repeat(ABSENT), CELL=operator.attrgetter("cell_contents"))
+
+    def read(group: ReadGroup, prefix: str) -> list[str]:
+        """Expressions iterating the group's current values: dict reads, then cells."""
+        b.globals.update({f"{prefix}_DICTS": group.dicts, f"{prefix}_KEYS": group.keys, f"{prefix}_CELLS": group.cells})
+        b.globals[prefix] = group.expected
+        return [f"map(dict.get, {prefix}_DICTS, {prefix}_KEYS, ABSENT)"] * bool(group.dicts) + [
+            f"map(CELL, {prefix}_CELLS)"
+        ] * bool(group.cells)
+
+    if guards.same:
+        # Dict reads, then cells: each against its part of the objects expected.
+        split = len(guards.same.dicts)
+        b.globals.update(PY_SAME_OF_DICTS=guards.same.expected[:split], PY_SAME_OF_CELLS=guards.same.expected[split:])
+        for values, expected in zip(
+            read(guards.same, "PY_SAME"), ("PY_SAME_OF_DICTS", "PY_SAME_OF_CELLS")[not split :]
+        ):
+            b.fail_if(f"not all(map(is_, {values}, {expected}))")
+    if guards.equal:
+        values = b.bind(" + ".join(f"list({v})" for v in read(guards.equal, "PY_EQUAL")), "py")
+        b.globals["PY_EQUAL_TYPES"] = guards.equal.types
+        b.fail_if(f"list(map(type, {values})) != PY_EQUAL_TYPES or {values} != PY_EQUAL")
+    if guards.zeros:  # floats equal to zero, checked above: 0.0 or -0.0 as traced
+        b.globals.update(copysign=math.copysign, PY_ONES=[1.0] * len(guards.zeros.expected))
+        signs = " + ".join(f"list(map(copysign, PY_ONES, {v}))" for v in read(guards.zeros, "PY_ZERO_SIGNS"))
+        b.fail_if(f"{signs} != PY_ZERO_SIGNS")
+    b.globals["chain"] = itertools.chain.from_iterable
+    for group, item_types, name, items in (
+        (guards.lists, guards.list_item_types, "PY_LISTS", "chain({})"),
+        (guards.dicts, guards.dict_item_types, "PY_DICT_CONTENTS", "chain(map(dict.values, {}))"),
+    ):
+        if group:
+            values = b.bind(" + ".join(f"list({v})" for v in read(group, name)), "py")
+            b.globals.update({f"{name}_TYPES": group.types, f"{name}_ITEM_TYPES": item_types})
+            b.fail_if(
+                f"list(map(type, {values})) != {name}_TYPES or {values} != {name}"
+                f" or list(map(type, {items.format(values)})) != {name}_ITEM_TYPES"
+            )
+    if guards.keyed:
+        b.globals["VALUE_KEY"] = value_key
+        keys = " + ".join(f"list(map(VALUE_KEY, {v}))" for v in read(guards.keyed, "PY_KEYED"))
+        b.fail_if(f"{keys} != PY_KEYED")
+
+
 def build_prologue(
     inputs: CallInputs,
     grad_enabled: bool,
@@ -399,6 +451,8 @@ def build_prologue(
                 owner, _, leaf = name.rpartition(".")
                 example = getattr(module.get_submodule(owner), table).get(leaf)
                 b.node(node, f"{sources[owner]}.{table}.get({leaf!r})", example)
+    # After the module checks: a module's attributes are read from the modules traced.
+    _python_state_checks(b, inputs.python_state.guards())
     for i, (held, proxy) in enumerate(captured):
         # Held by reference: its values are read at each call, its metadata guarded.
         name = f"CAPTURED{i}"

@@ -1,0 +1,625 @@
+"""Single process: Python values a program reads from globals, closure cells, helper
+functions, Python modules and module attributes are guarded like arguments. A change
+compiles a new entry (a cache miss) and gives eager's result; calling again with the
+same values hits."""
+
+import sys
+import types
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dtcompile
+from dtcompile.capture.python_state import value_key
+
+
+@pytest.fixture(autouse=True)
+def no_grad():
+    with torch.no_grad():
+        yield
+
+
+def assert_same_tensor(got, expected):
+    """Eager's type, dtype, shape, strides and values (NaN where eager has NaN)."""
+    assert type(got) is type(expected)
+    assert (got.dtype, got.shape, got.stride()) == (expected.dtype, expected.shape, expected.stride())
+    torch.testing.assert_close(got, expected, equal_nan=True)
+
+
+def counts(jitted):
+    return dtcompile.cache_misses(jitted), dtcompile.cache_hits(jitted)
+
+
+G = None  # the global the functions below read; each test sets it and puts it back
+
+
+@pytest.fixture(autouse=True)
+def restore_g():
+    yield
+    global G
+    G = None
+
+
+def by_float(x):
+    return x.float() / G
+
+
+def by_int_or_float(x):
+    return x * G  # an int tensor times an int stays int, times a float becomes float
+
+
+def by_flag(x):
+    return x + 1 if G else x - 1
+
+
+def by_mode(x):
+    return x * 2 if G == "double" else x / 2
+
+
+def by_tuple(x):
+    return x * G[0] + G[1]
+
+
+@pytest.mark.parametrize(
+    "fn, values, dtype",
+    [
+        (by_float, [2.0, 3.0, 3.0, 2.0, 0.0, -0.0, float("nan"), float("nan")], torch.float32),
+        (by_int_or_float, [2, 3, 2.0, 2, True], torch.int64),
+        (by_flag, [True, False, 1, 0, True], torch.float32),
+        (by_mode, ["double", "half", "double"], torch.float32),
+        (by_tuple, [(2, 3), (2.0, 3), (2, 3), (2, 4), (2, 3.0)], torch.int64),
+    ],
+)
+def test_a_global_scalar_is_guarded_by_type_and_value(fn, values, dtype):
+    global G
+    jf = dtcompile.jit(fn)
+    x = torch.arange(1, 5).to(dtype)
+    seen = []
+    for value in values:
+        G = value
+        key = value_key(value)
+        if key not in seen:
+            seen.append(key)
+        assert_same_tensor(jf(x), fn(x))
+        assert dtcompile.cache_misses(jf) == len(seen), (value, counts(jf))
+    assert sum(counts(jf)) == len(values)
+
+
+def test_a_global_in_a_module_forward():
+    global G
+
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) * G
+
+    model = Scale()
+    jm = dtcompile.jit(model)
+    x = torch.randn(2, 4)
+    for value, expected in ((2.0, (1, 0)), (2.0, (1, 1)), (3.0, (2, 1)), (2.0, (2, 2))):
+        G = value
+        assert_same_tensor(jm(x), model(x))
+        assert counts(jm) == expected
+
+
+def test_closure_cell_rebound_by_nonlocal():
+    scale = 2.0
+
+    def f(x):
+        return x * scale
+
+    def set_scale(value):
+        nonlocal scale
+        scale = value
+
+    jf = dtcompile.jit(f)
+    x = torch.randn(3)
+    assert_same_tensor(jf(x), x * 2.0)
+    set_scale(5.0)
+    assert_same_tensor(jf(x), x * 5.0)
+    assert_same_tensor(jf(x), x * 5.0)
+    assert counts(jf) == (2, 1)
+
+
+def test_a_lambda_closing_over_a_variable_that_changes():
+    shift = 1.0
+    jf = dtcompile.jit(lambda x: x + shift)
+    x = torch.zeros(2)
+    for value in (1.0, 2.0, 2.0, 1.0):
+        shift = value
+        assert_same_tensor(jf(x), torch.full((2,), value))
+    assert counts(jf) == (2, 2)
+
+
+def test_a_closure_that_changes_between_calls():
+    state = {"mode": "relu"}
+
+    def make():
+        act = state["mode"]
+
+        def inner(x):
+            return torch.relu(x) if act == "relu" else torch.tanh(x)
+
+        return inner
+
+    inner = make()
+    jf = dtcompile.jit(inner)
+    x = torch.randn(5)
+    assert_same_tensor(jf(x), torch.relu(x))
+    inner.__closure__[0].cell_contents = "tanh"
+    assert_same_tensor(jf(x), torch.tanh(x))
+    assert counts(jf) == (2, 0)
+
+
+EPS = 1e-5
+
+
+def helper(x):
+    return x / (x.abs().sum() + EPS)
+
+
+def calls_helper(x):
+    return helper(x) * 2
+
+
+def test_a_helper_function_whose_global_changes():
+    global EPS
+    jf = dtcompile.jit(calls_helper)
+    x = torch.randn(4)
+    try:
+        assert_same_tensor(jf(x), calls_helper(x))
+        EPS = 10.0
+        assert_same_tensor(jf(x), calls_helper(x))
+        assert_same_tensor(jf(x), calls_helper(x))
+        assert counts(jf) == (2, 1)
+    finally:
+        EPS = 1e-5
+
+
+def activation(x):
+    return torch.relu(x)
+
+
+def other_activation(x):
+    return torch.sigmoid(x)
+
+
+def uses_activation(x):
+    return activation(x) + 1
+
+
+def test_a_global_function_replaced_by_another():
+    global activation
+    original = activation
+    jf = dtcompile.jit(uses_activation)
+    x = torch.randn(4)
+    try:
+        assert_same_tensor(jf(x), torch.relu(x) + 1)
+        activation = other_activation
+        assert_same_tensor(jf(x), torch.sigmoid(x) + 1)
+        activation = original
+        assert_same_tensor(jf(x), torch.relu(x) + 1)
+        assert counts(jf) == (2, 1)
+    finally:
+        activation = original
+
+
+CONFIG_MODULE = types.ModuleType("user_config")
+CONFIG_MODULE.SCALE = 2.0
+
+
+def uses_a_python_module(x):
+    return x * CONFIG_MODULE.SCALE
+
+
+def test_an_attribute_of_a_user_python_module():
+    jf = dtcompile.jit(uses_a_python_module)
+    x = torch.randn(3)
+    try:
+        assert_same_tensor(jf(x), x * 2.0)
+        CONFIG_MODULE.SCALE = 4.0
+        assert_same_tensor(jf(x), x * 4.0)
+        assert counts(jf) == (2, 0)
+    finally:
+        CONFIG_MODULE.SCALE = 2.0
+
+
+@dataclass
+class Config:
+    scale: float = 2.0
+    use_bias: bool = True
+
+
+class Norm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.eps = 1e-6
+
+    def forward(self, x):
+        return x / (x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
+
+
+class Block(torch.nn.Module):
+    def __init__(self, config: Config):
+        super().__init__()
+        self.config = config
+        self.lin = torch.nn.Linear(4, 4)
+        self.norm = Norm()
+        self.scale = 1.0
+        self.use_bias = True
+        self.last = None
+
+    def forward(self, x):
+        y = self.norm(self.lin(x)) * self.scale * self.config.scale
+        if self.use_bias and self.config.use_bias:
+            y = y + 1
+        self.last = y  # assigned a tensor by the forward: replayed after each call, not guarded
+        return y
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: setattr(m, "scale", 3.0),
+        lambda m: setattr(m, "use_bias", False),
+        lambda m: setattr(m.norm, "eps", 10.0),
+        lambda m: setattr(m.config, "scale", 0.5),
+        lambda m: setattr(m.config, "use_bias", False),
+        lambda m: setattr(m, "config", Config(scale=5.0)),
+    ],
+    ids=["scale", "flag", "submodule eps", "config scale", "config flag", "config replaced"],
+)
+def test_module_attributes(change):
+    torch.manual_seed(0)
+    model, reference = Block(Config()), Block(Config())
+    reference.load_state_dict(model.state_dict())
+    jm = dtcompile.jit(model)
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        assert_same_tensor(jm(x), reference(x))
+    assert counts(jm) == (1, 1)
+    change(model)
+    change(reference)
+    for _ in range(2):
+        assert_same_tensor(jm(x), reference(x))
+    assert counts(jm) == (2, 2)
+    assert_same_tensor(model.last, reference.last)
+
+
+class Counter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.ready = False
+
+    def forward(self, x):
+        self.calls = self.calls + 1  # a Python counter: the program bakes in the new value
+        self.ready = True
+        return x * self.calls
+
+
+def test_module_attributes_the_forward_assigns_constants():
+    model, reference = Counter(), Counter()
+    jm = dtcompile.jit(model)
+    x = torch.ones(2)
+    for _ in range(3):
+        assert_same_tensor(jm(x), reference(x))
+    assert (model.calls, model.ready) == (reference.calls, reference.ready) == (3, True)
+    assert counts(jm) == (3, 0)  # correct, at a compile per call: the counter is guarded
+
+
+def test_module_attribute_under_symbolic_values():
+    torch.manual_seed(0)
+    model, reference = Block(Config()), Block(Config())
+    reference.load_state_dict(model.state_dict())
+    jm = dtcompile.jit(model, cache="symbolic values")
+    for rows in (2, 3):
+        x = torch.randn(rows, 4)
+        assert_same_tensor(jm(x), reference(x))
+    assert counts(jm) == (1, 1)
+    model.scale = reference.scale = 7.0
+    for rows in (3, 5):
+        x = torch.randn(rows, 4)
+        assert_same_tensor(jm(x), reference(x))
+    assert counts(jm) == (2, 2)
+
+
+def test_a_plain_function_in_a_module_attribute():
+    class Act(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.act = F.relu
+
+        def forward(self, x):
+            return self.act(x)
+
+    model = Act()
+    jm = dtcompile.jit(model)
+    x = torch.randn(5)
+    assert_same_tensor(jm(x), F.relu(x))
+    model.act = torch.tanh
+    assert_same_tensor(jm(x), torch.tanh(x))
+    assert counts(jm) == (2, 0)
+
+
+W = torch.ones(3)
+
+
+def uses_a_global_tensor(x):
+    return x * W
+
+
+def test_a_global_tensor_rebound():
+    global W
+    jf = dtcompile.jit(uses_a_global_tensor)
+    x = torch.randn(3)
+    try:
+        assert_same_tensor(jf(x), x)
+        W.mul_(2)  # in place: read at each call, same entry
+        assert_same_tensor(jf(x), x * 2)
+        W = torch.full((3,), 5.0)  # rebound: a new entry
+        assert_same_tensor(jf(x), x * 5)
+        assert counts(jf) == (2, 1)
+    finally:
+        W = torch.ones(3)
+
+
+COUNTER = 0
+
+
+def counts_calls(x):
+    global COUNTER
+    COUNTER += 1
+    return x + 1
+
+
+def test_a_global_the_traced_code_assigns_is_not_guarded():
+    jf = dtcompile.jit(counts_calls)
+    x = torch.zeros(2)
+    for _ in range(3):
+        assert_same_tensor(jf(x), x + 1)
+    assert counts(jf) == (1, 2)
+
+
+def test_library_code_is_not_followed():
+    state = dtcompile.capture.python_state.PythonState.of_function(calls_helper)
+    holders = {id(read.holder) for read in state.reads}
+    assert id(vars(sys.modules[__name__])) in holders
+    assert not any(read.holder is vars(torch.nn.functional) for read in state.reads)
+    assert {read.key for read in state.reads} >= {"helper", "EPS"}
+
+
+OFFSET = 0.0
+
+
+class WithHelper(torch.nn.Module):
+    """Reads a global in a method its forward calls, and in a forward hook."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.register_forward_hook(lambda module, args, out: out * HOOK_SCALE)
+
+    def shifted(self, y):
+        return y + OFFSET
+
+    def forward(self, x):
+        return self.shifted(self.lin(x))
+
+
+HOOK_SCALE = 1.0
+
+
+def test_a_method_and_a_hook_reading_globals():
+    global OFFSET, HOOK_SCALE
+    model = WithHelper()
+    jm = dtcompile.jit(model)
+    x = torch.randn(2, 3)
+    try:
+        for offset, hook_scale in ((0.0, 1.0), (1.0, 1.0), (1.0, 3.0), (1.0, 3.0)):
+            OFFSET, HOOK_SCALE = offset, hook_scale
+            assert_same_tensor(jm(x), model(x))
+        assert counts(jm) == (3, 1)
+    finally:
+        OFFSET, HOOK_SCALE = 0.0, 1.0
+
+
+MODEL = None  # set by the tests below
+
+
+def calls_a_global_model(x):
+    return MODEL(x).sum(-1)
+
+
+def test_a_function_calling_a_module_sees_its_attributes():
+    global MODEL
+    MODEL = TrainingBlock(Block(Config()))
+    jf = dtcompile.jit(calls_a_global_model)
+    x = torch.randn(2, 4)
+    try:
+        for change in (
+            lambda: None,
+            lambda: setattr(MODEL.block.norm, "eps", 3.0),
+            lambda: setattr(MODEL.block.config, "scale", 9.0),
+        ):
+            change()
+            assert_same_tensor(jf(x), calls_a_global_model(x))
+        assert counts(jf) == (3, 0)
+    finally:
+        MODEL = None
+
+
+def test_a_module_a_function_calls_must_not_assign_attributes():
+    global MODEL
+    MODEL = Block(Config())  # its forward assigns self.last: not replayable, it is no input
+    try:
+        with pytest.raises(dtcompile.TracingError, match="the attributes of the module global 'MODEL'"):
+            dtcompile.jit(calls_a_global_model)(torch.randn(2, 4))
+        assert MODEL.last is None  # put back: no proxy left
+    finally:
+        MODEL = None
+
+
+def test_training_call_with_a_changed_attribute():
+    torch.manual_seed(0)
+    model, reference = Block(Config()), Block(Config())
+    reference.load_state_dict(model.state_dict())
+    model.last = reference.last = torch.zeros(())  # not assigned in a training call: see Block
+    jm = dtcompile.jit(TrainingBlock(model))
+    eager = TrainingBlock(reference)
+    x = torch.randn(2, 4)
+    with torch.enable_grad():
+        for scale in (1.0, 2.0):
+            model.scale = reference.scale = scale
+            jm(x).sum().backward()
+            eager(x).sum().backward()
+            for p, q in zip(model.parameters(), reference.parameters()):
+                torch.testing.assert_close(p.grad, q.grad)
+    assert counts(jm) == (2, 0)
+
+
+class TrainingBlock(torch.nn.Module):
+    """Block's computation without its attribute assignment (not replayed with gradients)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        b = self.block
+        y = b.norm(b.lin(x)) * b.scale * b.config.scale
+        return y + 1 if b.use_bias and b.config.use_bias else y
+
+
+SKIP = [1]
+SETTINGS = {"scale": 2.0, "mode": "add"}
+
+
+def reads_containers(x):
+    y = x * SETTINGS["scale"]
+    y = y + 1 if SETTINGS["mode"] == "add" else y - 1
+    return y * 0 if 1 in SKIP else y
+
+
+def test_small_lists_and_dicts_of_scalars_are_guarded_by_contents():
+    jf = dtcompile.jit(reads_containers)
+    x = torch.randn(3)
+    try:
+        for change in (
+            lambda: None,
+            lambda: SETTINGS.update(scale=3.0),
+            lambda: SETTINGS.update(mode="sub"),
+            lambda: SKIP.remove(1),
+            lambda: SKIP.append(1.0),  # 1.0 in SKIP like 1: a new entry, the same result
+            lambda: None,
+        ):
+            change()
+            assert_same_tensor(jf(x), reads_containers(x))
+        assert counts(jf) == (5, 1)
+    finally:
+        SKIP[:] = [1]
+        SETTINGS.update(scale=2.0, mode="add")
+
+
+@pytest.mark.parametrize("cache", ["symbolic values", "no caching"])
+def test_a_global_under_other_cache_options(cache):
+    global G
+    jf = dtcompile.jit(by_float, cache=cache)
+    for value, rows in ((2.0, 3), (2.0, 5), (4.0, 5), (4.0, 7)):
+        G = value
+        x = torch.arange(1.0, rows + 1)
+        assert_same_tensor(jf(x), by_float(x))
+    if cache == "symbolic values":
+        assert counts(jf) == (2, 2)
+
+
+def test_a_global_under_the_eager_check():
+    global G
+    jf = dtcompile.jit(by_float, check="eager")
+    x = torch.arange(1.0, 4.0)
+    for value in (2.0, 5.0):
+        G = value
+        assert_same_tensor(jf(x), by_float(x))
+
+
+view = None  # a script's variable named like an attribute the function uses (``.view``)
+
+
+def uses_an_attribute_named_view(x):
+    return torch.nn.functional.relu(x).sum(0).view(1, -1)
+
+
+def test_attribute_names_do_not_guard_globals_of_that_name():
+    global view
+    jf = dtcompile.jit(uses_an_attribute_named_view)
+    x = torch.randn(3, 2)
+    try:
+        for _ in range(3):
+            view = jf(x)  # rebinds the global ``view`` at each call
+            assert_same_tensor(view, uses_an_attribute_named_view(x))
+        reads = dtcompile.capture.python_state.PythonState.of_function(uses_an_attribute_named_view).reads
+        assert [read.key for read in reads] == ["torch"]
+        assert counts(jf) == (1, 2)
+    finally:
+        view = None
+
+
+@dataclass
+class Activation:
+    fn: object = torch.relu
+
+
+class UsesConfigFunction(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = Activation()
+
+    def forward(self, x):
+        return self.config.fn(x)
+
+
+def test_a_function_a_config_holds_is_guarded_by_identity():
+    model = UsesConfigFunction()
+    jm = dtcompile.jit(model)
+    x = torch.randn(4)
+    assert_same_tensor(jm(x), torch.relu(x))
+    model.config.fn = torch.tanh
+    assert_same_tensor(jm(x), torch.tanh(x))
+    assert counts(jm) == (2, 0)
+
+
+class Switchable(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.act = torch.nn.ReLU()
+
+    def forward(self, x):
+        y = self.act(self.lin(x))
+        return y * 2 if self.training else y
+
+
+def test_the_state_of_a_module_a_function_calls():
+    global MODEL
+    MODEL = Switchable()
+    jf = dtcompile.jit(calls_a_global_model)
+    x = torch.randn(2, 3)
+    try:
+        for change in (
+            lambda: None,
+            lambda: MODEL.eval(),
+            lambda: setattr(MODEL.lin, "weight", torch.nn.Parameter(torch.randn(3, 3))),
+            lambda: setattr(MODEL, "act", torch.nn.Tanh()),
+            lambda: setattr(MODEL.lin, "bias", None),
+            lambda: None,
+        ):
+            change()
+            assert_same_tensor(jf(x), calls_a_global_model(x))
+        assert counts(jf) == (5, 1)
+    finally:
+        MODEL = None
