@@ -37,13 +37,16 @@ def supports_device(device) -> bool:
     return torch.device(device).type == "cuda"
 
 
-def _data_type(dtype: torch.dtype):
+def data_type(dtype: torch.dtype):
+    """nvFuser's DataType of a torch dtype."""
     from nvfuser_direct.pytorch_utils import torch_dtype_to_nvfuser_dtype
 
     return torch_dtype_to_nvfuser_dtype(dtype)
 
 
-def _define(fd, program: FusionProgram) -> None:
+def define(fd, program: FusionProgram) -> dict[str, object]:
+    """Define ``program`` in the FusionDefinition ``fd``; return nvFuser's value for each
+    of the program's values, by name."""
     from nvfuser_direct import DataType
 
     env: dict[str, object] = {}
@@ -63,7 +66,7 @@ def _define(fd, program: FusionProgram) -> None:
         env[item.name] = fd.define_tensor(
             shape=[1 if b else -1 for b in item.broadcast],
             contiguity=list(item.contiguity),
-            dtype=_data_type(item.dtype),
+            dtype=data_type(item.dtype),
             stride_order=list(item.stride_order),
         )
     for op in program.ops:
@@ -71,7 +74,7 @@ def _define(fd, program: FusionProgram) -> None:
         if p in UNARY or p in BINARY or p in ("where", "matmul", "set", "permute", "squeeze"):
             env[op.out] = getattr(fd.ops, p)(*args)
         elif p == "cast":
-            env[op.out] = fd.ops.cast(args[0], _data_type(op.args[1]))
+            env[op.out] = fd.ops.cast(args[0], data_type(op.args[1]))
         elif p in ("sum", "max", "min"):
             env[op.out] = getattr(fd.ops, p)(args[0], args[1], args[2])
         elif p in ("broadcast", "reshape", "expand"):
@@ -79,7 +82,7 @@ def _define(fd, program: FusionProgram) -> None:
         elif p == "size":
             env[op.out] = fd.ops.size(args[0], args[1])
         elif p == "full":
-            env[op.out] = fd.ops.full(args[0], args[1], _data_type(op.args[2]))
+            env[op.out] = fd.ops.full(args[0], args[1], data_type(op.args[2]))
         else:
             raise NotImplementedError(f"nvfuser_direct backend: no primitive {p}")
     for out in program.outputs:
@@ -87,6 +90,7 @@ def _define(fd, program: FusionProgram) -> None:
         if list(out.order) != sorted(out.order):  # not row-major: ask for the traced layout
             value = fd.ops.stride_order(value, list(stride_order(out.order)))
         fd.add_output(value)
+    return env
 
 
 class NvFuserFusion:
@@ -96,7 +100,7 @@ class NvFuserFusion:
         from nvfuser_direct import FusionDefinition
 
         with FusionDefinition() as fd:
-            _define(fd, program)
+            define(fd, program)
         self.fd = fd
         self.source = str(fd)
 

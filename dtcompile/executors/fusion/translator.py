@@ -28,6 +28,11 @@ ALIASING = ("broadcast", "reshape", "permute", "squeeze", "expand")  # may retur
 COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not")
 
 
+def _is_one(size) -> bool:
+    size = as_constant(size)
+    return isinstance(size, int) and size == 1
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype eager's kernels do the math in for a result of ``dtype``."""
     return torch.float32 if dtype in LOW_PRECISION else dtype
@@ -54,7 +59,9 @@ class Translator:
         if arg.label not in self.values:
             name = f"in{len(self.program.inputs)}"
             if isinstance(arg, TensorProxy):
-                broadcast = tuple(as_constant(s) == 1 for s in arg.shape)
+                # A symbolic size is never 1 (sizes 0 and 1 are specialized): plain bools,
+                # not SymBools, which would ask the ShapeEnv at every use.
+                broadcast = tuple(_is_one(s) for s in arg.shape)
                 layout = tensor_descriptor(arg.shape, arg.stride())
                 self.program.inputs.append(TensorInput(name, arg.dtype, broadcast, *layout))
                 self.proxies[name] = arg
