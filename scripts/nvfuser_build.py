@@ -66,7 +66,8 @@ def build(data: dict) -> list[str]:
     program = program_from_data(data)
     printed = io.StringIO()
     try:
-        with contextlib.redirect_stdout(printed), FusionDefinition() as fd:  # __exit__ prints errors
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed), FusionDefinition() as fd:
+            # (its __exit__ prints the error it passes on)
             env = define(fd, program)
         fd.validate_definition()
     except Exception as error:

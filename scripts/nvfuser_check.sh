@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # nvFuser's own frontend on CPU: every fusion program the executor forms, built and
 # validated by nvFuser itself (no GPU needed to build a definition; running one does).
-#   scripts/nvfuser_check.sh
+#   scripts/nvfuser_check.sh              record (2.), then build (3.)
+#   scripts/nvfuser_check.sh --recorded   build what a test run already recorded in
+#                                         .nvfuser/programs (.ci/run does this)
 # 1. Once: a Python 3.12 environment in .nvfuser/cpu-env (git-ignored) with torch 2.10 and
 #    nvFuser's wheel for it (nvFuser publishes no wheels for Python 3.11 or torch 2.13):
 #    about 4.2 GB of downloads and 7 GB on disk, some minutes.
@@ -41,10 +43,12 @@ if [ ! -f "$ENV/.ready" ]; then
 fi
 
 bash scripts/dev.sh setup
-rm -rf "$PROGRAMS"
 export DTCOMPILE_FUSION_RECORD="$PWD/$PROGRAMS" OMP_NUM_THREADS=1
-.venv/bin/python -m pytest -q -n "${PYTEST_WORKERS:-2}" -p no:cacheprovider \
-  tests/test_nvfuser.py tests/distributed/test_nvfuser_ranks.py
+if [ "${1:-}" != "--recorded" ]; then
+  rm -rf "$PROGRAMS"
+  .venv/bin/python -m pytest -q -n "${PYTEST_WORKERS:-2}" -p no:cacheprovider \
+    tests/test_nvfuser.py tests/distributed/test_nvfuser_ranks.py
+fi
 .venv/bin/torchrun --nproc-per-node 2 scripts/nvfuser_collect.py
 unset DTCOMPILE_FUSION_RECORD
 PYTHONPATH="$PWD" "$ENV/bin/python" scripts/nvfuser_build.py "$PROGRAMS"
