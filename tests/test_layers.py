@@ -1,6 +1,7 @@
-"""The package's layers hold: imports point down (issue 12, item 8). core is the IR and
+"""The package's layers hold (issue 12, item 8): imports point down (core is the IR and
 imports nothing above it; capture turns calls into traces and knows no executors or jit;
-transforms and executors know no jit; testing helpers may use anything."""
+transforms and executors know no jit; testing helpers may use anything), and no module
+outgrows its line budget."""
 
 import ast
 from pathlib import Path
@@ -51,3 +52,15 @@ def test_imports_point_down_the_layers():
 def test_the_layer_check_sees_relative_and_absolute_imports(tmp_path):
     assert _imported_layers(PACKAGE / "jit" / "compiled.py") >= {"capture", "core", "executors", "transforms"}
     assert _imported_layers(PACKAGE / "capture" / "tracer.py") >= {"core"}
+
+
+LINE_BUDGET = 400
+
+
+def test_no_module_is_over_the_line_budget():
+    long = {
+        str(path.relative_to(PACKAGE)): n
+        for path in PACKAGE.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > LINE_BUDGET
+    }
+    assert not long, f"modules over {LINE_BUDGET} lines (split them by what they own): {long}"

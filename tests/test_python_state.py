@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import dtcompile
-from dtcompile.capture.python_state import value_key
+from dtcompile.capture.python_reads import value_key
 
 
 @pytest.fixture(autouse=True)

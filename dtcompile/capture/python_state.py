@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import dis
 import functools
-import math
 import sys
 import sysconfig
 import types
@@ -58,10 +57,8 @@ import torch
 
 from .objects import is_rebuildable_object
 from .outputs import ConstantOutput
+from .python_reads import PythonGuards, Read, by_value, scalar_container, value_key
 
-ABSENT = object()  # what a read of a missing name gives
-_SCALARS = (type(None), bool, int, float, complex, str, bytes)
-_CONTAINER_ITEMS = 32  # the largest list or dict whose contents are guarded
 _LIBRARIES = {"torch", "transformers", "dtcompile", "numpy", "accelerate", "safetensors", "triton", "sympy"}
 _LIBRARY_PATHS = tuple(
     path for path in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")} if path
@@ -70,80 +67,6 @@ _LIBRARY_PATHS = tuple(
 # guarded by the prologue's module checks, or never read by the program.
 _MODULE_TABLES = frozenset(vars(torch.nn.Module()))
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-
-
-def by_value(value: object) -> bool:
-    """Whether ``value`` is guarded by value (a scalar or a tuple of them), not identity."""
-    if type(value) is tuple:
-        return all(map(by_value, value))
-    return type(value) in _SCALARS
-
-
-def value_key(value: object) -> object:
-    """What a value guarded by value must stay equal to: its exact type and value, floats
-    by ``repr`` (so NaN equals itself and ``-0.0`` differs from ``0.0``), tuples item by
-    item (``(1,)`` differs from ``(1.0,)``)."""
-    kind = type(value)
-    if kind is tuple or kind is list:
-        return (kind, tuple(map(value_key, value)))
-    if kind is dict:
-        return (dict, tuple((k, value_key(v)) for k, v in value.items()))
-    if kind is float or kind is complex:
-        return (kind, repr(value))
-    return (kind, value)
-
-
-def scalar_container(value: object) -> bool:
-    """Whether ``value`` is a small list or dict (string keys) of values guarded by value,
-    whose contents are guarded too, beside its identity."""
-    if type(value) is list:
-        return len(value) <= _CONTAINER_ITEMS and all(map(by_value, value))
-    if type(value) is dict:
-        return (
-            len(value) <= _CONTAINER_ITEMS and all(type(k) is str for k in value) and all(map(by_value, value.values()))
-        )
-    return False
-
-
-def needs_value_key(value: object) -> bool:
-    """Whether ``==`` with a type check is not enough to compare ``value``: tuples (the
-    types of their items), NaN, zeros (signed) and complex numbers (their parts)."""
-    if type(value) is tuple:
-        return True
-    if type(value) is float:
-        return math.isnan(value) or value == 0.0
-    if type(value) is complex:
-        return True
-    return False
-
-
-@dataclass
-class Read:
-    """One value the program can read: ``holder[key]`` (a globals dict, a module's or an
-    object's ``__dict__``) or ``holder.cell_contents`` (``key`` None), and the value then."""
-
-    holder: object
-    key: str | None
-    value: object
-    where: str  # for messages and docs: "global 'S' of f"
-    contents: bool = False  # the contents of a small list or dict of scalars, not its identity
-    contents_key: object = None  # their value_key when read (the container may change later)
-
-    def current(self) -> object:
-        if self.key is None:
-            try:
-                return self.holder.cell_contents
-            except ValueError:  # the cell was emptied
-                return ABSENT
-        return self.holder.get(self.key, ABSENT)
-
-    def unchanged(self) -> bool:
-        now = self.current()
-        if self.contents:
-            return value_key(now) == self.contents_key
-        if by_value(self.value):
-            return by_value(now) and value_key(now) == value_key(self.value)
-        return now is self.value
 
 
 def is_library(obj: object) -> bool:
@@ -350,81 +273,3 @@ class PythonState:
 
     def guards(self) -> PythonGuards:
         return PythonGuards.of(self.reads)
-
-
-@dataclass
-class ReadGroup:
-    """Reads checked together: ``holder[key]`` for the dict reads, then the cells'
-    contents, and what each must be (the object, the value, or its :func:`value_key`)."""
-
-    dicts: list = field(default_factory=list)
-    keys: list = field(default_factory=list)
-    cells: list = field(default_factory=list)
-    expected: list = field(default_factory=list)
-    types: list = field(default_factory=list)
-
-    def add(self, read: Read, expected: object) -> None:
-        if read.key is None:
-            self.cells.append(read.holder)
-        else:
-            self.dicts.append(read.holder)
-            self.keys.append(read.key)
-        self.expected.append(expected)
-        self.types.append(type(read.value))
-
-    def __bool__(self) -> bool:
-        return bool(self.expected)
-
-
-def _plain_scalar(value: object) -> bool:
-    """A scalar ``==`` with a type check compares exactly (not NaN, a zero, complex)."""
-    return type(value) in _SCALARS and not needs_value_key(value)
-
-
-@dataclass
-class PythonGuards:
-    """The reads of a :class:`PythonState` as prepared lists, for C-level checks in the
-    prologue (``map`` over them; no Python line per value): objects by identity first (a
-    replaced config object fails before its attributes are compared), then scalars by
-    exact type and ``==`` (and the sign of zeros), small lists and dicts by their type,
-    ``==`` with a copy and their items' types, and last the few values (tuples, NaN,
-    containers of those) compared by :func:`value_key`, in Python."""
-
-    same: ReadGroup = field(default_factory=ReadGroup)
-    equal: ReadGroup = field(default_factory=ReadGroup)
-    zeros: ReadGroup = field(default_factory=ReadGroup)  # expected: copysign(1.0, value)
-    lists: ReadGroup = field(default_factory=ReadGroup)  # expected: a copy
-    dicts: ReadGroup = field(default_factory=ReadGroup)
-    list_item_types: list = field(default_factory=list)
-    dict_item_types: list = field(default_factory=list)
-    keyed: ReadGroup = field(default_factory=ReadGroup)
-
-    @classmethod
-    def of(cls, reads: list[Read]) -> PythonGuards:
-        g = cls()
-        # Dict reads before cell reads in each group, as the prologue reads them.
-        for read in sorted(reads, key=lambda r: r.key is None):
-            value = read.value
-            if read.contents:
-                items = list(value.values()) if type(value) is dict else list(value)
-                if not all(map(_plain_scalar, items)):
-                    g.keyed.add(read, read.contents_key)
-                elif type(value) is dict:
-                    g.dicts.add(read, dict(value))
-                    g.dict_item_types += map(type, items)
-                else:
-                    g.lists.add(read, list(value))
-                    g.list_item_types += map(type, items)
-            elif not by_value(value):
-                g.same.add(read, value)
-            elif _plain_scalar(value):
-                g.equal.add(read, value)
-            elif type(value) is float and value == 0.0:
-                g.equal.add(read, value)
-                g.zeros.add(read, math.copysign(1.0, value))
-            else:
-                g.keyed.add(read, value_key(value))
-        return g
-
-    def __bool__(self) -> bool:
-        return bool(self.same or self.equal or self.lists or self.dicts or self.keyed)

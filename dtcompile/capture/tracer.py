@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
 from ..core import InputPath, Trace, TracingError, data_dependent_error, verify
+from .annotator import CallAnnotator
 from .autograd import BackwardCapture, capture_backward
 from .c10d import object_collective_refusal
 from .inputs import (
@@ -34,7 +35,7 @@ from .objects import AttributeUpdate
 from .outputs import OutputCollector, OutputNode
 from .placements import describe_placements
 from .python_state import PythonState
-from .recorder import CallAnnotator, OpRecorder, Recording
+from .recorder import OpRecorder, Recording
 from .snapshots import DataSnapshot
 
 

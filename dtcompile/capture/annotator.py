@@ -1,0 +1,143 @@
+"""Notes on the recorded symbols: the torch-level call each came from.
+
+:class:`CallAnnotator`, a TorchFunctionMode active while a call is traced (with the
+recorder, ``recorder.py``), sees each torch-level call the user's code makes
+(``F.linear``, ``Tensor.view``) and notes it, with the placements of its DTensor inputs
+and outputs, on the symbols recorded while it ran, and on the autograd nodes it made (so
+the backward's symbols say which forward call they differentiate). It also refuses data
+reads and checks hooks registered on traced tensors, and swaps a closed-over DTensor for
+its traced stand-in.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode, resolve_name
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..core import Note, TensorProxy, TracingError, data_dependent_error
+from .placements import describe_placements
+from .recorder import Recording
+
+# Tensor methods that hand the caller a tensor's data outside torch (NumPy, Python lists).
+_DATA_READS = {torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.tolist, torch.Tensor.data_ptr}
+_HOOK_REGISTRATIONS = {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
+
+
+def tag_backward_nodes(inputs: list, outputs: list, note: Note) -> None:
+    """Put ``note`` on the autograd nodes a torch-level call made (those between its
+    outputs' grad_fns and its inputs'), so the backward's symbols can say which forward
+    call they differentiate."""
+    stop = {id(t.grad_fn) for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    pending = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[int] = set()
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in seen or id(node) in stop or not hasattr(node, "metadata"):
+            continue
+        seen.add(id(node))
+        node.metadata.setdefault("dtcompile_note", note)
+        pending.extend(next_node for next_node, _ in node.next_functions)
+
+
+def _is_traced(value) -> bool:
+    """A proxy, or a DTensor around one."""
+    return isinstance(value, TensorProxy) or isinstance(getattr(value, "_local_tensor", None), TensorProxy)
+
+
+def _short_name(func) -> str:
+    name = resolve_name(func) or getattr(func, "__name__", repr(func))
+    for prefix, short in (("torch.nn.functional.", "F."), ("torch.Tensor.", "Tensor."), ("torch._C._nn.", "F.")):
+        if name.startswith(prefix):
+            return short + name[len(prefix) :]
+    return name
+
+
+def _describe(value, proxies: list) -> str | None:
+    """A note template for one argument; the proxies it names are appended to ``proxies``."""
+    if isinstance(value, DTensor):
+        local = value._local_tensor
+        placements = describe_placements(value.placements)
+        if not isinstance(local, TensorProxy):
+            return f"<constant>: {placements}"
+        proxies.append(local)
+        return f"{{{len(proxies) - 1}}}: {placements}"
+    if isinstance(value, TensorProxy):
+        proxies.append(value)
+        return f"{{{len(proxies) - 1}}}"
+    if isinstance(value, (list, tuple)):
+        inner = [d for d in (_describe(v, proxies) for v in value) if d is not None]
+        return f"[{', '.join(inner)}]" if inner else None
+    return None
+
+
+def _describe_output(value) -> str:
+    if isinstance(value, DTensor):
+        return describe_placements(value.placements)
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(_describe_output(v) for v in value) + ")"
+    if isinstance(value, torch.Tensor):
+        return "Tensor"
+    return type(value).__name__
+
+
+class CallAnnotator(TorchFunctionMode):
+    """Notes on each recorded symbol the torch-level call it came from, and tells the
+    recording when DTensor is handling a call (its factory ops are then its own). A
+    DTensor the code closes over is replaced by its traced stand-in (``capture_dtensor``)."""
+
+    def __init__(self, recording: Recording):
+        super().__init__()
+        self.recording = recording
+
+    def _check_hook(self, func, args) -> None:
+        """A hook registered on a traced tensor runs while the backward is traced: its
+        effects on Python data are checked like the function's own (``recording.snapshot``)."""
+        if func is not torch.Tensor.register_hook:
+            raise TracingError(
+                f"dtcompile.jit: {_short_name(func)} on a traced tensor: such a hook runs when a gradient is "
+                "accumulated into a leaf, which a compiled call's traced backward never does"
+            )
+        hook = args[1] if len(args) > 1 else None
+        if self.recording.snapshot is not None and hook is not None:
+            self.recording.snapshot.add_callable(hook, f"the tensor hook {getattr(hook, '__qualname__', hook)}")
+
+    def _traced_dtensor(self, value):
+        if isinstance(value, DTensor) and not isinstance(value._local_tensor, TensorProxy):
+            return self.recording.capture_dtensor(value)
+        return value
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in ("__get__", "__set__"):
+            return func(*args, **kwargs)
+        start = len(self.recording.bound_symbols)
+        leaves, _ = tree_flatten((args, kwargs))
+        if func in _DATA_READS and any(_is_traced(x) for x in leaves):
+            raise data_dependent_error(_short_name(func), "the data leaves torch")
+        if func in _HOOK_REGISTRATIONS and _is_traced(args[0]):
+            self._check_hook(func, args)
+        if any(isinstance(x, DTensor) and not isinstance(x._local_tensor, TensorProxy) for x in leaves):
+            args, kwargs = tree_map(self._traced_dtensor, (args, kwargs))
+            leaves, _ = tree_flatten((args, kwargs))
+        handled_by_dtensor = any(isinstance(x, DTensor) for x in leaves)
+        self.recording.dtensor_calls += handled_by_dtensor
+        outer_call, self.recording.current_call = self.recording.current_call, _short_name(func)
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.recording.dtensor_calls -= handled_by_dtensor
+            self.recording.current_call = outer_call
+        new = self.recording.bound_symbols[start:]
+        if new:
+            proxies: list[TensorProxy] = []
+            inputs = [d for d in (_describe(v, proxies) for v in (*args, *kwargs.values())) if d is not None]
+            name = _short_name(func).replace("{", "{{").replace("}", "}}")
+            note = Note(f"{name}({', '.join(inputs)}) -> {_describe_output(out)}", tuple(proxies))
+            for bsym in new:
+                if bsym.note is None:
+                    bsym.note = note
+            if torch.is_grad_enabled():
+                tag_backward_nodes(leaves, tree_flatten(out)[0], note)
+        return out
