@@ -471,3 +471,19 @@ def test_generators_and_dtypes_are_arguments():
     assert cast(torch.ones(2), torch.float16).dtype is torch.float16
     assert cast(torch.ones(2), torch.bfloat16).dtype is torch.bfloat16
     assert dtcompile.cache_misses(cast) == 2
+
+
+def test_the_prologue_returns_the_computations_inputs_in_order():
+    from dtcompile.capture import capture_call
+    from dtcompile.jit.prologue import build_prologue
+
+    def fn(x, y):
+        return x * 2 + y
+
+    x, y = torch.randn(3), torch.randn(3)
+    captured = capture_call(fn, (x, y), {})
+    labels = [p.label for p in captured.trace.inputs]
+    prologue = build_prologue(captured.inputs, torch.is_grad_enabled(), [], None, input_labels=labels)
+    assert prologue.fn(None, (x, y), {}) == (x, y)
+    with pytest.raises(AssertionError, match="the computation takes"):
+        build_prologue(captured.inputs, torch.is_grad_enabled(), [], None, input_labels=labels[::-1])

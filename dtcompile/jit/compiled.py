@@ -213,6 +213,7 @@ class CompiledFunction:
                 unwrap_differentiable=captured.backward is None,
                 shape_env=captured.shape_env,
                 objects=captured.objects,
+                input_labels=_computation_inputs(captured),
             ),
             run=run,
             epilogue=epilogue,
@@ -282,6 +283,15 @@ class CompiledFunction:
         traces = [*joint_traces, *forward_traces, forward_execution, *backward_traces, backward_execution]
         to_check = [pipelines.before_finish(forward_traces), pipelines.before_finish(backward_traces)]
         return program, program.rebuild, traces, to_check
+
+
+def _computation_inputs(captured: CapturedCall) -> list[str]:
+    """The labels of what the computation takes from the prologue, in order (a training
+    trace's cotangents come from autograd, not the prologue)."""
+    labels = [p.label for p in captured.trace.inputs]
+    if captured.backward is not None:
+        labels = labels[: len(labels) - len(captured.backward.cotangents)]
+    return labels
 
 
 def _slot_count(captured: CapturedCall) -> int:

@@ -50,6 +50,7 @@ class _Builder:
             "meshes_match": meshes_match,
         }
         self.results: list[str] = []
+        self.result_labels: list[str] = []  # the trace input each result binds, in order
         self.object_vars: dict[int, str] = {}  # id of an ObjectInput -> the variable bound to it
         # id of a TensorInput or DTensorInput -> the variable bound to the tensor (the DTensor),
         # and to the local tensor (the tensor itself, the DTensor's local): a tensor met again
@@ -188,6 +189,7 @@ class _Builder:
             var = self.bind(expr)
             self.tensor_meta(var, node.meta, node.proxy, example)
             self.results.append(var)
+            self.result_labels.append(node.proxy.label)
             self.tensor_vars[id(node)] = self.local_vars[id(node)] = var
             if not self.in_object:
                 self.argument_tensors.append(var)
@@ -221,6 +223,7 @@ class _Builder:
                 return
             self.tensor_meta(local, node.meta, node.proxy, None if example is None else example._local_tensor)
             self.results.append(var if node.requires_grad and not self.unwrap_differentiable else local)
+            self.result_labels.append(node.proxy.label)
         elif isinstance(node, SequenceInput):
             if expr == "args":  # always the tuple of positional arguments
                 var = expr
@@ -300,12 +303,14 @@ def build_prologue(
     unwrap_differentiable: bool = True,
     shape_env=None,
     objects: list[ObjectInput] = (),
+    input_labels: list[str] | None = None,
 ) -> GeneratedFunction:
     """The prologue of one cache entry (see the module docstring). With
     ``unwrap_differentiable=False`` it returns a DTensor that requires grad itself, not its
     local tensor. With a ``shape_env`` (symbolic values) it binds the symbolic sizes and
     checks the ShapeEnv's guards. After the computation's inputs it returns ``objects``
-    (input objects the epilogue updates or returns)."""
+    (input objects the epilogue updates or returns). ``input_labels``: the computation's
+    inputs, in order; the results are checked against them as the prologue is built."""
     b = _Builder(unwrap_differentiable)
     b.fail_if(f"torch.is_grad_enabled() is not {grad_enabled}")
     # The arguments first: a call an entry does not fit usually fails there, cheaply.
@@ -339,9 +344,11 @@ def build_prologue(
             local = b.bind(f"{name}._local_tensor", "local")
             b.tensor_meta(local, LocalTensorMeta.of(held._local_tensor), proxy, held._local_tensor)
             b.results.append(name if held.requires_grad and not unwrap_differentiable else local)
+            b.result_labels.append(proxy.label)
             continue
         b.tensor_meta(name, LocalTensorMeta.of(held), proxy, held)
         b.results.append(name)
+        b.result_labels.append(proxy.label)
     b.check_batched()
     if shape_env is not None:
         b.symbolic_guards(shape_env)
@@ -356,6 +363,12 @@ def build_prologue(
         # Objects traced as distinct must be distinct: the program updates each on its own.
         distinct = ", ".join(f"id({var})" for var in b.object_vars.values())
         b.fail_if(f"len({{{distinct}}}) != {len(b.object_vars)}")
+    if input_labels is not None and b.result_labels != list(input_labels):
+        # Capture orders the trace's inputs, this builder the prologue's results, by two
+        # walks of the same tree: if they ever differ, tensors would bind to the wrong inputs.
+        raise AssertionError(
+            f"dtcompile: the prologue would return {b.result_labels}, the computation takes {list(input_labels)}"
+        )
     b.results += [b.object_vars[id(node)] for node in objects]
     returned = ", ".join(b.results)
     lines = [
