@@ -1,33 +1,10 @@
 """Helpers shared by the single-process tests."""
 
-import torch
-
 from dtcompile.capture import capture_call
+from dtcompile.testing.compare import assert_same
 
-
-def assert_same_tensor(got, expected):
-    assert type(got) is type(expected)
-    assert got.dtype == expected.dtype
-    assert got.shape == expected.shape
-    assert got.stride() == expected.stride()
-    torch.testing.assert_close(got, expected)
-
-
-def assert_same_result(got, expected):
-    """Same containers (types and keys), same constants, same tensors."""
-    assert type(got) is type(expected)
-    if isinstance(expected, torch.Tensor):
-        assert_same_tensor(got, expected)
-    elif isinstance(expected, (tuple, list)):
-        assert len(got) == len(expected)
-        for g, e in zip(got, expected):
-            assert_same_result(g, e)
-    elif isinstance(expected, dict):
-        assert list(got) == list(expected)
-        for key in expected:
-            assert_same_result(got[key], expected[key])
-    else:
-        assert got == expected
+# One comparison with eager for every test (dtcompile.testing.compare).
+assert_same_tensor = assert_same_result = assert_same
 
 
 def traced(fn, *args, **kwargs):

@@ -487,3 +487,16 @@ def test_the_prologue_returns_the_computations_inputs_in_order():
     assert prologue.fn(None, (x, y), {}) == (x, y)
     with pytest.raises(AssertionError, match="the computation takes"):
         build_prologue(captured.inputs, torch.is_grad_enabled(), [], None, input_labels=labels[::-1])
+
+
+def test_slices_and_ellipsis_are_guarded_constants():
+    def fn(x, index):
+        return x[index] * 2
+
+    jitted = dtcompile.jit(fn)
+    x = torch.arange(24.0).reshape(4, 6)
+    for index in (slice(1, 3), slice(None, None, 2), slice(1, 3), Ellipsis, (Ellipsis, slice(0, 2)), slice(1, 3)):
+        assert torch.equal(jitted(x, index), fn(x, index))
+    assert dtcompile.cache_misses(jitted) == 4  # one per distinct index
+    with pytest.raises(dtcompile.UnsupportedInputError, match="args.1. is a slice"):
+        dtcompile.jit(fn)(x, slice(torch.tensor(1), 3))  # a slice of tensors is not a constant

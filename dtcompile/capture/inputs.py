@@ -35,8 +35,16 @@ CONSTANT_TYPES = (
     torch.device,
     torch.layout,
     torch.memory_format,
+    type(Ellipsis),
 )
 PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _constant_slice(value: object) -> bool:
+    """A slice of constants (``slice(1, 3)``, ``slice(None, None, 2)``): guarded as a constant."""
+    return type(value) is slice and all(
+        part is None or type(part) is int for part in (value.start, value.stop, value.step)
+    )
 
 
 class UnsupportedInputError(TypeError):
@@ -199,7 +207,7 @@ class InputProxifier:
             node = TensorInput(path, proxy, LocalTensorMeta.of(value))
             self._tensors[id(value)] = (proxy, node, False)
             return proxy, node
-        if isinstance(value, CONSTANT_TYPES) or type(value) is torch.Size:
+        if isinstance(value, CONSTANT_TYPES) or type(value) is torch.Size or _constant_slice(value):
             return value, ConstantInput(path, value)
         if type(value) in (tuple, list) or pytree.is_namedtuple_instance(value):
             pairs = [self.proxify(v, path.index(i), f"{name_hint}_{i}") for i, v in enumerate(value)]

@@ -2,63 +2,9 @@
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten
 
 import dtcompile
-
-
-def waited(t):
-    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
-
-
-def assert_same(got, expected, where=""):
-    """Eager's type, placements and mesh, global and local shapes and strides, values."""
-    assert (got is None) == (expected is None), (where, got, expected)
-    if expected is None:
-        return
-    if isinstance(expected, DTensor):
-        assert type(got) is DTensor, (where, type(got))
-        assert got.placements == expected.placements, (where, got.placements, expected.placements)
-        assert got.device_mesh == expected.device_mesh, where
-        assert got.shape == expected.shape and got.stride() == expected.stride(), (
-            where,
-            got.shape,
-            expected.shape,
-            got.stride(),
-            expected.stride(),
-        )
-        local, expected_local = got._local_tensor, waited(expected._local_tensor)
-        assert local.shape == expected_local.shape and local.stride() == expected_local.stride(), (
-            where,
-            local.shape,
-            expected_local.shape,
-            local.stride(),
-            expected_local.stride(),
-        )
-        torch.testing.assert_close(got.full_tensor(), expected.full_tensor(), msg=lambda m: f"{where}: {m}")
-    elif isinstance(expected, torch.Tensor):
-        expected = waited(expected)
-        assert type(got) is torch.Tensor, (where, type(got))
-        assert got.shape == expected.shape and got.stride() == expected.stride(), (
-            where,
-            got.shape,
-            expected.shape,
-            got.stride(),
-            expected.stride(),
-        )
-        torch.testing.assert_close(got, expected, msg=lambda m: f"{where}: {m}")
-    else:  # sizes, numbers
-        assert type(got) is type(expected) and got == expected, (where, got, expected)
-
-
-def assert_all_same(got, expected, where=""):
-    got_leaves, got_spec = tree_flatten(got)
-    expected_leaves, expected_spec = tree_flatten(expected)
-    assert got_spec == expected_spec, (where, got_spec, expected_spec)
-    for i, (g, e) in enumerate(zip(got_leaves, expected_leaves)):
-        assert_same(g, e, f"{where}, output {i}")
+from dtcompile.testing.compare import assert_all_same, assert_same, waited  # noqa: F401  (shared)
 
 
 def assert_same_grads(compiled_model, eager_model, where=""):
