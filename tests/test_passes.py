@@ -351,3 +351,18 @@ def test_a_linear_reads_its_input_where_the_matmul_did():
     got, expected = jitted(x.clone(), w), fn(x.clone(), w)
     assert torch.equal(got, expected)
     assert "aten.linear.default" in op_names(dtcompile.last_traces(jitted)[-2])
+
+
+def test_the_type_check_finds_a_symbol_whose_outputs_lie():
+    from dataclasses import replace
+
+    from dtcompile.core.typecheck import TraceTypeError, check_types
+
+    trace = traced(lambda x: (x * 2).sum(0), torch.randn(3, 4))
+    check_types(trace)  # as recorded: every op gives what the trace says
+    mul, total = trace.bound_symbols
+    # A pass that rewired the sum to read the input sideways would leave (4,) claimed for
+    # an op that gives (3,).
+    broken = replace(total, args=(mul.output, 1))
+    with pytest.raises(TraceTypeError, match=r"shape \(3,\), recorded \(4,\)"):
+        check_types(trace.derive("broken", [mul, broken]))

@@ -246,6 +246,7 @@ class CompiledFunction:
 
     def _lowered(self, trace: Trace, labels: dict[str, str], executors) -> Trace:
         execution = lower(trace, executors)
+        verify(execution)  # names defined once, before use, in what runs too
         execution.header_notes += [
             f"process group {name!r}: mesh dim {label}, ranks {dist.get_process_group_ranks(_resolve_process_group(name))}"
             for name, label in labels.items()

@@ -27,6 +27,7 @@ which order, and why.
 from __future__ import annotations
 
 from ..core import Trace, verify
+from ..core.typecheck import check_types, types_checked
 from .all_reduce_sums import combine_all_reduces
 from .copies import remove_redundant_copies
 from .cse import cse
@@ -66,11 +67,17 @@ def half_passes(symbolic: bool) -> tuple:
 
 
 def run_passes(trace: Trace, passes) -> list[Trace]:
-    """The trace after each pass, in order (``trace`` first), each one verified."""
+    """The trace after each pass, in order (``trace`` first), each one verified (names; and
+    types where ``DTCOMPILE_VERIFY_TYPES=1``)."""
+    checked = types_checked()  # the tests check types at every pass (core/typecheck.py)
+    if checked:
+        check_types(trace)
     traces = [trace]
     for transform in passes:
         traces.append(transform(traces[-1]))
         verify(traces[-1])
+        if checked:
+            check_types(traces[-1])
     return traces
 
 
