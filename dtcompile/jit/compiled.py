@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..capture import CapturedCall, capture_call, is_tracing
-from ..core import TensorProxy, Trace
+from ..core import TensorProxy, Trace, verify
 from ..core.codegen import GeneratedFunction
 from ..executors import lower, resolve_executors
 from ..transforms import pipelines, saved_note, split_forward_backward
