@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..core import InputPath, TensorProxy
 from ..core.proxy import contiguous_strides
+from ..core.torch_internals import DTensorSpec, TensorMeta, make_dtensor
 from .recorder import Recording
 
 
@@ -53,7 +53,7 @@ def _cotangent_for(recording: Recording, value, index: int) -> tuple[object, Ten
     # be redistributed to Partial (DTensor forbids it).
     placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
     spec = DTensorSpec(spec.mesh, placements, tensor_meta=meta)
-    return DTensor(proxy, spec, requires_grad=False), proxy, spec
+    return make_dtensor(proxy, spec, requires_grad=False), proxy, spec
 
 
 def capture_backward(

@@ -26,9 +26,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import FakeWork, ProcessGroup
 
 from ..core import Note, TracingError
+from ..core.torch_internals import completed_work, unboxed_process_group
 
 aten = torch.ops.aten
 functional = torch.ops._c10d_functional
@@ -109,7 +109,7 @@ class _Recorder:
         return self.recording.record(func, args, {})
 
     def group(self, pg) -> tuple[str, int]:
-        group = ProcessGroup.unbox(pg) if isinstance(pg, torch.ScriptObject) else pg
+        group = unboxed_process_group(pg)
         return group.group_name, group.size()
 
     def reduce_op(self, op) -> str:
@@ -251,6 +251,6 @@ def record_c10d(recording, func, args: tuple, kwargs: dict):
     for bsym in recording.bound_symbols[start:]:
         if bsym.note is None:
             bsym.note = note
-    work = FakeWork().boxed()
+    work = completed_work()
     returns = func._schema.returns
     return work if len(returns) == 1 else (written, work)

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils import _pytree as pytree
 
 from ..core import InputPath, TensorProxy
 from ..core.proxy import contiguous_strides
 from ..core.symbolic import is_symbolic
+from ..core.torch_internals import DTensorSpec, TensorMeta, make_dtensor
 from .objects import StateObjects, is_state_object, new_stand_in
 from .recorder import Recording
 
@@ -272,7 +272,7 @@ class InputProxifier:
             dynamic = dynamic and _evenly_sharded(value)
             proxy = self.recording.input_proxy(local, identifier(name_hint, self.taken), local_path, dynamic)
         spec = _symbolic_spec(value, proxy) if dynamic else value._spec
-        wrapped = DTensor(proxy, spec, requires_grad=value.requires_grad)
+        wrapped = make_dtensor(proxy, spec, requires_grad=value.requires_grad)
         node = DTensorInput(path, proxy, value._spec, LocalTensorMeta.of(local), value.requires_grad, spec, first)
         self._tensors[id(value)] = (wrapped, node, False)
         if first is None:

@@ -40,9 +40,9 @@ from ..core import (
 )
 from ..core.printing import NamedConstant, Unprintable, python_literal
 from ..core.symbolic import is_symbolic
+from ..core.torch_internals import fake_mode_active, make_dtensor
 from .c10d import is_c10d_op, record_c10d
 
-_FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
 _DATA_DEPENDENT_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
 
 
@@ -156,7 +156,7 @@ class Recording:
         if traced is None:
             proxy = self.capture(real._local_tensor)
             self.captured_held[next(i for i, p in enumerate(self.captured_proxies) if p is proxy)] = real
-            traced = DTensor(proxy, real._spec, requires_grad=real.requires_grad)
+            traced = make_dtensor(proxy, real._spec, requires_grad=real.requires_grad)
             self._captured_dtensors[id(real)] = traced
         return traced
 
@@ -268,7 +268,7 @@ class OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch._C._get_dispatch_mode(_FAKE_MODE_KEY) is not None:
+        if fake_mode_active():
             # DTensor's sharding propagation computing metadata under its own fake mode:
             # not part of the program.
             return func(*args, **kwargs)

@@ -23,19 +23,20 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..core import BoundSymbol, Symbol, TensorProxy
 from ..core.op_classes import group_name
 from ..core.printing import python_literal
 from ..core.proxy import is_contiguous_stride
+from ..core.torch_internals import resolve_process_group
 from .base import Executor, LoweringContext
 
 functional = torch.ops._c10d_functional
 _REDUCE_OPS = {"sum": "SUM", "product": "PRODUCT", "min": "MIN", "max": "MAX"}
 _DIST = ("dist", dist, "torch.distributed")
 _TORCH = (("torch", torch, "torch"),)
-_PROCESS_GROUP = ("process_group", _resolve_process_group, "torch.distributed.distributed_c10d._resolve_process_group")
+# Printed as torch's own function, which it is (core/torch_internals.py).
+_PROCESS_GROUP = ("process_group", resolve_process_group, "torch.distributed.distributed_c10d._resolve_process_group")
 
 
 def _allreduce_options() -> dict[str, object]:
@@ -179,7 +180,7 @@ def _exchange_fits(bsym: BoundSymbol, reduce_op: str, group: str, context: Lower
     result only its wait reads."""
     if reduce_op not in _EXCHANGE_COMBINE or bsym.args[0].dtype not in _EXCHANGE_DTYPES:
         return False
-    pg = _resolve_process_group(group)
+    pg = resolve_process_group(group)
     if pg.size() != 2 or dist.get_backend(pg) != "gloo":
         return False
     label = bsym.output.label

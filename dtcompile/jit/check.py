@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..capture import DataSnapshot, is_state_object
 from ..core import Trace
+from ..core.torch_internals import default_store, resolve_process_group
 
 functional = torch.ops._c10d_functional
 _checked_calls = itertools.count()
@@ -219,7 +220,7 @@ def _collective_ranks(trace: Trace) -> list[int]:
         for arg in bsym.args:
             if isinstance(arg, str):
                 try:
-                    group = dist.distributed_c10d._resolve_process_group(arg)
+                    group = resolve_process_group(arg)
                 except (KeyError, ValueError, RuntimeError):
                     continue
                 ranks.update(dist.get_process_group_ranks(group))
@@ -231,7 +232,7 @@ def _any_rank_differs(differs: bool, ranks: list[int], name: str) -> bool:
     localization runs them again, so either all of those ranks do it or none."""
     if len(ranks) < 2 or not dist.is_initialized() or dist.get_backend() == "fake":
         return differs
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()
     key = f"dtcompile/check/{name}/{next(_checked_calls)}"
     store.set(f"{key}/{dist.get_rank()}", "1" if differs else "0")
     store.wait([f"{key}/{r}" for r in ranks])

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..capture import CapturedCall, capture_call, is_tracing
 from ..core import TensorProxy, Trace, verify
 from ..core.codegen import GeneratedFunction
+from ..core.torch_internals import resolve_process_group
 from ..executors import lower, resolve_executors
 from ..transforms import pipelines, saved_note, split_forward_backward
 from .check import checked_call, running_eager
@@ -248,7 +248,7 @@ class CompiledFunction:
         execution = lower(trace, executors)
         verify(execution)  # names defined once, before use, in what runs too
         execution.header_notes += [
-            f"process group {name!r}: mesh dim {label}, ranks {dist.get_process_group_ranks(_resolve_process_group(name))}"
+            f"process group {name!r}: mesh dim {label}, ranks {dist.get_process_group_ranks(resolve_process_group(name))}"
             for name, label in labels.items()
         ]
         return execution

@@ -11,7 +11,6 @@ import dataclasses
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..capture import (
     ConstantOutput,
@@ -28,6 +27,7 @@ from ..capture import (
     new_object,
 )
 from ..core.codegen import GeneratedFunction, literal_or_global
+from ..core.torch_internals import DTensorSpec, TensorMeta
 
 _specs: dict[tuple, tuple[DTensorSpec, DTensorSpec]] = {}
 

@@ -16,12 +16,11 @@ from dataclasses import dataclass
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._utils import compute_global_tensor_info
 
 from ..core import TensorProxy
 from ..core.codegen import GeneratedFunction
 from ..core.symbolic import as_constant, is_symbolic
+from ..core.torch_internals import DTensorSpec, compute_global_tensor_info, make_dtensor
 from .epilogue import build_epilogue, build_output_wrapper, with_sizes
 
 
@@ -72,7 +71,7 @@ class Gradient:
             # follow from the local ones.
             shape, stride = compute_global_tensor_info(grad, spec.mesh, spec.placements)
             spec = with_sizes(spec, tuple(shape), tuple(stride))
-        return DTensor(grad, spec, requires_grad=False)
+        return make_dtensor(grad, spec, requires_grad=False)
 
 
 @dataclass

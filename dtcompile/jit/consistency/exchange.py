@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ...core.torch_internals import default_store  # noqa: F401  (its users import it from here)
 from .errors import RankFailedError
 
 _OK, _FAILED = "ok ", "failed "
@@ -25,10 +26,6 @@ _POLL_FIRST, _POLL_MAX = 0.001, 0.02  # seconds between polls after it: short, t
 
 def sync_timeout() -> float:
     return float(os.environ.get("DTCOMPILE_SYNC_TIMEOUT", "120"))
-
-
-def default_store():
-    return dist.distributed_c10d._get_default_store()
 
 
 class MissingRanks(Exception):

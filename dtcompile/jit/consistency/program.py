@@ -13,11 +13,11 @@ from __future__ import annotations
 import difflib
 
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ...core import TensorProxy, Trace, is_proxy
 from ...core.op_classes import group_name, is_collective
 from ...core.printing import Unprintable, python_literal
+from ...core.torch_internals import resolve_process_group
 
 # Collectives whose input sizes may differ between ranks (explicit split sizes).
 _RAGGED = ("all_to_all_single", "alltoall_base", "all_to_all")
@@ -75,7 +75,7 @@ def collective_ranks(trace: Trace) -> set[int]:
     for bsym in trace.bound_symbols:
         group = group_name(bsym) if is_collective(bsym.op) else None
         if isinstance(group, str):
-            ranks.update(dist.get_process_group_ranks(_resolve_process_group(group)))
+            ranks.update(dist.get_process_group_ranks(resolve_process_group(group)))
     return ranks
 
 

@@ -1,0 +1,80 @@
+"""The private parts of torch dtcompile relies on, in one place: where a new torch release
+breaks dtcompile, and the only place to fix it. Each entry says why no public API serves.
+
+Still used elsewhere, and to move here next: by attribute, a DTensor's ``_local_tensor``
+and ``_spec`` (``to_local()`` is differentiable and waits on async collectives;
+``placements``/``device_mesh`` lack the tensor metadata the spec carries) and a
+``_MaskPartial``'s ``mask_buffer`` (``capture/outputs.py``, ``jit/epilogue.py``, whose
+generated code also calls ``DTensor(local, spec)``); ShapeEnv internals for symbolic sizes
+(``core/symbolic.py``, ``capture/tracer.py``, ``capture/recorder.py``); Dynamo's C++
+``TensorGuards`` (``jit/guards.py``); ``torch._C._current_autograd_node``
+(``capture/recorder.py``); the Python dispatcher (``capture/tracer.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import FakeWork, ProcessGroup
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor
+
+# The spec of a DTensor (mesh, placements, global shape and strides): built for traced
+# outputs and cotangents, whose metadata the trace knows. DTensor.from_local would check
+# or recompute it, with collectives for uneven shards.
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401
+
+# The global shape and strides of a local tensor under placements, computed locally (for a
+# gradient's spec); the public DTensor.from_local(shape=None) runs a collective for it.
+from torch.distributed.tensor._utils import compute_global_tensor_info  # noqa: F401
+
+__all__ = [
+    "DTensorSpec",
+    "TensorMeta",
+    "compute_global_tensor_info",
+    "completed_work",
+    "default_store",
+    "fake_mode_active",
+    "make_dtensor",
+    "resolve_process_group",
+    "unboxed_process_group",
+]
+
+
+def make_dtensor(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> DTensor:
+    """A DTensor around ``local`` with exactly ``spec``: the constructor DTensor's own ops
+    use. ``DTensor.from_local`` is differentiable, checks and may communicate."""
+    return DTensor(local, spec, requires_grad=requires_grad)
+
+
+# The process group registered under a name (what functional collectives take). Programs
+# look groups up by name at each call rather than holding them (a held group outlives
+# ``destroy_process_group``); torch has no public lookup by name.
+resolve_process_group = _resolve_process_group
+
+
+def default_store():
+    """The default process group's store: the ranks exchange what they compiled through
+    it, not through a collective (a rank that did not compile must not make others hang)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def unboxed_process_group(boxed) -> ProcessGroup:
+    """The ProcessGroup a c10d op receives boxed as a ScriptObject (``dist.all_reduce``
+    reaching the recorder as ``c10d.allreduce_``)."""
+    return ProcessGroup.unbox(boxed) if isinstance(boxed, torch.ScriptObject) else boxed
+
+
+def completed_work():
+    """A completed ``Work``, boxed as c10d ops return one: what a recorded collective gives
+    back to ``dist.all_reduce(..., async_op=True)`` while tracing."""
+    return FakeWork().boxed()
+
+
+_FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
+
+
+def fake_mode_active() -> bool:
+    """Whether a FakeTensorMode is the active dispatch mode (DTensor's sharding propagation
+    runs its metadata computations under one): there is no public query."""
+    return torch._C._get_dispatch_mode(_FAKE_MODE_KEY) is not None
