@@ -366,3 +366,41 @@ def test_the_type_check_finds_a_symbol_whose_outputs_lie():
     broken = replace(total, args=(mul.output, 1))
     with pytest.raises(TraceTypeError, match=r"shape \(3,\), recorded \(4,\)"):
         check_types(trace.derive("broken", [mul, broken]))
+
+
+def _attention(x, w):
+    q = (x @ w).view(x.shape[0], x.shape[1], 2, -1).transpose(1, 2)
+    return torch.nn.functional.softmax(q @ q.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ q
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize(
+    "fn, make",
+    [
+        (lambda x: (x * 2).exp().sum(-1, keepdim=True) + x.t().t(), lambda n: (torch.randn(n, 4),)),
+        (_attention, lambda n: (torch.randn(2, n, 8), torch.randn(8, 8))),
+        (
+            lambda x, w: torch.nn.functional.linear(x, w).relu().reshape(-1),
+            lambda n: (torch.randn(3, n, 4), torch.randn(5, 4)),
+        ),
+    ],
+    ids=["pointwise-and-views", "attention", "linear"],
+)
+def test_compiled_programs_compute_what_the_interpreter_does(fn, make, cache):
+    from torch.utils._pytree import tree_flatten
+
+    from dtcompile.core.interpret import interpret
+    from dtcompile.core.symbolic import is_symbolic
+
+    jitted = dtcompile.jit(fn, cache=cache)
+    for n in (3, 5):
+        args = make(n)
+        got = jitted(*args)
+        # The recorded trace (sizes as SymInts under symbolic values: runnable once they are
+        # computed in the trace) and each pass's, against what the executors' program gave.
+        traces = dtcompile.last_traces(jitted)[:-1]
+        runnable = [t for t in traces if not any(map(is_symbolic, tree_flatten([b.args for b in t.bound_symbols])[0]))]
+        assert len(runnable) >= len(traces) - 1
+        for trace in runnable:
+            (expected,) = interpret(trace, *args)
+            torch.testing.assert_close(got, expected, msg=lambda m, t=trace: f"{t.title}: {m}")
