@@ -404,3 +404,16 @@ def test_compiled_programs_compute_what_the_interpreter_does(fn, make, cache):
         for trace in runnable:
             (expected,) = interpret(trace, *args)
             torch.testing.assert_close(got, expected, msg=lambda m, t=trace: f"{t.title}: {m}")
+
+
+def test_op_classes_are_read_from_the_schemas():
+    from dtcompile.core.op_classes import group_argument, is_collective, is_wait, makes_view
+
+    aten, functional = torch.ops.aten, torch.ops._c10d_functional
+    views = [aten.view.default, aten.reshape.default, aten.transpose.int, aten.slice.Tensor, aten.split.Tensor]
+    assert all(map(makes_view, views))
+    assert not any(map(makes_view, [aten.add_.Tensor, aten.mul.Tensor, aten.copy_.default, aten.clone.default]))
+    assert is_collective(functional.all_reduce.default) and not is_collective(functional.wait_tensor.default)
+    assert is_wait(functional.wait_tensor.default) and not is_collective(aten.add.Tensor)
+    assert group_argument(functional.all_reduce.default) == 2
+    assert group_argument(functional.reduce_scatter_tensor.default) == 3

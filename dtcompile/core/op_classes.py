@@ -32,6 +32,17 @@ MAYBE_IDENTITY_VIEWS = RESHAPES | {aten.alias.default, aten.detach.default, aten
 MATMULS = frozenset({aten.mm.default, aten.bmm.default, aten.addmm.default})
 
 
+def makes_view(op) -> bool:
+    """An op whose result only views its input (read from its schema: an output aliased to
+    an input, not written), or a reshape: moving it later changes nothing but when it runs."""
+    if op is None:
+        return False
+    if op in RESHAPES:
+        return True
+    returns = op._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
 def is_wait(op) -> bool:
     """``wait_tensor``: the end of a functional collective."""
     return op is WAIT

@@ -24,26 +24,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
 from torch.utils._pytree import tree_flatten
 
 from ...core import BoundSymbol, TensorProxy, Trace
+from ...core.op_classes import makes_view
 from ...core.prims import ShapeQuery, SizeExpression
 from ...transforms.effects import has_side_effects
 from .translate import VIEWS
-
-aten = torch.ops.aten
-# Ops that only make a view: moving one later changes nothing but when it runs.
-PURE_VIEWS = VIEWS | {
-    aten.slice.Tensor,
-    aten.select.int,
-    aten.narrow.default,
-    aten.split.Tensor,
-    aten.split_with_sizes.default,
-    aten.unbind.int,
-    aten.alias.default,
-    aten.diagonal.default,
-}
 
 
 @dataclass
@@ -104,7 +91,7 @@ def partition(trace: Trace, fusible: Callable[[BoundSymbol], bool]) -> list[Boun
             end = index
         elif current and outside and _movable(bsym):
             before.append(bsym)
-        elif current and bsym.op in PURE_VIEWS:
+        elif current and makes_view(bsym.op):
             after.append(bsym)
             later.update(p.label for p in bsym.output_proxies())
         else:
