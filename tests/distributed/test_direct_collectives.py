@@ -233,9 +233,18 @@ def hf_tp_plan_auto(path: str):
     from transformers import AutoModelForCausalLM, DynamicCache
 
     _save_small_llama(path)
-    rank, n = _ranks()  # what torchrun sets, and Hugging Face reads
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n))
-    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32).eval()
+    rank, n = _ranks()  # what torchrun sets, and Hugging Face reads; put back after loading
+    launcher = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)}
+    saved = {k: os.environ.get(k) for k in launcher}
+    os.environ.update(launcher)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32).eval()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     jitted = dtcompile.jit(model)
     prompt = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

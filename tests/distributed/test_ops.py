@@ -473,7 +473,7 @@ def test_op(name, ranks2):
 
 
 def test_ops_on_four_ranks(ranks4):
-    _assert_no_failures(ranks4.run(run_ops, FOUR_RANK_OPS, timeout=180))
+    _assert_no_failures(ranks4.run(run_ops, FOUR_RANK_OPS, timeout=300))
 
 
 GRAD_FOUR_RANK_OPS = ["mm", "linear", "sum_dim", "softmax", "embedding", "layer_norm"]
