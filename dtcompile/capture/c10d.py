@@ -72,7 +72,9 @@ def _stack():
 def _user_call() -> tuple[str, str]:
     """The ``torch.distributed`` function the traced code called, as ``dist.<name>``; and
     its bare name."""
-    name = _public_c10d_name(_stack()) or "a torch.distributed collective"
+    name = _public_c10d_name(_stack())
+    if name is None:  # a c10d op called some other way (torch.ops.c10d...)
+        return "a torch.distributed collective", ""
     return f"dist.{name}", name
 
 
