@@ -8,7 +8,7 @@ and ``_spec`` (``to_local()`` is differentiable and waits on async collectives;
 generated code also calls ``DTensor(local, spec)``); ShapeEnv internals for symbolic sizes
 (``core/symbolic.py``, ``capture/tracer.py``, ``capture/recorder.py``); Dynamo's C++
 ``TensorGuards`` (``jit/guards.py``); ``torch._C._current_autograd_node``
-(``capture/recorder.py``); the Python dispatcher (``capture/tracer.py``).
+(``capture/recorder.py``); the Python dispatcher (``capture/tracer.py``, ``core/typecheck.py``).
 """
 
 from __future__ import annotations
