@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
 from ..core import InputPath, Trace, TracingError, data_dependent_error, verify
+from ..core.torch_internals import compiling
 from .annotator import CallAnnotator
 from .autograd import BackwardCapture, capture_backward
 from .c10d import object_collective_refusal
@@ -159,7 +160,8 @@ def capture_call(
     module_updates: list[ModuleUpdate] = []
     backward = None
     _tracing.append(recording)
-    with enable_python_dispatcher(), CallAnnotator(recording), OpRecorder(recording):
+    # Libraries see a compiler tracing them, as under torch.compile (core/torch_internals.py).
+    with compiling(), enable_python_dispatcher(), CallAnnotator(recording), OpRecorder(recording):
         try:
             if module_state is not None:
                 with module_state:

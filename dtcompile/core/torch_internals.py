@@ -13,6 +13,8 @@ generated code also calls ``DTensor(local, spec)``); ShapeEnv internals for symb
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import FakeWork, ProcessGroup
@@ -33,6 +35,7 @@ __all__ = [
     "TensorMeta",
     "compute_global_tensor_info",
     "completed_work",
+    "compiling",
     "default_store",
     "fake_mode_active",
     "make_dtensor",
@@ -78,3 +81,19 @@ def fake_mode_active() -> bool:
     """Whether a FakeTensorMode is the active dispatch mode (DTensor's sharding propagation
     runs its metadata computations under one): there is no public query."""
     return torch._C._get_dispatch_mode(_FAKE_MODE_KEY) is not None
+
+
+@contextlib.contextmanager
+def compiling():
+    """``torch.compiler.is_compiling()`` is True inside: libraries skip, while dtcompile
+    traces, the eager-only paths they skip under torch.compile (Hugging Face's check for
+    packed sequences reads tensor data into a Python branch). torch keeps the answer in a
+    module flag, which torch.compile sets the same way; there is no public setter."""
+    import torch.compiler
+
+    saved = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = saved

@@ -70,3 +70,35 @@ def test_generation_equals_eager(ranks2, kind, cache_option):
     else:
         expected = 2  # the prefill, and one program for every decode step
     assert misses == [expected, expected]
+
+
+def generation_without_cache(cache_option: str):
+    """Greedy decoding with ``use_cache=False``: the whole sequence at every step. Under
+    symbolic values one program serves every length: Hugging Face skips its check for
+    packed sequences (a Python branch on tensor data) while dtcompile traces, as it does
+    under torch.compile (``torch.compiler.is_compiling()`` is True while tracing)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model, _ = parallel_hf_llama(mesh, vocab=128, hidden=64, layers=2, heads=4, kv_heads=2)
+    jitted = dtcompile.jit(model, cache=cache_option)
+    prompt = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2))
+
+    def greedy(forward):
+        tokens = prompt
+        with torch.no_grad():
+            for _ in range(DECODE_STEPS):
+                out = forward(input_ids=tokens, use_cache=False)
+                tokens = torch.cat([tokens, out.logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        return tokens, out.logits
+
+    tokens, logits = greedy(jitted)
+    expected_tokens, expected_logits = greedy(model)
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logits, expected_logits)
+    assert not torch.compiler.is_compiling()  # only while tracing
+    return dtcompile.cache_misses(jitted)
+
+
+@pytest.mark.parametrize("cache_option", ["constant values", "symbolic values"])
+def test_generation_without_a_cache_compiles_once_under_symbolic_values(ranks2, cache_option):
+    expected = 1 if cache_option == "symbolic values" else DECODE_STEPS
+    assert ranks2.run(generation_without_cache, cache_option, timeout=300) == [expected, expected]
