@@ -7,13 +7,16 @@ ENV=.nvfuser/cpu-env
 TORCH_PIN=torch==2.10.0
 NVFUSER_PIN=nvfuser-cu128-torch210==0.2.36.dev20260301
 
+# A candidate counts only if it runs: pyenv's shim for python3.12 exists on PATH even
+# when the selected version is another one, and then fails with exit code 127.
 find_python312() {
   if [ -n "${PYTHON312:-}" ]; then echo "$PYTHON312"; return; fi
-  if command -v python3.12 >/dev/null 2>&1; then command -v python3.12; return; fi
-  local root
+  local root candidate
   root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
-  for candidate in "$root"/versions/3.12*/bin/python3.12; do
-    if [ -x "$candidate" ]; then echo "$candidate"; return; fi
+  for candidate in $(command -v python3.12 2>/dev/null) "$root"/versions/3.12*/bin/python3.12; do
+    if [ -x "$candidate" ] && "$candidate" -c 'import venv' >/dev/null 2>&1; then
+      echo "$candidate"; return
+    fi
   done
   echo "nvfuser_check: no Python 3.12 found (set PYTHON312); nvFuser's wheels need it" >&2
   exit 2
