@@ -6,10 +6,12 @@
 # Then, on the GPU machine, from the repository root, with wheels/ beside it:
 #     scripts/gpu_check.sh [gpu_check.py flags]
 # It installs the wheel into .nvfuser/ (git-ignored), links the CUDA libraries torch ships,
-# runs the cuda-marked tests, then scripts/gpu_check.py on a 1-rank NCCL mesh: the op-info
-# table with the nvFuser executor, the Llama-style block forward and forward+backward
-# against eager, and the time per call of eager, the torch executor, nvFuser and
-# torch.compile.
+# runs the cuda-marked tests; then, on a 1-rank NCCL mesh, the collection CI builds on CPU
+# (scripts/nvfuser_collect.py: the Llama-style block and a Hugging Face Llama decoding,
+# constant and symbolic sizes), now run by nvFuser on CUDA against eager; then
+# scripts/gpu_check.py: the op-info table with the nvFuser executor, the block forward and
+# forward+backward against eager, and the time per call of eager, the torch executor,
+# nvFuser and torch.compile.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -34,4 +36,5 @@ export PYTHONUNBUFFERED=1
 
 "$PYTHON" -c "import nvfuser_direct; print('nvfuser_direct', getattr(nvfuser_direct, '__version__', '?'), 'imports')"
 timeout 120 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_nvfuser.py
+timeout 150 "$PYTHON" -m torch.distributed.run --nproc-per-node 1 scripts/nvfuser_collect.py --device cuda --backend nvfuser_direct
 timeout 330 "$PYTHON" -m torch.distributed.run --nproc-per-node 1 scripts/gpu_check.py "$@"

@@ -30,8 +30,9 @@ def _same_layout(got: torch.Tensor, expected: torch.Tensor, where: str) -> None:
     )
 
 
-def assert_same(got, expected, where: str = "") -> None:
-    """``got`` is eager's ``expected`` (see the module docstring)."""
+def assert_same(got, expected, where: str = "", **tolerance) -> None:
+    """``got`` is eager's ``expected`` (see the module docstring); ``tolerance`` (``atol``,
+    ``rtol``) loosens the comparison of values, for executors that reorder float sums."""
     if isinstance(expected, DTensor):
         assert type(got) is DTensor, (where, type(got))
         assert got.placements == expected.placements, (where, got.placements, expected.placements)
@@ -46,23 +47,25 @@ def assert_same(got, expected, where: str = "") -> None:
         # Local values may differ where eager's do between runs (a Partial's parts): the
         # local layout is compared, and the values of the whole tensor.
         _same_layout(got._local_tensor, waited(expected._local_tensor), f"{where} (local tensor)")
-        torch.testing.assert_close(got.full_tensor(), expected.full_tensor(), msg=lambda m: f"{where}: {m}")
+        torch.testing.assert_close(
+            got.full_tensor(), expected.full_tensor(), msg=lambda m: f"{where}: {m}", **tolerance
+        )
         return
     if isinstance(expected, torch.Tensor):
         expected = waited(expected)
         assert type(got) is type(expected), (where, type(got), type(expected))
         _same_layout(got, expected, where)
-        torch.testing.assert_close(got, expected, msg=lambda m: f"{where}: {m}")
+        torch.testing.assert_close(got, expected, msg=lambda m: f"{where}: {m}", **tolerance)
         return
     assert type(got) is type(expected), (where, type(got), type(expected))
     if isinstance(expected, (tuple, list)):
         assert len(got) == len(expected), (where, len(got), len(expected))
         for i, (g, e) in enumerate(zip(got, expected)):
-            assert_same(g, e, f"{where}[{i}]")
+            assert_same(g, e, f"{where}[{i}]", **tolerance)
     elif isinstance(expected, dict):
         assert list(got) == list(expected), (where, list(got), list(expected))
         for key in expected:
-            assert_same(got[key], expected[key], f"{where}[{key!r}]")
+            assert_same(got[key], expected[key], f"{where}[{key!r}]", **tolerance)
     else:  # sizes, numbers, strings, None
         assert got == expected, (where, got, expected)
 
