@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..core import Note, TensorProxy, TracingError, data_dependent_error
+from ..core.proxy import read_elements
 from .placements import describe_placements
 from .recorder import Recording
 
 # Tensor methods that hand the caller a tensor's data outside torch (NumPy, Python lists).
-_DATA_READS = {torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.tolist, torch.Tensor.data_ptr}
+_DATA_READS = {torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.data_ptr}
 _HOOK_REGISTRATIONS = {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
 
 
@@ -116,6 +118,8 @@ class CallAnnotator(TorchFunctionMode):
         leaves, _ = tree_flatten((args, kwargs))
         if func in _DATA_READS and any(_is_traced(x) for x in leaves):
             raise data_dependent_error(_short_name(func), "the data leaves torch")
+        if func is torch.Tensor.tolist and _is_traced(args[0]):
+            return read_elements(args[0])
         if func in _HOOK_REGISTRATIONS and _is_traced(args[0]):
             self._check_hook(func, args)
         if any(isinstance(x, DTensor) and not isinstance(x._local_tensor, TensorProxy) for x in leaves):
@@ -126,6 +130,10 @@ class CallAnnotator(TorchFunctionMode):
         outer_call, self.recording.current_call = self.recording.current_call, _short_name(func)
         try:
             out = func(*args, **kwargs)
+        except GuardOnDataDependentSymNode as error:  # ``bool(x.sum() > 0)``: named by this call
+            raise data_dependent_error(
+                _short_name(func), f"Python control flow on {error.cond}, a number read from tensor data"
+            ) from error
         finally:
             self.recording.dtensor_calls -= handled_by_dtensor
             self.recording.current_call = outer_call

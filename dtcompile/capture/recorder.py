@@ -31,15 +31,17 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..core import (
     BoundSymbol,
+    FromData,
     InputPath,
     NoProvenance,
     Note,
+    NumberProxy,
     TensorProxy,
     aten_symbol,
     data_dependent_error,
 )
 from ..core.printing import NamedConstant, Unprintable, python_literal
-from ..core.symbolic import is_symbolic
+from ..core.symbolic import is_symbolic, symbolic_expr
 from ..core.torch_internals import fake_mode_active, make_dtensor
 from .c10d import is_c10d_op, record_c10d
 
@@ -75,6 +77,7 @@ class Recording:
         # How many torch-level calls with DTensor arguments are running (see CallAnnotator).
         self.dtensor_calls = 0
         self.valued: list[TensorProxy] = []  # proxies whose trace-time value is known
+        self.read_by: dict[object, str] = {}  # symbol of a number read from data -> the call that read it
         self.constants: dict[str, NamedConstant] = {}  # arguments with no literal, by name
         self.current_call: str | None = None  # the torch-level call of the user's code running now
         self.snapshot = None  # a DataSnapshot of the user's data the traced code must not change
@@ -214,7 +217,7 @@ class Recording:
         if value is not None and not any(isinstance(v, torch.Tensor) for v in tree_flatten(value)[0]):
             return value  # ``.item()``, ``equal`` of values made from constants: known now
         if func in _DATA_DEPENDENT_OPS:
-            raise data_dependent_error(self.current_call, f"a Python number read by {func}")
+            return self._read_number(func, args, kwargs)
 
         def to_fake(x):
             if isinstance(x, NamedConstant):
@@ -246,6 +249,20 @@ class Recording:
         note = backward_note()  # None in the forward: the CallAnnotator notes those
         self.bound_symbols.append(BoundSymbol(aten_symbol(func), tuple(args), dict(kwargs), output, note, op=func))
         return output
+
+    def _read_number(self, func, args: tuple, kwargs: dict):
+        """``.item()`` of a tensor whose value is not known while tracing: a number of the
+        trace with no trace-time value (an unbacked symbol of the ShapeEnv), read by the
+        program at each call. The traced code goes on with the symbol; sizes that follow
+        from it are symbolic in it."""
+        (source,) = args
+        with self.fake_mode, _fake_errors_unlogged():
+            symbol = func(source.fake, **kwargs)
+        number = NumberProxy(self.new_name(), symbolic_expr(symbol), None, FromData(str(func)))
+        self.read_by[number.expr] = self.current_call or str(func)
+        note = backward_note()
+        self.bound_symbols.append(BoundSymbol(aten_symbol(func), tuple(args), dict(kwargs), number, note, op=func))
+        return symbol
 
 
 def backward_note() -> Note | None:

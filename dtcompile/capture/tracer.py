@@ -116,7 +116,9 @@ def capture_call(
     """Trace ``fn(*args, **kwargs)`` (or ``module(*args, **kwargs)``) into a per-rank trace.
     With ``symbolic`` the sizes of the call's tensors are symbols of a ShapeEnv (the
     module's parameters, buffers and attributes keep theirs)."""
-    recording = Recording(FakeTensorMode(shape_env=ShapeEnv() if symbolic else None))
+    # A ShapeEnv under either cache option: numbers read from tensor data are its
+    # (unbacked) symbols. Only under symbolic values do the inputs' sizes get symbols.
+    recording = Recording(FakeTensorMode(shape_env=ShapeEnv()))
     proxifier = InputProxifier(recording, symbolic)
     names = _parameter_names(module.forward if module is not None else fn)
     arg_pairs = [
@@ -182,9 +184,11 @@ def capture_call(
                 )
             if training:
                 backward = capture_backward(recording, proxifier.differentiable + closed, collector.values)
-        except GuardOnDataDependentSymNode as error:  # a size read from data, asked about in Python
+        except GuardOnDataDependentSymNode as error:  # a number read from data, asked about in Python
+            readers = [recording.read_by[s] for s in sorted(error.cond.free_symbols, key=str) if s in recording.read_by]
             raise data_dependent_error(
-                recording.current_call, f"Python control flow on {error.cond}, a size read from tensor data"
+                readers[0] if readers else recording.current_call,
+                f"Python control flow on {error.cond}, a number read from tensor data",
             ) from error
         except Exception as error:
             refusal = object_collective_refusal(error)

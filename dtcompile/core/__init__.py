@@ -1,7 +1,7 @@
 """The IR: proxies, provenance, symbols, traces. Imports nothing above it."""
 
 from .errors import TracingError, data_dependent_error
-from .provenance import InputPath, NoProvenance, Provenance, Step
+from .provenance import FromData, InputPath, NoProvenance, Provenance, Step
 from .proxy import NumberProxy, TensorProxy, is_proxy
 from .symbol import BoundSymbol, Note, Symbol, aten_symbol, renamed
 from .trace import Trace, TraceError, verify
@@ -10,6 +10,7 @@ __all__ = [
     "BoundSymbol",
     "InputPath",
     "NoProvenance",
+    "FromData",
     "Note",
     "Provenance",
     "Step",

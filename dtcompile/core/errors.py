@@ -6,11 +6,13 @@ class TracingError(RuntimeError):
 
 
 def data_dependent_error(call: str | None, what: str) -> TracingError:
-    """The refusal of a value that depends on tensor data: ``what`` (``a Python number
-    read by aten._local_scalar_dense``), asked for by the torch-level ``call`` of the
-    user's code (``Tensor.item``, ``Tensor.__getitem__``), None where it is not known."""
+    """The refusal of Python code that needs a value from tensor data while tracing:
+    ``what`` (``Python control flow on u0``), asked for by the torch-level ``call`` of the
+    user's code (``Tensor.__bool__``, ``Tensor.numpy``), None where it is not known."""
     return TracingError(
         f"dtcompile.jit: {call or 'the program'} depends on the values in a tensor ({what}); dtcompile "
-        "traces shapes, not values: .item(), .tolist() and Python control flow on tensor data are not "
-        'supported; ops whose output shape depends on the data (boolean masks, nonzero) need cache="symbolic values"'
+        "traces shapes, not values: numbers read with .item() or .tolist() and ops whose sizes come from the "
+        "data (boolean masks, nonzero, split sizes) are computed at run time, but Python control flow on "
+        "them (if, bool(), int(), while) and data leaving torch (NumPy) cannot be compiled; use torch.where, "
+        "or compile the code before and after the branch separately"
     )

@@ -3,7 +3,9 @@
 Every trace input carries an :class:`InputPath`, a path into the call (``args[0]``,
 ``kwargs["mask"]``, ``params["up.weight"]._local_tensor``). Every proxy made inside a
 meta function or a transform carries a :class:`NoProvenance` marker that names the op
-that made it. There is no third case and never a silent ``None``.
+that made it. A number read from a tensor's data (``.item()``, ``.tolist()``) carries
+:class:`FromData`: made by an op like the others, and with no value while tracing, only
+at run time. There is no other case and never a silent ``None``.
 """
 
 from __future__ import annotations
@@ -61,4 +63,15 @@ class NoProvenance:
         return f"no provenance (made by {self.made_by})"
 
 
-Provenance = InputPath | NoProvenance
+@dataclass(frozen=True)
+class FromData:
+    """The explicit marker of a number read from tensor data by ``made_by``: it has no
+    trace-time value (its symbol is unbacked); the program computes it at each call."""
+
+    made_by: str
+
+    def __str__(self) -> str:
+        return f"read from tensor data (by {self.made_by}; no value while tracing)"
+
+
+Provenance = InputPath | NoProvenance | FromData

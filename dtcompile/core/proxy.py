@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from .errors import data_dependent_error
 from .provenance import Provenance
 from .symbolic import known_equal
 
@@ -95,10 +94,11 @@ class TensorProxy(torch.Tensor):
         )
 
     def tolist(self):
-        """The value as (nested) lists, for a proxy made from constants only (the recorder
-        knows its value while tracing); any other proxy has no value to read."""
+        """The value as (nested) lists: known now for a proxy made from constants only (the
+        recorder knows its value while tracing; DTensor's own index arithmetic reads such
+        values), else numbers the program reads at run time (:func:`read_elements`)."""
         if self.value is None:
-            raise data_dependent_error("Tensor.tolist", f"the values of {self.label} as a list")
+            return read_elements(self)
         return self.value.tolist()
 
     def type_string(self) -> str:
@@ -111,6 +111,15 @@ class TensorProxy(torch.Tensor):
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"TensorProxy({self.label}: {self.type_string()}, {self.provenance})"
+
+
+def read_elements(tensor: torch.Tensor):
+    """``tensor.tolist()`` while tracing: each element read with ``.item()``, a number of
+    the trace (read at run time, unless its value is known now). The sizes iterated over
+    are guarded constants."""
+    if tensor.dim() == 0:
+        return tensor.item()
+    return [read_elements(tensor[i]) for i in range(int(tensor.shape[0]))]
 
 
 class NumberProxy:
@@ -129,7 +138,8 @@ class NumberProxy:
         self.provenance = provenance
 
     def type_string(self) -> str:
-        return f"int {self.expr}"
+        kind = "bool" if self.expr.is_Boolean else "int" if self.expr.is_integer else "float"
+        return f"{kind} {self.expr}"
 
     def __repr__(self) -> str:
         return f"NumberProxy({self.label} = {self.expr}, {self.provenance})"

@@ -56,11 +56,19 @@ def as_constant(value):
     return value
 
 
-def size_hint(value) -> int:
-    """The value a size had in the traced call."""
-    if isinstance(value, SYMBOLIC_TYPES):
-        return value.node.hint  # sizes derived from the inputs' carry their traced values
-    return value
+def size_hint(value, unknown: int | None = None) -> int | None:
+    """The value a size had in the traced call. A size that depends on numbers read from
+    tensor data had none: it is computed with ``unknown`` standing for each such number
+    (None: the size is None)."""
+    if not isinstance(value, SYMBOLIC_TYPES):
+        return value
+    node = value.node
+    if node.hint is not None:  # sizes derived from the inputs' carry their traced values
+        return node.hint
+    if unknown is None:
+        return None
+    values = {s: node.shape_env.var_to_val.get(s, unknown) for s in node.expr.free_symbols}
+    return int(node.expr.xreplace(values))
 
 
 _printer = PythonPrinter()

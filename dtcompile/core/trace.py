@@ -14,7 +14,8 @@ from torch.utils._pytree import tree_flatten
 
 from .codegen import compile_function
 from .printing import python_literal
-from .proxy import TensorProxy, is_proxy
+from .provenance import FromData
+from .proxy import NumberProxy, TensorProxy, is_proxy
 from .symbol import BoundSymbol
 
 
@@ -69,6 +70,8 @@ class Trace:
             last_note = note
             statements = bsym.lines()
             types = ", ".join(p.type_string() for p in bsym.output_tensors())
+            if isinstance(bsym.output, NumberProxy) and isinstance(bsym.output.provenance, FromData):
+                types = f"{bsym.output.type_string()}, read from data at run time"
             for i, statement in enumerate(statements):
                 suffix = f"  # {types}" if types and i == len(statements) - 1 else ""
                 lines.append(f"    {statement}{suffix}")

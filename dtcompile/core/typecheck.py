@@ -7,8 +7,9 @@ printed program would then lie about shapes and strides. ``verify`` checks names
 pass; with ``DTCOMPILE_VERIFY_TYPES=1`` (the tests set it; off at run time, it costs a
 fake op per symbol) :func:`check_types` runs too. Symbols without an op (prims, executor
 symbols) and in-place ops (running them would change the fakes the trace holds) are not
-re-run, nor random ops and ops whose output shape comes from data; an op with a traced number among its arguments is not either (its value is an
-expression of the trace, not a SymInt here).
+re-run, nor random ops and ops whose output shape comes from data; nor an op with a
+traced number among its arguments (its value is an expression of the trace, not a SymInt
+here) or a number read from data (run again, it would make new unbacked sizes).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 
 import torch
 from torch._dispatch.python import enable_python_dispatcher
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .printing import NamedConstant
@@ -61,7 +63,7 @@ def check_types(trace) -> None:
         if op is None or op._schema.is_mutable or _SKIPPED_TAGS.intersection(op.tags):
             continue
         leaves, _ = tree_flatten((bsym.args, bsym.kwargs))
-        if any(isinstance(x, NumberProxy) for x in leaves):
+        if any(isinstance(x, NumberProxy) or free_unbacked_symbols(x) for x in leaves):
             continue
         tensors = [x for x in leaves if isinstance(x, TensorProxy)]
         recorded = bsym.output_tensors()

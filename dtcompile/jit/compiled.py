@@ -24,7 +24,7 @@ from ..core import TensorProxy, Trace, verify
 from ..core.codegen import GeneratedFunction
 from ..core.torch_internals import resolve_process_group
 from ..executors import lower, resolve_executors
-from ..transforms import pipelines, saved_note, split_forward_backward
+from ..transforms import has_symbolic_sizes, pipelines, saved_note, split_forward_backward
 from .check import checked_call, running_eager
 from .consistency import (
     RankAgreement,
@@ -115,7 +115,6 @@ class CompiledFunction:
         # Names the compiled code alike on every rank, whatever else each rank jits.
         self.identity = code_identity(fn, module)
         self.calls_checked = calls_checked()  # DTCOMPILE_RANK_CHECK=calls: the ranks agree at every call
-        self.sizes = pipelines.sizes(self.symbolic)
 
     def _lookup(self, module, args: tuple, kwargs: dict):
         """The entry whose prologue accepts the call, and the prologue's result; or None.
@@ -199,11 +198,14 @@ class CompiledFunction:
         labels = group_labels(captured.meshes)
         executors = self.executors_for(captured)
         reference = None
+        # Sizes are materialized under symbolic values, and wherever a number read from
+        # tensor data sizes something (under either cache option).
+        sized = self.symbolic or has_symbolic_sizes(captured.trace)
         if captured.backward is None:
-            run, epilogue, traces, to_check = self._inference(captured, labels, executors)
-            reference = traces[len(self.sizes)]
+            run, epilogue, traces, to_check = self._inference(captured, labels, executors, sized)
+            reference = traces[len(pipelines.sizes(sized))]
         else:
-            run, epilogue, traces, to_check = self._training(captured, labels, executors)
+            run, epilogue, traces, to_check = self._training(captured, labels, executors, sized)
         entry = CacheEntry(
             prologue=build_prologue(
                 captured.inputs,
@@ -211,7 +213,7 @@ class CompiledFunction:
                 list(zip(captured.captured, (p for p in captured.trace.inputs if p.provenance.root == "captured"))),
                 self.module,
                 unwrap_differentiable=captured.backward is None,
-                shape_env=captured.shape_env,
+                shape_env=captured.shape_env if self.symbolic else None,
                 objects=captured.objects,
                 input_labels=_computation_inputs(captured),
             ),
@@ -253,21 +255,21 @@ class CompiledFunction:
         ]
         return execution
 
-    def _inference(self, captured: CapturedCall, labels, executors):
-        traces = pipelines.run_passes(captured.trace, pipelines.inference_passes(self.symbolic))
+    def _inference(self, captured: CapturedCall, labels, executors, sized: bool):
+        traces = pipelines.run_passes(captured.trace, pipelines.inference_passes(sized))
         execution = self._lowered(traces[-1], labels, executors)
         epilogue = build_epilogue(captured.output, updates=captured.updates, module_updates=captured.module_updates)
         inputs = len(captured.trace.inputs) if captured.objects else None
         program = InferenceProgram(execution.compile(), epilogue, inputs)
         return program, epilogue, traces + [execution], [pipelines.before_finish(traces)]
 
-    def _training(self, captured: CapturedCall, labels, executors):
+    def _training(self, captured: CapturedCall, labels, executors, sized: bool):
         backward = captured.backward
         slots = _slot_count(captured)
         joint_traces = pipelines.run_passes(captured.trace, pipelines.JOINT)
         split = split_forward_backward(joint_traces[-1], backward.cotangents, slots)
-        forward_traces = pipelines.run_passes(split.forward, pipelines.half_passes(self.symbolic))
-        backward_traces = pipelines.run_passes(split.backward, pipelines.half_passes(self.symbolic))
+        forward_traces = pipelines.run_passes(split.forward, pipelines.half_passes(sized))
+        backward_traces = pipelines.run_passes(split.backward, pipelines.half_passes(sized))
         forward_execution = self._lowered(forward_traces[-1], labels, executors)
         forward_execution.header_notes.append(saved_note(forward_traces[-1], slots))
         backward_execution = self._lowered(backward_traces[-1], labels, executors)

@@ -139,7 +139,10 @@ class CompiledStep(torch.autograd.Function):
         ctx.program = program
         # As autograd's own saved tensors: freed after a backward without retain_graph (a
         # second one then raises), and checked for in-place changes before the backward.
-        ctx.save_for_backward(*outs[program.slots :])
+        # Numbers (read from tensor data) are kept beside them, in their places.
+        saved = outs[program.slots :]
+        ctx.numbers = [(i, v) for i, v in enumerate(saved) if not isinstance(v, torch.Tensor)]
+        ctx.save_for_backward(*(v for v in saved if isinstance(v, torch.Tensor)))
         wrapped = program.wrap_outputs.fn(outs[: program.slots])
         ctx.mark_non_differentiable(*(wrapped[i] for i in program.non_differentiable))
         return wrapped
@@ -153,7 +156,10 @@ class CompiledStep(torch.autograd.Function):
             )
         program: TrainingProgram = ctx.program
         cotangents = [c.prepare(grad_outputs[c.slot]) for c in program.cotangents]
-        grads = program.backward(*ctx.saved_tensors, *cotangents)
+        saved = list(ctx.saved_tensors)
+        for position, number in ctx.numbers:
+            saved.insert(position, number)
+        grads = program.backward(*saved, *cotangents)
         result: list = [None] * (1 + program.inputs)
         for grad, gradient in zip(grads, program.gradients):
             result[1 + gradient.position] = gradient.wrap(grad)

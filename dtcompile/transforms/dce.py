@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from torch.utils._pytree import tree_flatten
 
-from ..core import Trace, is_proxy, renamed
+from ..core import FromData, Trace, is_proxy, renamed
 from ..core.proxy import NumberProxy
+from ..core.symbolic import is_symbolic, symbolic_expr
 from .effects import has_side_effects
 
 
@@ -36,15 +37,25 @@ def _first_producers(trace: Trace) -> tuple[list, object]:
     return kept, renamed(trace.output, renames)
 
 
+def _symbols_used(values) -> set:
+    """The size symbols in the symbolic numbers among ``values`` (not yet materialized)."""
+    return {s for x in tree_flatten(values)[0] if is_symbolic(x) for s in symbolic_expr(x).free_symbols}
+
+
 def dce(trace: Trace) -> Trace:
-    """Keep a symbol when it has side effects or a kept symbol (or the output) reads it."""
+    """Keep a symbol when it has side effects or a kept symbol (or the output) reads it:
+    by name, or, before sizes are materialized, a number read from data by its symbol."""
     symbols, output = _first_producers(trace)
     leaves, _ = tree_flatten(output)
     live = {x.label for x in leaves if is_proxy(x)}
+    live_symbols = _symbols_used(leaves)
     kept = []
     for bsym in reversed(symbols):
-        if has_side_effects(bsym) or any(p.label in live for p in bsym.output_proxies()):
+        number = bsym.output if isinstance(bsym.output, NumberProxy) else None
+        read = number is not None and isinstance(number.provenance, FromData) and number.expr in live_symbols
+        if read or has_side_effects(bsym) or any(p.label in live for p in bsym.output_proxies()):
             kept.append(bsym)
             live.update(p.label for p in bsym.input_proxies())
+            live_symbols |= _symbols_used((bsym.args, bsym.kwargs))
     kept.reverse()
     return trace.derive(f"{trace.fn_name}, after dead-code elimination", kept, output)

@@ -52,6 +52,15 @@ class _Materializer:
         taken = {p.label for p in trace.inputs} | {p.label for b in trace.bound_symbols for p in b.output_proxies()}
         self._labels = (f"n{i}" for i in itertools.count() if f"n{i}" not in taken)
         self.emitted: list[BoundSymbol] = []
+        # Numbers the trace has already: read from tensor data (``.item()``), or given to
+        # it (a backward's saved numbers). Their symbols are held by no tensor's size.
+        self.numbers: dict[object, NumberProxy] = {}
+        for proxy in trace.inputs:
+            self.know(proxy)
+
+    def know(self, value) -> None:
+        if isinstance(value, NumberProxy):
+            self.numbers.setdefault(value.expr, value)
 
     def _number(self, expr, made_by: str) -> NumberProxy:
         return NumberProxy(next(self._labels), expr, None, NoProvenance(made_by))
@@ -61,6 +70,8 @@ class _Materializer:
 
     def number(self, expr, preferred: list[TensorProxy]) -> NumberProxy:
         """A number of the trace equal to ``expr``, its producers emitted."""
+        if expr in self.numbers:
+            return self.numbers[expr]
         held = self._held_by(expr, preferred)
         if held is not None:
             query, args = held
@@ -115,6 +126,7 @@ def materialize_sizes(trace: Trace) -> Trace:
             bsym = dataclasses.replace(bsym, args=tuple(args), kwargs=dict(kwargs))
         kept.append(bsym)
         materializer.made.extend(bsym.output_tensors())
+        materializer.know(bsym.output)
     output, _ = materializer.replace(trace.output, [])
     kept.extend(materializer.emitted)
     return trace.derive(f"{trace.fn_name}, with its sizes computed in the trace", kept, output)

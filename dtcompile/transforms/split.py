@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from torch.utils._pytree import tree_flatten
 
-from ..core import TensorProxy, Trace
+from ..core import FromData, NumberProxy, TensorProxy, Trace
 from ..core.symbolic import is_symbolic, size_hint, symbolic_expr
 from .dce import dce
 from .effects import storage_bases
@@ -28,12 +28,16 @@ from .sizes import size_query
 class SplitTraces:
     forward: Trace  # returns the call's outputs, then the saved values
     backward: Trace  # takes the saved values, then the cotangents; returns the gradients
-    saved: list[TensorProxy]
+    saved: list[TensorProxy | NumberProxy]
 
 
-def _holders_of_missing_sizes(backward: Trace, available: list[TensorProxy], primals: list) -> list[TensorProxy]:
-    """Forward inputs to save so that the backward can read every symbolic size it uses:
-    its own inputs may not hold them all (an input's size the gradients do not carry)."""
+def _holders_of_missing_sizes(
+    backward: Trace, available: list[TensorProxy], primals: list, read_from_data: dict
+) -> list[TensorProxy | NumberProxy]:
+    """What the forward saves so that the backward can read every symbolic size it uses:
+    its own inputs may not hold them all (an input's size the gradients do not carry). A
+    forward input that holds the size; else a number the forward read from tensor data
+    (``read_from_data``: symbol -> number), saved as a number."""
     needed = set()
     for bsym in backward.bound_symbols:
         for leaf in tree_flatten((bsym.args, bsym.kwargs))[0]:
@@ -46,6 +50,8 @@ def _holders_of_missing_sizes(backward: Trace, available: list[TensorProxy], pri
             found = size_query(symbol, forward_inputs)
             if found is not None:
                 holders.append(found[1][0])
+            elif symbol in read_from_data:  # a number read from data: saved itself
+                holders.append(read_from_data[symbol])
     return holders
 
 
@@ -68,8 +74,9 @@ def _held_bytes(forward: Trace, saved: list[TensorProxy]) -> int:
     by_label = {p.label: p for b in forward.bound_symbols for p in b.output_proxies()}
     inputs = {p.label for p in forward.inputs}
     held = {bases[p.label] for p in saved if p.label in bases} - inputs
+    # A size read from tensor data has no traced value: such tensors count as empty.
     return sum(
-        size_hint(by_label[label].numel()) * by_label[label].element_size() for label in held if label in by_label
+        size_hint(by_label[label].numel(), 0) * by_label[label].element_size() for label in held if label in by_label
     )
 
 
@@ -86,7 +93,7 @@ def split_forward_backward(joint: Trace, cotangents: list[TensorProxy], forward_
     backward_only = joint.derive(joint.title, [b for b in joint.bound_symbols if b.in_backward], grads)
     backward_only = dce(backward_only)
     made_by_backward = {p.label for b in backward_only.bound_symbols for p in b.output_proxies()}
-    saved: list[TensorProxy] = []
+    saved: list[TensorProxy | NumberProxy] = []
     seen: set[str] = set(cotangent_labels) | made_by_backward
     reads = [p for b in backward_only.bound_symbols for p in b.input_proxies()]
     reads += [g for g in grads if isinstance(g, TensorProxy)]
@@ -94,7 +101,13 @@ def split_forward_backward(joint: Trace, cotangents: list[TensorProxy], forward_
         if proxy.label not in seen:
             seen.add(proxy.label)
             saved.append(proxy)
-    for proxy in _holders_of_missing_sizes(backward_only, saved + list(cotangents), primals):
+    read_from_data = {
+        b.output.expr: b.output
+        for b in forward_symbols
+        if isinstance(b.output, NumberProxy) and isinstance(b.output.provenance, FromData)
+    }
+    available = [p for p in saved if isinstance(p, TensorProxy)] + list(cotangents)
+    for proxy in _holders_of_missing_sizes(backward_only, available, primals, read_from_data):
         if proxy.label not in seen:
             seen.add(proxy.label)
             saved.append(proxy)

@@ -14,6 +14,10 @@ import torch
 
 from ...core.symbolic import size_hint
 
+# What a size read from tensor data stands for in layout decisions (which do not depend on
+# the sizes' values, only on their being larger than 1).
+UNKNOWN = 8192
+
 
 def dense_strides(shape, order) -> tuple[int, ...]:
     """The strides of a dense tensor of ``shape`` laid out in ``order`` (outermost first)."""
@@ -29,8 +33,8 @@ def dense_order(shape, stride) -> tuple[int, ...] | None:
     """The dim order (outermost first) whose dense strides are exactly ``stride``, or None
     for a layout that is not dense (expanded, sliced, overlapping). Traced values are used
     for symbolic sizes: a dense layout's order does not depend on them."""
-    shape = [size_hint(s) for s in shape]
-    stride = [size_hint(s) for s in stride]
+    shape = [size_hint(s, UNKNOWN) for s in shape]
+    stride = [size_hint(s, UNKNOWN) for s in stride]
     dims = range(len(shape))
     # Size-1 dims tie with their neighbours; eager puts them where its kernel did, so try
     # both tie-breaks.
@@ -57,8 +61,8 @@ def tensor_descriptor(shape, stride) -> tuple[tuple[bool | None, ...], tuple[int
     (size 1 or stride 0), else whether the next non-broadcast position inside it starts
     where it ends (the innermost: whether its stride is 1). ``stride_order`` gives each
     logical dim its rank from the innermost position."""
-    shape = [size_hint(s) for s in shape]
-    stride = [size_hint(s) for s in stride]
+    shape = [size_hint(s, UNKNOWN) for s in shape]
+    stride = [size_hint(s, UNKNOWN) for s in stride]
     rank = len(shape)
     order = sorted((d for d in range(rank) if stride[d] != 0), key=lambda d: -stride[d])
     for d in range(rank):
