@@ -23,6 +23,7 @@ import dtcompile
 from dtcompile.capture import capture_call
 from dtcompile.core import InputPath, NoProvenance, verify
 from dtcompile.testing.models import parallel_block, parallel_mlp
+from dtcompile.testing.moe import parallel_moe_block
 
 functional = torch.ops._c10d_functional
 COLLECTIVES = {
@@ -30,6 +31,7 @@ COLLECTIVES = {
     functional.all_gather_into_tensor.default,
     functional.reduce_scatter_tensor.default,
     functional.all_to_all_single.default,
+    torch.ops._c10d_functional_autograd.all_to_all_single.default,
 }
 
 
@@ -277,3 +279,47 @@ def test_collectives_start_early_and_are_waited_late(fake_world):
     assert _names(scheduled) == ["mul", "all_reduce", "exp", "sin", "wait_tensor", "add_", "add", "add"]
     with torch.no_grad():
         dtcompile.jit(fn)(x, y)  # runs (the fake group's values are garbage)
+
+
+class MirroredAllToAll(TorchDispatchMode):
+    """The fake process group's all_to_all writes nothing into its output. This fills it
+    as if every rank sent this rank what this rank sends it: integers (an MoE layer's token
+    counts) come back as they went, floats (the tokens) as zeros. The data eager and the
+    program read from it are then defined and consistent (as many tokens come back as
+    went out)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        if func._opname in ("all_to_all_single", "alltoall_base_"):
+            # The functional op (eager) takes (input, ...) and returns the output; c10d's
+            # (the compiled program's) takes (output, input, ...).
+            output, source = (out, args[0]) if func._opname == "all_to_all_single" else args[:2]
+            output.copy_(source) if not source.is_floating_point() else output.zero_()
+        return out
+
+
+def test_moe_on_an_8x8_mesh_holds_eagers_collectives(fake_world):
+    """Expert parallelism over 8 ranks, tensor parallelism over 8: counts exchanged, tokens
+    dispatched and combined over ep (all_to_all_single), attention's all_reduce over tp;
+    the program holds exactly eager's collectives on eager's groups, with split sizes
+    read from data at run time."""
+    fake_world(64, rank=9)
+    mesh = init_device_mesh("cpu", (8, 8), mesh_dim_names=("ep", "tp"))
+    model = parallel_moe_block(mesh, dim=64, heads=8, hidden=32, experts=16, top_k=2)
+    x = torch.randn(2, 4, 64)
+    log = CollectiveLog()
+    with torch.no_grad(), log, MirroredAllToAll():
+        model(x)
+    ep, tp = mesh["ep"].get_group().group_name, mesh["tp"].get_group().group_name
+    assert [group for _, group in log.calls] == [tp, ep, ep, ep]
+    jitted = dtcompile.jit(model)
+    with torch.no_grad(), MirroredAllToAll():
+        got = jitted(x)
+    assert got.shape == x.shape and got.stride() == x.stride()
+    traces = dtcompile.last_traces(jitted)
+    for trace in (traces[0], traces[-1]):
+        assert trace_collectives(trace) == log.calls, trace
+    splits = [b.args[1:3] for b in traces[-1].bound_symbols if b.op is not None and "all_to_all" in b.op._opname]
+    assert all(isinstance(n, dtcompile.core.NumberProxy) for s in splits[1:] for n in s[0] + s[1])

@@ -18,7 +18,6 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..core import Note, TensorProxy, TracingError, data_dependent_error
-from ..core.proxy import read_elements
 from .placements import describe_placements
 from .recorder import Recording
 
@@ -118,8 +117,6 @@ class CallAnnotator(TorchFunctionMode):
         leaves, _ = tree_flatten((args, kwargs))
         if func in _DATA_READS and any(_is_traced(x) for x in leaves):
             raise data_dependent_error(_short_name(func), "the data leaves torch")
-        if func is torch.Tensor.tolist and _is_traced(args[0]):
-            return read_elements(args[0])
         if func in _HOOK_REGISTRATIONS and _is_traced(args[0]):
             self._check_hook(func, args)
         if any(isinstance(x, DTensor) and not isinstance(x._local_tensor, TensorProxy) for x in leaves):

@@ -13,7 +13,8 @@ from .proxy import TensorProxy, contiguous_strides
 from .symbolic import known_shape_equal
 
 aten = torch.ops.aten
-_FUNCTIONAL = "_c10d_functional"
+# DTensor's collectives, and their differentiable variants (``all_to_all_single_autograd``).
+_FUNCTIONAL = ("_c10d_functional", "_c10d_functional_autograd")
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 # Reshapes: a view of a row-major tensor when the sizes allow, else a copy.
@@ -50,12 +51,12 @@ def is_wait(op) -> bool:
 
 def is_collective(op) -> bool:
     """A functional collective's start (``_c10d_functional.all_reduce``), not its wait."""
-    return op is not None and op.namespace == _FUNCTIONAL and op is not WAIT
+    return op is not None and op.namespace in _FUNCTIONAL and op is not WAIT
 
 
 def is_communication(op) -> bool:
     """A collective's start or its wait: what the collectives executor runs."""
-    return op is not None and op.namespace == _FUNCTIONAL
+    return op is not None and op.namespace in _FUNCTIONAL
 
 
 def group_argument(op) -> int | None:

@@ -101,6 +101,12 @@ class TensorProxy(torch.Tensor):
             return read_elements(self)
         return self.value.tolist()
 
+    def wait(self) -> TensorProxy:
+        """``AsyncCollectiveTensor.wait()``: functional collectives hand back a waited
+        tensor while a compiler traces (as under torch.compile), so waiting again is the
+        identity."""
+        return self
+
     def type_string(self) -> str:
         """``f32[4, 16]``, with the strides added when they are not row-major."""
         dtype = DTYPE_ABBREVIATIONS.get(self.dtype, str(self.dtype).removeprefix("torch."))

@@ -29,6 +29,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # no
 # The global shape and strides of a local tensor under placements, computed locally (for a
 # gradient's spec); the public DTensor.from_local(shape=None) runs a collective for it.
 from torch.distributed.tensor._utils import compute_global_tensor_info  # noqa: F401
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 __all__ = [
     "DTensorSpec",
@@ -83,17 +84,38 @@ def fake_mode_active() -> bool:
     return torch._C._get_dispatch_mode(_FAKE_MODE_KEY) is not None
 
 
+def _hash_unless_from_data(original):
+    def __hash__(self):
+        if free_unbacked_symbols(self.node.expr):
+            raise TypeError(f"unhashable: {self.node.expr} is a number read from tensor data")
+        return original(self)
+
+    return __hash__
+
+
 @contextlib.contextmanager
 def compiling():
-    """``torch.compiler.is_compiling()`` is True inside: libraries skip, while dtcompile
-    traces, the eager-only paths they skip under torch.compile (Hugging Face's check for
-    packed sequences reads tensor data into a Python branch). torch keeps the answer in a
-    module flag, which torch.compile sets the same way; there is no public setter."""
+    """Inside, ``torch.compiler.is_compiling()`` is True, and numbers read from tensor data
+    are unhashable.
+
+    - Libraries skip, while dtcompile traces, the eager-only paths they skip under
+      torch.compile (Hugging Face's check for packed sequences reads tensor data into a
+      Python branch). torch keeps the answer in a module flag, which torch.compile sets the
+      same way; there is no public setter.
+    - DTensor caches sharding strategies by hashing an op's arguments, and skips the cache
+      when hashing raises TypeError (a SymInt's does). A SymFloat or SymBool hashes its
+      value instead: for one read from data (``t * x.max().item()``) that is a guard on
+      data, which fails. Raising TypeError for those takes DTensor's uncached path."""
     import torch.compiler
 
     saved = torch.compiler._is_compiling_flag
+    hashes = {cls: cls.__hash__ for cls in (torch.SymFloat, torch.SymBool)}
     torch.compiler._is_compiling_flag = True
+    for cls, original in hashes.items():
+        cls.__hash__ = _hash_unless_from_data(original)
     try:
         yield
     finally:
         torch.compiler._is_compiling_flag = saved
+        for cls, original in hashes.items():
+            cls.__hash__ = original

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .printing import NamedConstant
 from .proxy import NumberProxy, TensorProxy
-from .symbolic import known_shape_equal
+from .symbolic import is_symbolic, known_shape_equal
 
 VERIFY_TYPES_ENV = "DTCOMPILE_VERIFY_TYPES"
 # Random ops (a generator given to them must not move) and ops whose output shape comes
@@ -63,7 +63,7 @@ def check_types(trace) -> None:
         if op is None or op._schema.is_mutable or _SKIPPED_TAGS.intersection(op.tags):
             continue
         leaves, _ = tree_flatten((bsym.args, bsym.kwargs))
-        if any(isinstance(x, NumberProxy) or free_unbacked_symbols(x) for x in leaves):
+        if any(isinstance(x, NumberProxy) or (is_symbolic(x) and free_unbacked_symbols(x)) for x in leaves):
             continue
         tensors = [x for x in leaves if isinstance(x, TensorProxy)]
         recorded = bsym.output_tensors()

@@ -34,7 +34,9 @@ def _whole_on_every_rank(bsym) -> bool:
         start = args[2] if len(args) > 2 else bsym.kwargs.get("start")
         end = args[3] if len(args) > 3 else bsym.kwargs.get("end")
         step = args[4] if len(args) > 4 else bsym.kwargs.get("step", 1)
-        return start in (None, 0) and (end is None or (type(end) is int and end >= _LARGE)) and step == 1
+        # Asked without guarding: a start or step may be a number read from tensor data.
+        starts_at_0 = start is None or known_equal(start, 0)
+        return starts_at_0 and (end is None or (type(end) is int and end >= _LARGE)) and known_equal(step, 1)
     if bsym.op is aten.expand.default:
         return all(type(size) is int and size == -1 for size in args[1])
     return True
