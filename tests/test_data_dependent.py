@@ -116,3 +116,99 @@ def test_a_number_read_from_data_prints_as_such():
     ] * 2
     assert execution.count("read from data at run time") == 2
     assert f".split_with_sizes([{numbers[0].label}, {numbers[1].label}])" in execution
+
+
+# Branches on data (item 3): the branch taken is traced and checked at run time; a call
+# that takes another branch goes to another entry, or is traced again.
+BRANCHES = {
+    "all": lambda x: x * 2 if (x > 0).all() else x - 1,
+    "item compared": lambda x: x * 2 if x.sum().item() > 0 else x - 1,
+    "two branches": lambda x: (x.exp() if x.max() > 1 else x.sin()) + (1 if x.min() < -1 else 2),
+    "after other ops": lambda x: torch.relu(x * 3).sum(0) if x.mean() > 0 else torch.tanh(x).sum(0),
+}
+
+
+def _signed(generator, sign: float, shape=(3, 4)):
+    return sign * (torch.rand(shape, generator=generator) * 2 + 0.1)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("name", list(BRANCHES))
+def test_branches_on_data_give_eagers_result_in_any_order(name, cache):
+    fn = BRANCHES[name]
+    jitted = dtcompile.jit(fn, cache=cache)
+    generator = torch.Generator().manual_seed(2)
+    signs = [1, -1, -1, 1, -1, 1]
+    for sign in signs:
+        x = _signed(generator, sign)
+        assert_same(jitted(x), fn(x), f"{name}, sign {sign}")
+    # Each branch compiled once, and each call after that served by one entry.
+    assert dtcompile.cache_misses(jitted) <= 4 and dtcompile.cache_hits(jitted) == len(signs) - dtcompile.cache_misses(
+        jitted
+    )
+
+
+def test_a_failed_branch_check_leaves_nothing_done():
+    """The check runs before anything else: the buffer changes once per call, whichever
+    branch each call takes."""
+
+    def fn(x, buffer):
+        if x.sum() > 0:
+            buffer.add_(1)
+        else:
+            buffer.sub_(10)
+        return x * 2
+
+    jitted = dtcompile.jit(fn)
+    expected, got = torch.zeros(2), torch.zeros(2)
+    generator = torch.Generator().manual_seed(3)
+    for sign in (1, -1, 1, -1, -1):
+        x = _signed(generator, sign)
+        assert_same(jitted(x, got), fn(x, expected))
+        assert torch.equal(got, expected)
+    assert dtcompile.cache_misses(jitted) == 2
+
+
+def test_the_check_prints_in_the_program():
+    jitted = dtcompile.jit(BRANCHES["all"])
+    jitted(torch.ones(3))
+    execution = str(dtcompile.last_traces(jitted)[-1])
+    assert "raise DataCheckFailed('traced with" in execution
+    body = execution.split("def computation")[1].splitlines()
+    check = next(i for i, line in enumerate(body) if "DataCheckFailed" in line)
+    assert not any("torch.mul" in line for line in body[:check])  # the check comes first
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_branches_on_data_with_gradients(cache):
+    def fn(x):
+        return x * 2 if x.detach().sum() > 0 else x.sin()
+
+    jitted = dtcompile.jit(fn, cache=cache)
+    generator = torch.Generator().manual_seed(4)
+    for sign in (1, -1, 1, -1):
+        x = _signed(generator, sign)
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        expected, got = fn(xe), jitted(xc)
+        assert_same(got, expected)
+        _backward(expected)
+        _backward(got)
+        assert_same(xc.grad, xe.grad)
+    assert dtcompile.cache_misses(jitted) == 2
+
+
+def _add_then_branch(x):
+    x.add_(1)
+    return x * 2 if x.sum() > 0 else x
+
+
+@pytest.mark.parametrize(
+    "fn, why",
+    [
+        (_add_then_branch, "an in-place op before the branch"),
+        (lambda x: x * 2 if torch.rand(()) > 0.5 else x, "a random op in what the branch reads"),
+    ],
+)
+def test_branches_that_cannot_be_checked_are_refused(fn, why):
+    with pytest.raises(dtcompile.TracingError, match="depends on the values in a tensor"):
+        dtcompile.jit(fn)(torch.ones(3))

@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 from torch.distributed.tensor import DTensor
-from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext, free_unbacked_symbols
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -42,8 +42,9 @@ from ..core import (
 )
 from ..core.printing import NamedConstant, Unprintable, python_literal
 from ..core.symbolic import is_symbolic, symbolic_expr
-from ..core.torch_internals import fake_mode_active, make_dtensor
+from ..core.torch_internals import fake_mode_active, make_dtensor, set_data_value
 from .c10d import is_c10d_op, record_c10d
+from .data_branches import value_now
 
 _DATA_DEPENDENT_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
 
@@ -78,6 +79,8 @@ class Recording:
         self.dtensor_calls = 0
         self.valued: list[TensorProxy] = []  # proxies whose trace-time value is known
         self.read_by: dict[object, str] = {}  # symbol of a number read from data -> the call that read it
+        self.real_of: dict[str, torch.Tensor] = {}  # input label -> the call's real tensor (while tracing)
+        self.cones: dict[int, list[int]] = {}  # index of a read computed now -> indices of its cone
         self.constants: dict[str, NamedConstant] = {}  # arguments with no literal, by name
         self.current_call: str | None = None  # the torch-level call of the user's code running now
         self.snapshot = None  # a DataSnapshot of the user's data the traced code must not change
@@ -100,6 +103,7 @@ class Recording:
         a call where they differ is a new cache entry. ``DimDynamic.DYNAMIC`` would give
         each size its own symbol, whatever its value."""
         self.used_names.add(name)
+        self.real_of[name] = real
         if dynamic and self.fake_mode.shape_env is not None:
             context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DUCK] * real.dim())
             fake = self.fake_mode.from_tensor(real, symbolic_context=context)
@@ -199,6 +203,7 @@ class Recording:
         for proxy in self.valued:
             proxy.value = None
         self.valued.clear()
+        self.real_of.clear()
 
     def record(self, func, args: tuple, kwargs: dict):
         leaves, _ = tree_flatten((args, kwargs))
@@ -260,6 +265,14 @@ class Recording:
             symbol = func(source.fake, **kwargs)
         number = NumberProxy(self.new_name(), symbolic_expr(symbol), None, FromData(str(func)))
         self.read_by[number.expr] = self.current_call or str(func)
+        # Its value now, for the traced code to branch on (``data_branches.py``).
+        computed = value_now(self, source)
+        unbacked = free_unbacked_symbols(symbol)
+        if computed is not None and len(unbacked) == 1:
+            value, cone = computed
+            value = int(value) if isinstance(value, bool) else value  # a SymBool is Eq(u, 1)
+            set_data_value(self.fake_mode.shape_env, unbacked.pop(), value)
+            self.cones[len(self.bound_symbols)] = cone
         note = backward_note()
         self.bound_symbols.append(BoundSymbol(aten_symbol(func), tuple(args), dict(kwargs), number, note, op=func))
         return symbol

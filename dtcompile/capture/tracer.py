@@ -7,7 +7,9 @@ the tree of outputs the epilogue rebuilds, and the constants the program closes 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +23,7 @@ from ..core.torch_internals import compiling
 from .annotator import CallAnnotator
 from .autograd import BackwardCapture, capture_backward
 from .c10d import object_collective_refusal
+from .data_branches import checks_first
 from .inputs import (
     DictInput,
     DTensorInput,
@@ -163,7 +166,13 @@ def capture_call(
     backward = None
     _tracing.append(recording)
     # Libraries see a compiler tracing them, as under torch.compile (core/torch_internals.py).
-    with compiling(), enable_python_dispatcher(), CallAnnotator(recording), OpRecorder(recording):
+    with (
+        compiling(),
+        _assumptions_unlogged(),
+        enable_python_dispatcher(),
+        CallAnnotator(recording),
+        OpRecorder(recording),
+    ):
         try:
             if module_state is not None:
                 with module_state:
@@ -184,6 +193,7 @@ def capture_call(
                 )
             if training:
                 backward = capture_backward(recording, proxifier.differentiable + closed, collector.values)
+            checks_first(recording)  # branches taken on tensor data, checked before anything runs
         except GuardOnDataDependentSymNode as error:  # a number read from data, asked about in Python
             readers = [recording.read_by[s] for s in sorted(error.cond.free_symbols, key=str) if s in recording.read_by]
             raise data_dependent_error(
@@ -245,6 +255,18 @@ def capture_call(
         updates,
         module_updates,
     )
+
+
+@contextlib.contextmanager
+def _assumptions_unlogged():
+    """The ShapeEnv warns of every branch answered with a value computed from data
+    (``data_branches.py``): dtcompile checks each at run time, so there is nothing to warn of."""
+    log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    disabled, log.disabled = log.disabled, True
+    try:
+        yield
+    finally:
+        log.disabled = disabled
 
 
 def _user_data(fn, module_state: ModuleState | None) -> DataSnapshot:

@@ -1,6 +1,6 @@
 """The IR: proxies, provenance, symbols, traces. Imports nothing above it."""
 
-from .errors import TracingError, data_dependent_error
+from .errors import DataCheckFailed, TracingError, data_dependent_error
 from .provenance import FromData, InputPath, NoProvenance, Provenance, Step
 from .proxy import NumberProxy, TensorProxy, is_proxy
 from .symbol import BoundSymbol, Note, Symbol, aten_symbol, renamed
@@ -21,6 +21,7 @@ __all__ = [
     "Trace",
     "TraceError",
     "TracingError",
+    "DataCheckFailed",
     "data_dependent_error",
     "aten_symbol",
     "renamed",

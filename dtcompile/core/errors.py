@@ -5,6 +5,12 @@ class TracingError(RuntimeError):
     """The traced program does something dtcompile cannot record."""
 
 
+class DataCheckFailed(Exception):
+    """A compiled program's check of a branch it traced on tensor data failed: the call
+    takes another branch, so it goes to another cache entry, or is traced again (raised
+    before the program has done anything)."""
+
+
 def data_dependent_error(call: str | None, what: str) -> TracingError:
     """The refusal of Python code that needs a value from tensor data while tracing:
     ``what`` (``Python control flow on u0``), asked for by the torch-level ``call`` of the

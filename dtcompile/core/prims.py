@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from .errors import DataCheckFailed
 from .printing import python_literal
 from .proxy import TensorProxy
 from .symbol import BoundSymbol, Symbol
@@ -80,3 +81,24 @@ READS = {
 
 def size_expression(expr, symbols: tuple) -> SizeExpression:
     return SizeExpression("prims.size", pure=True, expr=expr, symbols=symbols)
+
+
+@dataclass(frozen=True)
+class DataCheck(Symbol):
+    """``if not (t3 > 0.0): raise DataCheckFailed(...)``: a branch the traced code took on
+    numbers read from tensor data (``symbols``, in the order of the call's arguments)."""
+
+    expr: object = None
+    symbols: tuple = ()
+
+    def lines(self, bsym: BoundSymbol) -> list[str]:
+        names = {symbol: arg.label for symbol, arg in zip(self.symbols, bsym.args)}
+        condition = python_source(self.expr, names)
+        return [f"if not ({condition}): raise DataCheckFailed({('traced with ' + condition)!r})"]
+
+
+_CHECK_GLOBALS = (("DataCheckFailed", DataCheckFailed, "from dtcompile.core.errors import DataCheckFailed"),)
+
+
+def data_check(expr, symbols: tuple) -> DataCheck:
+    return DataCheck("prims.data_check", globals=_CHECK_GLOBALS, pure=False, expr=expr, symbols=symbols)

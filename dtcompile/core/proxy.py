@@ -8,6 +8,7 @@ its provenance. It never holds data; its ops are recorded by the active recorder
 
 from __future__ import annotations
 
+import sympy
 import torch
 
 from .provenance import Provenance
@@ -144,7 +145,9 @@ class NumberProxy:
         self.provenance = provenance
 
     def type_string(self) -> str:
-        kind = "bool" if self.expr.is_Boolean else "int" if self.expr.is_integer else "float"
+        kind = (
+            "bool" if isinstance(self.expr, sympy.logic.boolalg.Boolean) else "int" if self.expr.is_integer else "float"
+        )
         return f"{kind} {self.expr}"
 
     def __repr__(self) -> str:

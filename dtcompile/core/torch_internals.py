@@ -36,6 +36,8 @@ __all__ = [
     "TensorMeta",
     "compute_global_tensor_info",
     "completed_work",
+    "set_data_value",
+    "symbol_values",
     "compiling",
     "default_store",
     "fake_mode_active",
@@ -119,3 +121,24 @@ def compiling():
         torch.compiler._is_compiling_flag = saved
         for cls, original in hashes.items():
             cls.__hash__ = original
+
+
+# A ShapeEnv's values of its symbols, for a number read from tensor data whose value is
+# computed while tracing (capture/data_branches.py). The ShapeEnv then answers branches on
+# it and records each as a runtime assert, as for torch.compile's real-tensor propagation.
+# No public API sets these; torch 2.11 renamed all three.
+
+
+def set_data_value(shape_env, symbol, value) -> None:
+    setter = getattr(shape_env, "set_real_tensor_prop_unbacked_vals", None) or shape_env.set_unbacked_var_to_val
+    setter(symbol, value)
+
+
+def symbol_values(shape_env) -> dict:
+    """The values known of the ShapeEnv's symbols: sizes traced, and numbers read from data."""
+    backed = getattr(shape_env, "backed_var_to_val", None)
+    data = getattr(shape_env, "real_tensor_prop_unbacked_vals", None)
+    return {
+        **(shape_env.var_to_val if backed is None else backed),
+        **(shape_env.unbacked_var_to_val if data is None else data),
+    }

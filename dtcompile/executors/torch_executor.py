@@ -15,7 +15,7 @@ import torch
 
 from ..core import BoundSymbol, Symbol
 from ..core.op_classes import is_communication
-from ..core.prims import READS, ShapeQuery, SizeExpression
+from ..core.prims import READS, DataCheck, ShapeQuery, SizeExpression
 from .base import Executor
 
 aten = torch.ops.aten
@@ -124,14 +124,14 @@ class TorchExecutor(Executor):
 
     def claims(self, bsym: BoundSymbol) -> bool:
         if bsym.op is None:
-            return isinstance(bsym.symbol, (ShapeQuery, SizeExpression))
+            return isinstance(bsym.symbol, (ShapeQuery, SizeExpression, DataCheck))
         return not is_communication(bsym.op)
 
     def lower(self, bsym: BoundSymbol, index: int, context) -> list[BoundSymbol]:
         if isinstance(bsym.symbol, ShapeQuery):
             return [replace(bsym, symbol=READS[bsym.symbol.name])]
         if bsym.op is None:
-            return [bsym]  # a size expression is plain Python already
+            return [bsym]  # a size expression or a data check is plain Python already
         if bsym.op not in self._symbols:
             self._symbols[bsym.op] = _fast_symbol(bsym.op)
         fast = self._symbols[bsym.op]

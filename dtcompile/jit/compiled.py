@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..capture import CapturedCall, capture_call, is_tracing
-from ..core import TensorProxy, Trace, verify
+from ..core import DataCheckFailed, TensorProxy, Trace, verify
 from ..core.codegen import GeneratedFunction
 from ..core.torch_internals import resolve_process_group
 from ..executors import lower, resolve_executors
@@ -116,11 +116,14 @@ class CompiledFunction:
         self.identity = code_identity(fn, module)
         self.calls_checked = calls_checked()  # DTCOMPILE_RANK_CHECK=calls: the ranks agree at every call
 
-    def _lookup(self, module, args: tuple, kwargs: dict):
+    def _lookup(self, module, args: tuple, kwargs: dict, failed=()):
         """The entry whose prologue accepts the call, and the prologue's result; or None.
-        The entry found goes first in the list: calls come in runs (decode steps)."""
+        The entry found goes first in the list: calls come in runs (decode steps). Entries
+        in ``failed`` (their check of a branch on data failed for this call) are passed by."""
         entries = self.entries
         for i, entry in enumerate(entries):
+            if any(entry is f for f in failed):
+                continue
             inputs = entry.prologue.fn(module, args, kwargs)
             if inputs is not None:
                 if self.calls_checked:  # before any collective of the entry runs
@@ -139,20 +142,24 @@ class CompiledFunction:
             return self.fn(*args, **kwargs)
         if self.check is not None:
             return checked_call(self, module, args, kwargs, lambda: self.fn(*args, **kwargs))
-        found = self._lookup(module, args, kwargs)
-        if found is not None:
+        failed: list[CacheEntry] = []  # entries whose check of a branch on data failed
+        while (found := self._lookup(module, args, kwargs, failed)) is not None:
             entry, inputs = found
             try:
                 return entry.run(inputs)
+            except DataCheckFailed:  # raised before the program did anything
+                self.stats.hits -= 1  # the entry did not serve the call after all
+                failed.append(entry)
             except RuntimeError as error:  # a collective that timed out: did a peer compile instead?
                 explain_stall(self.identity, self.name, entry.ranks, error)
                 raise
-        entry, inputs = self.entry_for(module, args, kwargs)
+        entry, inputs = self.entry_for(module, args, kwargs, failed)
         return entry.run(inputs)
 
-    def entry_for(self, module, args: tuple, kwargs: dict) -> tuple[CacheEntry, tuple]:
-        """The entry that accepts the call, compiled if none does, and the prologue's result."""
-        found = self._lookup(module, args, kwargs)
+    def entry_for(self, module, args: tuple, kwargs: dict, failed=()) -> tuple[CacheEntry, tuple]:
+        """The entry that accepts the call, compiled if none does, and the prologue's result
+        (``failed``: entries whose check of a branch on data this call failed)."""
+        found = self._lookup(module, args, kwargs, failed)
         if found is not None:
             return found
         entry = self.compile(args, kwargs)

@@ -1,0 +1,63 @@
+"""Values read from tensor data on Gloo ranks (issue 14, items 3 and 6): branches on a
+DTensor's data, taken alike by all ranks; branches on each rank's own data; sizes read
+from data that differ between ranks while the ranks' programs agree on their collectives."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from checks import assert_same
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import dtcompile
+
+
+def _branch(x):
+    return x * 2 if (x > 0).all() else x - 1
+
+
+def branch_on_dtensor_data(cache: str):
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    jitted = dtcompile.jit(_branch, cache=cache)
+    generator = torch.Generator().manual_seed(0)  # the same global tensor on every rank
+    for sign in (1, -1, -1, 1, -1):
+        x = distribute_tensor(sign * (torch.rand(4, 3, generator=generator) + 0.1), mesh, [Shard(0)])
+        assert_same(jitted(x), _branch(x), f"sign {sign}")
+    return dtcompile.cache_misses(jitted)
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_branch_on_a_dtensors_data(ranks2, cache):
+    assert ranks2.run(branch_on_dtensor_data, cache) == [2, 2]
+
+
+def _local_branch_then_all_reduce(x):
+    y = x.exp() if x.sum() > 0 else x.cos()  # each rank branches on its own data
+    dist.all_reduce(y)
+    return y
+
+
+def _masked_sum_all_reduced(x):
+    total = x[x > 0].sum(0)  # as many rows as this rank's data has: differs between ranks
+    dist.all_reduce(total)
+    return total
+
+
+def per_rank_data():
+    rank = dist.get_rank()
+    generator = torch.Generator().manual_seed(10 + rank)
+    results = []
+    for fn in (_local_branch_then_all_reduce, _masked_sum_all_reduced):
+        jitted = dtcompile.jit(fn)
+        for step in range(3):
+            # Rank 0 and rank 1 take different branches, and swap at each step.
+            sign = 1 if (rank + step) % 2 == 0 else -1
+            x = sign * (torch.rand(3, 2, generator=generator) + 0.1)
+            assert_same(jitted(x.clone()), fn(x.clone()), f"{fn.__name__}, step {step}")
+        results.append(dtcompile.cache_misses(jitted))
+    return results
+
+
+def test_branches_and_sizes_on_each_ranks_own_data(ranks2):
+    # Both ranks meet both branches (two entries each); the masked sum compiles once.
+    assert ranks2.run(per_rank_data) == [[2, 1], [2, 1]]
