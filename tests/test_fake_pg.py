@@ -21,7 +21,8 @@ from torch.utils._pytree import tree_map
 
 import dtcompile
 from dtcompile.capture import capture_call
-from dtcompile.core import InputPath, NoProvenance, verify
+from dtcompile.core import FutureProxy, InputPath, NoProvenance, TraceError, verify
+from dtcompile.executors.collectives import StartCollective, WaitCollective
 from dtcompile.testing.models import parallel_block, parallel_mlp
 from dtcompile.testing.moe import parallel_moe_block
 
@@ -323,3 +324,37 @@ def test_moe_on_an_8x8_mesh_holds_eagers_collectives(fake_world):
         assert trace_collectives(trace) == log.calls, trace
     splits = [b.args[1:3] for b in traces[-1].bound_symbols if b.op is not None and "all_to_all" in b.op._opname]
     assert all(isinstance(n, dtcompile.core.NumberProxy) for s in splits[1:] for n in s[0] + s[1])
+
+
+def test_work_handles_are_values_of_the_execution_trace(fake_world):
+    """A started collective's work handle is a value of the execution trace: the start
+    defines it, the wait reads it, and ``verify`` checks that order."""
+    fake_world(8)
+    group = dist.group.WORLD.group_name
+
+    def fn(x):
+        gathered = functional.wait_tensor(functional.all_gather_into_tensor(x * 2, 8, group))
+        return functional.wait_tensor(functional.all_reduce(gathered + 1, "sum", group))
+
+    jitted = dtcompile.jit(fn)
+    with torch.no_grad():
+        jitted(torch.randn(4, 3))
+    execution = dtcompile.last_traces(jitted)[-1]
+    verify(execution)
+    starts = [i for i, b in enumerate(execution.bound_symbols) if isinstance(b.symbol, StartCollective)]
+    waits = [i for i, b in enumerate(execution.bound_symbols) if isinstance(b.symbol, WaitCollective)]
+    assert len(starts) == len(waits) == 2
+    for start, wait in zip(starts, waits):
+        tensor, work = execution.bound_symbols[start].output
+        assert isinstance(work, FutureProxy) and work.label == f"{tensor.label}_work"
+        assert work.provenance == NoProvenance(str(execution.bound_symbols[start].op))
+        assert execution.bound_symbols[wait].args == (work, tensor)
+        assert f"{work.label}.wait()" in execution.bound_symbols[wait].lines()
+    symbols = execution.bound_symbols
+    start, wait = starts[0], waits[0]
+    work = symbols[start].output[1].label
+    wait_first = symbols[:start] + [symbols[wait]] + symbols[start:wait] + symbols[wait + 1 :]
+    with pytest.raises(TraceError, match=f"uses {work} before it is defined"):
+        verify(execution.derive("the wait before its start", wait_first))
+    with pytest.raises(TraceError, match=f"uses {work} before it is defined"):
+        verify(execution.derive("no start", symbols[:start] + symbols[start + 1 :]))

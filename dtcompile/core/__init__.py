@@ -2,12 +2,13 @@
 
 from .errors import DataCheckFailed, TracingError, data_dependent_error
 from .provenance import FromData, InputPath, NoProvenance, Provenance, Step
-from .proxy import NumberProxy, TensorProxy, is_proxy
+from .proxy import FutureProxy, NumberProxy, TensorProxy, is_proxy
 from .symbol import BoundSymbol, Note, Symbol, aten_symbol, renamed
 from .trace import Trace, TraceError, verify
 
 __all__ = [
     "BoundSymbol",
+    "FutureProxy",
     "InputPath",
     "NoProvenance",
     "FromData",

@@ -1,9 +1,14 @@
-"""TensorProxy: the stand-in for a local tensor while a call is traced.
+"""Proxies: the values of a trace, each named by its ``label``.
 
-A TensorProxy is a ``torch.Tensor`` wrapper subclass, so DTensor can hold it as its
-``_local_tensor`` and run its own dispatch on it. It carries a FakeTensor (the meta:
-shape, strides, dtype, device exactly as eager produces them), a name in the trace and
-its provenance. It never holds data; its ops are recorded by the active recorder.
+A TensorProxy is the stand-in for a local tensor while a call is traced: a
+``torch.Tensor`` wrapper subclass, so DTensor can hold it as its ``_local_tensor`` and run
+its own dispatch on it. It carries a FakeTensor (the meta: shape, strides, dtype, device
+exactly as eager produces them), a name in the trace and its provenance. It never holds
+data; its ops are recorded by the active recorder.
+
+A NumberProxy is a Python number the program computes (a size under symbolic values); a
+FutureProxy an opaque run-time object the program waits on (a started collective's
+work handle).
 """
 
 from __future__ import annotations
@@ -154,9 +159,28 @@ class NumberProxy:
         return f"NumberProxy({self.label} = {self.expr}, {self.provenance})"
 
 
-PROXY_TYPES = (TensorProxy, NumberProxy)
+class FutureProxy:
+    """An opaque run-time object the program makes and later waits on: the work handle of
+    a collective started by the collectives executor (a ``torch.distributed.Work``). It has
+    no tensor metadata; the symbol that waits on it reads it, so ``verify`` sees that the
+    wait comes after the start."""
+
+    __slots__ = ("label", "provenance")
+
+    def __init__(self, label: str, provenance: Provenance):
+        self.label = label
+        self.provenance = provenance
+
+    def type_string(self) -> str:
+        return "future"
+
+    def __repr__(self) -> str:
+        return f"FutureProxy({self.label}, {self.provenance})"
+
+
+PROXY_TYPES = (TensorProxy, NumberProxy, FutureProxy)
 
 
 def is_proxy(value: object) -> bool:
-    """A value the trace computes (a tensor or a number), named by its ``label``."""
+    """A value the trace computes (a tensor, a number or a future), named by its ``label``."""
     return isinstance(value, PROXY_TYPES)

@@ -85,12 +85,12 @@ class BoundSymbol:
     in_backward: bool = False  # recorded while autograd ran a training call's backward
 
     def input_proxies(self) -> list:
-        """The proxies (tensors and numbers) this call reads."""
+        """The proxies (tensors, numbers, futures) this call reads."""
         leaves, _ = tree_flatten((self.args, self.kwargs))
         return [x for x in leaves if is_proxy(x)]
 
     def output_proxies(self) -> list:
-        """The proxies (tensors and numbers) this call defines."""
+        """The proxies (tensors, numbers, futures) this call defines."""
         leaves, _ = tree_flatten(self.output)
         return [x for x in leaves if is_proxy(x)]
 

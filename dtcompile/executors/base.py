@@ -22,14 +22,13 @@ class NoExecutorError(RuntimeError):
 
 @dataclass
 class LoweringContext:
-    """Facts about the whole trace that an executor may need to lower one symbol."""
+    """Facts about the whole trace that any executor may need to lower one symbol (what
+    concerns one executor's symbols only belongs in the trace, made in its ``partition``)."""
 
     trace: Trace
     last_use: dict[str, int] = field(default_factory=dict)  # label -> index of its last reader
     base: dict[str, str] = field(default_factory=dict)  # label -> the label whose memory it views
     fresh_bases: set[str] = field(default_factory=set)  # bases made inside the trace
-    work_of: dict[str, str] = field(default_factory=dict)  # collective output -> its work handle
-    combine_of: dict[str, str] = field(default_factory=dict)  # exchanged all_reduce output -> its combining function
 
     def __post_init__(self):
         never = len(self.trace.bound_symbols)
@@ -55,8 +54,9 @@ class LoweringContext:
 
 class Executor:
     """What an executor does: claim symbols and lower each one it claims; and, before
-    that, replace regions of the trace by symbols of its own (``partition``: by default
-    none, executors that run one op at a time leave the trace as it is)."""
+    that, replace regions of the trace by symbols of its own (``partition``: a fusion's
+    ops by one call, a collective and its wait by a start and a wait on its work handle;
+    by default none, executors that run one op at a time leave the trace as it is)."""
 
     name: str
 
@@ -75,9 +75,9 @@ class Executor:
 def lower(trace: Trace, executors: list[Executor]) -> Trace:
     """The execution trace: every symbol replaced by what its executor runs.
 
-    Executors that run regions of the trace (fusions) first replace each region with one
-    symbol of their own (``partition``), leaving alone what an executor before them in the
-    list claims; the symbols are then lowered one by one."""
+    Executors that run regions of the trace (fusions, collectives and their waits) first
+    replace each region with symbols of their own (``partition``), leaving alone what an
+    executor before them in the list claims; the symbols are then lowered one by one."""
     for position, executor in enumerate(executors):
         trace = executor.partition(trace, executors[:position])
     context = LoweringContext(trace)

@@ -12,6 +12,11 @@ An all_reduce works in place when its input is a buffer the trace made and nothi
 afterwards; otherwise it reduces a contiguous copy, which is what the functional op
 returns. Collectives it does not know stay functional ops.
 
+The pairs are made in ``partition``, which sees the whole trace: each start outputs the
+collective's output tensor and its work handle (a ``FutureProxy``), and each wait reads
+them, so the work handles are values of the execution trace and ``verify`` checks that a
+wait follows its start. ``lower`` gets symbols that are already what runs.
+
 Programs look their process groups up by name at each call (0.1 us) instead of holding
 them: a held group outlives ``destroy_process_group``, and Gloo's worker threads then
 die with the interpreter at exit (SIGABRT, pytorch/pytorch#190489).
@@ -19,12 +24,13 @@ die with the interpreter at exit (SIGABRT, pytorch/pytorch#190489).
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ..core import BoundSymbol, Symbol, TensorProxy
+from ..core import BoundSymbol, FutureProxy, NoProvenance, Symbol, TensorProxy, Trace
 from ..core.op_classes import group_name
 from ..core.printing import python_literal
 from ..core.proxy import is_contiguous_stride
@@ -66,69 +72,70 @@ _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "al
 
 @dataclass(frozen=True)
 class StartCollective(Symbol):
-    """``work = dist.<collective>(..., async_op=True)``: the output is not ready until waited."""
+    """``work = dist.<collective>(..., async_op=True)``. Outputs ``(tensor, work)``: the
+    collective's output, not ready until waited (for an exchange: the ``(2, ...)`` buffer
+    both ranks' tensors are gathered into), and its work handle, a :class:`FutureProxy`."""
 
     kind: str = ""
-    work: str = ""
     group: str = ""  # the process group's name
     in_place: bool = False
     exchange: bool = False  # an all_reduce of two ranks, run as a gather of both tensors
 
     def lines(self, bsym: BoundSymbol) -> list[str]:
-        source, out = bsym.args[0].label, bsym.output.label
+        source = bsym.args[0].label
+        out, work = (proxy.label for proxy in bsym.output)
         async_args = f"group=process_group({self.group!r}), async_op=True"
         if self.exchange:
-            gather = f"process_group({self.group!r})._allgather_base({out}_both.view(-1), {source}.view(-1))"
-            return [f"{out}_both = {source}.new_empty((2, *{source}.shape))", f"{self.work} = {gather}"]
+            gather = f"process_group({self.group!r})._allgather_base({out}.view(-1), {source}.view(-1))"
+            return [f"{out} = {source}.new_empty((2, *{source}.shape))", f"{work} = {gather}"]
         if self.kind == "all_reduce":
             start = f"process_group({self.group!r}).allreduce([{{}}], allreduce_options[{_REDUCE_OPS[bsym.args[1]]!r}])"
             if self.in_place:
-                return [f"{self.work} = {start.format(source)}", f"{out} = {source}"]
-            return [
-                f"{out} = {source}.clone(memory_format=torch.contiguous_format)",
-                f"{self.work} = {start.format(out)}",
-            ]
+                return [f"{work} = {start.format(source)}", f"{out} = {source}"]
+            return [f"{out} = {source}.clone(memory_format=torch.contiguous_format)", f"{work} = {start.format(out)}"]
         # Output sizes from the input's, at run time: they may be symbolic.
         if self.kind == "all_gather_into_tensor":
             size = f"({source}.shape[0] * {python_literal(bsym.args[1])}, *{source}.shape[1:])"
             return [
                 f"{out} = {source}.new_empty({size})",
-                f"{self.work} = dist.{_ALL_GATHER}({out}, {source}, {async_args})",
+                f"{work} = dist.{_ALL_GATHER}({out}, {source}, {async_args})",
             ]
         if self.kind == "reduce_scatter_tensor":
             op = f"dist.ReduceOp.{_REDUCE_OPS[bsym.args[1]]}"
             size = f"({source}.shape[0] // {python_literal(bsym.args[2])}, *{source}.shape[1:])"
             return [
                 f"{out} = {source}.new_empty({size})",
-                f"{self.work} = dist.{_REDUCE_SCATTER}({out}, {source}, op={op}, {async_args})",
+                f"{work} = dist.{_REDUCE_SCATTER}({out}, {source}, op={op}, {async_args})",
             ]
         if self.kind == "all_to_all_single":
             out_splits, in_splits = python_literal(bsym.args[1]), python_literal(bsym.args[2])
             rows = f"sum({out_splits})" if bsym.args[1] else f"{source}.shape[0]"
             return [
                 f"{out} = {source}.new_empty(({rows}, *{source}.shape[1:]))",
-                f"{self.work} = dist.all_to_all_single({out}, {source}, {out_splits}, {in_splits}, {async_args})",
+                f"{work} = dist.all_to_all_single({out}, {source}, {out_splits}, {in_splits}, {async_args})",
             ]
         raise AssertionError(self.kind)
 
 
 @dataclass(frozen=True)
 class WaitCollective(Symbol):
-    """``work.wait()``; the collective's output is then ready under its new name (for an
-    exchange: the combination of the two gathered tensors)."""
+    """``work.wait()``, reading ``(work, tensor)``: the start's work handle and output. The
+    collective's result is then ready under the wait's name (for an exchange: the
+    combination of the two gathered tensors)."""
 
-    work: str = ""
     combine: str = ""  # an exchange's combining function (``add``), or empty
 
     def lines(self, bsym: BoundSymbol) -> list[str]:
+        work, tensor = (proxy.label for proxy in bsym.args)
         if self.combine:
-            both = f"{bsym.args[0].label}_both"
-            return [f"{self.work}.wait()", f"{bsym.output.label} = torch.{self.combine}({both}[0], {both}[1])"]
-        return [f"{self.work}.wait()", f"{bsym.output.label} = {bsym.args[0].label}"]
+            return [f"{work}.wait()", f"{bsym.output.label} = torch.{self.combine}({tensor}[0], {tensor}[1])"]
+        return [f"{work}.wait()", f"{bsym.output.label} = {tensor}"]
 
 
 class CollectivesExecutor(Executor):
-    """Claims DTensor's functional collectives and their waits."""
+    """Claims DTensor's functional collectives and their waits. ``partition`` pairs each
+    collective it runs with its waits: the start outputs a work handle, the waits read it.
+    What ``lower`` then gets is already what runs."""
 
     name = "collectives"
     _KINDS = {
@@ -141,40 +148,88 @@ class CollectivesExecutor(Executor):
     def claims(self, bsym: BoundSymbol) -> bool:
         return bsym.op in self._KINDS or bsym.op is functional.wait_tensor.default
 
+    def partition(self, trace: Trace, earlier: list[Executor]) -> Trace:
+        """``trace`` with each collective this executor runs replaced by its start, and
+        each of its waits by a wait on the start's work handle. A collective stays
+        functional where an executor in ``earlier`` claims it or one of its waits."""
+        context = LoweringContext(trace)
+        taken = {p.label for p in trace.inputs} | {p.label for b in trace.bound_symbols for p in b.output_proxies()}
+        readers: dict[str, list[BoundSymbol]] = defaultdict(list)
+        for bsym in trace.bound_symbols:
+            for proxy in bsym.input_proxies():
+                readers[proxy.label].append(bsym)
+        started: dict[str, BoundSymbol] = {}  # a collective's output -> its start
+        symbols: list[BoundSymbol] = []
+        for index, bsym in enumerate(trace.bound_symbols):
+            if bsym.op is functional.wait_tensor.default and bsym.args[0].label in started:
+                symbols.append(_wait(bsym, started[bsym.args[0].label]))
+                continue
+            start = None
+            if bsym.op in self._KINDS and not _claimed(bsym, readers, earlier):
+                start = _start(bsym, index, context, readers, taken)
+            if start is not None:
+                started[bsym.output.label] = start
+            symbols.append(bsym if start is None else start)  # None: runs as the functional op
+        return trace.derive(trace.title, symbols)
+
     def lower(self, bsym: BoundSymbol, index: int, context: LoweringContext) -> list[BoundSymbol]:
-        if bsym.op is functional.wait_tensor.default:
-            work = context.work_of.get(bsym.args[0].label)
-            if work is None:  # the collective stayed functional
-                return [bsym]
-            combine = context.combine_of.get(bsym.args[0].label, "")
-            wait = WaitCollective("wait", globals=_TORCH, work=work, combine=combine)
-            return [BoundSymbol(wait, bsym.args, {}, bsym.output, bsym.note, bsym.op)]
-        source = bsym.args[0]
-        kind = self._KINDS[bsym.op]
-        reduce_op = bsym.args[1] if kind in ("all_reduce", "reduce_scatter_tensor") else "sum"
-        contiguous = isinstance(source, TensorProxy) and is_contiguous_stride(source.shape, source.stride())
-        if not contiguous or reduce_op not in _REDUCE_OPS or source.dtype.is_complex:
-            return [bsym]  # the functional op itself handles these
-        work = f"{bsym.output.label}_work"
-        context.work_of[bsym.output.label] = work
-        group = group_name(bsym)
-        exchange = kind == "all_reduce" and _exchange_fits(bsym, reduce_op, group, context)
-        if exchange:
-            context.combine_of[bsym.output.label] = _EXCHANGE_COMBINE[reduce_op]
-        in_place = kind == "all_reduce" and not exchange and context.dead_after(source, index)
-        symbol = StartCollective(
-            name=kind,
-            globals=(_DIST, _PROCESS_GROUP, _OPTIONS) if kind == "all_reduce" else (_DIST, _PROCESS_GROUP),
-            kind=kind,
-            work=work,
-            group=group,
-            in_place=in_place,
-            exchange=exchange,
-        )
-        return [BoundSymbol(symbol, bsym.args, bsym.kwargs, bsym.output, bsym.note, bsym.op)]
+        return [bsym]  # a start or wait from ``partition``, or a functional op that runs as recorded
 
 
-def _exchange_fits(bsym: BoundSymbol, reduce_op: str, group: str, context: LoweringContext) -> bool:
+def _claimed(bsym: BoundSymbol, readers, earlier: list[Executor]) -> bool:
+    """Whether an executor before this one claims the collective or a symbol that reads its
+    output (its wait): the pair is then left as recorded."""
+    return any(e.claims(b) for e in earlier for b in [bsym, *readers[bsym.output.label]])
+
+
+def _fresh(label: str, taken: set[str]) -> str:
+    """``label``, or ``label`` with a number added where the trace has that name already."""
+    name, n = label, 0
+    while name in taken:
+        n += 1
+        name = f"{label}{n}"
+    taken.add(name)
+    return name
+
+
+def _start(bsym: BoundSymbol, index: int, context: LoweringContext, readers, taken: set[str]) -> BoundSymbol | None:
+    """The start of a functional collective, or None where the functional op runs it."""
+    source = bsym.args[0]
+    kind = CollectivesExecutor._KINDS[bsym.op]
+    reduce_op = bsym.args[1] if kind in ("all_reduce", "reduce_scatter_tensor") else "sum"
+    contiguous = isinstance(source, TensorProxy) and is_contiguous_stride(source.shape, source.stride())
+    if not contiguous or reduce_op not in _REDUCE_OPS or source.dtype.is_complex:
+        return None
+    group = group_name(bsym)
+    exchange = kind == "all_reduce" and _exchange_fits(bsym, reduce_op, group, readers)
+    in_place = kind == "all_reduce" and not exchange and context.dead_after(source, index)
+    made_by = NoProvenance(str(bsym.op))
+    work = FutureProxy(_fresh(f"{bsym.output.label}_work", taken), made_by)
+    tensor = bsym.output
+    if exchange:  # both ranks' tensors, gathered
+        with source.fake.fake_mode:
+            both = source.fake.new_empty((2, *source.fake.shape))
+        tensor = TensorProxy(both, _fresh(f"{bsym.output.label}_both", taken), made_by)
+    symbol = StartCollective(
+        name=kind,
+        globals=(_DIST, _PROCESS_GROUP, _OPTIONS) if kind == "all_reduce" else (_DIST, _PROCESS_GROUP),
+        kind=kind,
+        group=group,
+        in_place=in_place,
+        exchange=exchange,
+    )
+    return BoundSymbol(symbol, bsym.args, bsym.kwargs, (tensor, work), bsym.note, bsym.op)
+
+
+def _wait(bsym: BoundSymbol, start: BoundSymbol) -> BoundSymbol:
+    """The wait of a started collective: it reads the start's work handle and output."""
+    tensor, work = start.output
+    combine = _EXCHANGE_COMBINE[start.args[1]] if start.symbol.exchange else ""
+    wait = WaitCollective("wait", globals=_TORCH, combine=combine)
+    return BoundSymbol(wait, (work, tensor), {}, bsym.output, bsym.note, bsym.op)
+
+
+def _exchange_fits(bsym: BoundSymbol, reduce_op: str, group: str, readers) -> bool:
     """Whether an all_reduce runs as an exchange (see ``_EXCHANGE_COMBINE``): a sum or
     product of a dtype Gloo adds exactly as torch does, on a Gloo group of two ranks, whose
     result only its wait reads."""
@@ -183,6 +238,5 @@ def _exchange_fits(bsym: BoundSymbol, reduce_op: str, group: str, context: Lower
     pg = resolve_process_group(group)
     if pg.size() != 2 or dist.get_backend(pg) != "gloo":
         return False
-    label = bsym.output.label
-    readers = [b for b in context.trace.bound_symbols if any(p.label == label for p in b.input_proxies())]
-    return len(readers) == 1 and readers[0].op is functional.wait_tensor.default
+    waits = readers[bsym.output.label]
+    return len(waits) == 1 and waits[0].op is functional.wait_tensor.default

@@ -202,7 +202,7 @@ class CompiledFunction:
     def _compile(self, args: tuple, kwargs: dict, agreement: RankAgreement) -> CacheEntry:
         start = time.perf_counter()
         captured = capture_call(self.fn, args, kwargs, module=self.module, symbolic=self.symbolic)
-        labels = group_labels(captured.meshes)
+        labels = group_labels(captured.meshes, captured.trace)
         executors = self.executors_for(captured)
         reference = None
         # Sizes are materialized under symbolic values, and wherever a number read from

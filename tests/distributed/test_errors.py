@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import dtcompile
 
@@ -97,6 +97,37 @@ def test_ranks_with_different_collectives(ranks2):
         assert kind == "RankMismatchError", message
         assert "ranks [0]; ranks [1]" in message
         assert "_c10d_functional.all_gather_into_tensor" in message
+
+
+def equal_meshes():
+    """DTensor caches sharding decisions by spec, and specs compare meshes by layout: on a
+    second 2x2 mesh, a matmul of a Partial input runs its all_reduce on the groups of the
+    first mesh, in eager and in the compiled program. Each rank's group of that mesh dim
+    has a name of its own (rank 0's is not rank 1's): not a mismatch."""
+
+    def fn(x, w):
+        return torch.matmul(x, w)
+
+    outcomes = []
+    for _ in range(2):
+        mesh = init_device_mesh("cpu", (2, 2))
+        row = mesh.get_coordinate()[0]
+        torch.manual_seed(dist.get_rank())
+        x = DTensor.from_local(torch.randn(1, 4, 6), mesh, [Partial(), Shard(0)], run_check=False)
+        torch.manual_seed(row)  # Replicate on mesh dim 1: the same on the ranks of a row
+        w = DTensor.from_local(torch.randn(6, 8), mesh, [Partial(), Replicate()], run_check=False)
+        kind, got = _outcome(dtcompile.jit(fn), x, w)
+        if kind == "ok":
+            with torch.no_grad():
+                expected = fn(x, w)
+            assert got.placements == expected.placements
+            torch.testing.assert_close(got.full_tensor(), expected.full_tensor())
+        outcomes.append(kind if kind == "ok" else got)
+    return outcomes
+
+
+def test_collectives_on_an_equal_earlier_meshs_groups_are_not_a_mismatch(ranks4):
+    assert ranks4.run(equal_meshes, timeout=TIMEOUT) == [["ok", "ok"]] * 4
 
 
 def uneven_shards():

@@ -114,9 +114,30 @@ def exchange_case():
         jitted(x)
         with CommDebugMode() as comms:
             got = jitted(x)
-    text = str(dtcompile.last_traces(jitted)[-1])
+    execution = dtcompile.last_traces(jitted)[-1]
     ops = {str(op).rsplit(".", 1)[-1]: n for op, n in comms.get_comm_counts().items() if n}
-    return torch.equal(_plain(got), _plain(expected)), "_allgather_base(" in text, ops
+    return torch.equal(_plain(got), _plain(expected)), "_allgather_base(" in str(execution), ops, _pair(execution)
+
+
+def _pair(execution) -> str:
+    """The all_reduce's start and wait in the execution trace: what the start outputs, what
+    the wait reads, and what ``verify`` says once the start is gone (the all_reduce's
+    output named ``t``)."""
+    from dtcompile.core import FutureProxy, TraceError, verify
+
+    symbols = execution.bound_symbols
+    index = next(i for i, b in enumerate(symbols) if b.op is torch.ops._c10d_functional.all_reduce.default)
+    source, (tensor, work) = symbols[index].args[0], symbols[index].output
+    waits = [b for b in symbols if any(p is work for p in b.input_proxies())]
+    assert isinstance(work, FutureProxy) and [w.args for w in waits] == [(work, tensor)]
+    try:
+        verify(execution.derive("no start", symbols[:index] + symbols[index + 1 :]))
+        broken = "verify passed"
+    except TraceError as error:
+        broken = str(error)
+    kind = "both" if tuple(tensor.shape) == (2, *source.shape) else "tensor"
+    name = work.label.removesuffix("_work")  # the all_reduce's output, ``t`` below
+    return f"{kind} {tensor.label} {work.label}; {broken.split(') ')[-1]}".replace(name, "t")
 
 
 def _plain(value):
@@ -128,6 +149,10 @@ def _plain(value):
 
 
 def test_two_gloo_ranks_all_reduce_as_an_exchange(ranks2, ranks4):
-    assert ranks2.run(exchange_case) == [(True, True, {"_allgather_base_": 1})] * 2
-    equal, exchanged, ops = ranks4.run(exchange_case)[0]
+    # The start outputs the (2, ...) buffer both tensors are gathered into and its work
+    # handle; the wait reads both, so without the start the trace fails ``verify``.
+    pair = "both t_both t_work; uses t_work before it is defined"
+    assert ranks2.run(exchange_case) == [(True, True, {"_allgather_base_": 1}, pair)] * 2
+    equal, exchanged, ops, pair = ranks4.run(exchange_case)[0]
     assert equal and not exchanged and ops == {"allreduce_": 1}
+    assert pair == "tensor t t_work; uses t_work before it is defined"

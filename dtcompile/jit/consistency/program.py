@@ -79,12 +79,31 @@ def collective_ranks(trace: Trace) -> set[int]:
     return ranks
 
 
-def group_labels(meshes) -> dict[str, str]:
+def group_labels(meshes, trace: Trace | None = None) -> dict[str, str]:
     """A rank-independent label for each process group of the meshes: the mesh dim's name
-    (``tp``), or ``mesh0.dim1`` for unnamed dims."""
-    labels = {}
+    (``tp``), or ``mesh0.dim1`` for unnamed dims.
+
+    A group that ``trace``'s collectives run on and that no mesh holds, but with the ranks
+    of a mesh dim's group, gets that dim's label: DTensor caches sharding decisions by
+    spec, and specs compare meshes by layout, so an op on a mesh can run its collectives
+    on the groups of an earlier mesh equal to it (eager DTensor does the same). Each rank
+    has its own group of such a dim, under its own name."""
+    labels: dict[str, str] = {}
+    by_ranks: dict[tuple[int, ...], str] = {}
     for m, mesh in enumerate(meshes):
         names = mesh.mesh_dim_names
         for d in range(mesh.ndim):
-            labels.setdefault(mesh.get_group(d).group_name, names[d] if names else f"mesh{m}.dim{d}")
+            group, label = mesh.get_group(d), names[d] if names else f"mesh{m}.dim{d}"
+            labels.setdefault(group.group_name, label)
+            by_ranks.setdefault(tuple(dist.get_process_group_ranks(group)), label)
+    for bsym in trace.bound_symbols if trace is not None else ():
+        group = group_name(bsym) if is_collective(bsym.op) else None
+        if not isinstance(group, str) or group in labels:
+            continue
+        try:
+            ranks = tuple(dist.get_process_group_ranks(resolve_process_group(group)))
+        except (KeyError, ValueError, RuntimeError):  # not a live group: left as named
+            continue
+        if ranks in by_ranks:
+            labels[group] = by_ranks[ranks]
     return labels
