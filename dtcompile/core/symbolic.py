@@ -14,6 +14,8 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._sympy.printers import PythonPrinter
 
+from .torch_internals import symbol_values
+
 SYMBOLIC_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
@@ -67,7 +69,8 @@ def size_hint(value, unknown: int | None = None) -> int | None:
         return node.hint
     if unknown is None:
         return None
-    values = {s: node.shape_env.var_to_val.get(s, unknown) for s in node.expr.free_symbols}
+    known = symbol_values(node.shape_env)
+    values = {s: known.get(s, unknown) for s in node.expr.free_symbols}
     return int(node.expr.xreplace(values))
 
 
