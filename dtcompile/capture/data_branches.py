@@ -28,7 +28,7 @@ from ..core import BoundSymbol, FromData, NumberProxy, TensorProxy, TracingError
 from ..core.prims import data_check
 from ..core.printing import NamedConstant
 from ..core.symbolic import SYMBOLIC_TYPES, symbolic_expr
-from ..core.torch_internals import symbol_values
+from ..core.torch_internals import runtime_asserts, symbol_values
 
 _ASSUMPTION = "propagate_real_tensors"  # how the ShapeEnv labels an assumption on a hint
 
@@ -99,10 +99,9 @@ def value_now(recording, source: TensorProxy):
 def assumptions(shape_env) -> list:
     """The assumptions the traced code made on numbers read from data, in order."""
     found = []
-    for asserts in shape_env.deferred_runtime_asserts.values():
-        for runtime_assert in asserts:
-            if runtime_assert.msg.startswith(_ASSUMPTION) and runtime_assert.expr not in found:
-                found.append(runtime_assert.expr)
+    for expr, message in runtime_asserts(shape_env):
+        if message.startswith(_ASSUMPTION) and expr not in found:
+            found.append(expr)
     return found
 
 

@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 
 from ..core import TensorProxy, TracingError
 from ..core.symbolic import as_constant, is_symbolic
+from ..core.torch_internals import mask_buffer
 from .objects import StateObjects, holds_proxies, is_rebuildable_object, object_state
 
 
@@ -116,7 +117,7 @@ class OutputCollector:
             slot = self._slot(value._local_tensor, value)
             masks = []
             for i, placement in enumerate(value.placements):
-                buffer = getattr(placement, "mask_buffer", None)
+                buffer = mask_buffer(placement)
                 if buffer is not None and isinstance(buffer.data, TensorProxy):
                     masks.append((i, self._slot(buffer.data)))
                     self.mask_buffers.append(buffer)

@@ -1,14 +1,14 @@
 """The private parts of torch dtcompile relies on, in one place: where a new torch release
 breaks dtcompile, and the only place to fix it. Each entry says why no public API serves.
 
-Still used elsewhere, and to move here next: by attribute, a DTensor's ``_local_tensor``
-and ``_spec`` (``to_local()`` is differentiable and waits on async collectives;
-``placements``/``device_mesh`` lack the tensor metadata the spec carries) and a
-``_MaskPartial``'s ``mask_buffer`` (``capture/outputs.py``, ``jit/epilogue.py``, whose
-generated code also calls ``DTensor(local, spec)``); ShapeEnv internals for symbolic sizes
-(``core/symbolic.py``, ``capture/tracer.py``, ``capture/recorder.py``); Dynamo's C++
-``TensorGuards`` (``jit/guards.py``); ``torch._C._current_autograd_node``
-(``capture/recorder.py``); the Python dispatcher (``capture/tracer.py``, ``core/typecheck.py``).
+Still used elsewhere, by attribute: a DTensor's ``_local_tensor`` and ``_spec`` (about
+30 places; ``to_local()`` is differentiable and waits on async collectives, and
+``placements``/``device_mesh`` lack the tensor metadata the spec carries), and the
+generated epilogue's ``DTensor(local, spec)`` (``jit/epilogue.py``: the call
+:func:`make_dtensor` makes, inlined in generated code); ``torch._C._current_autograd_node``
+(``capture/recorder.py``); the Python dispatcher (``capture/tracer.py``,
+``core/typecheck.py``); a ShapeEnv's symbols on SymInts (``node.expr``, ``node.hint``,
+``core/symbolic.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,13 @@ from torch.distributed.tensor._utils import compute_global_tensor_info  # noqa: 
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 __all__ = [
+    "TensorGuards",
+    "allgather_into",
+    "keep_mask",
+    "mask_buffer",
+    "runtime_asserts",
+    "shape_guards",
+    "symbol_range",
     "DTensorSpec",
     "TensorMeta",
     "compute_global_tensor_info",
@@ -142,3 +149,48 @@ def symbol_values(shape_env) -> dict:
         **(shape_env.var_to_val if backed is None else backed),
         **(shape_env.unbacked_var_to_val if data is None else data),
     }
+
+
+# A _MaskPartial placement (a row-parallel embedding's output) keeps the mask of the
+# indices each rank looked up, for the reduction that follows; the epilogue fills it with
+# each call's mask as eager's embedding would. DTensor has no public API for it.
+
+
+def mask_buffer(placement):
+    """A placement's mask buffer (a _MaskPartial's), or None."""
+    return getattr(placement, "mask_buffer", None)
+
+
+def keep_mask(placement, mask) -> None:
+    """What eager's embedding does after its lookup: the placement keeps this call's mask."""
+    placement.mask_buffer.materialize_mask(mask)
+
+
+# Gathering a tensor from every rank into one buffer without Python's checks: the
+# ProcessGroup's own method (what ``dist.all_gather_into_tensor`` ends in), about 20 us
+# less per call on Gloo. Generated programs call it by this name.
+def allgather_into(group, output: torch.Tensor, source: torch.Tensor):
+    return group._allgather_base(output, source)
+
+
+def shape_guards(shape_env) -> list:
+    """What a trace assumed of its symbolic sizes: the ShapeEnv's guards, simplified (no
+    public API lists them; torch.compile turns them into its own guards)."""
+    return [shape_env.simplify(guard.expr) for guard in shape_env.guards]
+
+
+def symbol_range(shape_env, symbol):
+    """The range the ShapeEnv knows for a size symbol (``ValueRanges``), or None."""
+    return shape_env.var_to_range.get(symbol)
+
+
+def runtime_asserts(shape_env) -> list:
+    """``(expression, message)`` of each assertion the ShapeEnv deferred to run time
+    (branches answered with a number read from data, among others)."""
+    return [(a.expr, a.msg) for asserts in shape_env.deferred_runtime_asserts.values() for a in asserts]
+
+
+try:  # torch's C++ check of many tensors' metadata at once (what Dynamo's guards use)
+    from torch._C._dynamo.guards import TensorGuards
+except ImportError:  # prologues then check each tensor in Python
+    TensorGuards = None

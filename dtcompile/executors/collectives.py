@@ -34,7 +34,7 @@ from ..core import BoundSymbol, FutureProxy, NoProvenance, Symbol, TensorProxy, 
 from ..core.op_classes import group_name
 from ..core.printing import python_literal
 from ..core.proxy import is_contiguous_stride
-from ..core.torch_internals import resolve_process_group
+from ..core.torch_internals import allgather_into, resolve_process_group
 from .base import Executor, LoweringContext
 
 functional = torch.ops._c10d_functional
@@ -43,6 +43,7 @@ _DIST = ("dist", dist, "torch.distributed")
 _TORCH = (("torch", torch, "torch"),)
 # Printed as torch's own function, which it is (core/torch_internals.py).
 _PROCESS_GROUP = ("process_group", resolve_process_group, "torch.distributed.distributed_c10d._resolve_process_group")
+_ALLGATHER = ("allgather_into", allgather_into, "from dtcompile.core.torch_internals import allgather_into")
 
 
 def _allreduce_options() -> dict[str, object]:
@@ -86,7 +87,7 @@ class StartCollective(Symbol):
         out, work = (proxy.label for proxy in bsym.output)
         async_args = f"group=process_group({self.group!r}), async_op=True"
         if self.exchange:
-            gather = f"process_group({self.group!r})._allgather_base({out}.view(-1), {source}.view(-1))"
+            gather = f"allgather_into(process_group({self.group!r}), {out}.view(-1), {source}.view(-1))"
             return [f"{out} = {source}.new_empty((2, *{source}.shape))", f"{work} = {gather}"]
         if self.kind == "all_reduce":
             start = f"process_group({self.group!r}).allreduce([{{}}], allreduce_options[{_REDUCE_OPS[bsym.args[1]]!r}])"
@@ -212,7 +213,7 @@ def _start(bsym: BoundSymbol, index: int, context: LoweringContext, readers, tak
         tensor = TensorProxy(both, _fresh(f"{bsym.output.label}_both", taken), made_by)
     symbol = StartCollective(
         name=kind,
-        globals=(_DIST, _PROCESS_GROUP, _OPTIONS) if kind == "all_reduce" else (_DIST, _PROCESS_GROUP),
+        globals=(_DIST, _PROCESS_GROUP, _OPTIONS, _ALLGATHER) if kind == "all_reduce" else (_DIST, _PROCESS_GROUP),
         kind=kind,
         group=group,
         in_place=in_place,

@@ -27,7 +27,7 @@ from ..capture import (
     new_object,
 )
 from ..core.codegen import GeneratedFunction, literal_or_global
-from ..core.torch_internals import DTensorSpec, TensorMeta
+from ..core.torch_internals import DTensorSpec, TensorMeta, keep_mask
 
 _specs: dict[tuple, tuple[DTensorSpec, DTensorSpec]] = {}
 
@@ -60,7 +60,8 @@ class _Builder:
         would; under symbolic values the spec is made anew with this call's global sizes."""
         spec = self.constant(node.spec, "SPEC")
         for placement, slot in node.masks:
-            self.statements.append(f"    {spec}.placements[{placement}].mask_buffer.materialize_mask(outs[{slot}])")
+            self.globals["keep_mask"] = keep_mask
+            self.statements.append(f"    keep_mask({spec}.placements[{placement}], outs[{slot}])")
         if node.shape is not None:
             self.globals["with_sizes"] = with_sizes
             spec = f"with_sizes({spec}, {self.sizes(node.shape)}, {self.sizes(node.stride)})"

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-try:  # torch's C++ check of many tensors' metadata at once (what Dynamo's guards use)
-    from torch._C._dynamo.guards import TensorGuards
-except ImportError:  # prologues then check each tensor in Python
-    TensorGuards = None
-
 
 def mesh_group_names(mesh) -> tuple[str, ...]:
     """The process-group name of each mesh dim (kept on the mesh: asked at every call

@@ -29,7 +29,8 @@ from ..capture import (
 from ..core.codegen import GeneratedFunction, literal_or_global
 from ..core.printing import python_literal
 from ..core.symbolic import is_symbolic, python_source, symbolic_expr
-from .guards import TensorGuards, meshes_match, spec_matches
+from ..core.torch_internals import TensorGuards, shape_guards, symbol_range
+from .guards import meshes_match, spec_matches
 from .state_guards import module_checks, python_state_checks
 
 
@@ -129,14 +130,13 @@ class _Builder:
         for item, expr in self.relations:
             self.fail_if(f"{item} != {self.source(expr)}")
         checked = set()
-        for guard in shape_env.guards:
-            expr = shape_env.simplify(guard.expr)
+        for expr in shape_guards(shape_env):
             if expr is sympy.true or expr in checked:
                 continue
             checked.add(expr)
             self.fail_if(f"not ({self.source(expr)})")
         for symbol, var in self.symbols.items():
-            bounds = shape_env.var_to_range.get(symbol)
+            bounds = symbol_range(shape_env, symbol)
             if bounds is None:
                 continue
             if bounds.lower.is_Integer:

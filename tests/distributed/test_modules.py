@@ -116,7 +116,7 @@ def exchange_case():
             got = jitted(x)
     execution = dtcompile.last_traces(jitted)[-1]
     ops = {str(op).rsplit(".", 1)[-1]: n for op, n in comms.get_comm_counts().items() if n}
-    return torch.equal(_plain(got), _plain(expected)), "_allgather_base(" in str(execution), ops, _pair(execution)
+    return torch.equal(_plain(got), _plain(expected)), "allgather_into(" in str(execution), ops, _pair(execution)
 
 
 def _pair(execution) -> str:
