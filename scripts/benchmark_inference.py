@@ -15,7 +15,9 @@ steady one) and the process's peak memory, with ratios to eager, and whether the
 equal eager's. The modes' timed generations alternate (``--interleave``), each call
 started together on all ranks. For dtcompile it also
 prints the microseconds per decode call spent in the prologue (guards) and the epilogue
-(wrapping outputs, updating the cache object).
+(wrapping outputs, updating the cache object). ``--layers 2 8 32`` runs one model per
+depth and ends with a table: compile seconds, prologue and epilogue microseconds per
+decode call, and TBOT against eager.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mode", nargs="+", choices=MODES, default=["eager", "dtcompile"])
     p.add_argument("--cache", choices=CACHES, default="symbolic values")
     p.add_argument("--kv-cache", choices=("static", "dynamic"), default="static")
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--layers", type=int, nargs="+", default=[2], help="several: a sweep, one table at the end")
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--intermediate-size", type=int, default=None, help="default: 4 x hidden size")
     p.add_argument("--heads", type=int, default=8)
@@ -67,12 +69,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_model(args, mesh):
+def build_model(args, mesh, layers: int):
     return parallel_hf_llama(
         mesh,
         vocab=args.vocab,
         hidden=args.hidden_size,
-        layers=args.layers,
+        layers=layers,
         heads=args.heads,
         kv_heads=args.kv_heads,
         intermediate=args.intermediate_size,
@@ -178,7 +180,8 @@ def slowest(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> list[dict]:
+    """One report per ``--layers`` value; with several, a table of them at the end."""
     args = parse_args(argv)
     if args.output_length < 2:
         sys.exit("--output-length must be at least 2 (a prefill and one decode step)")
@@ -186,13 +189,25 @@ def main(argv=None) -> dict:
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("tp",))
+    reports = [run(args, layers, mesh, device) for layers in args.layers]
+    if dist.get_rank() == 0:
+        if len(reports) > 1:
+            print_sweep(reports)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(reports[0] if len(reports) == 1 else {"sweep": reports}, f, indent=2)
+    return reports
+
+
+def run(args, layers: int, mesh, device) -> dict:
+    """Eager and the compiled modes on a model of ``layers`` layers (see the module docstring)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     with torch.device(device):
-        model, config = build_model(args, mesh)
+        model, config = build_model(args, mesh, layers)
     generator = torch.Generator().manual_seed(args.seed + 1)
     prompt = torch.randint(0, args.vocab, (args.batch_size, args.input_length), generator=generator).to(device)
 
@@ -241,16 +256,31 @@ def main(argv=None) -> dict:
 
     setup = {k: v for k, v in vars(args).items() if k not in ("json",)}
     report = {
-        "setup": {**setup, "ranks": world, "device": device.type, "torch": torch.__version__},
+        "setup": {**setup, "layers": layers, "ranks": world, "device": device.type, "torch": torch.__version__},
         "peak_memory_mb": peak,
         "results": results,
     }
     if rank == 0:
         print_report(report)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=2)
     return report
+
+
+def print_sweep(reports: list[dict]) -> None:
+    """One line per model depth: what grows with the layers."""
+    print(
+        f"\n{'layers':>6} {'compile s':>10} {'prologue us':>12} {'epilogue us':>12} {'TBOT eager ms':>14} "
+        f"{'TBOT dtc ms':>12} {'eager/dtc':>10}"
+    )
+    for report in reports:
+        d, e = report["results"].get("dtcompile"), report["results"].get("eager")
+        if d is None:
+            continue
+        ratio = f"{e['tbot_ms'] / d['tbot_ms']:>9.2f}x" if e else f"{'-':>10}"
+        eager_tbot = f"{e['tbot_ms']:>14.3f}" if e else f"{'-':>14}"
+        print(
+            f"{report['setup']['layers']:>6} {d['dtcompile_compile_s']:>10.2f} {d['prologue_us']:>12.1f} "
+            f"{d['epilogue_us']:>12.1f} {eager_tbot} {d['tbot_ms']:>12.3f} {ratio}"
+        )
 
 
 def targets(report: dict) -> list[str]:
@@ -311,8 +341,8 @@ def print_report(report: dict) -> None:
 
 
 if __name__ == "__main__":
-    report = main()
-    equal = all(r["tokens_equal_eager"] for r in report["results"].values())
+    reports = main()
+    equal = all(r["tokens_equal_eager"] for report in reports for r in report["results"].values())
     if not equal:
         print("tokens differ from eager's", file=sys.stderr)
     finish(0 if equal else 1)

@@ -275,14 +275,23 @@ def test_jitted_functions_and_modules_inside_jitted_code_run_inline():
             assert_same_result(g, e)
 
 
-# Item 8: Python control flow on tensor data is a TracingError naming the torch-level call
-# (numbers read from data are run-time numbers of the program: tests/test_data_dependent.py).
+def _write_then_branch(x):
+    x.mul_(2)
+    return x if x.sum() > 0 else -x
+
+
+def _random_branch(x):
+    return x * (2 if torch.rand(()).item() > 0.5 else 3)
+
+
+# Item 8: what cannot be read from tensor data is a TracingError naming the torch-level
+# call (numbers read from data are run-time numbers of the program, and branches on them
+# are checked at run time: tests/test_data_dependent.py).
 @pytest.mark.parametrize(
     "fn, call",
     [
-        (lambda x: x if x.sum() > 0 else -x, "Tensor.__bool__"),
-        (lambda x: x * (2 if x.sum().item() > 0 else 3), "Tensor.item"),
-        (lambda x: x * int(x.sum()), "Tensor.__int__"),
+        (_write_then_branch, "Tensor.__bool__"),
+        (_random_branch, "Tensor.item"),
         (lambda x: x * x.numpy().sum(), "Tensor.numpy"),
         (lambda x: x * 2 if torch.equal(x, x) else x, "torch.equal"),
     ],
@@ -441,3 +450,18 @@ def test_equal_buffers_written_in_place_are_not_merged(fn):
     jitted = dtcompile.jit(fn)
     for x in (torch.ones(3), torch.arange(3.0)):
         torch.testing.assert_close(jitted(x), fn(x))
+
+
+def test_int_of_tensor_data_is_checked_at_run_time():
+    """``int()`` of a float read from data specializes the program on the value (as
+    torch.compile does), checked at each call: eager's results, a compilation per value."""
+
+    def fn(x):
+        return x * int(x.sum())
+
+    jitted = dtcompile.jit(fn)
+    generator = torch.Generator().manual_seed(5)
+    inputs = [torch.randn(4, 3, generator=generator) for _ in range(3)]
+    for x in inputs + inputs:
+        assert_same_result(jitted(x), fn(x))
+    assert dtcompile.cache_misses(jitted) == 3

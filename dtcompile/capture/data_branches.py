@@ -21,6 +21,7 @@ ranks, so they trace, and fail a check, together.
 from __future__ import annotations
 
 import torch
+from torch._dispatch.python import no_python_dispatcher
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -89,7 +90,10 @@ def value_now(recording, source: TensorProxy):
     for index in cone:
         bsym = symbols[index]
         args, kwargs = tree_map(real, (bsym.args, bsym.kwargs))
-        out = bsym.op(*args, **kwargs)
+        # As eager runs them: under the Python dispatcher (on while tracing) a functional
+        # all_gather never completes.
+        with no_python_dispatcher():
+            out = bsym.op(*args, **kwargs)
         for proxy, value in zip(tree_flatten(bsym.output)[0], tree_flatten(out)[0]):
             if isinstance(proxy, (TensorProxy, NumberProxy)):
                 env[proxy.label] = value

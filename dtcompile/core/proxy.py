@@ -150,9 +150,8 @@ class NumberProxy:
         self.provenance = provenance
 
     def type_string(self) -> str:
-        kind = (
-            "bool" if isinstance(self.expr, sympy.logic.boolalg.Boolean) else "int" if self.expr.is_integer else "float"
-        )
+        boolean = isinstance(self.expr, (sympy.logic.boolalg.BooleanFunction, sympy.core.relational.Relational))
+        kind = "bool" if boolean else "int" if self.expr.is_integer else "float"
         return f"{kind} {self.expr}"
 
     def __repr__(self) -> str:

@@ -79,5 +79,8 @@ _printer = PythonPrinter()
 
 def python_source(expr, names: dict) -> str:
     """Python source for ``expr``, each free symbol written as ``names[symbol]``."""
-    renamed = expr.xreplace({symbol: sympy.Symbol(names[symbol], integer=True) for symbol in expr.free_symbols})
+    # Renamed with the symbol's own assumptions: a float read from data is not an integer.
+    renamed = expr.xreplace(
+        {symbol: sympy.Symbol(names[symbol], **symbol.assumptions0) for symbol in expr.free_symbols}
+    )
     return _printer.doprint(renamed)

@@ -136,7 +136,8 @@ def outputs_nested_and_data_reads():
             assert type(got) is Pair
             assert_all_same(tuple(got), tuple(fn(x)))
     assert dtcompile.cache_misses(jitted_model) == 1  # only by the eager call of fn above
-    # Numbers read from a DTensor's data are run-time numbers; a branch on them is refused.
+    # Numbers read from a DTensor's data are run-time numbers, and a branch on them is
+    # checked at run time; a branch after an in-place write is refused.
     d = distribute_tensor(torch.randn(4, 4, generator=torch.Generator().manual_seed(2)), mesh, [Shard(0)])
     reads = (
         lambda t: t * t.sum().item(),
@@ -144,13 +145,18 @@ def outputs_nested_and_data_reads():
         lambda t: t.full_tensor()[0].tolist(),
         lambda t: t.to_local().repeat_interleave(t.to_local()[:, 0].abs().long().clamp(max=2), dim=0),
     )
-    for read in reads:
+    for read in reads + (lambda t: t if t.sum() > 0 else -t,):
         assert_all_same(dtcompile.jit(read)(d), read(d))
     try:
-        dtcompile.jit(lambda t: t if t.sum() > 0 else -t)(d)
+        dtcompile.jit(_write_then_branch)(d * 1)
     except dtcompile.TracingError as error:
         return "Tensor.__bool__ depends on the values in a tensor" in str(error)
     return False
+
+
+def _write_then_branch(t):
+    t.mul_(2)
+    return t if t.sum() > 0 else -t
 
 
 def test_outputs_nested_jit_and_data_reads_with_dtensors(ranks2):
