@@ -10,7 +10,7 @@ import torch
 from ...core import BoundSymbol
 from ...core.symbolic import as_constant
 from .program import Ref
-from .translator import (
+from .program_builder import (
     Translator,
     argument,
     compute_dtype,

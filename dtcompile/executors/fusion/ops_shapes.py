@@ -8,7 +8,7 @@ import torch
 from ...core import BoundSymbol
 from ...core.op_classes import MATMULS
 from ...core.symbolic import as_constant
-from .translator import (
+from .program_builder import (
     LOW_PRECISION,
     Translator,
     compute_dtype,

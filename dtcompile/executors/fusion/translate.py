@@ -1,9 +1,10 @@
-"""From aten ops of a per-rank trace to the primitives of a fusion program.
+"""From aten ops of a per-rank trace to the primitives of a fusion program: which ops a
+fusion covers (``translatable``) and a region's program (``translate``).
 
-``translator.py`` holds the translator and the registry; the ``ops_*`` modules register a
-translation for each aten op, with an optional check of its arguments: an op whose
-arguments the translation does not cover is left to the next executor, which makes it a
-region boundary.
+``program_builder.py`` holds how one program is built (the ``Translator``) and the
+registry of translations; the ``ops_*`` modules register a translation for each aten op,
+with an optional check of its arguments: an op whose arguments the translation does not
+cover is left to the next executor, which makes it a region boundary.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from ...core import BoundSymbol, TensorProxy
 from . import ops_pointwise, ops_reductions  # noqa: F401  (they register their translations)
 from .ops_shapes import MATMUL_OPS, VIEWS
 from .program import FusionProgram
-from .translator import HANDLERS, SUPPORTED_DTYPES, Translator
+from .program_builder import HANDLERS, SUPPORTED_DTYPES, Translator
 
 __all__ = ["MATMUL_OPS", "VIEWS", "translatable", "translate"]
 

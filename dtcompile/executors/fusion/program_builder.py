@@ -1,5 +1,5 @@
-"""The translator: builds the fusion program of one region, op by op, and the registry
-of op translations (``handles``) that the ``ops_*`` modules fill.
+"""Building one fusion program, op by op (the ``Translator``), and the registry of op
+translations (``handles``) that the ``ops_*`` modules fill; ``translate.py`` uses them.
 
 Each translated op computes in the precision eager computes in: low-precision floats
 (float16, bfloat16) are cast to float32 before the math and the result cast back, as
