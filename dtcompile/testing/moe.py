@@ -39,7 +39,9 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.randn(experts, hidden, dim) / hidden**0.5)
 
     def forward(self, tokens: torch.Tensor, counts: list) -> torch.Tensor:
-        """``tokens`` grouped by local expert, ``counts[e]`` tokens for expert ``e``."""
+        """``tokens`` grouped by local expert, ``counts[e]`` tokens for expert ``e``: a
+        matmul chain per expert. (torchtitan's ``torch._grouped_mm`` runs float32 on CPU in
+        torch 2.13, but its meta function, which tracing runs, accepts bfloat16 only.)"""
         w1, w3, w2 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w3, self.w2))
         outputs = []
         for e, chunk in enumerate(tokens.split(counts)):
