@@ -250,3 +250,79 @@ def test_an_object_a_module_holds_must_not_keep_traced_tensors():
         with pytest.raises(dtcompile.TracingError, match="changed the module attribute state"):
             jitted(torch.ones(2))
         assert type(model.state.t) is torch.Tensor and torch.equal(model.state.t, torch.zeros(2))
+
+
+class Layer:
+    """One layer of a KV-cache-like list: alike objects, checked column by column."""
+
+    def __init__(self, size: int = 4, dtype=torch.float32):
+        self.keys = torch.zeros(size, 2, dtype=dtype)
+        self.length = 0
+        self.name = "layer"
+
+
+def write_layers(x, layers):
+    out = x
+    for layer in layers:
+        layer.keys[layer.length] = out
+        out = out + layer.keys.sum(0) * layer.length
+    return out
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "none",
+        "int attribute",
+        "str attribute",
+        "tensor shape",
+        "tensor dtype",
+        "tensor strides",
+        "tensor replaced by None",
+        "attribute added",
+        "another class",
+        "one object twice",
+    ],
+)
+def test_alike_objects_in_a_list_are_each_guarded(change):
+    class Other(Layer):
+        pass
+
+    def make():
+        return [Layer() for _ in range(3)]
+
+    jitted = dtcompile.jit(write_layers)
+    x = torch.ones(2)
+    jitted(x, make())
+    eager_layers, compiled_layers = make(), make()
+    for layers in (eager_layers, compiled_layers):
+        last = layers[-1]
+        if change == "int attribute":
+            last.length = 1
+        elif change == "str attribute":
+            last.name = "other"
+        elif change == "tensor shape":
+            last.keys = torch.zeros(5, 2)
+        elif change == "tensor dtype":
+            last.keys = torch.zeros(4, 2, dtype=torch.float64)
+        elif change == "tensor strides":
+            last.keys = torch.zeros(2, 4).t()
+        elif change == "tensor replaced by None":
+            last.keys = None
+        elif change == "attribute added":
+            last.extra = 1
+        elif change == "another class":
+            layers[-1] = Other()
+        elif change == "one object twice":
+            layers[-1] = layers[0]
+    try:
+        expected = write_layers(x, eager_layers)
+    except (TypeError, AttributeError) as error:  # None has no item assignment
+        with pytest.raises(type(error)):
+            jitted(x, compiled_layers)
+        return
+    assert_same_result(jitted(x, compiled_layers), expected)
+    for got, want in zip(compiled_layers, eager_layers):
+        assert_same_tensor(got.keys, want.keys)
+    # "str attribute" is read by no op: the trace does not depend on it, but is guarded all the same.
+    assert dtcompile.cache_misses(jitted) == (1 if change == "none" else 2)

@@ -131,3 +131,47 @@ def no_caching_on_ranks():
 def test_no_caching_compiles_every_call(ranks2):
     for counts in ranks2.run(no_caching_on_ranks):
         assert counts == [(1, 0), (2, 0), (3, 0)]
+
+
+def parameter_changes_on_ranks():
+    """The module's tensors are checked in a few batched passes (the prologue's ``HELD``
+    lists): each way a parameter can change is still seen, with eager's output after it."""
+    from dtcompile.testing.models import parallel_mlp
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = parallel_mlp(mesh, dim=16, hidden=32)
+    jitted = dtcompile.jit(model)
+    torch.manual_seed(4)
+    up = model.up  # colwise: weight Shard(0), bias Shard(0)
+
+    def replaced_same_spec():  # a new object, same metadata: the entry serves it
+        up.weight = torch.nn.Parameter(distribute_tensor(torch.randn(32, 16), mesh, [Shard(0)]))
+
+    def replicated():  # same global shape, another placement
+        up.weight = torch.nn.Parameter(up.weight.redistribute(mesh, [Replicate()]))
+
+    def frozen():
+        up.weight.requires_grad_(False)
+
+    def strided_local():  # the local tensor's strides changed in place
+        local = up.weight._local_tensor
+        local.data = local.data.t().contiguous().t()
+
+    def offset_local():  # the local tensor now starts inside a larger storage
+        local = up.weight._local_tensor
+        local.data = torch.cat([torch.zeros(1, local.shape[1]), local.data])[1:]
+
+    counts = []
+    with torch.no_grad():
+        for change in (None, None, replaced_same_spec, replicated, frozen, strided_local, offset_local):
+            if change is not None:
+                change()
+            x = torch.randn(3, 16)
+            torch.testing.assert_close(jitted(x), model(x))
+            counts.append((dtcompile.cache_misses(jitted), dtcompile.cache_hits(jitted)))
+    return counts
+
+
+def test_each_change_of_a_parameter_is_seen(ranks2):
+    for counts in ranks2.run(parameter_changes_on_ranks):
+        assert counts == [(1, 0), (1, 1), (1, 2), (2, 2), (3, 2), (4, 2), (5, 2)], counts
