@@ -154,9 +154,7 @@ def unshard(sharded: DTensor, param: ShardedParameter) -> torch.Tensor:
     spec = param.tp_spec
     if spec is None:
         return local
-    return DTensor.from_local(
-        local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
-    )
+    return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
 
 
 class FSDPTracing:
