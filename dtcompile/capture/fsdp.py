@@ -165,6 +165,9 @@ class FSDPTracing:
         self.managed = _fsdp_groups(root)
         self._saved: list[tuple[dict, int, object]] = []  # (hook table, hook id, FSDP's hook)
         self._sharded: dict[int, list[list[torch.Tensor]]] = {}  # id(managed) -> sharded values, per call
+        # The labels of the sharded parameters' local proxies whose modules reshard after
+        # forward: the backward all-gathers them again (transforms/split.py).
+        self.recompute_from: set[str] = set()
 
     def __enter__(self) -> FSDPTracing:
         for managed in self.managed:
@@ -195,6 +198,8 @@ class FSDPTracing:
                         "starts (a managed module called within itself?)"
                     )
                 sharded.append(value)
+                if managed.reshard_after_forward:
+                    self.recompute_from.add(value._local_tensor.label)
                 full = unshard(value, param)
                 for table_owner, table_name in param.owners:
                     table_owner._parameters[table_name] = full

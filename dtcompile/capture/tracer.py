@@ -181,7 +181,7 @@ def capture_call(
     ):
         try:
             if module_state is not None:
-                with module_state, FSDPTracing(module):
+                with module_state, FSDPTracing(module) as fsdp:
                     result = module(*proxy_args, **proxy_kwargs)
                     closed = recording.closed_over_differentiable()
                     training = grad_enabled and bool(proxifier.differentiable or closed)
@@ -199,6 +199,8 @@ def capture_call(
                 )
             if training:
                 backward = capture_backward(recording, proxifier.differentiable + closed, collector.values)
+                if module_state is not None:
+                    backward.recompute_from = frozenset(fsdp.recompute_from)
             checks_first(recording)  # branches taken on tensor data, checked before anything runs
         except GuardOnDataDependentSymNode as error:  # a number read from data, asked about in Python
             readers = [recording.read_by[s] for s in sorted(error.cond.free_symbols, key=str) if s in recording.read_by]

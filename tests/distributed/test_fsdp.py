@@ -106,22 +106,34 @@ def train_and_evaluate(mesh_shape, kind, mixed_precision=False, steps=3, **fsdp)
     return trained, (dtcompile.cache_misses(jitted), dtcompile.cache_hits(jitted)), programs
 
 
+def _gathers(programs: str) -> tuple[int, int]:
+    """How many all-gathers the forward and the backward execution traces run."""
+    forward, backward = programs.split("def backward")
+    return forward.count("all_gather_single("), backward.count("all_gather_single(")
+
+
+# kind, options, and the all-gathers the backward runs again: each parameter of a block
+# that reshards after forward (every block but the root, unless reshard_after_forward=False)
+# that the backward needs, which the forward then does not keep for the backward. The
+# MLP's first weight is not needed: its input needs no gradient.
 CASES_1D = {
-    "mlp": ("mlp", {}),
-    "llama": ("llama", {}),
-    "llama, reshard_after_forward=False": ("llama", {"reshard_after_forward": False}),
-    "llama, bf16 params, fp32 reduce": ("llama", {"mixed_precision": True}),
+    "mlp": ("mlp", {}, 1),
+    "llama": ("llama", {}, 18),
+    "llama, reshard_after_forward=False": ("llama", {"reshard_after_forward": False}, 0),
+    "llama, bf16 params, fp32 reduce": ("llama", {"mixed_precision": True}, 18),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES_1D))
 def test_fsdp_training_on_a_dp_mesh_matches_eager(case, ranks2):
-    kind, options = CASES_1D[case]
+    kind, options, regathered = CASES_1D[case]
     for trained, evaluated, programs in ranks2.run(train_and_evaluate, (2,), kind, **options):
         assert trained == (1, 2) and evaluated == (2, 3)
         # The parameters' all-gathers and the gradients' reduce-scatters are collectives of
-        # the per-rank programs (the forward's, the backward's).
-        assert "all_gather_into_tensor" in programs and "reduce_scatter_tensor" in programs
+        # the per-rank programs (the forward's, the backward's): one per parameter.
+        parameters = 2 if kind == "mlp" else 21
+        assert _gathers(programs) == (parameters, regathered)
+        assert programs.split("def backward")[1].count("reduce_scatter_tensor.default(") == parameters
 
 
 CASES_2D = {
@@ -134,7 +146,9 @@ CASES_2D = {
 def test_fsdp_with_tp_on_a_2x2_mesh_matches_eager(case, ranks4):
     for trained, evaluated, programs in ranks4.run(train_and_evaluate, (2, 2), "llama", **CASES_2D[case]):
         assert trained == (1, 2) and evaluated == (2, 3)
-        assert "all_gather_into_tensor" in programs and "reduce_scatter_tensor" in programs
+        forward, backward = _gathers(programs)
+        assert forward >= 21 and backward >= 18  # the blocks' parameters are gathered again
+        assert "reduce_scatter_tensor.default(" in programs.split("def backward")[1]
 
 
 def accumulation_without_gradient_sync(micro_batches=3):
