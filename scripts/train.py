@@ -1,11 +1,17 @@
 """Train a small tensor-parallel Llama-style model with eager DTensor and with dtcompile.
 
 Run: torchrun --nproc-per-node 2 scripts/train.py [--steps 20] [--layers 2]
+     torchrun --nproc-per-node 4 scripts/train.py --dp 2 --tp 2 [--trace]  (FSDP2 over dp, TP over tp)
      torchrun --nproc-per-node 2 scripts/train.py --accelerate      (processes set up by Accelerate)
      accelerate launch --cpu --num_processes 2 ... scripts/train.py --accelerate
 
 Two copies of the model start from the same weights; each trains with AdamW on the same
-batches, one eagerly and one compiled by dtcompile. The losses are printed side by side
+batches, one eagerly and one compiled by dtcompile. With ``--dp N`` the ranks form an
+N x M mesh (``--tp M``): TP inside each block over ``mesh["tp"]``, then FSDP2's
+``fully_shard`` on each block and on the root over ``mesh["dp"]``, each dp rank with its
+own batches, as torchtitan does. ``--trace`` prints rank 0's compiled forward and
+backward: the parameters' all-gathers and the gradients' reduce-scatters are collectives
+there. The losses are printed side by side
 and must agree to float tolerance (the compiled program sums some gradients in another
 order, see docs/design.md), with a single compilation for all steps.
 """
@@ -18,9 +24,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from timing import finish, print0
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 import dtcompile
-from dtcompile.testing.models import parallel_llama
+from dtcompile.testing.models import LlamaModel, parallel_llama
 
 
 def setup_processes(use_accelerate: bool) -> None:
@@ -42,13 +49,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--accelerate", action="store_true", help="set up the processes with Accelerate")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks, parameters sharded by FSDP2")
+    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (default: the rest)")
+    parser.add_argument("--trace", action="store_true", help="print rank 0's compiled forward and backward")
     args = parser.parse_args()
     setup_processes(args.accelerate)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    world = dist.get_world_size()
+    tp = args.tp or world // args.dp
+    if args.dp * tp != world:
+        raise SystemExit(f"--dp {args.dp} x --tp {tp} is not the {world} ranks started")
+    mesh = init_device_mesh("cpu", (args.dp, tp), mesh_dim_names=("dp", "tp"))
 
     vocab, batch, seq = 512, 4, 32
-    eager = parallel_llama(mesh, vocab=vocab, dim=256, layers=args.layers)
-    compiled_model = parallel_llama(mesh, vocab=vocab, dim=256, layers=args.layers)
+
+    def make_model():
+        if tp > 1:
+            model = parallel_llama(mesh["tp"], vocab=vocab, dim=256, layers=args.layers)
+        else:
+            torch.manual_seed(0)
+            model = LlamaModel(vocab, dim=256, layers=args.layers)
+        if args.dp > 1:
+            for layer in model.layers:
+                fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+        return model
+
+    eager, compiled_model = make_model(), make_model()
     jitted = dtcompile.jit(compiled_model)
     eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-3)
     compiled_opt = torch.optim.AdamW(compiled_model.parameters(), lr=1e-3)
@@ -65,7 +91,8 @@ def main() -> None:
     print0(f"{'step':>4} {'eager loss':>12} {'dtcompile loss':>15} {'difference':>11}")
     worst, eager_time, compiled_time = 0.0, 0.0, 0.0
     for i in range(args.steps):
-        generator = torch.Generator().manual_seed(i)  # the same batch on every rank
+        # The same batch on the ranks of a tp group; each dp rank has its own.
+        generator = torch.Generator().manual_seed(1000 * mesh["dp"].get_local_rank() + i)
         tokens = torch.randint(0, vocab, (batch, seq + 1), generator=generator)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         eager_loss, eager_seconds = step(eager, eager_opt, inputs, targets)
@@ -79,6 +106,10 @@ def main() -> None:
         f"largest relative difference {worst:.2e}; dtcompile compiled {dtcompile.cache_misses(jitted)} time(s) "
         f"in {sum(dtcompile.compile_seconds(jitted)) * 1e3:.0f} ms"
     )
+    if args.trace and dist.get_rank() == 0:
+        for trace in dtcompile.last_traces(jitted):
+            if trace.title.startswith("execution"):
+                print(trace)
     if args.steps > 1:
         steps = args.steps - 1
         print0(

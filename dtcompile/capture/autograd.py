@@ -32,6 +32,9 @@ class BackwardCapture:
     differentiable_values: list[tuple[TensorProxy, object]]  # each, with the value traced (proxy or DTensor)
     grads: list[TensorProxy | None]  # their gradients' local tensors (None: no gradient flows)
     grad_specs: list[DTensorSpec | None]  # the gradients' DTensor specs; None: plain tensors
+    # Inputs (labels) whose pure computations the backward recomputes instead of having the
+    # forward save them: FSDP2's sharded parameters that reshard after forward (fsdp.py).
+    recompute_from: frozenset[str] = frozenset()
 
 
 def _cotangent_for(recording: Recording, value, index: int) -> tuple[object, TensorProxy, DTensorSpec | None]:

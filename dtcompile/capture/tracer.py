@@ -24,6 +24,7 @@ from .annotator import CallAnnotator
 from .autograd import BackwardCapture, capture_backward
 from .c10d import object_collective_refusal
 from .data_branches import checks_first
+from .fsdp import FSDPTracing, reaches_fsdp
 from .inputs import (
     DictInput,
     DTensorInput,
@@ -157,6 +158,11 @@ def capture_call(
         inputs.python_state = PythonState.of_module(module)
     else:
         inputs.python_state = PythonState.of_function(fn)
+        if reaches_fsdp(reached for _, reached in inputs.python_state.modules):
+            raise TracingError(
+                "dtcompile.jit: the function calls a module managed by FSDP2's fully_shard; compile the module "
+                "itself (dtcompile.jit(model)) and compute the loss outside it"
+            )
     for path, reached in inputs.python_state.modules:
         if module_state is None or id(reached) not in module_state.paths:
             # A module the code reaches (a global model a loss function calls) is not an
@@ -175,7 +181,7 @@ def capture_call(
     ):
         try:
             if module_state is not None:
-                with module_state:
+                with module_state, FSDPTracing(module) as fsdp:
                     result = module(*proxy_args, **proxy_kwargs)
                     closed = recording.closed_over_differentiable()
                     training = grad_enabled and bool(proxifier.differentiable or closed)
@@ -193,6 +199,8 @@ def capture_call(
                 )
             if training:
                 backward = capture_backward(recording, proxifier.differentiable + closed, collector.values)
+                if module_state is not None:
+                    backward.recompute_from = frozenset(fsdp.recompute_from)
             checks_first(recording)  # branches taken on tensor data, checked before anything runs
         except GuardOnDataDependentSymNode as error:  # a number read from data, asked about in Python
             readers = [recording.read_by[s] for s in sorted(error.cond.free_symbols, key=str) if s in recording.read_by]

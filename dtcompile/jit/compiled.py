@@ -274,7 +274,7 @@ class CompiledFunction:
         backward = captured.backward
         slots = _slot_count(captured)
         joint_traces = pipelines.run_passes(captured.trace, pipelines.JOINT)
-        split = split_forward_backward(joint_traces[-1], backward.cotangents, slots)
+        split = split_forward_backward(joint_traces[-1], backward.cotangents, slots, backward.recompute_from)
         forward_traces = pipelines.run_passes(split.forward, pipelines.half_passes(sized))
         backward_traces = pipelines.run_passes(split.backward, pipelines.half_passes(sized))
         forward_execution = self._lowered(forward_traces[-1], labels, executors)

@@ -7,8 +7,16 @@ computed once, by the forward.
 The saved set is what the backward reads that the forward made or received: after dead
 code is dropped from the backward, every value a backward symbol (or a gradient output)
 uses and the backward does not compute itself is saved by the forward. Values the
-forward computed only for the backward's sake stay in the forward; nothing is recomputed.
-Saving a view (``t(w)``, a reshape) costs no memory: it shares its base's storage.
+forward computed only for the backward's sake stay in the forward. Saving a view
+(``t(w)``, a reshape) costs no memory: it shares its base's storage.
+
+Nothing is recomputed, except what is computed from the inputs named ``recompute_from``
+alone (the sharded parameters of FSDP2 modules that reshard after forward): a value the
+backward reads whose every producer back to those inputs is a pure op (a cast, an
+all-gather and its wait, views) is computed again in the backward, right before its
+first reader, from the input, which the forward saves at no cost. The unsharded
+parameter is then not kept alive between forward and backward, as FSDP2's
+``reshard_after_forward`` frees it and all-gathers it again in backward.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 from ..core import FromData, NumberProxy, TensorProxy, Trace
 from ..core.symbolic import is_symbolic, size_hint, symbolic_expr
 from .dce import dce
-from .effects import storage_bases
+from .effects import has_side_effects, storage_bases
 from .sizes import size_query
 
 
@@ -80,10 +88,49 @@ def _held_bytes(forward: Trace, saved: list[TensorProxy]) -> int:
     )
 
 
-def split_forward_backward(joint: Trace, cotangents: list[TensorProxy], forward_outputs: int) -> SplitTraces:
+def _recomputable(forward_symbols: list, sources: frozenset[str]) -> dict[str, object]:
+    """For each forward value computed from the inputs ``sources`` alone by pure ops, the
+    symbol that makes it."""
+    producers: dict[str, object] = {}
+    if not sources:
+        return producers
+    for bsym in forward_symbols:
+        inputs = bsym.input_proxies()
+        if inputs and not has_side_effects(bsym) and all(p.label in sources or p.label in producers for p in inputs):
+            for p in bsym.output_proxies():
+                producers[p.label] = bsym
+    return producers
+
+
+def _with_recomputation(backward_symbols: list, producers: dict[str, object]) -> list:
+    """The backward's symbols, with the recomputable values they read computed again right
+    before their first reader (each producer once, inputs first)."""
+    done: set[int] = set()
+    result = []
+
+    def emit(label: str) -> None:
+        bsym = producers.get(label)
+        if bsym is None or id(bsym) in done:
+            return
+        done.add(id(bsym))
+        for p in bsym.input_proxies():
+            emit(p.label)
+        result.append(bsym)
+
+    for bsym in backward_symbols:
+        for p in bsym.input_proxies():
+            emit(p.label)
+        result.append(bsym)
+    return result
+
+
+def split_forward_backward(
+    joint: Trace, cotangents: list[TensorProxy], forward_outputs: int, recompute_from: frozenset[str] = frozenset()
+) -> SplitTraces:
     """``joint``'s symbols marked ``in_backward`` are the backward, the others the forward;
     its inputs are the forward's followed by ``cotangents``; its output is the forward's
-    ``forward_outputs`` outputs followed by the gradients."""
+    ``forward_outputs`` outputs followed by the gradients. Values computed from the inputs
+    ``recompute_from`` alone are computed again in the backward (see the module docstring)."""
     outputs, _ = tree_flatten(joint.output)
     user_outputs, grads = tuple(outputs[:forward_outputs]), tuple(outputs[forward_outputs:])
     cotangent_labels = {c.label for c in cotangents}
@@ -92,6 +139,9 @@ def split_forward_backward(joint: Trace, cotangents: list[TensorProxy], forward_
     forward_symbols = [b for b in joint.bound_symbols if not b.in_backward]
     backward_only = joint.derive(joint.title, [b for b in joint.bound_symbols if b.in_backward], grads)
     backward_only = dce(backward_only)
+    producers = _recomputable(forward_symbols, frozenset(recompute_from) & {p.label for p in primals})
+    if producers:
+        backward_only.bound_symbols = _with_recomputation(backward_only.bound_symbols, producers)
     made_by_backward = {p.label for b in backward_only.bound_symbols for p in b.output_proxies()}
     saved: list[TensorProxy | NumberProxy] = []
     seen: set[str] = set(cotangent_labels) | made_by_backward

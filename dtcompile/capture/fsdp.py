@@ -1,0 +1,219 @@
+"""Modules managed by FSDP2's ``fully_shard``, traced the SimpleFSDP way.
+
+FSDP2 keeps each parameter sharded over the data-parallel mesh dim (a DTensor, the
+module's registered parameter) and, in hooks around each managed module's forward,
+all-gathers it into flat buffers, swaps the unsharded parameter in, frees it again, and
+reduce-scatters its gradient from a post-accumulate-grad hook. None of that can be
+recorded: the buffers are resized in place, the hooks act on autograd's accumulation,
+and the state machine runs once per call.
+
+While a call is traced, the FSDP hooks of each managed module are replaced by two that
+say the same thing with DTensor: before the module's forward, each sharded parameter
+(the proxy DTensor ``ModuleState`` put in the module's table) is redistributed to
+Replicate over the dp mesh dim, cast to the mixed-precision ``param_dtype`` first; its
+local tensor (for a TP parameter, a DTensor on the TP mesh with the parameter's TP
+placements) is put in the module's table, and after the forward the sharded parameter is
+put back. The all-gathers are DTensor's; so are the gradient reduce-scatters, which are
+the backward of that redistribution: the unsharded gradient is declared ``Partial("avg")``
+over dp (FSDP2 averages over the dp ranks), cast to ``reduce_dtype`` before the
+collective and back to the parameter's dtype after it. The sharded parameters are the
+differentiable inputs, so their gradients come back as DTensors sharded as FSDP2 shards
+them (``Shard(0)``, or ``_StridedShard`` with TP).
+
+FSDP2 has no public API for its parameter groups; what is read of its state (the
+``FSDPState`` of a module, its ``FSDPParamGroup``\\ s and their ``FSDPParam``\\ s) is read
+in :func:`_fsdp_groups` only. Options this route does not express raise
+:class:`UnsupportedFSDPError` naming them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from ..core import TracingError
+
+
+class UnsupportedFSDPError(TracingError):
+    """An FSDP2 option or layout dtcompile does not compile."""
+
+
+@dataclass
+class ShardedParameter:
+    """One parameter FSDP2 manages: where the module tree holds it and how it is unsharded."""
+
+    owners: list[tuple[torch.nn.Module, str]]  # (module, attribute name): the owner, then shared ones
+    name: str  # for messages
+    param_dtype: torch.dtype | None  # cast before the all-gather (mixed precision)
+    reduce_dtype: torch.dtype | None  # the dtype the gradient is reduced in
+    tp_spec: object | None  # the unsharded parameter's spec on the TP mesh; None: a plain tensor
+
+
+@dataclass
+class ManagedModule:
+    """A module ``fully_shard`` manages, with the parameters its forward unshards."""
+
+    module: torch.nn.Module
+    state: object  # FSDP2's FSDPState
+    params: list[ShardedParameter]
+    reshard_after_forward: bool
+    reduce_grads: bool  # False after ``set_requires_gradient_sync(False)``
+
+
+def _is_managed(module: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def reaches_fsdp(modules) -> bool:
+    """Whether any of ``modules`` (or their submodules) is managed by ``fully_shard``."""
+    return any(_is_managed(m) for module in modules for m in module.modules())
+
+
+def _refuse(what: str, where: str) -> UnsupportedFSDPError:
+    return UnsupportedFSDPError(
+        f"dtcompile.jit: {what} (FSDP2 module {where or 'the root'!r}) is not supported; dtcompile compiles "
+        "fully_shard over one data-parallel mesh dim (with or without TP), MixedPrecisionPolicy's param, reduce "
+        "and output dtypes, reshard_after_forward and set_requires_gradient_sync"
+    )
+
+
+def _fsdp_groups(root: torch.nn.Module) -> list[ManagedModule]:
+    """The modules under ``root`` that ``fully_shard`` manages, outermost first, read from
+    FSDP2's private state (the one place that does)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+
+    managed = []
+    for path, module in root.named_modules():
+        if not _is_managed(module):
+            continue
+        state = module._get_fsdp_state()
+        if len(state._modules) != 1:
+            raise _refuse("fully_shard of several modules as one group", path)
+        params = []
+        reduce_grads = True
+        reshard = False
+        for group in state._fsdp_param_groups:
+            info = group.mesh_info
+            if isinstance(info, HSDPMeshInfo) or not isinstance(info, FSDPMeshInfo) or info.is_spmd_mesh:
+                raise _refuse(f"a data-parallel layout other than one sharded mesh dim ({type(info).__name__})", path)
+            if isinstance(group.offload_policy, CPUOffloadPolicy):
+                raise _refuse("CPUOffloadPolicy", path)
+            if group.gradient_divide_factor is not None or group.force_sum_reduction_for_comms:
+                raise _refuse("a custom gradient divide factor or sum-only reductions", path)
+            if group._all_reduce_hook is not None:
+                raise _refuse("an all-reduce hook", path)
+            if group.reduce_scatter_unused_params:
+                raise _refuse("set_reduce_scatter_unused_params", path)
+            mp = group.mp_policy
+            reduce_grads = reduce_grads and group.reduce_grads
+            # The root of a module tree is not resharded after forward unless asked
+            # (FSDP2's lazy initialization clears it), whatever post_forward_mesh_info says.
+            auto = state._auto_reshard_after_forward and module is root
+            reshard = reshard or (group.post_forward_mesh_info is not None and not auto)
+            for fsdp_param in group.fsdp_params:
+                if hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather"):
+                    raise _refuse("an all-gather extension (fsdp_pre_all_gather)", path)
+                info_ = fsdp_param._module_info
+                orig = fsdp_param.sharded_param.dtype
+                # FSDP2's clamping (FSDPParam.init_dtype_attrs): no cast to the dtype one has.
+                param_dtype = mp.param_dtype
+                if param_dtype == orig or not orig.is_floating_point:
+                    param_dtype = None
+                reduce_dtype = mp.reduce_dtype if mp.reduce_dtype != mp.param_dtype else None
+                if reduce_dtype is None and param_dtype is not None:
+                    reduce_dtype = param_dtype  # FSDP2 reduces in the gradient's dtype
+                owners = [(info_.module, info_.param_name)]
+                owners += list(zip(info_.shared_modules, info_.shared_param_names))
+                params.append(
+                    ShardedParameter(
+                        owners,
+                        f"{path}.{info_.param_name}" if path else info_.param_name,
+                        param_dtype,
+                        reduce_dtype,
+                        fsdp_param._unsharded_dtensor_spec if fsdp_param.is_dtensor else None,
+                    )
+                )
+        managed.append(ManagedModule(module, state, params, reshard, reduce_grads))
+    return managed
+
+
+def unshard(sharded: DTensor, param: ShardedParameter) -> torch.Tensor:
+    """The unsharded parameter of ``sharded`` (a DTensor sharded over mesh dim 0, the dp
+    dim): DTensor's all-gather of it, and in backward DTensor's reduce-scatter (an
+    average over dp) of its gradient."""
+    placements = [Replicate(), *sharded.placements[1:]]
+    full = sharded.redistribute(
+        sharded.device_mesh, placements, forward_dtype=param.param_dtype, backward_dtype=param.reduce_dtype
+    )
+    local = full.to_local(grad_placements=[Partial("avg"), *placements[1:]])
+    spec = param.tp_spec
+    if spec is None:
+        return local
+    return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+
+
+class FSDPTracing:
+    """While entered, the FSDP hooks of the managed modules under ``root`` are replaced by
+    unsharding with DTensor (see the module docstring); on exit they are put back."""
+
+    def __init__(self, root: torch.nn.Module):
+        self.managed = _fsdp_groups(root)
+        self._saved: list[tuple[dict, int, object]] = []  # (hook table, hook id, FSDP's hook)
+        self._sharded: dict[int, list[list[torch.Tensor]]] = {}  # id(managed) -> sharded values, per call
+        # The labels of the sharded parameters' local proxies whose modules reshard after
+        # forward: the backward all-gathers them again (transforms/split.py).
+        self.recompute_from: set[str] = set()
+
+    def __enter__(self) -> FSDPTracing:
+        for managed in self.managed:
+            state = managed.state
+            for table, handle, hook in (
+                (managed.module._forward_pre_hooks, state._pre_forward_hook_handle, self._pre_forward(managed)),
+                (managed.module._forward_hooks, state._post_forward_hook_handle, self._post_forward(managed)),
+            ):
+                self._saved.append((table, handle.id, table[handle.id]))
+                table[handle.id] = hook
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for table, key, hook in reversed(self._saved):
+            table[key] = hook
+        self._saved.clear()
+
+    def _pre_forward(self, managed: ManagedModule):
+        def hook(module, args, kwargs):
+            args, kwargs = managed.state._cast_forward_inputs(args, kwargs)
+            sharded = []
+            for param in managed.params:
+                owner, name = param.owners[0]
+                value = owner._parameters[name]
+                if not isinstance(value, DTensor):
+                    raise TracingError(
+                        f"dtcompile.jit: the FSDP2 parameter {param.name} is not sharded when its module's forward "
+                        "starts (a managed module called within itself?)"
+                    )
+                sharded.append(value)
+                if managed.reshard_after_forward:
+                    self.recompute_from.add(value._local_tensor.label)
+                full = unshard(value, param)
+                for table_owner, table_name in param.owners:
+                    table_owner._parameters[table_name] = full
+            self._sharded.setdefault(id(managed), []).append(sharded)
+            return args, kwargs
+
+        return hook
+
+    def _post_forward(self, managed: ManagedModule):
+        def hook(module, args, output):
+            sharded = self._sharded[id(managed)].pop()
+            for param, value in zip(managed.params, sharded):
+                for owner, name in param.owners:
+                    owner._parameters[name] = value
+            return managed.state._cast_output_dtype(output)
+
+        return hook

@@ -1,0 +1,203 @@
+"""FSDP2 (``fully_shard``) compiled, against eager FSDP2 on the same mesh.
+
+Each case builds two identical models (same seed), applies the same ``fully_shard`` calls
+to both (per submodule, then the root), compiles one and trains both with AdamW on the
+same batches (different on each dp rank): the losses, the gradients (DTensors sharded as
+FSDP2 shards them, compared by placements, local shape and values) and the parameters
+after each step are eager's; then two evaluation calls under ``no_grad``. A 1-D dp mesh of
+2 Gloo ranks, and a dp x tp mesh of 2x2 with TP inside each block.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+import dtcompile
+from dtcompile.capture.fsdp import UnsupportedFSDPError
+from dtcompile.testing.compare import assert_same
+from dtcompile.testing.models import MLP, LlamaModel, parallel_llama
+
+VOCAB, DIM, HEADS, HIDDEN, SEQ = 64, 16, 4, 32, 8
+BF16 = {"atol": 2e-2, "rtol": 2e-2}
+MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _mesh(mesh_shape):
+    if len(mesh_shape) == 1:
+        return init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp",)), None
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
+    return mesh["dp"], mesh["tp"]
+
+
+def _model(kind, dp, tp, **fsdp):
+    """The model, ``fully_shard`` on each block (the MLP: each linear) and on the root."""
+    if kind == "mlp":
+        torch.manual_seed(0)
+        model = MLP(DIM, HIDDEN)
+        blocks = [model.up, model.down]
+    elif tp is None:
+        torch.manual_seed(0)
+        model = LlamaModel(VOCAB, DIM, layers=2, n_heads=HEADS, hidden=HIDDEN)
+        blocks = list(model.layers)
+    else:
+        model = parallel_llama(tp, vocab=VOCAB, dim=DIM, layers=2, n_heads=HEADS, hidden=HIDDEN)
+        blocks = list(model.layers)
+    for block in blocks:
+        fully_shard(block, mesh=dp, **fsdp)
+    return fully_shard(model, mesh=dp, **fsdp)
+
+
+def _batch(kind, dp, step):
+    generator = torch.Generator().manual_seed(100 * step + dp.get_local_rank())
+    if kind == "mlp":
+        return torch.randn(4, SEQ, DIM, generator=generator)
+    return torch.randint(0, VOCAB, (2, SEQ), generator=generator)
+
+
+def _loss(out):
+    out = out.full_tensor() if isinstance(out, DTensor) else out
+    return out.float().pow(2).mean()
+
+
+def _assert_grads(compiled, eager, **tolerance):
+    for (name, got), (_, expected) in zip(compiled.named_parameters(), eager.named_parameters(), strict=True):
+        assert type(got.grad) is DTensor, (name, type(got.grad))
+        assert_same(got.grad, expected.grad, f"gradient of {name}", **tolerance)
+
+
+def _assert_parameters(compiled, eager, **tolerance):
+    for (name, got), (_, expected) in zip(compiled.named_parameters(), eager.named_parameters(), strict=True):
+        assert_same(got.detach(), expected.detach(), f"parameter {name}", **tolerance)
+
+
+def train_and_evaluate(mesh_shape, kind, mixed_precision=False, steps=3, **fsdp):
+    """AdamW steps, then two ``no_grad`` calls; returns (misses, hits) after training and
+    after evaluation, and the collectives of the last training entry's programs."""
+    dp, tp = _mesh(mesh_shape)
+    if mixed_precision:
+        fsdp["mp_policy"] = MP
+    tolerance = BF16 if mixed_precision else {}
+    eager, compiled = _model(kind, dp, tp, **fsdp), _model(kind, dp, tp, **fsdp)
+    jitted = dtcompile.jit(compiled)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (eager, compiled)]
+    for step in range(steps):
+        x = _batch(kind, dp, step)
+        losses = []
+        for model, optimizer in zip((eager, jitted), optimizers):
+            optimizer.zero_grad()
+            loss = _loss(model(x))
+            loss.backward()
+            losses.append(loss.detach())
+        assert_same(losses[1], losses[0], f"loss of step {step}", **tolerance)
+        _assert_grads(compiled, eager, **tolerance)
+        for optimizer in optimizers:
+            optimizer.step()
+        _assert_parameters(compiled, eager, **tolerance)
+    trained = (dtcompile.cache_misses(jitted), dtcompile.cache_hits(jitted))
+    traces = dtcompile.last_traces(jitted)
+    programs = "\n".join(str(t) for t in traces if t.title.startswith("execution"))
+    with torch.no_grad():
+        for step in range(2):
+            x = _batch(kind, dp, steps + step)
+            assert_same(jitted(x), eager(x), f"evaluation call {step}", **tolerance)
+    return trained, (dtcompile.cache_misses(jitted), dtcompile.cache_hits(jitted)), programs
+
+
+def _gathers(programs: str) -> tuple[int, int]:
+    """How many all-gathers the forward and the backward execution traces run."""
+    forward, backward = programs.split("def backward")
+    return forward.count("all_gather_single("), backward.count("all_gather_single(")
+
+
+# kind, options, and the all-gathers the backward runs again: each parameter of a block
+# that reshards after forward (every block but the root, unless reshard_after_forward=False)
+# that the backward needs, which the forward then does not keep for the backward. The
+# MLP's first weight is not needed: its input needs no gradient.
+CASES_1D = {
+    "mlp": ("mlp", {}, 1),
+    "llama": ("llama", {}, 18),
+    "llama, reshard_after_forward=False": ("llama", {"reshard_after_forward": False}, 0),
+    "llama, bf16 params, fp32 reduce": ("llama", {"mixed_precision": True}, 18),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES_1D))
+def test_fsdp_training_on_a_dp_mesh_matches_eager(case, ranks2):
+    kind, options, regathered = CASES_1D[case]
+    for trained, evaluated, programs in ranks2.run(train_and_evaluate, (2,), kind, **options):
+        assert trained == (1, 2) and evaluated == (2, 3)
+        # The parameters' all-gathers and the gradients' reduce-scatters are collectives of
+        # the per-rank programs (the forward's, the backward's): one per parameter.
+        parameters = 2 if kind == "mlp" else 21
+        assert _gathers(programs) == (parameters, regathered)
+        assert programs.split("def backward")[1].count("reduce_scatter_tensor.default(") == parameters
+
+
+CASES_2D = {
+    "llama": {},
+    "llama, bf16 params, fp32 reduce": {"mixed_precision": True},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES_2D))
+def test_fsdp_with_tp_on_a_2x2_mesh_matches_eager(case, ranks4):
+    for trained, evaluated, programs in ranks4.run(train_and_evaluate, (2, 2), "llama", **CASES_2D[case]):
+        assert trained == (1, 2) and evaluated == (2, 3)
+        forward, backward = _gathers(programs)
+        assert forward >= 21 and backward >= 18  # the blocks' parameters are gathered again
+        assert "reduce_scatter_tensor.default(" in programs.split("def backward")[1]
+
+
+def accumulation_without_gradient_sync(micro_batches=3):
+    """Gradient accumulation as FSDP2 users write it: ``set_requires_gradient_sync(False)``
+    for all micro-batches but the last; the gradients after the last one and the
+    parameters after the step are eager's."""
+    dp, tp = _mesh((2,))
+    eager, compiled = _model("llama", dp, tp), _model("llama", dp, tp)
+    jitted = dtcompile.jit(compiled)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, compiled)]
+    for step in range(2):
+        for micro in range(micro_batches):
+            last = micro == micro_batches - 1
+            x = _batch("llama", dp, 10 * step + micro)
+            for model, called in ((eager, eager), (compiled, jitted)):
+                model.set_requires_gradient_sync(last)
+                (_loss(called(x)) / micro_batches).backward()
+        _assert_grads(compiled, eager)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        _assert_parameters(compiled, eager)
+    return dtcompile.cache_misses(jitted), dtcompile.cache_hits(jitted)
+
+
+def test_gradient_accumulation_without_gradient_sync(ranks2):
+    for counts in ranks2.run(accumulation_without_gradient_sync):
+        assert counts == (1, 5)
+
+
+def refusals():
+    """What is not supported says so, naming it, before anything runs."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    messages = []
+    # HSDP: a 2-D mesh given to fully_shard (replicate x shard).
+    hsdp_mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    hsdp = fully_shard(MLP(DIM, HIDDEN), mesh=hsdp_mesh)
+    with pytest.raises(UnsupportedFSDPError, match="HSDPMeshInfo") as error:
+        dtcompile.jit(hsdp)(torch.randn(4, DIM))
+    messages.append(str(error.value))
+    # A function that calls a fully_shard module (jit the module instead).
+    torch.manual_seed(0)
+    model = fully_shard(MLP(DIM, HIDDEN), mesh=mesh)
+    with pytest.raises(dtcompile.TracingError, match="fully_shard"):
+        dtcompile.jit(lambda x: model(x).sum())(torch.randn(4, DIM))
+    return messages
+
+
+def test_unsupported_fsdp_options_are_refused(ranks2):
+    for messages in ranks2.run(refusals):
+        assert "not supported" in messages[0]

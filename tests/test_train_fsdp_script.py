@@ -1,0 +1,16 @@
+"""``scripts/train.py --dp 2 --tp 2``: FSDP2 over dp with TP over tp on 4 Gloo ranks, the
+compiled losses eager's, and rank 0's printed program showing the collectives."""
+
+from test_scripts import _torchrun
+
+
+def test_train_script_with_fsdp_and_tp_on_a_2x2_mesh():
+    out = _torchrun("train.py", "--steps", "3", "--layers", "1", "--dp", "2", "--tp", "2", "--trace", ranks=4)
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and len(line.split()) == 4]
+    assert len(rows) == 3
+    for _, eager, compiled, _ in rows:
+        assert abs(float(eager) - float(compiled)) <= 1e-4 * abs(float(eager))
+    assert "compiled 1 time(s)" in out
+    forward, backward = out.split("def backward(")
+    assert "all_gather_single(" in forward and "mesh dim dp" in forward
+    assert "reduce_scatter_tensor.default(" in backward
