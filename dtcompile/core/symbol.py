@@ -8,7 +8,7 @@ that says which DTensor-level op it came from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -84,15 +84,22 @@ class BoundSymbol:
     op: torch._ops.OpOverload | None = None  # the aten op this call runs or was lowered from
     in_backward: bool = False  # recorded while autograd ran a training call's backward
 
+    # What the two methods below found: each pass asks them of every symbol, and a symbol
+    # is never changed in place (passes make new ones with ``replace``, which resets these).
+    _inputs: list | None = field(default=None, init=False, repr=False, compare=False)
+    _outputs: list | None = field(default=None, init=False, repr=False, compare=False)
+
     def input_proxies(self) -> list:
         """The proxies (tensors, numbers, futures) this call reads."""
-        leaves, _ = tree_flatten((self.args, self.kwargs))
-        return [x for x in leaves if is_proxy(x)]
+        if self._inputs is None:
+            self._inputs = proxies_in((self.args, self.kwargs))
+        return self._inputs
 
     def output_proxies(self) -> list:
         """The proxies (tensors, numbers, futures) this call defines."""
-        leaves, _ = tree_flatten(self.output)
-        return [x for x in leaves if is_proxy(x)]
+        if self._outputs is None:
+            self._outputs = proxies_in(self.output)
+        return self._outputs
 
     def input_tensors(self) -> list[TensorProxy]:
         return [x for x in self.input_proxies() if isinstance(x, TensorProxy)]
@@ -105,10 +112,49 @@ class BoundSymbol:
 
     def with_inputs_renamed(self, mapping: dict[str, TensorProxy]) -> BoundSymbol:
         """A copy whose proxy arguments are swapped by name through ``mapping``."""
+        if self.note is None and not any(p.label in mapping for p in self.input_proxies()):
+            return self  # nothing to rename (the usual case in a pass that renames a few values)
         note = self.note.renamed(mapping) if self.note is not None else None
         return replace(self, args=renamed(self.args, mapping), kwargs=renamed(self.kwargs, mapping), note=note)
 
 
+def proxies_in(value) -> list:
+    """The proxies in ``value``, in pytree order: tuples, lists and dicts are walked here
+    (what symbols hold), anything else by torch's pytree."""
+    found = []
+
+    def walk(x):
+        if is_proxy(x):
+            found.append(x)
+        elif type(x) in (tuple, list):
+            for item in x:
+                walk(item)
+        elif type(x) is dict:
+            for item in x.values():
+                walk(item)
+        elif isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.device)):
+            return
+        else:
+            found.extend(leaf for leaf in tree_flatten(x)[0] if is_proxy(leaf))
+
+    walk(value)
+    return found
+
+
 def renamed(value, mapping: dict) -> object:
     """``value`` (a pytree) with each proxy swapped by name through ``mapping``."""
-    return tree_map(lambda x: mapping.get(x.label, x) if is_proxy(x) else x, value)
+
+    def swap(x):
+        if is_proxy(x):
+            return mapping.get(x.label, x)
+        if type(x) is tuple:
+            return tuple(swap(item) for item in x)
+        if type(x) is list:
+            return [swap(item) for item in x]
+        if type(x) is dict:
+            return {key: swap(item) for key, item in x.items()}
+        if isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.device)):
+            return x
+        return tree_map(lambda leaf: mapping.get(leaf.label, leaf) if is_proxy(leaf) else leaf, x)
+
+    return swap(value)

@@ -9,8 +9,6 @@ or ``None`` as soon as one assumption fails, so the next cache entry can be trie
 from __future__ import annotations
 
 import math
-import operator
-from dataclasses import dataclass
 
 import sympy
 import torch
@@ -32,6 +30,7 @@ from ..core.codegen import GeneratedFunction, literal_or_global
 from ..core.printing import python_literal
 from ..core.symbolic import is_symbolic, python_source, symbolic_expr
 from ..core.torch_internals import TensorGuards, shape_guards, symbol_range
+from .batched_guards import Batched, alike, alike_objects, check_batched, module_tensors, stand_in
 from .guards import meshes_match, spec_matches
 from .state_guards import module_checks, python_state_checks
 
@@ -89,9 +88,9 @@ class _Builder:
         offset = proxy.storage_offset()
         static = not any(is_symbolic(x) for x in (*proxy.shape, *proxy.stride(), offset))
         if example is None and self.in_object and static:
-            example = _stand_in(meta)  # an input object's tensor: checked with the batch too
+            example = stand_in(meta)  # an input object's tensor: checked with the batch too
         if static and example is not None and TensorGuards is not None:
-            self.batched.append(_Batched(var, example, meta.shape, meta.stride, offset))
+            self.batched.append(Batched(var, example, meta.shape, meta.stride, offset))
             return
         tensor_type = self.constant(meta.type, "TYPE")
         device = self.fresh("DEVICE")  # a global: a literal would build a device per call
@@ -154,98 +153,6 @@ class _Builder:
             raise AssertionError(f"dtcompile: a guard on sizes uses {sorted(map(str, missing))}, which no input binds")
         return python_source(expr, self.symbols)
 
-    def check_batched(self) -> None:
-        """The batched tensors' type, dtype, device, requires_grad, sizes and strides in one
-        TensorGuards check (C++), and their storage offsets in one pass. TensorGuards also
-        compares dispatch keys, which an active dispatch mode (CommDebugMode) changes: where
-        it fails, the same checks run in Python before the call is turned down."""
-        if not self.batched:
-            return
-        guards = self.fresh("TENSOR_GUARDS")
-        self.globals[guards] = TensorGuards(
-            *(t.example for t in self.batched),
-            dynamic_dims_sizes=[list(t.shape) for t in self.batched],
-            dynamic_dims_strides=[list(t.stride) for t in self.batched],
-        )
-        slow = " and ".join(self._python_check(t) for t in self.batched)
-        self.fail_if(f"not {guards}.check({', '.join(t.var for t in self.batched)}) and not ({slow})")
-        offsets = [t for t in self.batched if t.offset is not None]
-        if offsets:
-            self.globals["OFFSET"] = torch.Tensor.storage_offset
-            expected = self.constant([t.offset for t in offsets], "OFFSETS")
-            self.fail_if(f"list(map(OFFSET, ({', '.join(t.var for t in offsets)},))) != {expected}")
-
-    def _python_check(self, t: _Batched) -> str:
-        device = self.fresh("DEVICE")
-        self.globals[device] = t.example.device
-        var = t.var
-        return (
-            f"type({var}) is {self.constant(type(t.example), 'TYPE')} and {var}.dtype is {python_literal(t.example.dtype)}"
-            f" and {var}.shape == {python_literal(tuple(t.shape))} and {var}.stride() == {python_literal(tuple(t.stride))}"
-            f" and {var}.device == {device} and {var}.requires_grad is {t.example.requires_grad}"
-        )
-
-    def module_state(self, module: torch.nn.Module, inputs: CallInputs, sources: dict[str, str]) -> None:
-        """Guard and unpack the module's parameters, buffers and tensor attributes. Those
-        with static metadata (nearly all) are read in one C-level pass over their tables
-        and checked with the batch (TensorGuards), a DTensor's spec by identity: a few
-        passes whatever the depth of the model, not lines per tensor."""
-        entries = []  # (table source, table, key, node, example)
-        for table, pairs in (
-            ("_parameters", inputs.params),
-            ("_buffers", inputs.buffers),
-            ("__dict__", inputs.attributes),
-        ):
-            for name, node in pairs:
-                owner, _, leaf = name.rpartition(".")
-                held = getattr(module.get_submodule(owner), table)
-                entries.append((f"{sources[owner]}.{table}", held, leaf, node, held.get(leaf)))
-        batch = [e for e in entries if TensorGuards is not None and _batchable(e[3], e[4])]
-        position = {id(e[3]): i for i, e in enumerate(batch)}
-        dtensors = [e for e in batch if isinstance(e[3], DTensorInput)]
-        dtensor_position = {id(e[3]): i for i, e in enumerate(dtensors)}
-        if batch:
-            self.globals.update(HELD_TABLES=[e[1] for e in batch], HELD_KEYS=[e[2] for e in batch], is_=operator.is_)
-            self.lines.append("    HELD = list(map(dict.get, HELD_TABLES, HELD_KEYS))")
-            # The objects themselves (a DTensor: its type, requires_grad and global sizes) first:
-            # what follows reads their attributes.
-            for e in batch:
-                self.batched.append(_Batched(f"HELD[{position[id(e[3])]}]", e[4], e[4].shape, e[4].stride(), None))
-            self.check_batched()
-            self.batched = []
-        if dtensors:
-            self.globals.update(
-                SPEC=operator.attrgetter("_spec"),
-                LOCAL=operator.attrgetter("_local_tensor"),
-                HELD_DTENSORS=operator.itemgetter(*(position[id(e[3])] for e in dtensors)),
-                HELD_SPECS=[e[3].spec for e in dtensors],
-            )
-            select = "HELD_DTENSORS(HELD)" + (",)" if len(dtensors) == 1 else "")
-            self.lines.append(f"    HELD_DT = {'(' if len(dtensors) == 1 else ''}{select}")
-            self.lines.append("    HELD_SPEC = list(map(SPEC, HELD_DT))")
-            self.fail_if(
-                "not all(map(is_, HELD_SPEC, HELD_SPECS)) and not all(map(spec_matches, HELD_SPEC, HELD_SPECS))"
-            )
-            self.lines.append("    HELD_LOCAL = list(map(LOCAL, HELD_DT))")
-        for source, _, leaf, node, example in entries:
-            if id(node) not in position:
-                self.node(node, f"{source}.get({leaf!r})", example)
-                continue
-            var = f"HELD[{position[id(node)]}]"
-            self.devices.add(node.meta.device.type)
-            self.tensor_vars[id(node)] = var
-            self.result_labels.append(node.proxy.label)
-            if isinstance(node, TensorInput):
-                self.local_vars[id(node)] = var
-                self.results.append(var)
-                self.batched.append(_Batched(var, example, example.shape, example.stride(), example.storage_offset()))
-                continue
-            local = f"HELD_LOCAL[{dtensor_position[id(node)]}]"
-            self.local_vars[id(node)] = local
-            self.results.append(var if node.requires_grad and not self.unwrap_differentiable else local)
-            t = example._local_tensor
-            self.batched.append(_Batched(local, t, t.shape, t.stride(), t.storage_offset()))
-
     def node(self, node, expr: str, example=None) -> None:
         """Guard and unpack ``node``, found at ``expr``; ``example`` is the value traced,
         where it is known (the module's state)."""
@@ -298,8 +205,8 @@ class _Builder:
                 var = self.bind(expr)
                 kind = node.type.__name__ if node.type in (tuple, list) else self.constant(node.type, "TYPE")
                 self.fail_if(f"type({var}) is not {kind} or len({var}) != {len(node.children)}")
-            if _alike_objects(node.children):
-                self.alike_objects(node.children, var)
+            if alike(node.children):
+                alike_objects(self, node.children, var)
                 return
             for i, child in enumerate(node.children):
                 self.node(child, f"{var}[{i}]")
@@ -344,39 +251,6 @@ class _Builder:
         else:
             raise TypeError(f"unknown input node {node!r}")
 
-    def alike_objects(self, objects: list[ObjectInput], var: str) -> None:
-        """A sequence of objects of one class with the same attributes, each a constant or
-        a tensor (a KV cache's layers): checked column by column in C-level passes, the
-        tensors with the batch, not lines per object."""
-        self.in_object += 1
-        first = objects[0]
-        n = len(objects)
-        self.globals.setdefault("OBJECT_STATE", operator.attrgetter("__dict__"))
-        self.globals["is_"] = operator.is_
-        states = self.fresh("states")
-        self.fail_if(f"not all(map(is_, map(type, {var}), {self.constant([first.type] * n, 'TYPES')}))")
-        self.lines.append(f"    {states} = list(map(OBJECT_STATE, {var}))")
-        self.fail_if(f"list(map(tuple, {states})) != {self.constant([first.names] * n, 'NAMES')}")
-        columns = {}
-        for j, name in enumerate(first.names):
-            column = columns[name] = self.bind(
-                f"list(map({self.constant(operator.itemgetter(name), 'ITEM')}, {states}))", "column"
-            )
-            if isinstance(first.children[j], ConstantInput):
-                values = [o.children[j].value for o in objects]
-                types = self.constant([type(v) for v in values], "TYPES")
-                self.fail_if(f"list(map(type, {column})) != {types} or {column} != {self.constant(values, 'VALUES')}")
-        for i, obj in enumerate(objects):
-            self.object_vars[id(obj)] = f"{var}[{i}]"
-            for name, child in zip(obj.names, obj.children):
-                if isinstance(child, TensorInput):
-                    item = f"{columns[name]}[{i}]"
-                    self.tensor_meta(item, child.meta, child.proxy)
-                    self.results.append(item)
-                    self.result_labels.append(child.proxy.label)
-                    self.tensor_vars[id(child)] = self.local_vars[id(child)] = item
-        self.in_object -= 1
-
     def _constant(self, value: object, expr: str) -> None:
         if value is None:
             self.fail_if(f"{expr} is not None")
@@ -395,69 +269,6 @@ class _Builder:
                 else self.constant(type(value), "TYPE")
             )
             self.fail_if(f"type({expr}) is not {kind} or {expr} != {self.constant(value, 'CONST')}")
-
-
-@dataclass
-class _Batched:
-    """A tensor checked with the batch: the expression bound to it, a tensor with the
-    type, dtype, device, requires_grad (and dispatch keys) expected, the sizes and strides
-    expected, and the storage offset (None: not checked)."""
-
-    var: str
-    example: torch.Tensor
-    shape: tuple
-    stride: tuple
-    offset: int | None
-
-
-def _batchable(node, example) -> bool:
-    """A module's tensor checked with the batch: static metadata, seen once."""
-    if isinstance(node, TensorInput):
-        return example is not None and type(example) is node.meta.type and _static(node.proxy)
-    if isinstance(node, DTensorInput):
-        return (
-            type(example) is DTensor and node.local_of is None and node.traced_spec is node.spec and _static(node.proxy)
-        )
-    return False
-
-
-_SIMPLE_CONSTANTS = (bool, int, str, type(None), torch.device, torch.dtype)
-
-
-def _alike_objects(children: list) -> bool:
-    """Objects of one class, with the same attributes, each a simple constant (compared by
-    type and ``==``) or a tensor with static metadata seen first here, column by column."""
-    if len(children) < 2 or not all(isinstance(c, ObjectInput) for c in children):
-        return False
-    first = children[0]
-    for child in children:
-        if child.type is not first.type or child.names != first.names:
-            return False
-        for a, b in zip(child.children, first.children):
-            if type(a) is not type(b):
-                return False
-            if isinstance(a, ConstantInput):
-                if type(a.value) not in _SIMPLE_CONSTANTS:
-                    return False
-            elif not (
-                isinstance(a, TensorInput) and a.meta.type in (torch.Tensor, torch.nn.Parameter) and _static(a.proxy)
-            ):
-                return False
-    return True
-
-
-def _static(proxy) -> bool:
-    return not any(is_symbolic(x) for x in (*proxy.shape, *proxy.stride(), proxy.storage_offset()))
-
-
-def _stand_in(meta: LocalTensorMeta) -> torch.Tensor | None:
-    """A tensor with ``meta``'s type, dtype, device and requires_grad, and no elements:
-    TensorGuards' example for a tensor the trace holds no reference to (an input
-    object's), the sizes and strides given apart."""
-    t = torch.empty(0, dtype=meta.dtype, device=meta.device)
-    if meta.type is torch.nn.Parameter:
-        return torch.nn.Parameter(t, requires_grad=meta.requires_grad)
-    return t.requires_grad_(meta.requires_grad) if meta.type is torch.Tensor else None
 
 
 def build_prologue(
@@ -488,7 +299,7 @@ def build_prologue(
     if module is not None:
         # Global module hooks (debugging tools such as CommDebugMode install them) are not
         # guarded: they ran while tracing, and run again only when a call compiles.
-        b.module_state(module, inputs, module_checks(b, module))
+        module_tensors(b, module, inputs, module_checks(b, module))
     # After the module checks: a module's attributes are read from the modules traced.
     python_state_checks(b, inputs.python_state.guards())
     for i, (held, proxy) in enumerate(captured):
@@ -505,7 +316,7 @@ def build_prologue(
         b.tensor_meta(name, LocalTensorMeta.of(held), proxy, held)
         b.results.append(name)
         b.result_labels.append(proxy.label)
-    b.check_batched()
+    check_batched(b)
     if shape_env is not None:
         b.symbolic_guards(shape_env)
     for device in sorted(b.devices):

@@ -1,0 +1,209 @@
+"""The prologue's batched checks: tensors checked together by one TensorGuards call (C++)
+and one pass for their storage offsets, a module's tensors read in one pass over their
+tables, and alike objects in a list (a KV cache's layers) checked column by column. What
+they replace is a few Python lines per tensor, which made a prologue grow with the depth
+of the model. ``b`` is the prologue's builder (``prologue.py``).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..capture import CallInputs, ConstantInput, DTensorInput, LocalTensorMeta, ObjectInput, TensorInput
+from ..core.printing import python_literal
+from ..core.symbolic import is_symbolic
+from ..core.torch_internals import TensorGuards
+
+
+@dataclass
+class Batched:
+    """A tensor checked with the batch: the expression bound to it, a tensor with the
+    type, dtype, device, requires_grad (and dispatch keys) expected, the sizes and strides
+    expected, and the storage offset (None: not checked)."""
+
+    var: str
+    example: torch.Tensor
+    shape: tuple
+    stride: tuple
+    offset: int | None
+
+
+def _batchable(node, example) -> bool:
+    """A module's tensor checked with the batch: static metadata, seen once."""
+    if isinstance(node, TensorInput):
+        return example is not None and type(example) is node.meta.type and _static(node.proxy)
+    if isinstance(node, DTensorInput):
+        return (
+            type(example) is DTensor and node.local_of is None and node.traced_spec is node.spec and _static(node.proxy)
+        )
+    return False
+
+
+_SIMPLE_CONSTANTS = (bool, int, str, type(None), torch.device, torch.dtype)
+
+
+def alike(children: list) -> bool:
+    """Objects of one class, with the same attributes, each a simple constant (compared by
+    type and ``==``) or a tensor with static metadata seen first here, column by column."""
+    if len(children) < 2 or not all(isinstance(c, ObjectInput) for c in children):
+        return False
+    first = children[0]
+    for child in children:
+        if child.type is not first.type or child.names != first.names:
+            return False
+        for a, b in zip(child.children, first.children):
+            if type(a) is not type(b):
+                return False
+            if isinstance(a, ConstantInput):
+                if type(a.value) not in _SIMPLE_CONSTANTS:
+                    return False
+            elif not (
+                isinstance(a, TensorInput) and a.meta.type in (torch.Tensor, torch.nn.Parameter) and _static(a.proxy)
+            ):
+                return False
+    return True
+
+
+def _static(proxy) -> bool:
+    return not any(is_symbolic(x) for x in (*proxy.shape, *proxy.stride(), proxy.storage_offset()))
+
+
+def stand_in(meta: LocalTensorMeta) -> torch.Tensor | None:
+    """A tensor with ``meta``'s type, dtype, device and requires_grad, and no elements:
+    TensorGuards' example for a tensor the trace holds no reference to (an input
+    object's), the sizes and strides given apart."""
+    t = torch.empty(0, dtype=meta.dtype, device=meta.device)
+    if meta.type is torch.nn.Parameter:
+        return torch.nn.Parameter(t, requires_grad=meta.requires_grad)
+    return t.requires_grad_(meta.requires_grad) if meta.type is torch.Tensor else None
+
+
+def check_batched(b) -> None:
+    """The batched tensors' type, dtype, device, requires_grad, sizes and strides in one
+    TensorGuards check (C++), and their storage offsets in one pass. TensorGuards also
+    compares dispatch keys, which an active dispatch mode (CommDebugMode) changes: where
+    it fails, the same checks run in Python before the call is turned down."""
+    if not b.batched:
+        return
+    guards = b.fresh("TENSOR_GUARDS")
+    b.globals[guards] = TensorGuards(
+        *(t.example for t in b.batched),
+        dynamic_dims_sizes=[list(t.shape) for t in b.batched],
+        dynamic_dims_strides=[list(t.stride) for t in b.batched],
+    )
+    slow = " and ".join(_python_check(b, t) for t in b.batched)
+    b.fail_if(f"not {guards}.check({', '.join(t.var for t in b.batched)}) and not ({slow})")
+    offsets = [t for t in b.batched if t.offset is not None]
+    if offsets:
+        b.globals["OFFSET"] = torch.Tensor.storage_offset
+        expected = b.constant([t.offset for t in offsets], "OFFSETS")
+        b.fail_if(f"list(map(OFFSET, ({', '.join(t.var for t in offsets)},))) != {expected}")
+
+
+def _python_check(b, t: Batched) -> str:
+    device = b.fresh("DEVICE")
+    b.globals[device] = t.example.device
+    var = t.var
+    return (
+        f"type({var}) is {b.constant(type(t.example), 'TYPE')} and {var}.dtype is {python_literal(t.example.dtype)}"
+        f" and {var}.shape == {python_literal(tuple(t.shape))} and {var}.stride() == {python_literal(tuple(t.stride))}"
+        f" and {var}.device == {device} and {var}.requires_grad is {t.example.requires_grad}"
+    )
+
+
+def module_tensors(b, module: torch.nn.Module, inputs: CallInputs, sources: dict[str, str]) -> None:
+    """Guard and unpack the module's parameters, buffers and tensor attributes. Those
+    with static metadata (nearly all) are read in one C-level pass over their tables
+    and checked with the batch (TensorGuards), a DTensor's spec by identity: a few
+    passes whatever the depth of the model, not lines per tensor."""
+    entries = []  # (table source, table, key, node, example)
+    for table, pairs in (
+        ("_parameters", inputs.params),
+        ("_buffers", inputs.buffers),
+        ("__dict__", inputs.attributes),
+    ):
+        for name, node in pairs:
+            owner, _, leaf = name.rpartition(".")
+            held = getattr(module.get_submodule(owner), table)
+            entries.append((f"{sources[owner]}.{table}", held, leaf, node, held.get(leaf)))
+    batch = [e for e in entries if TensorGuards is not None and _batchable(e[3], e[4])]
+    position = {id(e[3]): i for i, e in enumerate(batch)}
+    dtensors = [e for e in batch if isinstance(e[3], DTensorInput)]
+    dtensor_position = {id(e[3]): i for i, e in enumerate(dtensors)}
+    if batch:
+        b.globals.update(HELD_TABLES=[e[1] for e in batch], HELD_KEYS=[e[2] for e in batch], is_=operator.is_)
+        b.lines.append("    HELD = list(map(dict.get, HELD_TABLES, HELD_KEYS))")
+        # The objects themselves (a DTensor: its type, requires_grad and global sizes) first:
+        # what follows reads their attributes.
+        for e in batch:
+            b.batched.append(Batched(f"HELD[{position[id(e[3])]}]", e[4], e[4].shape, e[4].stride(), None))
+        check_batched(b)
+        b.batched = []
+    if dtensors:
+        b.globals.update(
+            SPEC=operator.attrgetter("_spec"),
+            LOCAL=operator.attrgetter("_local_tensor"),
+            HELD_DTENSORS=operator.itemgetter(*(position[id(e[3])] for e in dtensors)),
+            HELD_SPECS=[e[3].spec for e in dtensors],
+        )
+        select = "HELD_DTENSORS(HELD)" + (",)" if len(dtensors) == 1 else "")
+        b.lines.append(f"    HELD_DT = {'(' if len(dtensors) == 1 else ''}{select}")
+        b.lines.append("    HELD_SPEC = list(map(SPEC, HELD_DT))")
+        b.fail_if("not all(map(is_, HELD_SPEC, HELD_SPECS)) and not all(map(spec_matches, HELD_SPEC, HELD_SPECS))")
+        b.lines.append("    HELD_LOCAL = list(map(LOCAL, HELD_DT))")
+    for source, _, leaf, node, example in entries:
+        if id(node) not in position:
+            b.node(node, f"{source}.get({leaf!r})", example)
+            continue
+        var = f"HELD[{position[id(node)]}]"
+        b.devices.add(node.meta.device.type)
+        b.tensor_vars[id(node)] = var
+        b.result_labels.append(node.proxy.label)
+        if isinstance(node, TensorInput):
+            b.local_vars[id(node)] = var
+            b.results.append(var)
+            b.batched.append(Batched(var, example, example.shape, example.stride(), example.storage_offset()))
+            continue
+        local = f"HELD_LOCAL[{dtensor_position[id(node)]}]"
+        b.local_vars[id(node)] = local
+        b.results.append(var if node.requires_grad and not b.unwrap_differentiable else local)
+        t = example._local_tensor
+        b.batched.append(Batched(local, t, t.shape, t.stride(), t.storage_offset()))
+
+
+def alike_objects(b, objects: list[ObjectInput], var: str) -> None:
+    """A sequence of objects of one class with the same attributes, each a constant or
+    a tensor (a KV cache's layers): checked column by column in C-level passes, the
+    tensors with the batch, not lines per object."""
+    b.in_object += 1
+    first = objects[0]
+    n = len(objects)
+    b.globals.setdefault("OBJECT_STATE", operator.attrgetter("__dict__"))
+    b.globals["is_"] = operator.is_
+    states = b.fresh("states")
+    b.fail_if(f"not all(map(is_, map(type, {var}), {b.constant([first.type] * n, 'TYPES')}))")
+    b.lines.append(f"    {states} = list(map(OBJECT_STATE, {var}))")
+    b.fail_if(f"list(map(tuple, {states})) != {b.constant([first.names] * n, 'NAMES')}")
+    columns = {}
+    for j, name in enumerate(first.names):
+        column = columns[name] = b.bind(
+            f"list(map({b.constant(operator.itemgetter(name), 'ITEM')}, {states}))", "column"
+        )
+        if isinstance(first.children[j], ConstantInput):
+            values = [o.children[j].value for o in objects]
+            types = b.constant([type(v) for v in values], "TYPES")
+            b.fail_if(f"list(map(type, {column})) != {types} or {column} != {b.constant(values, 'VALUES')}")
+    for i, obj in enumerate(objects):
+        b.object_vars[id(obj)] = f"{var}[{i}]"
+        for name, child in zip(obj.names, obj.children):
+            if isinstance(child, TensorInput):
+                item = f"{columns[name]}[{i}]"
+                b.tensor_meta(item, child.meta, child.proxy)
+                b.results.append(item)
+                b.result_labels.append(child.proxy.label)
+                b.tensor_vars[id(child)] = b.local_vars[id(child)] = item
+    b.in_object -= 1
