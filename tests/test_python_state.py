@@ -623,3 +623,32 @@ def test_the_state_of_a_module_a_function_calls():
         assert counts(jf) == (5, 1)
     finally:
         MODEL = None
+
+
+FLAGS = {"a": 1.0, "b": 2.0}
+
+
+def reads_a_whole_dict(x):
+    return x * sum(FLAGS.values()) + len(FLAGS)
+
+
+def test_a_dict_read_whole_is_checked_by_its_version_then_by_contents():
+    """The dict read at each call is the one traced, unchanged since (its version): no
+    comparing; changed, even back to the traced contents, its contents are compared."""
+    jf = dtcompile.jit(reads_a_whole_dict)
+    x = torch.randn(3)
+    try:
+        for change in (
+            lambda: None,
+            lambda: None,
+            lambda: FLAGS.update(a=3.0),
+            lambda: FLAGS.update(a=1.0),  # back to the first entry's contents, a new version
+            lambda: FLAGS.update(c=0.0),
+            lambda: FLAGS.pop("c"),
+        ):
+            change()
+            assert_same_tensor(jf(x), reads_a_whole_dict(x))
+        assert counts(jf) == (3, 3)
+    finally:
+        FLAGS.clear()
+        FLAGS.update(a=1.0, b=2.0)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..core.torch_internals import dict_version
+
 ABSENT = object()  # what a read of a missing name gives
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 _CONTAINER_ITEMS = 32  # the largest list or dict whose contents are guarded
@@ -133,6 +135,10 @@ class PythonGuards:
     dicts: ReadGroup = field(default_factory=ReadGroup)
     list_item_types: list = field(default_factory=list)
     dict_item_types: list = field(default_factory=list)
+    # The dicts read, and their versions when ``dicts.expected`` was copied: the same dict
+    # at the same version holds the same items (scalars), so nothing else needs comparing.
+    dict_objects: list = field(default_factory=list)
+    dict_versions: list = field(default_factory=list)
     keyed: ReadGroup = field(default_factory=ReadGroup)
 
     @classmethod
@@ -148,6 +154,8 @@ class PythonGuards:
                 elif type(value) is dict:
                     g.dicts.add(read, dict(value))
                     g.dict_item_types += map(type, items)
+                    g.dict_objects.append(value)
+                    g.dict_versions.append(dict_version(value) if dict_version is not None else None)
                 else:
                     g.lists.add(read, list(value))
                     g.list_item_types += map(type, items)

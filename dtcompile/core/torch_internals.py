@@ -33,6 +33,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 __all__ = [
     "TensorGuards",
+    "dict_version",
     "allgather_into",
     "keep_mask",
     "mask_buffer",
@@ -194,3 +195,8 @@ try:  # torch's C++ check of many tensors' metadata at once (what Dynamo's guard
     from torch._C._dynamo.guards import TensorGuards
 except ImportError:  # prologues then check each tensor in Python
     TensorGuards = None
+
+try:  # a dict's version: changes whenever the dict does (Dynamo's dict guards use it)
+    from torch._C._dynamo.guards import dict_version
+except ImportError:  # prologues then compare dicts' contents at every call
+    dict_version = None

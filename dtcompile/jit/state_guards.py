@@ -15,6 +15,7 @@ import operator
 import torch
 
 from ..capture.python_reads import ABSENT, PythonGuards, ReadGroup, value_key
+from ..core.torch_internals import dict_version
 
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
@@ -127,10 +128,21 @@ def python_state_checks(b, guards: PythonGuards) -> None:
         if group:
             values = b.bind(" + ".join(f"list({v})" for v in read(group, name)), "py")
             b.globals.update({f"{name}_TYPES": group.types, f"{name}_ITEM_TYPES": item_types})
-            b.fail_if(
+            compare = (
                 f"list(map(type, {values})) != {name}_TYPES or {values} != {name}"
                 f" or list(map(type, {items.format(values)})) != {name}_ITEM_TYPES"
             )
+            if group is guards.dicts and None not in guards.dict_versions:
+                # The very dicts read while tracing, unchanged since (a big TP plan read by
+                # every call): their contents need no comparing.
+                b.globals.update(
+                    dict_version=dict_version, PY_DICTS_READ=guards.dict_objects, PY_DICT_VERSIONS=guards.dict_versions
+                )
+                compare = (
+                    f"(not all(map(is_, {values}, PY_DICTS_READ))"
+                    f" or list(map(dict_version, {values})) != PY_DICT_VERSIONS) and ({compare})"
+                )
+            b.fail_if(compare)
     if guards.keyed:
         b.globals["VALUE_KEY"] = value_key
         keys = " + ".join(f"list(map(VALUE_KEY, {v}))" for v in read(guards.keyed, "PY_KEYED"))
