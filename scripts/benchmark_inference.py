@@ -23,6 +23,7 @@ decode call, and TBOT against eager.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import resource
@@ -167,6 +168,39 @@ def overheads(jitted, prompt, args, config, calls: int = 50) -> dict[str, float]
     }
 
 
+def inductor_guards_us(model, compiled, prompt, args, config, calls: int = 50) -> float | None:
+    """Microseconds per decode call in torch.compile's guards (its C++ guard manager),
+    measured as dtcompile's prologue is: just before each call of a generation. The guard
+    manager of the cache entry that accepts the call is asked directly (Dynamo's private
+    ``_debug_get_cache_entry_list``), with the locals the forward's frame starts with.
+    None where that cannot be done on this torch."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:
+        return None
+    forward = type(model).forward
+    code = forward.__code__
+    closure = dict(zip(code.co_freevars, (c.cell_contents for c in forward.__closure__ or ())))
+    signature = inspect.signature(forward, follow_wrapped=False)
+    cache = new_cache(args, config)
+    times = []
+    with torch.no_grad():
+        token = compiled(input_ids=prompt, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(min(calls, args.output_length - 1)):
+            kwargs = dict(input_ids=token, cache=cache, use_cache=True)
+            frame = signature.bind(model, **kwargs)
+            frame.apply_defaults()
+            f_locals = {**frame.arguments, **closure}
+            managers = [entry.guard_manager for entry in _debug_get_cache_entry_list(code)]
+            start = time.perf_counter()
+            accepted = next((m for m in managers if m.check(f_locals)), None)
+            times.append(time.perf_counter() - start)
+            if accepted is None:
+                return None  # the locals built here are not the frame's: no measurement
+            token = compiled(**kwargs).logits[:, -1].argmax(-1, keepdim=True)
+    return 1e6 * statistics.median(times)
+
+
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -252,6 +286,8 @@ def run(args, layers: int, mesh, device) -> dict:
             results[mode]["compilations"] = dtcompile.cache_misses(jitted)
             results[mode]["dtcompile_compile_s"] = sum(dtcompile.compile_seconds(jitted))
             results[mode].update(overheads(jitted, prompt, args, config))
+        if mode == "inductor":
+            results[mode]["guards_us"] = inductor_guards_us(model, forwards[mode], prompt, args, config)
     peak = slowest([peak_memory_mb(device)])[0]
 
     setup = {k: v for k, v in vars(args).items() if k not in ("json",)}
@@ -268,8 +304,8 @@ def run(args, layers: int, mesh, device) -> dict:
 def print_sweep(reports: list[dict]) -> None:
     """One line per model depth: what grows with the layers."""
     print(
-        f"\n{'layers':>6} {'compile s':>10} {'prologue us':>12} {'epilogue us':>12} {'TBOT eager ms':>14} "
-        f"{'TBOT dtc ms':>12} {'eager/dtc':>10}"
+        f"\n{'layers':>6} {'compile s':>10} {'prologue us':>12} {'epilogue us':>12} {'inductor guards us':>19} "
+        f"{'TBOT eager ms':>14} {'TBOT dtc ms':>12} {'eager/dtc':>10}"
     )
     for report in reports:
         d, e = report["results"].get("dtcompile"), report["results"].get("eager")
@@ -277,9 +313,11 @@ def print_sweep(reports: list[dict]) -> None:
             continue
         ratio = f"{e['tbot_ms'] / d['tbot_ms']:>9.2f}x" if e else f"{'-':>10}"
         eager_tbot = f"{e['tbot_ms']:>14.3f}" if e else f"{'-':>14}"
+        guards = report["results"].get("inductor", {}).get("guards_us")
+        guards = f"{guards:>19.1f}" if guards is not None else f"{'-':>19}"
         print(
             f"{report['setup']['layers']:>6} {d['dtcompile_compile_s']:>10.2f} {d['prologue_us']:>12.1f} "
-            f"{d['epilogue_us']:>12.1f} {eager_tbot} {d['tbot_ms']:>12.3f} {ratio}"
+            f"{d['epilogue_us']:>12.1f} {guards} {eager_tbot} {d['tbot_ms']:>12.3f} {ratio}"
         )
 
 
@@ -335,6 +373,10 @@ def print_report(report: dict) -> None:
             f"prologue {d['prologue_us']:.1f} us, computation {d['computation_us']:.1f} us, "
             f"epilogue {d['epilogue_us']:.1f} us"
         )
+    i = results.get("inductor")
+    if i:
+        guards = "not measured" if i.get("guards_us") is None else f"{i['guards_us']:.1f} us"
+        print(f"torch.compile: per decode call guards {guards}")
     print(f"peak memory (slowest rank): {report['peak_memory_mb']:.0f} MiB")
     for line in targets(report):
         print(line)

@@ -16,7 +16,7 @@ from .codegen import compile_function
 from .printing import python_literal
 from .provenance import FromData
 from .proxy import NumberProxy, TensorProxy, is_proxy
-from .symbol import BoundSymbol
+from .symbol import BoundSymbol, proxies_in
 
 
 @dataclass
@@ -36,6 +36,13 @@ class Trace:
     header_notes: list[str] = field(default_factory=list)
     input_notes: dict[str, str] = field(default_factory=dict)
     globals: dict[str, tuple[object, str | None]] = field(default_factory=dict)
+    # The function takes its inputs as one list, which it empties: the caller then holds
+    # no reference, and each input is freed after its last use (a backward's saved values).
+    steals_inputs: bool = False
+    # ``del`` each value after the symbol that reads it last (or defines it, when none
+    # does), outputs excepted: the function would otherwise keep every intermediate alive
+    # until it returns. Execution traces do; the traces of the passes print without.
+    frees_values: bool = False
 
     def derive(self, title: str, bound_symbols: list[BoundSymbol], output: object | None = None) -> Trace:
         """A new trace with the same inputs and header, made by a pass called ``title``."""
@@ -58,12 +65,18 @@ class Trace:
         return merged
 
     def body_lines(self) -> list[str]:
-        lines = [f"def {self.fn_name}({', '.join(p.label for p in self.inputs)}):"]
+        names = ", ".join(p.label for p in self.inputs)
+        lines = [f"def {self.fn_name}({'inputs' if self.steals_inputs else names}):"]
         for proxy in self.inputs:
             note = self.input_notes.get(proxy.label, str(proxy.provenance))
             lines.append(f"    # {proxy.label}: {proxy.type_string()}  {note}")
+        if self.steals_inputs:
+            if self.inputs:
+                lines.append(f"    {names}{',' if len(self.inputs) == 1 else ''} = inputs")
+            lines.append("    inputs.clear()")
         last_note = None
-        for bsym in self.bound_symbols:
+        freed = self._frees() if self.frees_values else {}
+        for index, bsym in enumerate(self.bound_symbols):
             note = None if bsym.note is None else str(bsym.note)
             if note is not None and note != last_note:
                 lines.append(f"    # {note}")
@@ -75,8 +88,25 @@ class Trace:
             for i, statement in enumerate(statements):
                 suffix = f"  # {types}" if types and i == len(statements) - 1 else ""
                 lines.append(f"    {statement}{suffix}")
+            if index in freed:
+                lines.append(f"    del {', '.join(freed[index])}")
         lines.append(f"    return {python_literal(self.output)}")
         return lines
+
+    def _frees(self) -> dict[int, list[str]]:
+        """The names to free after each symbol (see ``frees_values``)."""
+        kept = {p.label for p in proxies_in(self.output)}
+        last: dict[str, int] = {}
+        for index, bsym in enumerate(self.bound_symbols):
+            for proxy in bsym.input_proxies():
+                last[proxy.label] = index
+            for proxy in bsym.output_proxies():
+                last.setdefault(proxy.label, index)  # a later reader moves it on
+        freed: dict[int, list[str]] = {}
+        for label, index in last.items():
+            if label not in kept:
+                freed.setdefault(index, []).append(label)
+        return freed
 
     def header_lines(self) -> list[str]:
         lines = [f"# {line}" for line in ([self.title] if self.title else []) + self.header_notes]

@@ -94,4 +94,6 @@ def lower(trace: Trace, executors: list[Executor]) -> Trace:
                 )
             lowered.append(bsym)  # runs through its OpOverload, exactly as recorded
     names = ", ".join(e.name for e in executors)
-    return trace.derive(f"execution trace (what runs), executors: {names}", lowered)
+    execution = trace.derive(f"execution trace (what runs), executors: {names}", lowered)
+    execution.frees_values = True  # each value freed after its last use, as eager frees it
+    return execution

@@ -280,6 +280,7 @@ class CompiledFunction:
         forward_execution = self._lowered(forward_traces[-1], labels, executors)
         forward_execution.header_notes.append(saved_note(forward_traces[-1], slots))
         backward_execution = self._lowered(backward_traces[-1], labels, executors)
+        backward_execution.steals_inputs = True  # saved values freed as the backward goes (training.py)
         inputs = captured.trace.inputs[: len(captured.trace.inputs) - len(backward.cotangents)]
         program = TrainingProgram.make(
             forward_execution.compile(),

@@ -155,11 +155,15 @@ class CompiledStep(torch.autograd.Function):
                 "create_graph=True, is not supported)"
             )
         program: TrainingProgram = ctx.program
-        cotangents = [c.prepare(grad_outputs[c.slot]) for c in program.cotangents]
-        saved = list(ctx.saved_tensors)
+        inputs = list(ctx.saved_tensors)
+        # Autograd lets go of the saved tensors now unless the graph is retained, and the
+        # backward program empties ``inputs``: each saved value is freed after its last use,
+        # as eager frees each node's saved tensors once the node has run.
+        ctx.maybe_clear_saved_tensors()
         for position, number in ctx.numbers:
-            saved.insert(position, number)
-        grads = program.backward(*saved, *cotangents)
+            inputs.insert(position, number)
+        inputs += [c.prepare(grad_outputs[c.slot]) for c in program.cotangents]
+        grads = program.backward(inputs)
         result: list = [None] * (1 + program.inputs)
         for grad, gradient in zip(grads, program.gradients):
             result[1 + gradient.position] = gradient.wrap(grad)
