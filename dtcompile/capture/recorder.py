@@ -41,6 +41,7 @@ from ..core import (
     data_dependent_error,
 )
 from ..core.printing import NamedConstant, Unprintable, python_literal
+from ..core.symbol import leaves, map_leaves
 from ..core.symbolic import is_symbolic, symbolic_expr
 from ..core.torch_internals import fake_mode_active, make_dtensor, set_data_value
 from .c10d import is_c10d_op, record_c10d
@@ -143,7 +144,7 @@ class Recording:
                 proxy.value = None
             self.valued.clear()
             return None
-        symbolic = any(is_symbolic(x) for x in tree_flatten((args, kwargs))[0])
+        symbolic = any(is_symbolic(x) for x in leaves((args, kwargs)))
         if symbolic or torch.Tag.nondeterministic_seeded in func.tags or any(p.value is None for p in proxies):
             return None
 
@@ -206,8 +207,8 @@ class Recording:
         self.real_of.clear()
 
     def record(self, func, args: tuple, kwargs: dict):
-        leaves, _ = tree_flatten((args, kwargs))
-        if self.dtensor_calls and not any(isinstance(x, TensorProxy) for x in leaves):
+        flat = leaves((args, kwargs))
+        if self.dtensor_calls and not any(isinstance(x, TensorProxy) for x in flat):
             # DTensor's own bookkeeping while it handles an op: factory ops and arithmetic
             # on its own tensors (meta tensors for its sharding propagation, index
             # arithmetic it reads back: ``arange(n).tolist()`` of a _StridedShard). It needs
@@ -216,8 +217,8 @@ class Recording:
             return func(*args, **kwargs)
         if is_c10d_op(func):  # ``dist.all_reduce(y)`` in the user's code
             return record_c10d(self, func, *tree_map(self._captured_tensor, (args, kwargs)))
-        args, kwargs = tree_map(self._captured, (args, kwargs))
-        proxies = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, TensorProxy)]
+        args, kwargs = map_leaves(self._captured, (args, kwargs))
+        proxies = [x for x in leaves((args, kwargs)) if isinstance(x, TensorProxy)]
         value = self.trace_time_value(func, args, kwargs, proxies)
         if value is not None and not any(isinstance(v, torch.Tensor) for v in tree_flatten(value)[0]):
             return value  # ``.item()``, ``equal`` of values made from constants: known now
@@ -229,7 +230,7 @@ class Recording:
                 return x.value
             return x.fake if isinstance(x, TensorProxy) else x
 
-        fake_args, fake_kwargs = tree_map(to_fake, (args, kwargs))
+        fake_args, fake_kwargs = map_leaves(to_fake, (args, kwargs))
         try:
             with self.fake_mode, _fake_errors_unlogged():
                 fake_out = func(*fake_args, **fake_kwargs)
@@ -245,7 +246,7 @@ class Recording:
                 return TensorProxy(x, self.new_name(), made_by, requires_grad=x.requires_grad)
             return x
 
-        output = tree_map(to_output_proxy, fake_out)
+        output = map_leaves(to_output_proxy, fake_out)
         if value is not None:
             for proxy, real in zip(tree_flatten(output)[0], tree_flatten(value)[0]):
                 if isinstance(proxy, TensorProxy):

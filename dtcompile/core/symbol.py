@@ -118,43 +118,52 @@ class BoundSymbol:
         return replace(self, args=renamed(self.args, mapping), kwargs=renamed(self.kwargs, mapping), note=note)
 
 
-def proxies_in(value) -> list:
-    """The proxies in ``value``, in pytree order: tuples, lists and dicts are walked here
-    (what symbols hold), anything else by torch's pytree."""
+_ATOMS = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+def leaves(value) -> list:
+    """The leaves of ``value`` in torch's pytree order: tuples, lists and dicts (what
+    symbols and ops hold) are walked here, without pytree's per-node overhead; anything
+    else by torch's pytree."""
     found = []
 
     def walk(x):
-        if is_proxy(x):
-            found.append(x)
-        elif type(x) in (tuple, list):
+        kind = type(x)
+        if kind is tuple or kind is list:
             for item in x:
                 walk(item)
-        elif type(x) is dict:
+        elif kind is dict:
             for item in x.values():
                 walk(item)
-        elif isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.device)):
-            return
+        elif isinstance(x, _ATOMS) or is_proxy(x) or isinstance(x, torch.Tensor):
+            found.append(x)
         else:
-            found.extend(leaf for leaf in tree_flatten(x)[0] if is_proxy(leaf))
+            found.extend(tree_flatten(x)[0])
 
     walk(value)
     return found
 
 
+def map_leaves(fn, value):
+    """``value`` with ``fn`` applied to each leaf (``tree_map``, fast for tuples, lists
+    and dicts, as :func:`leaves`)."""
+    kind = type(value)
+    if kind is tuple:
+        return tuple(map_leaves(fn, item) for item in value)
+    if kind is list:
+        return [map_leaves(fn, item) for item in value]
+    if kind is dict:
+        return {key: map_leaves(fn, item) for key, item in value.items()}
+    if isinstance(value, _ATOMS) or is_proxy(value) or isinstance(value, torch.Tensor):
+        return fn(value)
+    return tree_map(fn, value)
+
+
+def proxies_in(value) -> list:
+    """The proxies in ``value``, in pytree order."""
+    return [x for x in leaves(value) if is_proxy(x)]
+
+
 def renamed(value, mapping: dict) -> object:
     """``value`` (a pytree) with each proxy swapped by name through ``mapping``."""
-
-    def swap(x):
-        if is_proxy(x):
-            return mapping.get(x.label, x)
-        if type(x) is tuple:
-            return tuple(swap(item) for item in x)
-        if type(x) is list:
-            return [swap(item) for item in x]
-        if type(x) is dict:
-            return {key: swap(item) for key, item in x.items()}
-        if isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.device)):
-            return x
-        return tree_map(lambda leaf: mapping.get(leaf.label, leaf) if is_proxy(leaf) else leaf, x)
-
-    return swap(value)
+    return map_leaves(lambda x: mapping.get(x.label, x) if is_proxy(x) else x, value)
