@@ -23,12 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from timing import finish, init_gloo, print0
-from torch._C._profiler import _EventType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.profiler import ProfilerActivity, profile
 
 import dtcompile
+from dtcompile.testing.memory import peak_bytes
 from dtcompile.testing.models import parallel_hf_llama, parallel_llama
 
 
@@ -40,36 +39,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--warmup", type=int, default=2)
     return p.parse_args(argv)
-
-
-def peak_bytes(fn) -> int:
-    """The most bytes of torch CPU allocations alive at once while ``fn`` runs, beyond
-    those alive when it starts."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = []
-
-    def walk(node):
-        if node.tag == _EventType.Allocation:
-            events.append((node.start_time_ns, node.typed[1].alloc_size, node.typed[1].ptr))
-        for child in node.children:
-            walk(child)
-
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
-    # By address: a block freed on a thread the profiler does not follow (Gloo's, which lets
-    # go of a collective's buffers once it completes) is known freed when its address is
-    # handed out again; frees of blocks made before ``fn`` are left out.
-    alive: dict[int, int] = {}
-    total = peak = 0
-    for _, size, ptr in sorted(events):
-        if size > 0:
-            total += size - alive.get(ptr, 0)
-            alive[ptr] = size
-            peak = max(peak, total)
-        elif ptr in alive:
-            total -= alive.pop(ptr)
-    return peak
 
 
 def main(argv=None) -> None:
