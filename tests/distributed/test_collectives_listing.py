@@ -12,11 +12,11 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtcompile
-from dtcompile.testing.models import MLP, parallel_mlp
+from dtcompile.testing.models import MLP, LlamaModel, parallel_mlp
 
 DIM, HIDDEN = 16, 32
 # c10d ops (what FSDP2 calls) by the functional collective they correspond to.
@@ -140,6 +140,52 @@ def test_fsdp_mlp_collectives_are_the_traces_and_eagers(ranks2):
         assert ("forward", "all_gather_into_tensor", True) in result["overlaps"]
         assert ("backward", "reduce_scatter_tensor", True) in result["overlaps"]
         assert "reduce_scatter_tensor avg on dp" in result["text"]
+
+
+def fsdp_llama_collectives():
+    """The Llama model, ``fully_shard`` on each block and the root, bf16 parameters and
+    fp32 reductions, on a 2-rank dp mesh: eager FSDP2's own bucketed collectives."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    def make():
+        torch.manual_seed(0)
+        model = LlamaModel(64, DIM, layers=2, n_heads=4, hidden=HIDDEN)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+    eager, compiled = make(), make()
+    jitted = dtcompile.jit(compiled)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    jitted(tokens).float().pow(2).mean().backward()
+    eager_forward, eager_backward = _eager_step(eager, tokens)
+    return {
+        "listed": {p: _listed(jitted, p) for p in ("forward", "backward")},
+        "trace": _in_trace(jitted),
+        "eager": {"forward": eager_forward, "backward": eager_backward},
+        "dtypes": {(c.kind, c.dtype) for c in dtcompile.collectives(jitted)},
+    }
+
+
+def test_fsdp_llama_collectives_are_eager_fsdp2s_buckets(ranks2):
+    """One all-gather per FSDP group in bf16, one reduce-scatter per group in fp32, each
+    of the bytes eager FSDP2's bucket has."""
+    for result in ranks2.run(fsdp_llama_collectives):
+        listed, eager = result["listed"], result["eager"]
+        assert listed == result["trace"]
+        gathers = [c for c in listed["forward"] if c[0] == "all_gather_into_tensor"]
+        assert len(gathers) == 3  # the root (embedding, norm, head) and the two blocks
+        assert Counter(gathers) == Counter(c for c in eager["forward"] if c[0] == "all_gather_into_tensor")
+        reduce_scatters = [c for c in listed["backward"] if c[0] == "reduce_scatter_tensor"]
+        assert len(reduce_scatters) == 3
+        assert Counter(reduce_scatters) == Counter(c for c in eager["backward"] if c[0] == "reduce_scatter_tensor")
+        regathers = Counter(c for c in listed["backward"] if c[0] == "all_gather_into_tensor")
+        assert sum(regathers.values()) == 2 and not regathers - Counter(eager["backward"])
+        assert result["dtypes"] == {
+            ("all_gather_into_tensor", torch.bfloat16),
+            ("reduce_scatter_tensor", torch.float32),
+        }
 
 
 def _totals(calls) -> Counter:
