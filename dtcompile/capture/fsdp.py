@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..core import TracingError
 
@@ -49,6 +49,11 @@ class ShardedParameter:
     param_dtype: torch.dtype | None  # cast before the all-gather (mixed precision)
     reduce_dtype: torch.dtype | None  # the dtype the gradient is reduced in
     tp_spec: object | None  # the unsharded parameter's spec on the TP mesh; None: a plain tensor
+    dp_mesh: object = None  # the 1-D mesh FSDP2 shards over (the dp dim)
+    # Sharded evenly on dim 0 (every rank's shard has the same shape): it can share one
+    # all-gather with its group's other such parameters (see ``unshard_group``).
+    even_on_dim0: bool = False
+    dtype: torch.dtype | None = None  # the sharded parameter's
 
 
 @dataclass
@@ -129,6 +134,7 @@ def _fsdp_groups(root: torch.nn.Module) -> list[ManagedModule]:
                     reduce_dtype = param_dtype  # FSDP2 reduces in the gradient's dtype
                 owners = [(info_.module, info_.param_name)]
                 owners += list(zip(info_.shared_modules, info_.shared_param_names))
+                size, dim = fsdp_param._orig_size, fsdp_param.fsdp_placement.dim
                 params.append(
                     ShardedParameter(
                         owners,
@@ -136,6 +142,9 @@ def _fsdp_groups(root: torch.nn.Module) -> list[ManagedModule]:
                         param_dtype,
                         reduce_dtype,
                         fsdp_param._unsharded_dtensor_spec if fsdp_param.is_dtensor else None,
+                        info.mesh,
+                        dim == 0 and len(size) > 0 and size[0] % info.shard_mesh_size == 0,
+                        orig,
                     )
                 )
         managed.append(ManagedModule(module, state, params, reshard, reduce_grads))
@@ -151,10 +160,52 @@ def unshard(sharded: DTensor, param: ShardedParameter) -> torch.Tensor:
         sharded.device_mesh, placements, forward_dtype=param.param_dtype, backward_dtype=param.reduce_dtype
     )
     local = full.to_local(grad_placements=[Partial("avg"), *placements[1:]])
+    return _as_tp_dtensor(local, param)
+
+
+def _as_tp_dtensor(local: torch.Tensor, param: ShardedParameter) -> torch.Tensor:
     spec = param.tp_spec
     if spec is None:
         return local
     return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+
+
+def unshard_group(sharded: list[DTensor], params: list[ShardedParameter]) -> list[torch.Tensor]:
+    """The unsharded parameters of ``sharded`` (alike: evenly sharded on dim 0, one dtype,
+    one mixed-precision policy, one dp mesh) with one all-gather and, in backward, one
+    reduce-scatter, as FSDP2 buckets a group's parameters.
+
+    The local shards are flattened and concatenated (FSDP2's copy-in) into one 1-D
+    DTensor sharded over dp, which DTensor redistributes to Replicate (the all-gather);
+    its gradient is declared ``Partial("avg")``, so DTensor's backward is one
+    reduce-scatter of the concatenated gradients. The gathered buffer holds each rank's
+    concatenation in rank order: viewed as ``(ranks, n)`` and split by columns, each
+    parameter's column block, rows concatenated, is its unsharded tensor (FSDP2's
+    copy-out). Each value is the one :func:`unshard` gives: the same elements are
+    gathered, and the same elements averaged."""
+    first = params[0]
+    mesh, ranks = first.dp_mesh, first.dp_mesh.size()
+    locals_ = [value.to_local() for value in sharded]  # gradients: DTensors sharded as ``sharded``
+    flat_local = torch.cat([local.reshape(-1) for local in locals_])
+    n = flat_local.numel()
+    flat = DTensor.from_local(flat_local, mesh, [Shard(0)], run_check=False, shape=(ranks * n,), stride=(1,))
+    full = flat.redistribute(mesh, [Replicate()], forward_dtype=first.param_dtype, backward_dtype=first.reduce_dtype)
+    gathered = full.to_local(grad_placements=[Partial("avg")])
+    columns = gathered.view(ranks, n).split([local.numel() for local in locals_], dim=1)
+    return [
+        _as_tp_dtensor(column.reshape(ranks * local.shape[0], *local.shape[1:]), param)
+        for column, local, param in zip(columns, locals_, params)
+    ]
+
+
+def _buckets(params: list[ShardedParameter]) -> list[list[int]]:
+    """The parameters of a module (by index) that share an all-gather: those evenly
+    sharded on dim 0 with the same dtypes, in FSDP2's order; every other one alone."""
+    buckets: dict[object, list[int]] = {}
+    for i, param in enumerate(params):
+        key = (param.dtype, param.param_dtype, param.reduce_dtype, id(param.dp_mesh)) if param.even_on_dim0 else i
+        buckets.setdefault(key, []).append(i)
+    return list(buckets.values())
 
 
 class FSDPTracing:
@@ -200,9 +251,13 @@ class FSDPTracing:
                 sharded.append(value)
                 if managed.reshard_after_forward:
                     self.recompute_from.add(value._local_tensor.label)
-                full = unshard(value, param)
-                for table_owner, table_name in param.owners:
-                    table_owner._parameters[table_name] = full
+            for bucket in _buckets(managed.params):
+                params = [managed.params[i] for i in bucket]
+                values = [sharded[i] for i in bucket]
+                fulls = unshard_group(values, params) if len(bucket) > 1 else [unshard(values[0], params[0])]
+                for param, full in zip(params, fulls):
+                    for table_owner, table_name in param.owners:
+                        table_owner._parameters[table_name] = full
             self._sharded.setdefault(id(managed), []).append(sharded)
             return args, kwargs
 

@@ -11,6 +11,7 @@ import torch
 
 from ..core import Trace
 from ..core.codegen import GeneratedFunction
+from .communication import Collective, program_collectives
 from .compiled import CompiledFunction
 
 
@@ -162,6 +163,20 @@ def last_epilogue(jfn) -> GeneratedFunction:
     call's result (for a training entry, the DTensors are wrapped before, inside the
     autograd Function, and this rebuilds the containers)."""
     return _last_entry(jfn).epilogue
+
+
+def collectives(jfn) -> list[Collective]:
+    """The collectives of the last compilation's execution traces, in the order each
+    program starts them (for a training entry: the forward's, then the backward's). Each
+    :class:`Collective` says its kind, process group and mesh dim, the bytes this rank
+    hands it and gets back (the expression, under symbolic sizes), and whether compute
+    runs between its start and its wait; ``str()`` of one is a line of text."""
+    entry = _last_entry(jfn)
+    rows = []
+    for trace in entry.traces:
+        if trace.title.startswith("execution"):
+            rows += program_collectives(trace, entry.group_labels)
+    return rows
 
 
 def cache_hits(jfn) -> int:

@@ -56,6 +56,7 @@ class CacheEntry:
     reference: Trace | None = None
     ranks: tuple[int, ...] = ()  # the ranks that checked they agree on this entry's program
     digest: str = ""  # the digest of what they agreed on
+    group_labels: dict[str, str] = field(default_factory=dict)  # process group name -> mesh dim
 
 
 class InferenceProgram:
@@ -229,6 +230,7 @@ class CompiledFunction:
             traces=traces,
             compile_seconds=time.perf_counter() - start,
             reference=reference,
+            group_labels=labels,
         )
         # Last, so that every way this rank can fail comes before the ranks meet.
         entry.ranks, entry.digest = agreement.check(to_check, captured.meshes, labels)

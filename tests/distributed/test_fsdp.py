@@ -112,15 +112,16 @@ def _gathers(programs: str) -> tuple[int, int]:
     return forward.count("all_gather_single("), backward.count("all_gather_single(")
 
 
-# kind, options, and the all-gathers the backward runs again: each parameter of a block
-# that reshards after forward (every block but the root, unless reshard_after_forward=False)
-# that the backward needs, which the forward then does not keep for the backward. The
-# MLP's first weight is not needed: its input needs no gradient.
+# kind, options, and the all-gathers the backward runs again: one per FSDP group (each
+# block) that reshards after forward (every block but the root, unless
+# reshard_after_forward=False) and whose parameters the backward needs, which the forward
+# then does not keep for the backward. The MLP's first weight is not needed: its input
+# needs no gradient.
 CASES_1D = {
     "mlp": ("mlp", {}, 1),
-    "llama": ("llama", {}, 18),
+    "llama": ("llama", {}, 2),
     "llama, reshard_after_forward=False": ("llama", {"reshard_after_forward": False}, 0),
-    "llama, bf16 params, fp32 reduce": ("llama", {"mixed_precision": True}, 18),
+    "llama, bf16 params, fp32 reduce": ("llama", {"mixed_precision": True}, 2),
 }
 
 
@@ -130,10 +131,12 @@ def test_fsdp_training_on_a_dp_mesh_matches_eager(case, ranks2):
     for trained, evaluated, programs in ranks2.run(train_and_evaluate, (2,), kind, **options):
         assert trained == (1, 2) and evaluated == (2, 3)
         # The parameters' all-gathers and the gradients' reduce-scatters are collectives of
-        # the per-rank programs (the forward's, the backward's): one per parameter.
-        parameters = 2 if kind == "mlp" else 21
-        assert _gathers(programs) == (parameters, regathered)
-        assert programs.split("def backward")[1].count("reduce_scatter_tensor.default(") == parameters
+        # the per-rank programs (the forward's, the backward's): one per FSDP group, as
+        # FSDP2 buckets them (the MLP: each linear; the Llama model: each block, and the
+        # root's embedding, norm and head).
+        groups = 2 if kind == "mlp" else 3
+        assert _gathers(programs) == (groups, regathered)
+        assert programs.split("def backward")[1].count("reduce_scatter_tensor.default(") == groups
 
 
 CASES_2D = {
@@ -146,9 +149,10 @@ CASES_2D = {
 def test_fsdp_with_tp_on_a_2x2_mesh_matches_eager(case, ranks4):
     for trained, evaluated, programs in ranks4.run(train_and_evaluate, (2, 2), "llama", **CASES_2D[case]):
         assert trained == (1, 2) and evaluated == (2, 3)
-        forward, backward = _gathers(programs)
-        assert forward >= 21 and backward >= 18  # the blocks' parameters are gathered again
-        assert "reduce_scatter_tensor.default(" in programs.split("def backward")[1]
+        # One all-gather per FSDP group (root, two blocks) and TP's of the head's logits in
+        # the forward, the blocks' again in backward; one reduce-scatter per group.
+        assert _gathers(programs) == (4, 2)
+        assert programs.split("def backward")[1].count("reduce_scatter_tensor.default(") == 3
 
 
 def accumulation_without_gradient_sync(micro_batches=3):
