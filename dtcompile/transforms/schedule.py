@@ -11,7 +11,7 @@ all-gather starts before the current group's compute (right after the current gr
 wait as recorded), not all of them at the start of the program with every unsharded
 parameter alive at once. (A bucketed all-gather's input is its group's concatenated
 shards, computed where the module's forward begins; the collective cannot move above that
-copy-in, which ``_input_chain`` would move with it: not enabled yet, see docs/design.md.)
+copy-in, so the prefetch is not one group ahead yet: see docs/design.md.)
 Each
 wait moves down to just before the first symbol that reads its result, or that writes to
 memory (the collective may still be reading its input), or the end.
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from ..core import Trace
 from ..core.op_classes import group_name, is_collective, is_wait
-from .effects import has_side_effects, mutates
+from .effects import mutates
 
 
 def _is_wait(bsym) -> bool:
@@ -36,39 +36,14 @@ def _kind(bsym) -> tuple:
     return (bsym.op, group_name(bsym))
 
 
-def _input_chain(placed: list, bsym, inputs: set[str]) -> list:
-    """The symbols of ``placed`` that compute ``bsym``'s inputs from the trace's inputs
-    alone by pure ops (FSDP's copy-in: views, casts, a concatenation), which move with it."""
-    chain, wanted = [], {p.label for p in bsym.input_proxies()}
-    for before in reversed(placed):
-        made = {p.label for p in before.output_proxies()}
-        if not made & wanted:
-            continue
-        reads = {p.label for p in before.input_proxies()}
-        if has_side_effects(before) or _is_collective(before) or _is_wait(before) or not reads:
-            return []
-        chain.insert(0, before)
-        wanted |= reads
-    produced = {p.label for b in chain for p in b.output_proxies()}
-    if not all(p.label in inputs or p.label in produced for b in chain for p in b.input_proxies()):
-        return []
-    return chain
-
-
-def _starts_early(symbols: list, inputs: set[str]) -> list:
+def _starts_early(symbols: list) -> list:
     placed: list = []
     started: dict[str, tuple] = {}  # a collective's result -> its kind and group
     for bsym in symbols:
         if not _is_collective(bsym):
             placed.append(bsym)
             continue
-        # Moving the copy-in with the collective broke a trace with
-        # reshard_after_forward=False (a name used before its definition): not done yet.
-        chain: list = []
-        if chain:
-            taken = {id(b) for b in chain}
-            placed = [b for b in placed if id(b) not in taken]
-        needs = {p.label for b in [*chain, bsym] for p in b.input_proxies()}
+        needs = {p.label for p in bsym.input_proxies()}
         kind = _kind(bsym)
         position = len(placed)
         while position > 0:
@@ -80,7 +55,7 @@ def _starts_early(symbols: list, inputs: set[str]) -> list:
             if _is_wait(before) and any(started.get(p.label) == kind for p in before.input_proxies()):
                 break
             position -= 1
-        placed[position:position] = [*chain, bsym]
+        placed.insert(position, bsym)
         for p in bsym.output_proxies():
             started[p.label] = kind
     return placed
@@ -109,6 +84,5 @@ def schedule_collectives(trace: Trace) -> Trace:
     """Collectives started early and waited late (see the module docstring)."""
     if not any(_is_collective(b) for b in trace.bound_symbols):
         return trace
-    inputs = {p.label for p in trace.inputs}
-    symbols = _waits_late(_starts_early(list(trace.bound_symbols), inputs))
+    symbols = _waits_late(_starts_early(list(trace.bound_symbols)))
     return trace.derive(f"{trace.fn_name}, with collectives started early and waited late", symbols, trace.output)
