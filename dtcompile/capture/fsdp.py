@@ -34,6 +34,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..core import TracingError
+from ..core.torch_internals import fsdp_cast_inputs, fsdp_cast_output, fsdp_param_groups, fsdp_unsharded_spec
 
 
 class UnsupportedFSDPError(TracingError):
@@ -102,17 +103,23 @@ def _fsdp_groups(root: torch.nn.Module) -> list[ManagedModule]:
         params = []
         reduce_grads = True
         reshard = False
-        for group in state._fsdp_param_groups:
+        for group in fsdp_param_groups(state):
             info = group.mesh_info
-            if isinstance(info, HSDPMeshInfo) or not isinstance(info, FSDPMeshInfo) or info.is_spmd_mesh:
+            if (
+                isinstance(info, HSDPMeshInfo)
+                or not isinstance(info, FSDPMeshInfo)
+                or getattr(info, "is_spmd_mesh", False)
+            ):
                 raise _refuse(f"a data-parallel layout other than one sharded mesh dim ({type(info).__name__})", path)
             if isinstance(group.offload_policy, CPUOffloadPolicy):
                 raise _refuse("CPUOffloadPolicy", path)
-            if group.gradient_divide_factor is not None or group.force_sum_reduction_for_comms:
+            if getattr(group, "gradient_divide_factor", None) is not None or getattr(
+                group, "force_sum_reduction_for_comms", False
+            ):
                 raise _refuse("a custom gradient divide factor or sum-only reductions", path)
-            if group._all_reduce_hook is not None:
+            if getattr(group, "_all_reduce_hook", None) is not None:
                 raise _refuse("an all-reduce hook", path)
-            if group.reduce_scatter_unused_params:
+            if getattr(group, "reduce_scatter_unused_params", False):
                 raise _refuse("set_reduce_scatter_unused_params", path)
             mp = group.mp_policy
             reduce_grads = reduce_grads and group.reduce_grads
@@ -141,7 +148,7 @@ def _fsdp_groups(root: torch.nn.Module) -> list[ManagedModule]:
                         f"{path}.{info_.param_name}" if path else info_.param_name,
                         param_dtype,
                         reduce_dtype,
-                        fsdp_param._unsharded_dtensor_spec if fsdp_param.is_dtensor else None,
+                        fsdp_unsharded_spec(fsdp_param) if fsdp_param.is_dtensor else None,
                         info.mesh,
                         dim == 0 and len(size) > 0 and size[0] % info.shard_mesh_size == 0,
                         orig,
@@ -238,7 +245,7 @@ class FSDPTracing:
 
     def _pre_forward(self, managed: ManagedModule):
         def hook(module, args, kwargs):
-            args, kwargs = managed.state._cast_forward_inputs(args, kwargs)
+            args, kwargs = fsdp_cast_inputs(managed.state, args, kwargs)
             sharded = []
             for param in managed.params:
                 owner, name = param.owners[0]
@@ -269,6 +276,6 @@ class FSDPTracing:
             for param, value in zip(managed.params, sharded):
                 for owner, name in param.owners:
                     owner._parameters[name] = value
-            return managed.state._cast_output_dtype(output)
+            return fsdp_cast_output(managed.state, output)
 
         return hook
