@@ -10,10 +10,8 @@ last bound keeps FSDP's parameter all-gathers one group ahead: the next group's
 all-gather starts before the current group's compute (right after the current group's
 wait as recorded), not all of them at the start of the program with every unsharded
 parameter alive at once. (A bucketed all-gather's input is its group's concatenated
-shards, computed where the module's forward begins; the collective cannot move above that
-copy-in, so the prefetch is not one group ahead yet: see docs/design.md.)
-Each
-wait moves down to just before the first symbol that reads its result, or that writes to
+shards: that copy-in, pure ops on the program's inputs that nothing else reads, moves up
+with it.) Each wait moves down to just before the first symbol that reads its result, or that writes to
 memory (the collective may still be reading its input), or the end.
 """
 
@@ -21,7 +19,7 @@ from __future__ import annotations
 
 from ..core import Trace
 from ..core.op_classes import group_name, is_collective, is_wait
-from .effects import mutates
+from .effects import has_side_effects, mutates
 
 
 def _is_wait(bsym) -> bool:
@@ -36,14 +34,47 @@ def _kind(bsym) -> tuple:
     return (bsym.op, group_name(bsym))
 
 
-def _starts_early(symbols: list) -> list:
+def _copy_in(placed: list, bsym, inputs: set[str], readers: dict[str, set[int]]) -> list:
+    """The symbols of ``placed`` that compute ``bsym``'s inputs from the trace's inputs alone
+    by pure ops read by nothing else (FSDP's copy-in: views of the shards, their
+    concatenation), which move up with it; or none."""
+    chain, wanted = [], {p.label for p in bsym.input_proxies()}
+    for before in reversed(placed):
+        made = {p.label for p in before.output_proxies()}
+        if not made & wanted:
+            continue
+        reads = {p.label for p in before.input_proxies()}
+        if has_side_effects(before) or _is_collective(before) or _is_wait(before) or not reads:
+            return []
+        chain.insert(0, before)
+        wanted |= reads
+    members = {id(b) for b in chain} | {id(bsym)}
+    produced = {p.label for b in chain for p in b.output_proxies()}
+    for b in chain:
+        if any(p.label not in inputs and p.label not in produced for p in b.input_proxies()):
+            return []
+        # A value another symbol reads too stays where it is (moved, it could pass that reader).
+        if any(readers.get(p.label, set()) - members for p in b.output_proxies()):
+            return []
+    return chain
+
+
+def _starts_early(symbols: list, inputs: set[str]) -> list:
+    readers: dict[str, set[int]] = {}
+    for bsym in symbols:
+        for p in bsym.input_proxies():
+            readers.setdefault(p.label, set()).add(id(bsym))
     placed: list = []
     started: dict[str, tuple] = {}  # a collective's result -> its kind and group
     for bsym in symbols:
         if not _is_collective(bsym):
             placed.append(bsym)
             continue
-        needs = {p.label for p in bsym.input_proxies()}
+        chain = _copy_in(placed, bsym, inputs, readers)
+        if chain:
+            taken = {id(b) for b in chain}
+            placed = [b for b in placed if id(b) not in taken]
+        needs = {p.label for b in [*chain, bsym] for p in b.input_proxies()}
         kind = _kind(bsym)
         position = len(placed)
         while position > 0:
@@ -55,7 +86,7 @@ def _starts_early(symbols: list) -> list:
             if _is_wait(before) and any(started.get(p.label) == kind for p in before.input_proxies()):
                 break
             position -= 1
-        placed.insert(position, bsym)
+        placed[position:position] = [*chain, bsym]
         for p in bsym.output_proxies():
             started[p.label] = kind
     return placed
@@ -84,5 +115,6 @@ def schedule_collectives(trace: Trace) -> Trace:
     """Collectives started early and waited late (see the module docstring)."""
     if not any(_is_collective(b) for b in trace.bound_symbols):
         return trace
-    symbols = _waits_late(_starts_early(list(trace.bound_symbols)))
+    inputs = {p.label for p in trace.inputs}
+    symbols = _waits_late(_starts_early(list(trace.bound_symbols), inputs))
     return trace.derive(f"{trace.fn_name}, with collectives started early and waited late", symbols, trace.output)

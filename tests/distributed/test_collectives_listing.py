@@ -199,15 +199,15 @@ def test_fsdp_llama_collectives_are_eager_fsdp2s_buckets(ranks2):
         assert Counter(reduce_scatters) == Counter(c for c in eager["backward"] if c[0] == "reduce_scatter_tensor")
         regathers = Counter(c for c in listed["backward"] if c[0] == "all_gather_into_tensor")
         assert sum(regathers.values()) == 2 and not regathers - Counter(eager["backward"])
-        # Each group's all-gather is waited before the next one starts: never every
-        # unsharded parameter at once. (Not yet one group ahead: a bucketed all-gather
-        # cannot move above its group's copy-in, see docs/design.md, FSDP2.)
+        # One group ahead, as FSDP2 prefetches: the next group's all-gather (with its
+        # copy-in) starts before the current group's is waited and its compute runs; never
+        # every unsharded parameter at once.
         assert result["gather_order"] == [
             ("start", 0),
-            ("wait", 0),
             ("start", 1),
-            ("wait", 1),
+            ("wait", 0),
             ("start", 2),
+            ("wait", 1),
             ("wait", 2),
         ]
         assert result["dtypes"] == {
