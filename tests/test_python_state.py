@@ -3,6 +3,7 @@ functions, Python modules and module attributes are guarded like arguments. A ch
 compiles a new entry (a cache miss) and gives eager's result; calling again with the
 same values hits."""
 
+import functools
 import sys
 import types
 from dataclasses import dataclass
@@ -291,6 +292,76 @@ def test_module_attributes(change):
     assert_same_tensor(model.last, reference.last)
 
 
+class Settings:
+    gain = 2.0  # a class attribute, read through an instance
+
+
+class Base(torch.nn.Module):
+    def act(self, y):
+        return torch.relu(y)
+
+
+class Patched(Base):
+    SCALE = 3.0
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.settings = Settings()
+        self.last = None
+
+    def helper(self, y):
+        return y * self.SCALE
+
+    def forward(self, x):
+        y = self.act(self.helper(self.lin(x))) * self.settings.gain
+        self.last = y  # assigned by the forward: its name does not count as added
+        return y
+
+
+# Code patched and class attributes changed after compiling, on an instance (a name that
+# shadows the class's) or on the class itself; each undone after the test.
+CODE_CHANGES = {
+    "forward of a submodule instance": lambda m: setattr(m.lin, "forward", lambda x: x + 1),
+    "method on the instance": lambda m: setattr(m, "helper", lambda y: y - 1),
+    "class constant shadowed on the instance": lambda m: setattr(m, "SCALE", 5.0),
+    "class constant": lambda m: setattr(Patched, "SCALE", 7.0),
+    "method of the class": lambda m: setattr(Patched, "helper", lambda self, y: y + 2),
+    "method of a base, overridden in the class": lambda m: setattr(Patched, "act", lambda self, y: y * 0.5),
+    "method of a base": lambda m: setattr(Base, "act", lambda self, y: torch.tanh(y)),
+    "forward of a library class": lambda m: setattr(torch.nn.Linear, "forward", lambda self, x: x * 0),
+    "config attribute shadowing its class's": lambda m: setattr(m.settings, "gain", 9.0),
+    "config class attribute": lambda m: setattr(Settings, "gain", 11.0),
+}
+
+
+@pytest.fixture
+def restore_classes():
+    saved = [(cls, dict(vars(cls))) for cls in (Patched, Base, Settings, torch.nn.Linear)]
+    yield
+    for cls, attributes in saved:
+        for name in set(vars(cls)) - set(attributes):
+            delattr(cls, name)
+        for name, value in attributes.items():
+            if vars(cls).get(name) is not value and not name.startswith("__"):
+                setattr(cls, name, value)
+
+
+@pytest.mark.parametrize("change", list(CODE_CHANGES))
+def test_code_patched_and_class_attributes_changed_after_compiling(change, restore_classes):
+    torch.manual_seed(0)
+    model = Patched()
+    jm = dtcompile.jit(model)
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        jm(x)
+    assert counts(jm) == (1, 1)  # the forward's own assignment does not miss
+    CODE_CHANGES[change](model)
+    for _ in range(2):
+        assert_same_tensor(jm(x), Patched.forward(model, x))  # eager: the forward as the class has it now
+    assert counts(jm) == (2, 2)
+
+
 class Counter(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -563,7 +634,7 @@ def test_attribute_names_do_not_guard_globals_of_that_name():
             view = jf(x)  # rebinds the global ``view`` at each call
             assert_same_tensor(view, uses_an_attribute_named_view(x))
         reads = dtcompile.capture.python_state.PythonState.of_function(uses_an_attribute_named_view).reads
-        assert [read.key for read in reads] == ["torch"]
+        assert [read.key for read in reads if read.key is not None] == ["torch"]  # and its defaults (None)
         assert counts(jf) == (1, 2)
     finally:
         view = None
@@ -652,3 +723,83 @@ def test_a_dict_read_whole_is_checked_by_its_version_then_by_contents():
     finally:
         FLAGS.clear()
         FLAGS.update(a=1.0, b=2.0)
+
+
+def _scaled(x, k=2.0, *, shift=0.0):
+    return x * k + shift
+
+
+def _calls_scaled(x):
+    return _scaled(x)
+
+
+_PARTIAL = functools.partial(_scaled, k=3.0)
+NESTED = {"scales": [2.0, {"inner": 1.0}], "pair": ([1.0], 2.0)}
+
+
+def _reads_nested(x):
+    return x * NESTED["scales"][1]["inner"] + NESTED["pair"][0][0]
+
+
+class _Level:
+    def __init__(self, **attributes):
+        vars(self).update(attributes)
+
+
+DEEP = _Level(attention=_Level(rope=_Level(theta=2.0)))
+
+
+def _reads_deep(x):
+    return x * DEEP.attention.rope.theta
+
+
+def _imports_inside(x):
+    import dtcompile_test_settings
+
+    return x * dtcompile_test_settings.SCALE
+
+
+# Values read at each call that live in no module's or globals' dict, or deeper than
+# the first level: each changed (then put back) after a first compile.
+READ_AT_EACH_CALL = {
+    "default argument": (_scaled, lambda: setattr(_scaled, "__defaults__", (5.0,))),
+    "keyword-only default": (_scaled, lambda: setattr(_scaled, "__kwdefaults__", {"shift": 1.0})),
+    "default of a helper": (_calls_scaled, lambda: setattr(_scaled, "__defaults__", (7.0,))),
+    "keyword of a partial": (_PARTIAL, lambda: _PARTIAL.keywords.update(k=9.0)),
+    "value in a nested dict": (_reads_nested, lambda: NESTED["scales"][1].update(inner=4.0)),
+    "list in a tuple": (_reads_nested, lambda: NESTED["pair"][0].append(0.0) or NESTED["pair"][0].reverse()),
+    "attribute three objects down": (_reads_deep, lambda: setattr(DEEP.attention.rope, "theta", 6.0)),
+    "module imported inside the function": (
+        _imports_inside,
+        lambda: setattr(sys.modules["dtcompile_test_settings"], "SCALE", 8.0),
+    ),
+}
+
+
+@pytest.fixture
+def restore_read_state():
+    settings = types.ModuleType("dtcompile_test_settings")
+    settings.SCALE = 2.0
+    sys.modules[settings.__name__] = settings
+    saved = (_scaled.__defaults__, dict(_scaled.__kwdefaults__), dict(_PARTIAL.keywords), DEEP.attention.rope.theta)
+    NESTED.update(scales=[2.0, {"inner": 1.0}], pair=([1.0], 2.0))
+    yield
+    del sys.modules[settings.__name__]
+    _scaled.__defaults__, _scaled.__kwdefaults__ = saved[0], saved[1]
+    _PARTIAL.keywords.clear()
+    _PARTIAL.keywords.update(saved[2])
+    DEEP.attention.rope.theta = saved[3]
+
+
+@pytest.mark.parametrize("case", list(READ_AT_EACH_CALL))
+def test_values_read_at_each_call_outside_dicts_and_deeper(case, restore_read_state):
+    fn, change = READ_AT_EACH_CALL[case]
+    jf = dtcompile.jit(fn)
+    x = torch.randn(3)
+    for _ in range(2):
+        assert_same_tensor(jf(x), fn(x))
+    assert counts(jf) == (1, 1)
+    change()
+    for _ in range(2):
+        assert_same_tensor(jf(x), fn(x))
+    assert counts(jf) == (2, 2)

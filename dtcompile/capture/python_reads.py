@@ -38,15 +38,32 @@ def value_key(value: object) -> object:
 
 
 def scalar_container(value: object) -> bool:
-    """Whether ``value`` is a small list or dict (string keys) of values guarded by value,
-    whose contents are guarded too, beside its identity."""
-    if type(value) is list:
-        return len(value) <= _CONTAINER_ITEMS and all(map(by_value, value))
-    if type(value) is dict:
-        return (
-            len(value) <= _CONTAINER_ITEMS and all(type(k) is str for k in value) and all(map(by_value, value.values()))
-        )
-    return False
+    """Whether ``value`` is a small list or dict (string keys), or a tuple holding such, of
+    values guarded by value, nested or not (up to 32 in all), whose contents are guarded
+    too, beside its identity."""
+    kind = type(value)
+    if kind not in (list, dict) and not (kind is tuple and not by_value(value)):
+        return False
+    return _scalar_leaves(value, _CONTAINER_ITEMS) >= 0
+
+
+def _scalar_leaves(value: object, budget: int) -> int:
+    """``budget`` less the scalars in a tree of lists, tuples and dicts (string keys), or
+    -1 where the tree holds anything else or more than ``budget`` scalars."""
+    kind = type(value)
+    if kind in _SCALARS:
+        return budget - 1
+    if kind is dict:
+        if not all(type(k) is str for k in value):
+            return -1
+        value = value.values()
+    elif kind is not list and kind is not tuple:
+        return -1
+    for item in value:
+        budget = _scalar_leaves(item, budget)
+        if budget < 0:
+            return -1
+    return budget
 
 
 def needs_value_key(value: object) -> bool:
@@ -64,7 +81,9 @@ def needs_value_key(value: object) -> bool:
 @dataclass
 class Read:
     """One value the program can read: ``holder[key]`` (a globals dict, a module's or an
-    object's ``__dict__``) or ``holder.cell_contents`` (``key`` None), and the value then."""
+    object's ``__dict__``) or, with ``key`` None, an attribute of ``holder`` that lives in
+    no dict (a closure cell's contents, a function's defaults, a partial's arguments), and
+    the value then."""
 
     holder: object
     key: str | None
@@ -72,11 +91,12 @@ class Read:
     where: str  # for messages and docs: "global 'S' of f"
     contents: bool = False  # the contents of a small list or dict of scalars, not its identity
     contents_key: object = None  # their value_key when read (the container may change later)
+    attribute: str = "cell_contents"  # what is read of ``holder`` when ``key`` is None
 
     def current(self) -> object:
         if self.key is None:
             try:
-                return self.holder.cell_contents
+                return getattr(self.holder, self.attribute)
             except ValueError:  # the cell was emptied
                 return ABSENT
         return self.holder.get(self.key, ABSENT)
@@ -92,18 +112,21 @@ class Read:
 
 @dataclass
 class ReadGroup:
-    """Reads checked together: ``holder[key]`` for the dict reads, then the cells'
-    contents, and what each must be (the object, the value, or its :func:`value_key`)."""
+    """Reads checked together: ``holder[key]`` for the dict reads, then the attribute
+    reads (cells' contents), and what each must be (the object, the value, or its
+    :func:`value_key`)."""
 
     dicts: list = field(default_factory=list)
     keys: list = field(default_factory=list)
-    cells: list = field(default_factory=list)
+    objects: list = field(default_factory=list)
+    attributes: list = field(default_factory=list)
     expected: list = field(default_factory=list)
     types: list = field(default_factory=list)
 
     def add(self, read: Read, expected: object) -> None:
         if read.key is None:
-            self.cells.append(read.holder)
+            self.objects.append(read.holder)
+            self.attributes.append(read.attribute)
         else:
             self.dicts.append(read.holder)
             self.keys.append(read.key)
@@ -140,11 +163,16 @@ class PythonGuards:
     dict_objects: list = field(default_factory=list)
     dict_versions: list = field(default_factory=list)
     keyed: ReadGroup = field(default_factory=ReadGroup)
+    # Dicts whose names are read (instances', classes'), and how many names each holds
+    # (not counting the names the forward assigns, given with it): a name added shadows a
+    # class's (``module.forward = ...``).
+    namespaces: list = field(default_factory=list)
+    namespace_lengths: list = field(default_factory=list)
 
     @classmethod
     def of(cls, reads: list[Read]) -> PythonGuards:
         g = cls()
-        # Dict reads before cell reads in each group, as the prologue reads them.
+        # Dict reads before attribute reads in each group, as the prologue reads them.
         for read in sorted(reads, key=lambda r: r.key is None):
             value = read.value
             if read.contents:
@@ -171,4 +199,4 @@ class PythonGuards:
         return g
 
     def __bool__(self) -> bool:
-        return bool(self.same or self.equal or self.lists or self.dicts or self.keyed)
+        return bool(self.same or self.equal or self.lists or self.dicts or self.keyed or self.namespaces)

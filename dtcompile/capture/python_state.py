@@ -15,39 +15,52 @@ hook), so what is guarded is what the code *can* read, found before tracing:
   standard library, and anything installed in site-packages.
 - **Globals** each such function's code loads (``LOAD_GLOBAL`` in its bytecode, nested
   functions and lambdas included) that are in its ``__globals__``; the **closure cells**
-  it holds; the attributes a user Python module holds under the other names its code
-  uses (``cfg.SCALE``).
+  it holds; its **default arguments** (``__defaults__``, ``__kwdefaults__``); a
+  ``functools.partial``'s keyword arguments; the attributes a user Python module holds
+  (imported at the top or inside the function) under the other names its code uses
+  (``cfg.SCALE``).
 - **Module attributes** of the jitted module's tree, and of any module the code reaches
   (a global model a loss function calls; for those also the training flag and which
-  parameters, buffers, submodules and tensor attributes they hold): every entry of each submodule's ``__dict__``
-  except tensors, submodules and ``nn.Module``'s own tables (parameters, buffers,
-  submodules, hooks and the training flag are guarded elsewhere), and except attributes
-  the forward assigns a tensor or a computed size (replayed after each call: guarding them
-  would miss at every call). An attribute the forward assigns a constant stays guarded:
-  ``self.calls = self.calls + 1`` bakes in the new value, which is right only for the old.
-- **Objects one level deep**: the attributes of a plain object (a config) held in such an
-  attribute, global or cell (``self.config.scale``, ``self.config.act``); the objects
-  these hold are guarded by identity, not followed further.
+  parameters, buffers, submodules and tensor attributes they hold): every entry of each
+  submodule's ``__dict__`` except tensors, submodules and ``nn.Module``'s own tables
+  (parameters, buffers, submodules, hooks and the training flag are guarded elsewhere),
+  and except attributes the forward assigns a tensor or a computed size (replayed after
+  each call: guarding them would miss at every call). An attribute the forward assigns a
+  constant stays guarded: ``self.calls = self.calls + 1`` bakes in the new value, which
+  is right only for the old.
+- **Plain objects, three levels deep**: the attributes of a plain object (a config) held
+  in such an attribute, global or cell (``self.config.scale``, ``self.config.act``), and
+  of the plain objects it holds, down to ``self.config.attention.rope.theta``; what
+  those hold is guarded by identity.
+- **Classes**: every attribute a user class (a module's, a config's, one the code names)
+  and its user bases define (methods by identity, constants by value); of a library
+  module class and its bases up to ``nn.Module``, the ``forward`` (patching a library's
+  layer). So a method or class constant replaced after compiling is seen.
+- **Which names** each of those instance and class dicts holds (by their number; the names
+  the forward assigns are not counted): a name added shadows what the code read from a
+  class (``layer.forward = wrapped``, ``self.SCALE = 3`` over a class constant).
 
 How: ``None``/``bool``/``int``/``float``/``complex``/``str``/``bytes`` and tuples of them
 by exact type and value (``1``, ``1.0`` and ``True`` are three values; so are ``0.0`` and
-``-0.0``); a small list or dict (string keys, up to 32 items) of such values by identity
-and by its contents; anything else (functions, classes, tensors, modules, objects) by
-identity.
+``-0.0``); small lists, dicts (string keys) and tuples of such values, nested or not (up
+to 32 values in all), by identity and by their contents; anything else (functions,
+classes, tensors, modules, objects) by identity.
 
-Not guarded: attributes of objects two levels down (``self.config.sub.x``), the contents
-of larger or non-scalar lists and dicts (only which list or dict it is), class attributes
-(``self.SCALE`` defined in the class body), values read inside library code (a global of
-``transformers`` changed), names reached only through strings (``getattr(cfg, name)``),
-defaults of a function's arguments, the arguments of a ``functools.partial``, and globals
-the traced code itself assigns (their value after tracing is what the next call sees; the
-assignment is not replayed).
+Not guarded: attributes of plain objects four levels down, the contents of larger lists
+and dicts or of those holding other objects (only which list or dict it is), a library
+class's attributes other than a module's ``forward`` (and ``nn.Module``'s own), a class's
+bases, values read inside library code (a global of ``transformers`` changed), names
+reached only through strings (``getattr(cfg, name)``), a ``functools.partial``'s
+positional arguments (a tuple: they cannot change, but the objects in it can), and
+globals the traced code itself assigns (their value after tracing is what the next call
+sees; the assignment is not replayed).
 """
 
 from __future__ import annotations
 
 import dis
 import functools
+import gc
 import sys
 import sysconfig
 import types
@@ -89,29 +102,44 @@ def is_library(obj: object) -> bool:
     return "site-packages" in filename or "dist-packages" in filename or filename.startswith(_LIBRARY_PATHS)
 
 
+def class_namespace(cls: type) -> dict:
+    """The dict behind ``cls.__dict__`` (a read-only view): the prologue reads names from
+    it with ``dict.get`` like an instance's, and ``setattr(cls, ...)`` changes it in place.
+    The view's only referent is that dict."""
+    (names,) = gc.get_referents(vars(cls))
+    return names
+
+
 def _own(value: object) -> bool:
     """Whether ``value`` is one of dtcompile's own objects (a compiled function's state)."""
     module = type(value).__module__
     return module.startswith("dtcompile.") and not module.startswith("dtcompile.testing")
 
 
+# How deep plain objects (configs) are followed: ``self.config.attention.window``; the
+# objects held further down are guarded by identity only.
+_OBJECT_LEVELS = 3
 _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 
 
-def _code_names(code: types.CodeType) -> tuple[set[str], set[str]]:
-    """The global names a code object and the functions nested in it load, and the other
-    names they use (attributes: ``cfg.SCALE``). Told apart by the bytecode, so that an
-    attribute (``out.sum``) does not guard a global of that name (a loop's ``out``)."""
-    global_names, other = set(), set(code.co_names)
+def _code_names(code: types.CodeType) -> tuple[set[str], set[str], set[str]]:
+    """The global names a code object and the functions nested in it load, the Python
+    modules they import (``import cfg`` inside a function), and the other names they use
+    (attributes: ``cfg.SCALE``). Told apart by the bytecode, so that an attribute
+    (``out.sum``) does not guard a global of that name (a loop's ``out``)."""
+    global_names, imported, other = set(), set(), set(code.co_names)
     for instruction in dis.get_instructions(code):
         if instruction.opname in _GLOBAL_LOADS:
             global_names.add(instruction.argval)
+        elif instruction.opname == "IMPORT_NAME":
+            imported.add(instruction.argval)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            inner_globals, inner_other = _code_names(const)
+            inner_globals, inner_imported, inner_other = _code_names(const)
             global_names |= inner_globals
+            imported |= inner_imported
             other |= inner_other
-    return global_names, other - global_names
+    return global_names, imported, other - global_names
 
 
 @dataclass
@@ -121,8 +149,16 @@ class PythonState:
     reads: list[Read] = field(default_factory=list)
     # Every module reached, with its path: its code runs and its attributes are read.
     modules: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
+    # The dicts whose set of names is guarded (by their length; each name read is guarded
+    # on its own): a name added there shadows what the code read from a class (an
+    # instance's ``forward``, a class constant set on an instance, a method overriding a
+    # base class's).
+    namespaces: list[dict] = field(default_factory=list)
     _seen_reads: set = field(default_factory=set, repr=False)
     _walked: set = field(default_factory=set, repr=False)
+    _seen_namespaces: set = field(default_factory=set, repr=False)
+    # (id of a module's dict, name) the forward assigns or removes: made after each call.
+    _assigned_names: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def of_function(cls, fn: object) -> PythonState:
@@ -136,13 +172,19 @@ class PythonState:
         state.module_tree(module, "", reached=False)
         return state
 
-    def _read(self, holder: object, key: str | None, value: object, where: str) -> None:
-        if (id(holder), key) in self._seen_reads:
+    def _read(
+        self, holder: object, key: str | None, value: object, where: str, attribute: str = "cell_contents"
+    ) -> None:
+        """Guard ``holder[key]``, or with ``key`` None the ``attribute`` of ``holder``."""
+        seen = (id(holder), key if key is not None else attribute)
+        if seen in self._seen_reads:
             return
-        self._seen_reads.add((id(holder), key))
-        self.reads.append(Read(holder, key, value, where))
+        self._seen_reads.add(seen)
+        self.reads.append(Read(holder, key, value, where, attribute=attribute))
         if scalar_container(value):
-            self.reads.append(Read(holder, key, value, f"the contents of {where}", True, value_key(value)))
+            self.reads.append(
+                Read(holder, key, value, f"the contents of {where}", True, value_key(value), attribute=attribute)
+            )
 
     def module_tree(self, root: torch.nn.Module, prefix: str, reached: bool = True) -> None:
         """Each submodule's attributes, the code of its class and its hooks. A module the
@@ -155,7 +197,8 @@ class PythonState:
             self._walked.add(id(module))
             self.modules.append((path, module))
             owner = path or "the module"
-            self._class(type(module))
+            self._class(type(module), module_class=True)
+            self._namespace(vars(module))
             if reached:
                 self._read(vars(module), "training", module.training, f"the training flag of {owner}")
                 for table in (module._parameters, module._buffers, module._modules, vars(module)):
@@ -172,15 +215,19 @@ class PythonState:
                 for hook in getattr(module, table).values():
                     self.follow(hook, f"a hook of {owner}")
 
-    def follow(self, value: object, where: str, names: set[str] = frozenset()) -> None:
+    def follow(self, value: object, where: str, names: set[str] = frozenset(), depth: int = 0) -> None:
         """What reading ``value`` lets the code read further: a user function's globals and
-        cells, a user class's methods, a plain object's attributes, the ``names`` of a user
-        Python module."""
+        cells, a user class's methods, a plain object's attributes (and those of the plain
+        objects it holds, ``depth`` levels down), the ``names`` of a user Python module."""
         if id(value) in self._walked or by_value(value):
             return
         if isinstance(value, functools.partial):
             self._walked.add(id(value))
             self.follow(value.func, where)
+            # Its keywords dict can change in place; its arguments are fixed (a tuple).
+            self._read(value, None, value.keywords, f"the keyword arguments of {where}", attribute="keywords")
+            for item in (*value.args, *value.keywords.values()):
+                self.follow(item, where)
             return
         compiled = getattr(value, "_dtcompile", None)  # a jitted function called inside: inlined
         if compiled is not None and not isinstance(value, torch.nn.Module):
@@ -200,9 +247,13 @@ class PythonState:
         elif isinstance(value, types.ModuleType):
             self._python_module(value, names)
         elif is_rebuildable_object(value) and isinstance(getattr(value, "__dict__", None), dict) and not _own(value):
-            self._walked.add(id(value))  # one level: its attributes are not followed further
+            self._walked.add(id(value))
+            self._class(type(value))
+            self._namespace(vars(value))
             for name, item in vars(value).items():
                 self._read(vars(value), name, item, f"{where}.{name}")
+                if depth + 1 < _OBJECT_LEVELS and is_rebuildable_object(item):
+                    self.follow(item, f"{where}.{name}", depth=depth + 1)
 
     def _function(self, fn: types.FunctionType) -> None:
         if id(fn) in self._walked or is_library(fn):
@@ -217,7 +268,17 @@ class PythonState:
             where = f"closure variable {name!r} of {fn.__qualname__}"
             self._read(cell, None, value, where)
             self.follow(value, where)
-        global_names, attributes = _code_names(code)
+        for attribute in ("__defaults__", "__kwdefaults__"):  # assignable, and read at each call
+            defaults = getattr(fn, attribute)
+            where = f"the default arguments of {fn.__qualname__}"
+            self._read(fn, None, defaults, where, attribute=attribute)
+            for value in (defaults or {}).values() if isinstance(defaults, dict) else defaults or ():
+                self.follow(value, where)
+        global_names, imported, attributes = _code_names(code)
+        for name in sorted(imported):
+            module = sys.modules.get(name)
+            if module is not None:
+                self._python_module(module, attributes | set(name.split(".")[1:]))
         module_globals = fn.__globals__
         for name in sorted(global_names):
             if name in module_globals:
@@ -226,13 +287,32 @@ class PythonState:
                 self._read(module_globals, name, value, where)
                 self.follow(value, where, attributes)
 
-    def _class(self, cls: type) -> None:
-        """A user class's methods, its bases' too (library classes are skipped)."""
+    def _namespace(self, names: dict) -> None:
+        if id(names) not in self._seen_namespaces:
+            self._seen_namespaces.add(id(names))
+            self.namespaces.append(names)
+
+    def _class(self, cls: type, module_class: bool = False) -> None:
+        """A user class's attributes (methods by identity, constants by value) and the
+        code of its methods, its bases' too. Library classes are skipped, but for a module's
+        class: there the ``forward`` of each class up to ``nn.Module`` is guarded (the
+        usual way to patch a library's layer)."""
         for klass in cls.__mro__:
-            if id(klass) in self._walked or is_library(klass) or klass is object:
+            if klass is object or klass is torch.nn.Module:
+                continue
+            library = is_library(klass)
+            if id(klass) in self._walked or (library and not module_class):
                 continue
             self._walked.add(id(klass))
-            for attr in vars(klass).values():
+            names = class_namespace(klass)
+            self._namespace(names)
+            owner = f"class {klass.__qualname__}"
+            for name, attr in names.items():
+                if library:
+                    if name == "forward":
+                        self._read(names, name, attr, f"{name!r} of {owner}")
+                    continue
+                self._read(names, name, attr, f"{name!r} of {owner}")
                 if isinstance(attr, (staticmethod, classmethod)):
                     attr = attr.__func__
                 elif isinstance(attr, property):
@@ -270,6 +350,20 @@ class PythonState:
             if u.table == "__dict__" and not (isinstance(u.value, ConstantOutput) and by_value(u.value.value))
         }
         self.forget(lambda read: (id(read.holder), read.key) not in assigned and read.unchanged())
+        for u in module_updates:
+            if u.table == "__dict__":
+                self._assigned_names[(id(vars(u.module)), u.key)] = None
+
+    def namespace_lengths(self) -> list[tuple[int, tuple[str, ...]]]:
+        """How many names each namespace holds, not counting the names the forward assigns
+        or removes (the epilogue does so after each call), and those names."""
+        lengths = []
+        for names in self.namespaces:
+            assigned = tuple(key for holder, key in self._assigned_names if holder == id(names))
+            lengths.append((len(names) - sum(key in names for key in assigned), assigned))
+        return lengths
 
     def guards(self) -> PythonGuards:
-        return PythonGuards.of(self.reads)
+        guards = PythonGuards.of(self.reads)
+        guards.namespaces, guards.namespace_lengths = self.namespaces, self.namespace_lengths()
+        return guards

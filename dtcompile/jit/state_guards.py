@@ -94,22 +94,35 @@ def python_state_checks(b, guards: PythonGuards) -> None:
     ``==``, then the few (tuples, NaN, zeros) compared by their :func:`value_key`."""
     if not guards:
         return
-    b.globals.update(is_=operator.is_, ABSENT=itertools.repeat(ABSENT), CELL=operator.attrgetter("cell_contents"))
+    plain = [(names, n) for names, (n, assigned) in zip(guards.namespaces, guards.namespace_lengths) if not assigned]
+    if plain:
+        b.globals.update(NAMESPACES=[names for names, _ in plain], NAMESPACE_LENGTHS=[n for _, n in plain])
+        b.fail_if("list(map(len, NAMESPACES)) != NAMESPACE_LENGTHS")
+    for names, (n, assigned) in zip(guards.namespaces, guards.namespace_lengths):
+        if assigned:  # names the forward assigns (the epilogue does, after each call) are not counted
+            var = b.fresh("NAMESPACE")
+            b.globals[var] = names
+            counted = "".join(f" - ({key!r} in {var})" for key in assigned)
+            b.fail_if(f"len({var}){counted} != {n}")
+    b.globals.update(is_=operator.is_, ABSENT=itertools.repeat(ABSENT))
 
     def read(group: ReadGroup, prefix: str) -> list[str]:
-        """Expressions iterating the group's current values: dict reads, then cells."""
-        b.globals.update({f"{prefix}_DICTS": group.dicts, f"{prefix}_KEYS": group.keys, f"{prefix}_CELLS": group.cells})
+        """Expressions iterating the group's current values: dict reads, then attributes."""
+        b.globals.update({f"{prefix}_DICTS": group.dicts, f"{prefix}_KEYS": group.keys})
+        b.globals.update({f"{prefix}_OBJECTS": group.objects, f"{prefix}_ATTRIBUTES": group.attributes})
         b.globals[prefix] = group.expected
         return [f"map(dict.get, {prefix}_DICTS, {prefix}_KEYS, ABSENT)"] * bool(group.dicts) + [
-            f"map(CELL, {prefix}_CELLS)"
-        ] * bool(group.cells)
+            f"map(getattr, {prefix}_OBJECTS, {prefix}_ATTRIBUTES)"
+        ] * bool(group.objects)
 
     if guards.same:
-        # Dict reads, then cells: each against its part of the objects expected.
+        # Dict reads, then attributes: each against its part of the objects expected.
         split = len(guards.same.dicts)
-        b.globals.update(PY_SAME_OF_DICTS=guards.same.expected[:split], PY_SAME_OF_CELLS=guards.same.expected[split:])
+        b.globals.update(
+            PY_SAME_OF_DICTS=guards.same.expected[:split], PY_SAME_OF_ATTRIBUTES=guards.same.expected[split:]
+        )
         for values, expected in zip(
-            read(guards.same, "PY_SAME"), ("PY_SAME_OF_DICTS", "PY_SAME_OF_CELLS")[not split :]
+            read(guards.same, "PY_SAME"), ("PY_SAME_OF_DICTS", "PY_SAME_OF_ATTRIBUTES")[not split :]
         ):
             b.fail_if(f"not all(map(is_, {values}, {expected}))")
     if guards.equal:
