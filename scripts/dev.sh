@@ -20,6 +20,12 @@ setup() {
   if ! "$py" -c "import torch" 2>/dev/null; then
     "$py" -m pip install --quiet "torch==2.13.0"
   fi
+  # `accelerate launch` starts CPU processes through MPI (tests/test_accelerate_launch.py).
+  if ! command -v mpirun >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q openmpi-bin >/dev/null ||
+      { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q openmpi-bin >/dev/null; } ||
+      echo "dev.sh: could not install openmpi-bin; the accelerate launch test will fail" >&2
+  fi
   local stamp="$VENV/.dtcompile-installed"
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     "$py" -m pip install --quiet --disable-pip-version-check -e ".[test]"

@@ -3,7 +3,8 @@
 Run: torchrun --nproc-per-node 2 scripts/train.py [--steps 20] [--layers 2]
      torchrun --nproc-per-node 4 scripts/train.py --dp 2 --tp 2 [--trace]  (FSDP2 over dp, TP over tp)
      torchrun --nproc-per-node 2 scripts/train.py --accelerate      (processes set up by Accelerate)
-     accelerate launch --cpu --num_processes 2 ... scripts/train.py --accelerate
+     accelerate launch --cpu --num_processes 4 --num_machines 1 --mpirun_hostfile FILE \
+         scripts/train.py --accelerate --dp 2 --tp 2   (MPI; see docs/guide-training.md)
 
 Two copies of the model start from the same weights; each trains with AdamW on the same
 batches, one eagerly and one compiled by dtcompile. With ``--dp N`` the ranks form an
