@@ -14,16 +14,18 @@ interleaved call by call with a sync before each call (``timing.interleaved_medi
 one thread per rank, and every rank reports the slowest rank's median.
 
 **Peak memory**, per mode, is the peak of live tensor bytes during one step above what
-was live when the step began (parameters, optimizer state, the batch), measured the same
-way for every mode: the step runs once more under ``torch.profiler`` with
-``profile_memory=True``, which records every allocation and free of the CPU allocator
-(each with its size and address) in order; the peak is the largest running sum
-(``dtcompile.testing.memory.peak_bytes``: a block freed on a Gloo thread, which the
-profiler does not follow, counts as freed when its address is handed out again). Storage that
-FSDP2 resizes in place (its all-gather buffers) is an allocation and a free there too.
-All modes have run several steps before (optimizer state exists, torch.compile's graphs
-are compiled), so the step measured is a steady one. The largest rank's peak is printed.
-What the profiler does not see: memory outside torch's CPU allocator (Gloo's own
+was live when the step began (parameters, optimizer state, the batch). It is measured in
+a process of its own (``--fake-world``): the same model, mesh and steps on rank 0 of a
+fake process group of the same size, where every collective completes at once on the
+calling thread. The step runs under ``torch.profiler`` with ``profile_memory=True``,
+which records every allocation and free of the CPU allocator in order; the peak is the
+largest running sum (``dtcompile.testing.memory.peak_bytes``). So what is measured is
+how long each mode's program keeps its tensors alive, exactly, the same at every run:
+on Gloo ranks the profiler misses the frees Gloo's threads make (a collective's buffers,
+let go when it completes), and the same step measured there moved by up to 4 MiB from
+run to run, more than the modes differ. Collective buffers are alive there as here: each
+program holds them until it waits. All modes have run three steps before, so the step
+measured is a steady one. Not seen: memory outside torch's CPU allocator (Gloo's own
 buffers, Python objects), the same for every mode.
 """
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -44,6 +47,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor._ops._mask_buffer import MaskBuffer
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import dtcompile
 from dtcompile.testing import memory
@@ -86,13 +90,17 @@ def release_fake_masks() -> int:
     return released
 
 
-def peak_bytes(step) -> int:
-    """The peak of live tensor bytes while ``step()`` runs, above those live when it begins
-    (see the module docstring); the largest over the ranks."""
-    sync()
-    result = torch.tensor([memory.peak_bytes(step)], dtype=torch.int64)
-    dist.all_reduce(result, op=dist.ReduceOp.MAX)
-    return int(result.item())
+def fake_world_peaks(args) -> dict[str, int | None]:
+    """Each mode's peak bytes in a step, measured in a process with a fake process group
+    (see the module docstring); None where the mode does not run there."""
+    command = [sys.executable, __file__, "--fake-world", "--dp", str(args.dp), "--tp", str(args.tp)]
+    command += ["--modes", *args.modes, "--vocab", str(args.vocab), "--dim", str(args.dim)]
+    command += ["--layers", str(args.layers), "--batch", str(args.batch), "--seq", str(args.seq)]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [line for line in done.stdout.splitlines() if line.startswith("PEAKS ")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"the fake-world memory run failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len("PEAKS ") :])
 
 
 def main() -> None:
@@ -108,10 +116,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--header", action="store_true", help="print the table's header first")
+    parser.add_argument("--fake-world", action="store_true", help="only measure peak memory, on a fake process group")
     args = parser.parse_args()
-    init_gloo()
+    if args.fake_world:
+        torch.set_num_threads(1)
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.dp * (args.tp or 1))
+    else:
+        init_gloo()
     world = dist.get_world_size()
-    tp = args.tp or world // args.dp
+    args.tp = tp = args.tp or world // args.dp
     if args.dp * tp != world:
         raise SystemExit(f"--dp {args.dp} x --tp {tp} is not the {world} ranks started")
     mesh = init_device_mesh("cpu", (args.dp, tp), mesh_dim_names=("dp", "tp"))
@@ -155,8 +168,12 @@ def main() -> None:
         steps[mode] = step
     if "torch.compile" in steps:
         release_fake_masks()  # not enough with TP: see above
+    if args.fake_world:
+        print(f"PEAKS {json.dumps({mode: memory.peak_bytes(step) for mode, step in steps.items()})}")
+        return
     medians = interleaved_medians(steps, calls=args.calls, warmup=args.warmup)
-    peaks = {mode: peak_bytes(step) for mode, step in steps.items()}
+    peaks = fake_world_peaks(args) if dist.get_rank() == 0 else {}
+    sync()
 
     label = f"{args.dp}x{tp} dp x tp" if tp > 1 else f"{args.dp} dp"
     if args.header:
@@ -167,8 +184,9 @@ def main() -> None:
             print0(f"{label:<12} {mode:<14} failed: {failed[mode][:200]}")
             continue
         ratio = f"{eager / medians[mode]:>10.2f}x" if eager else f"{'-':>11}"
+        peak = f"{peaks[mode] / 2**20:>9.2f}" if peaks.get(mode) is not None else f"{'-':>9}"
         print0(
-            f"{label:<12} {mode:<14} {medians[mode] * 1e3:>9.1f} {ratio} {peaks[mode] / 2**20:>9.2f}"
+            f"{label:<12} {mode:<14} {medians[mode] * 1e3:>9.1f} {ratio} {peak}"
             f" {first_call[mode]:>11.1f}"
         )
     if "eager" in losses:

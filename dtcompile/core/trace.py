@@ -19,6 +19,24 @@ from .proxy import NumberProxy, TensorProxy, is_proxy
 from .symbol import BoundSymbol, proxies_in
 
 
+@dataclass(frozen=True)
+class Zeros:
+    """Stands for a tensor of zeros that is made only where a program first reads it: the
+    gradient of an output autograd computed none for (an unused cache a model returns),
+    which would otherwise be alive, as zeros, through the whole backward."""
+
+    shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+
+
+def made(value):
+    """``value``, or the zeros a :class:`Zeros` stands for."""
+    if type(value) is Zeros:
+        return torch.zeros(value.shape, dtype=value.dtype, device=value.device)
+    return value
+
+
 @dataclass
 class Trace:
     """A straight-line program over proxies.
@@ -43,6 +61,9 @@ class Trace:
     # does), outputs excepted: the function would otherwise keep every intermediate alive
     # until it returns. Execution traces do; the traces of the passes print without.
     frees_values: bool = False
+    # Inputs that may come as a :class:`Zeros`: made into a tensor just before the first
+    # symbol that reads each (or the return).
+    deferred_inputs: frozenset[str] = frozenset()
 
     def derive(self, title: str, bound_symbols: list[BoundSymbol], output: object | None = None) -> Trace:
         """A new trace with the same inputs and header, made by a pass called ``title``."""
@@ -59,6 +80,8 @@ class Trace:
 
     def all_globals(self) -> dict[str, tuple[object, str | None]]:
         merged = dict(self.globals)
+        if self.deferred_inputs:
+            merged["made"] = (made, "from dtcompile.core.trace import made")
         for bsym in self.bound_symbols:
             for name, obj, source in bsym.symbol.globals:
                 merged.setdefault(name, (obj, source))
@@ -76,7 +99,13 @@ class Trace:
             lines.append("    inputs.clear()")
         last_note = None
         freed = self._frees() if self.frees_values else {}
+        deferred = set(self.deferred_inputs)
         for index, bsym in enumerate(self.bound_symbols):
+            if deferred:
+                for proxy in bsym.input_proxies():
+                    if proxy.label in deferred:
+                        deferred.discard(proxy.label)
+                        lines.append(f"    {proxy.label} = made({proxy.label})")
             note = None if bsym.note is None else str(bsym.note)
             if note is not None and note != last_note:
                 lines.append(f"    # {note}")
@@ -90,6 +119,8 @@ class Trace:
                 lines.append(f"    {statement}{suffix}")
             if index in freed:
                 lines.append(f"    del {', '.join(freed[index])}")
+        for label in sorted(deferred & {p.label for p in proxies_in(self.output)}):
+            lines.append(f"    {label} = made({label})")
         lines.append(f"    return {python_literal(self.output)}")
         return lines
 

@@ -283,6 +283,8 @@ class CompiledFunction:
         forward_execution.header_notes.append(saved_note(forward_traces[-1], slots))
         backward_execution = self._lowered(backward_traces[-1], labels, executors)
         backward_execution.steals_inputs = True  # saved values freed as the backward goes (training.py)
+        # A gradient autograd computed none for comes as Zeros, made where first read.
+        backward_execution.deferred_inputs = frozenset(c.label for c in backward.cotangents)
         inputs = captured.trace.inputs[: len(captured.trace.inputs) - len(backward.cotangents)]
         program = TrainingProgram.make(
             forward_execution.compile(),

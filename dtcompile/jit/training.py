@@ -5,8 +5,9 @@ tensors) that need gradients themselves, so autograd connects the step to them a
 DTensor gradients on DTensor parameters, and every other input as a local tensor. Its
 forward runs the forward program and keeps the saved values; its backward makes each
 cotangent what the backward program was traced with (the traced placements, a
-contiguous local tensor), runs the backward program and wraps the gradients with the
-specs DTensor's backward gave them at trace time.
+contiguous local tensor; a ``Zeros`` stand-in where autograd computed none, made by the
+program where it first reads it), runs the backward program and wraps the gradients
+with the specs DTensor's backward gave them at trace time.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from ..core import TensorProxy
 from ..core.codegen import GeneratedFunction
 from ..core.symbolic import as_constant, is_symbolic
+from ..core.trace import Zeros
 from ..core.torch_internals import DTensorSpec, compute_global_tensor_info, make_dtensor
 from .epilogue import build_epilogue, build_output_wrapper, with_sizes
 
@@ -31,9 +33,15 @@ class Cotangent:
     slot: int  # the output slot it belongs to
     spec: DTensorSpec | None  # its placements, for a DTensor output; None: a plain tensor
     shape: tuple  # its local shape: ints, and SymInts where sizes are symbolic
+    dtype: torch.dtype
+    device: torch.device
 
-    def prepare(self, grad) -> torch.Tensor:
-        """The gradient's local tensor, as the backward program was traced with it."""
+    def prepare(self, grad, local_shape: torch.Size) -> torch.Tensor | Zeros:
+        """The gradient's local tensor, as the backward program was traced with it; where
+        autograd computed none (the output was not used), zeros of the output's
+        ``local_shape`` that the program makes where it first reads them."""
+        if grad is None:
+            return Zeros(local_shape, self.dtype, self.device)
         if self.spec is not None:
             if not isinstance(grad, DTensor):
                 raise TypeError(
@@ -93,7 +101,7 @@ class TrainingProgram:
         input proxies, ``backward_capture`` what tracing the backward recorded."""
         position = {p.label: i for i, p in enumerate(captured_inputs)}
         cotangents = [
-            Cotangent(slot, spec, tuple(as_constant(x) for x in proxy.shape))
+            Cotangent(slot, spec, tuple(as_constant(x) for x in proxy.shape), proxy.dtype, proxy.device)
             for slot, spec, proxy in zip(
                 backward_capture.cotangent_slots, backward_capture.cotangent_specs, backward_capture.cotangents
             )
@@ -143,6 +151,10 @@ class CompiledStep(torch.autograd.Function):
         saved = outs[program.slots :]
         ctx.numbers = [(i, v) for i, v in enumerate(saved) if not isinstance(v, torch.Tensor)]
         ctx.save_for_backward(*(v for v in saved if isinstance(v, torch.Tensor)))
+        # Gradients autograd computes none for stay None (not zeros made now, alive through
+        # the whole backward): the program makes them where it first reads them.
+        ctx.set_materialize_grads(False)
+        ctx.local_shapes = [outs[c.slot].shape for c in program.cotangents]
         wrapped = program.wrap_outputs.fn(outs[: program.slots])
         ctx.mark_non_differentiable(*(wrapped[i] for i in program.non_differentiable))
         return wrapped
@@ -162,7 +174,7 @@ class CompiledStep(torch.autograd.Function):
         ctx.maybe_clear_saved_tensors()
         for position, number in ctx.numbers:
             inputs.insert(position, number)
-        inputs += [c.prepare(grad_outputs[c.slot]) for c in program.cotangents]
+        inputs += [c.prepare(grad_outputs[c.slot], shape) for c, shape in zip(program.cotangents, ctx.local_shapes)]
         grads = program.backward(inputs)
         result: list = [None] * (1 + program.inputs)
         for grad, gradient in zip(grads, program.gradients):
