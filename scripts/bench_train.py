@@ -185,10 +185,7 @@ def main() -> None:
             continue
         ratio = f"{eager / medians[mode]:>10.2f}x" if eager else f"{'-':>11}"
         peak = f"{peaks[mode] / 2**20:>9.2f}" if peaks.get(mode) is not None else f"{'-':>9}"
-        print0(
-            f"{label:<12} {mode:<14} {medians[mode] * 1e3:>9.1f} {ratio} {peak}"
-            f" {first_call[mode]:>11.1f}"
-        )
+        print0(f"{label:<12} {mode:<14} {medians[mode] * 1e3:>9.1f} {ratio} {peak} {first_call[mode]:>11.1f}")
     if "eager" in losses:
         worst = max(abs(loss - losses["eager"]) / abs(losses["eager"]) for loss in losses.values())
         print0(f"{'':<12} first-step losses agree to {worst:.1e} (relative)")

@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor
 from ..core import TensorProxy
 from ..core.codegen import GeneratedFunction
 from ..core.symbolic import as_constant, is_symbolic
-from ..core.trace import Zeros
 from ..core.torch_internals import DTensorSpec, compute_global_tensor_info, make_dtensor
+from ..core.trace import Zeros
 from .epilogue import build_epilogue, build_output_wrapper, with_sizes
 
 
