@@ -203,7 +203,7 @@ def launch_all() -> None:
 
 
 if __name__ == "__main__":
-    if "LOCAL_RANK" in os.environ:
+    if "LOCAL_RANK" in os.environ or "--fake-world" in sys.argv:
         main()
     else:
         launch_all()

@@ -39,6 +39,10 @@ from .base import Executor, LoweringContext
 
 functional = torch.ops._c10d_functional
 _REDUCE_OPS = {"sum": "SUM", "product": "PRODUCT", "min": "MIN", "max": "MAX"}
+# FSDP2's gradient reduce-scatter averages over the dp ranks; c10d runs AVG for a
+# reduce-scatter on Gloo and NCCL (the functional op calls the same backend op), not for
+# an all_reduce on Gloo.
+_REDUCE_SCATTER_OPS = {**_REDUCE_OPS, "avg": "AVG"}
 _DIST = ("dist", dist, "torch.distributed")
 _TORCH = (("torch", torch, "torch"),)
 # Printed as torch's own function, which it is (core/torch_internals.py).
@@ -102,7 +106,7 @@ class StartCollective(Symbol):
                 f"{work} = dist.{_ALL_GATHER}({out}, {source}, {async_args})",
             ]
         if self.kind == "reduce_scatter_tensor":
-            op = f"dist.ReduceOp.{_REDUCE_OPS[bsym.args[1]]}"
+            op = f"dist.ReduceOp.{_REDUCE_SCATTER_OPS[bsym.args[1]]}"
             size = f"({source}.shape[0] // {python_literal(bsym.args[2])}, *{source}.shape[1:])"
             return [
                 f"{out} = {source}.new_empty({size})",
@@ -199,7 +203,8 @@ def _start(bsym: BoundSymbol, index: int, context: LoweringContext, readers, tak
     kind = CollectivesExecutor._KINDS[bsym.op]
     reduce_op = bsym.args[1] if kind in ("all_reduce", "reduce_scatter_tensor") else "sum"
     contiguous = isinstance(source, TensorProxy) and is_contiguous_stride(source.shape, source.stride())
-    if not contiguous or reduce_op not in _REDUCE_OPS or source.dtype.is_complex:
+    known = _REDUCE_SCATTER_OPS if kind == "reduce_scatter_tensor" else _REDUCE_OPS
+    if not contiguous or reduce_op not in known or source.dtype.is_complex:
         return None
     group = group_name(bsym)
     exchange = kind == "all_reduce" and _exchange_fits(bsym, reduce_op, group, readers)

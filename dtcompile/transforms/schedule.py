@@ -11,14 +11,19 @@ all-gather starts before the current group's compute (right after the current gr
 wait as recorded), not all of them at the start of the program with every unsharded
 parameter alive at once. (A bucketed all-gather's input is its group's concatenated
 shards: that copy-in, pure ops on the program's inputs that nothing else reads, moves up
-with it.) Each wait moves down to just before the first symbol that reads its result, or that writes to
-memory (the collective may still be reading its input), or the end.
+with it.) Each wait moves down to just before the first symbol that reads its result, or
+that writes to memory (the collective may still be reading its input), or the end. A
+wait's copy-out, pure ops on its result that only the program's outputs read (a gradient
+reduce-scatter's result cut into the parameters' gradients), first moves to the end, so
+that the wait can go down with it: the reduce-scatter then runs while the backward of
+the layers below it computes.
 """
 
 from __future__ import annotations
 
 from ..core import Trace
 from ..core.op_classes import group_name, is_collective, is_wait
+from ..core.symbol import proxies_in
 from .effects import has_side_effects, mutates
 
 
@@ -92,6 +97,47 @@ def _starts_early(symbols: list, inputs: set[str]) -> list:
     return placed
 
 
+def _copy_outs_last(symbols: list, outputs: set[str]) -> list:
+    """``symbols`` with each wait's copy-out (pure ops reading the wait's result, or
+    another such op's, whose results nothing but these ops and the outputs read) moved to
+    the end, in order."""
+    readers: dict[str, list] = {}
+    for bsym in symbols:
+        for p in bsym.input_proxies():
+            readers.setdefault(p.label, []).append(bsym)
+    moved: set[int] = set()
+    for bsym in symbols:
+        if not _is_wait(bsym):
+            continue
+        chain, seen, frontier = [], set(), [p.label for p in bsym.output_proxies()]
+        while frontier:
+            for reader in readers.get(frontier.pop(), []):
+                if id(reader) in moved or id(reader) in seen:
+                    continue
+                seen.add(id(reader))
+                if has_side_effects(reader) or _is_collective(reader) or _is_wait(reader):
+                    chain = None
+                    break
+                chain.append(reader)
+                frontier += [p.label for p in reader.output_proxies()]
+            if chain is None:
+                break
+        if not chain:
+            continue
+        members = {id(b) for b in chain}
+        made = {p.label for b in chain for p in b.output_proxies()} | {p.label for p in bsym.output_proxies()}
+        # Each member reads only the wait's results or other members', and what it makes is
+        # read by members or returned.
+        if any(p.label not in made for b in chain for p in b.input_proxies()):
+            continue
+        if any(any(id(r) not in members for r in readers.get(p.label, [])) for b in chain for p in b.output_proxies()):
+            continue
+        if not any(p.label in outputs for b in chain for p in b.output_proxies()):
+            continue
+        moved |= members
+    return [b for b in symbols if id(b) not in moved] + [b for b in symbols if id(b) in moved]
+
+
 def _waits_late(symbols: list) -> list:
     placed: list = []
     for bsym in reversed(symbols):
@@ -116,5 +162,6 @@ def schedule_collectives(trace: Trace) -> Trace:
     if not any(_is_collective(b) for b in trace.bound_symbols):
         return trace
     inputs = {p.label for p in trace.inputs}
-    symbols = _waits_late(_starts_early(list(trace.bound_symbols), inputs))
+    outputs = {p.label for p in proxies_in(trace.output)}
+    symbols = _waits_late(_copy_outs_last(_starts_early(list(trace.bound_symbols), inputs), outputs))
     return trace.derive(f"{trace.fn_name}, with collectives started early and waited late", symbols, trace.output)

@@ -16,7 +16,8 @@ backward reads whose every producer back to those inputs is a pure op (a cast, a
 all-gather and its wait, views) is computed again in the backward, right before its
 first reader, from the input, which the forward saves at no cost. The unsharded
 parameter is then not kept alive between forward and backward, as FSDP2's
-``reshard_after_forward`` frees it and all-gathers it again in backward.
+``reshard_after_forward`` frees it and all-gathers it again in backward; each such
+all-gather starts one ahead, after the wait of the one before it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from torch.utils._pytree import tree_flatten
 
 from ..core import FromData, NumberProxy, TensorProxy, Trace
+from ..core.op_classes import is_collective, is_wait
 from ..core.symbolic import is_symbolic, size_hint, symbolic_expr
 from .dce import dce
 from .effects import has_side_effects, storage_bases
@@ -104,7 +106,19 @@ def _recomputable(forward_symbols: list, sources: frozenset[str]) -> dict[str, o
 
 def _with_recomputation(backward_symbols: list, producers: dict[str, object]) -> list:
     """The backward's symbols, with the recomputable values they read computed again right
-    before their first reader (each producer once, inputs first)."""
+    before their first reader (each producer once, inputs first). A recomputed collective
+    (an FSDP group's all-gather) starts one ahead: right after the wait of the one
+    recomputed before it, so that it runs while that group's backward computes, as FSDP2
+    prefetches in its backward."""
+    recomputed = {id(b) for b in producers.values()}
+    order = [b for b in _recomputed(backward_symbols, producers, {}) if is_collective(b.op) and id(b) in recomputed]
+    following = {order[i].output.label: order[i + 1] for i in range(len(order) - 1)}
+    return _recomputed(backward_symbols, producers, following)
+
+
+def _recomputed(backward_symbols: list, producers: dict[str, object], following: dict[str, object]) -> list:
+    """``_with_recomputation``'s symbols; after the wait of each collective named in
+    ``following``, the start of the collective that follows it (with its inputs)."""
     done: set[int] = set()
     result = []
 
@@ -116,6 +130,8 @@ def _with_recomputation(backward_symbols: list, producers: dict[str, object]) ->
         for p in bsym.input_proxies():
             emit(p.label)
         result.append(bsym)
+        if is_wait(bsym.op) and bsym.args[0].label in following:
+            emit(following[bsym.args[0].label].output.label)
 
     for bsym in backward_symbols:
         for p in bsym.input_proxies():

@@ -166,20 +166,27 @@ def fsdp_llama_collectives():
         "eager": {"forward": eager_forward, "backward": eager_backward},
         "dtypes": {(c.kind, c.dtype) for c in dtcompile.collectives(jitted)},
         "gather_order": _gather_order(dtcompile.last_traces(jitted)),
+        "backward_order": _gather_order(
+            dtcompile.last_traces(jitted), "backward", ("all_gather_into_tensor", "reduce_scatter_tensor")
+        ),
         "overlaps": [c.overlaps for c in dtcompile.collectives(jitted) if c.kind == "all_gather_into_tensor"],
     }
 
 
-def _gather_order(traces) -> list:
-    """The starts and waits of the forward execution trace's all-gathers, in program
-    order: ``("start", n)`` / ``("wait", n)`` for the n-th all-gather."""
-    forward = next(t for t in traces if t.title.startswith("execution") and t.fn_name == "forward")
+def _gather_order(traces, fn_name: str = "forward", kinds=("all_gather_into_tensor",)) -> list:
+    """The starts and waits of an execution trace's collectives of ``kinds``, in program
+    order: ``("start", n)`` / ``("wait", n)`` for the n-th such collective (the backward:
+    ``("gather" or "scatter", n)`` for a start)."""
+    program = next(t for t in traces if t.title.startswith("execution") and t.fn_name == fn_name)
     order, number = [], {}
-    for bsym in forward.bound_symbols:
+    for bsym in program.bound_symbols:
         name = bsym.op._opname if bsym.op is not None else ""
-        if name == "all_gather_into_tensor":
+        if name in kinds:
             number[bsym.output[1].label] = len(number)
-            order.append(("start", number[bsym.output[1].label]))
+            start = (
+                "start" if len(kinds) == 1 else name.split("_")[0].replace("all", "gather").replace("reduce", "scatter")
+            )
+            order.append((start, number[bsym.output[1].label]))
         elif name == "wait_tensor" and bsym.args[0].label in number:
             order.append(("wait", number[bsym.args[0].label]))
     return order
@@ -209,6 +216,21 @@ def test_fsdp_llama_collectives_are_eager_fsdp2s_buckets(ranks2):
             ("start", 2),
             ("wait", 1),
             ("wait", 2),
+        ]
+        # The backward gathers the blocks again (the last block first), the next one ahead
+        # as in the forward; each group's reduce-scatter starts when its gradients are
+        # done and is waited at the end, running while the groups below compute.
+        assert result["backward_order"] == [
+            ("gather", 0),
+            ("gather", 1),
+            ("wait", 0),
+            ("scatter", 2),
+            ("wait", 1),
+            ("scatter", 3),
+            ("scatter", 4),
+            ("wait", 2),
+            ("wait", 3),
+            ("wait", 4),
         ]
         assert result["dtypes"] == {
             ("all_gather_into_tensor", torch.bfloat16),
