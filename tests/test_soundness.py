@@ -375,7 +375,7 @@ def test_check_eager_names_the_first_line_that_differs():
 
 
 def test_check_eager_tells_a_tracing_difference_and_passes_otherwise(monkeypatch):
-    scale = [[2.0]]  # the contents of a list of lists are not guarded (small lists of scalars are)
+    scale = [[2.0] for _ in range(40)]  # contents not guarded: more than 32 values (fewer are)
     jitted = dtcompile.jit(lambda x: x * scale[0][0], check="eager")
     assert_same_result(jitted(torch.ones(2)), torch.full((2,), 2.0))
     scale[0][0] = 3.0
