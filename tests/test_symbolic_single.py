@@ -356,3 +356,36 @@ def test_a_size_only_a_stride_holds_is_computed():
         x = torch.randn(*wide)[:, :cols]
         assert_same_result(jitted(x), fn(x))
     assert dtcompile.cache_misses(jitted) == 1
+
+
+# The user's code turning a symbolic size into text, or hashing it: eager sees the
+# number, so the program is guarded on it (a compilation per size, each eager's).
+SIZE_AS_TEXT = {
+    "str": lambda x: x * len(str(x.shape[0])),
+    "f-string": lambda x: x * len(f"{x.shape[0]}"),
+    "format spec": lambda x: x * len(f"{x.shape[0]:04d}") * int(f"{x.shape[0]:x}", 16),
+    "repr": lambda x: x * len(repr(x.shape[0])),
+    "str of the shape": lambda x: x * len(str(x.shape)),
+    "dict key": lambda x: x * {6: 1.0, 100: 5.0}.get(x.shape[0], 0.5),
+    "hash": lambda x: x * (hash(x.shape[0]) % 3),
+}
+
+
+@pytest.mark.parametrize("case", list(SIZE_AS_TEXT))
+def test_a_size_the_code_turns_into_text_or_hashes_is_its_value(case):
+    fn = SIZE_AS_TEXT[case]
+    jitted = dtcompile.jit(fn, cache=SYMBOLIC)
+    for n in (6, 100, 7, 6):
+        x = torch.arange(n * 2.0).reshape(n, 2)
+        assert_same_tensor(jitted(x), fn(x))
+    assert dtcompile.cache_misses(jitted) == 3  # one per size: the code read its value
+
+
+def test_sizes_printed_by_library_code_stay_symbolic():
+    # torch formats shapes while tracing (error messages, FakeTensor's reprs): one
+    # compilation still serves every size.
+    jitted = dtcompile.jit(lambda x: torch.cat([x, x]).view(-1, 2) * 2, cache=SYMBOLIC)
+    for n in (6, 100, 7):
+        x = torch.randn(n, 2)
+        assert_same_tensor(jitted(x), torch.cat([x, x]).view(-1, 2) * 2)
+    assert dtcompile.cache_misses(jitted) == 1

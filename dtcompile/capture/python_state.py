@@ -89,16 +89,23 @@ def is_library(obj: object) -> bool:
         module = obj.__name__
     else:
         module = getattr(obj, "__module__", None) or ""
-    if module.startswith("dtcompile.testing"):
-        return False
-    root = module.partition(".")[0]
-    if root in _LIBRARIES or root in sys.stdlib_module_names:
-        return True
     code = getattr(obj, "__code__", None)
     if code is not None:
         filename = code.co_filename
     else:
         filename = getattr(sys.modules.get(module), "__file__", None) or ""
+    return library_code(module, filename)
+
+
+def library_code(module: str, filename: str) -> bool:
+    """Whether code of Python module ``module``, in file ``filename``, is library code:
+    torch, transformers, dtcompile itself (but for ``dtcompile.testing``), the standard
+    library, anything installed in site-packages."""
+    if module.startswith("dtcompile.testing"):
+        return False
+    root = module.partition(".")[0]
+    if root in _LIBRARIES or root in sys.stdlib_module_names:
+        return True
     return "site-packages" in filename or "dist-packages" in filename or filename.startswith(_LIBRARY_PATHS)
 
 

@@ -41,6 +41,7 @@ from .outputs import OutputCollector, OutputNode
 from .placements import describe_placements
 from .python_state import PythonState
 from .recorder import OpRecorder, Recording
+from .size_text import sizes_as_values_in_user_text
 from .snapshots import DataSnapshot
 
 
@@ -174,6 +175,7 @@ def capture_call(
     # Libraries see a compiler tracing them, as under torch.compile (core/torch_internals.py).
     with (
         compiling(),
+        sizes_as_values_in_user_text(),
         _assumptions_unlogged(),
         enable_python_dispatcher(),
         CallAnnotator(recording),
