@@ -198,5 +198,10 @@ class PythonGuards:
                 g.keyed.add(read, value_key(value))
         return g
 
+    def dicts_read(self) -> list:
+        """The dicts these guards read names or items of."""
+        groups = (self.same, self.equal, self.zeros, self.lists, self.dicts, self.keyed)
+        return [d for group in groups for d in group.dicts] + list(self.namespaces)
+
     def __bool__(self) -> bool:
         return bool(self.same or self.equal or self.lists or self.dicts or self.keyed or self.namespaces)

@@ -370,7 +370,23 @@ class PythonState:
             lengths.append((len(names) - sum(key in names for key in assigned), assigned))
         return lengths
 
-    def guards(self) -> PythonGuards:
-        guards = PythonGuards.of(self.reads)
-        guards.namespaces, guards.namespace_lengths = self.namespaces, self.namespace_lengths()
-        return guards
+    def guards(self) -> tuple[PythonGuards, PythonGuards]:
+        """The guards of the reads in two sets. First, a scalar or an object read from a
+        dict the forward does not assign to: the dict at an unchanged version holds the
+        same, so the prologue checks these only when a dict they read changed. Then the
+        rest, checked at every call: attributes outside dicts (cells, defaults), the
+        contents of containers, and what is read from dicts the epilogue writes to. The
+        namespaces' lengths go with them alike."""
+        lengths = self.namespace_lengths()
+        assigned_to = {id(names) for names, (_, assigned) in zip(self.namespaces, lengths) if assigned}
+
+        def versioned(read: Read) -> bool:
+            return read.key is not None and not read.contents and id(read.holder) not in assigned_to
+
+        first = PythonGuards.of([read for read in self.reads if versioned(read)])
+        rest = PythonGuards.of([read for read in self.reads if not versioned(read)])
+        for names, length in zip(self.namespaces, lengths):
+            guards = rest if id(names) in assigned_to else first
+            guards.namespaces.append(names)
+            guards.namespace_lengths.append(length)
+        return first, rest

@@ -207,6 +207,41 @@ except ImportError:  # prologues then compare dicts' contents at every call
     dict_version = None
 
 
+def _versions_follow_changes() -> bool:
+    """Whether every change prologues rely on a dict's version for gives it a new one on
+    this Python: an attribute set or deleted through the instance (its ``__dict__`` already
+    made, as a module's is), an item set, replaced or deleted in a dict and an OrderedDict
+    (a module's hook tables). Where one does not, versions are not used at all."""
+    import collections
+
+    class Probe:
+        pass
+
+    probe = Probe()
+    probe.a = 1
+    state, table = probe.__dict__, collections.OrderedDict(a=1)
+    changes = (
+        lambda: setattr(probe, "a", 2),
+        lambda: setattr(probe, "b", 1),
+        lambda: delattr(probe, "b"),
+        lambda: object.__setattr__(probe, "a", 3),
+        lambda: table.__setitem__("b", 1),
+        lambda: table.__setitem__("b", 2),
+        lambda: table.pop("b"),
+        lambda: state.update(a=4),
+    )
+    for change in changes:
+        before = (dict_version(state), dict_version(table))
+        change()
+        if (dict_version(state), dict_version(table)) == before:
+            return False
+    return True
+
+
+if dict_version is not None and not _versions_follow_changes():
+    dict_version = None
+
+
 def fsdp_param_groups(state) -> list:
     """The ``FSDPParamGroup``\\ s of an FSDP2 module's ``FSDPState``: a list in torch 2.13
     (``_fsdp_param_groups``), one group or None in 2.10 (``_fsdp_param_group``)."""

@@ -32,7 +32,7 @@ from ..core.symbolic import is_symbolic, python_source, symbolic_expr
 from ..core.torch_internals import TensorGuards, shape_guards, symbol_range
 from .batched_guards import Batched, alike, alike_objects, check_batched, module_tensors, stand_in
 from .guards import meshes_match, spec_matches
-from .state_guards import module_checks, python_state_checks
+from .state_guards import state_checks
 
 
 class _Builder:
@@ -296,12 +296,13 @@ def build_prologue(
         # Tensors traced as distinct objects are distinct at the call (code may ask ``q is k``).
         distinct = ", ".join(f"id({var})" for var in b.argument_tensors)
         b.fail_if(f"len({{{distinct}}}) != {len(b.argument_tensors)}")
+    # The module tree, then the Python values read: a module's attributes are read from
+    # the modules traced. Global module hooks (debugging tools such as CommDebugMode
+    # install them) are not guarded: they ran while tracing, and run again only when a
+    # call compiles.
+    sources = state_checks(b, module, inputs.python_state)
     if module is not None:
-        # Global module hooks (debugging tools such as CommDebugMode install them) are not
-        # guarded: they ran while tracing, and run again only when a call compiles.
-        module_tensors(b, module, inputs, module_checks(b, module))
-    # After the module checks: a module's attributes are read from the modules traced.
-    python_state_checks(b, inputs.python_state.guards())
+        module_tensors(b, module, inputs, sources)
     for i, (held, proxy) in enumerate(captured):
         # Held by reference: its values are read at each call, its metadata guarded.
         name = f"CAPTURED{i}"

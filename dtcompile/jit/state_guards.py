@@ -1,9 +1,11 @@
 """Guards of the state a call reads besides its arguments, emitted into a prologue: the
 module tree (submodules, training flags, hooks, table sizes, empty slots) and the Python
 values the program read (globals, closure cells, attributes). Each is a few C-level
-passes over lists prepared at build time, not a line of Python per value: these run at
-every call. ``b`` is the prologue's builder (``prologue.py``): ``fresh``, ``bind``,
-``fail_if`` and its ``globals``.
+passes over lists prepared at build time, not a line of Python per value. Most of them
+read dicts only (module tables, instance dicts, globals): they run when one of those
+dicts has a new version since a call that passed them, and are otherwise provably
+unnecessary (:func:`unless_dicts_changed`). ``b`` is the prologue's builder
+(``prologue.py``): ``fresh``, ``bind``, ``fail_if``, ``lines`` and its ``globals``.
 """
 
 from __future__ import annotations
@@ -11,25 +13,72 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+from contextlib import contextmanager
 
 import torch
 
 from ..capture.python_reads import ABSENT, PythonGuards, ReadGroup, value_key
+from ..capture.python_state import PythonState
 from ..core.torch_internals import dict_version
 
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
-def module_checks(b, module: torch.nn.Module) -> dict[str, str]:
-    """Check the module tree in a few C-level passes over prepared lists: every submodule
-    is the module traced, under its name in its parent (a replaced submodule would run
-    code the program does not have); each training flag is as traced (dropout and norms
-    depend on it); each hook table holds the hooks traced into the program, and the empty
-    ones stay empty. Parents are the objects traced once these checks pass, so their
-    tables are read from the objects themselves (a module's ``_modules`` and hook dicts
-    are changed in place by ``setattr`` and ``register_*_hook``, never replaced). Returns
-    the source of each submodule by path (a global: the object traced)."""
-    modules = list(module.named_modules(remove_duplicate=False))  # a module under two names: both
+def state_checks(b, module: torch.nn.Module | None, python_state: PythonState) -> dict[str, str]:
+    """The module tree and the Python values the program read. The checks that read only
+    dicts, whose values cost more to compare than a dict's version to read (submodules,
+    training flags, hooks, scalars read from instance dicts and globals), run when one of
+    those dicts has changed (:func:`unless_dicts_changed`); the others at every call:
+    tables' lengths and empty slots (a ``len`` is cheaper than a version), the order of
+    several hooks, attributes outside dicts, containers' contents, dicts the epilogue
+    writes to. Returns the source of each submodule by path."""
+    versioned, every_call = python_state.guards()
+    modules = [] if module is None else list(module.named_modules(remove_duplicate=False))
+    unique = list({id(m): m for _, m in modules}.values())
+    watched: list[dict] = []
+    sources = {"": "module"}
+    with unless_dicts_changed(b, watched):
+        if module is not None:
+            sources = module_tree_checks(b, module, modules, unique, watched)
+        python_state_checks(b, versioned, "PY")
+        watched += versioned.dicts_read()
+    module_table_checks(b, unique)
+    python_state_checks(b, every_call, "PY_EACH")
+    return sources
+
+
+@contextmanager
+def unless_dicts_changed(b, dicts: list[dict]):
+    """The checks emitted inside run only when one of ``dicts`` (given by the end) has a
+    new version since the last call that passed them: a dict's version changes with each
+    change of its items (``torch_internals._versions_follow_changes`` checks this Python),
+    and every check inside reads nothing but their items, scalars or objects compared by
+    identity. The versions are read before the checks, so a change made meanwhile is seen
+    at the next call. Without versions the checks run at every call."""
+    start = len(b.lines)
+    yield
+    body, unique = b.lines[start:], list({id(d): d for d in dicts}.values())
+    if dict_version is None or not body or not unique:
+        return
+    del b.lines[start:]
+    watched, passed = b.fresh("WATCHED_DICTS"), b.fresh("PASSED_VERSIONS")
+    b.globals.update({"dict_version": dict_version, watched: unique, passed: []})  # no call passed yet
+    now = b.bind(f"list(map(dict_version, {watched}))", "versions")
+    b.lines.append(f"    if {now} != {passed}:")
+    b.lines += ["    " + line for line in body]
+    b.lines.append(f"        {passed}[:] = {now}")
+
+
+def module_tree_checks(b, module: torch.nn.Module, modules: list, unique: list, watched: list[dict]) -> dict[str, str]:
+    """Every submodule is the module traced, under its name in its parent (a replaced
+    submodule would run code the program does not have); each training flag is as traced
+    (dropout and norms depend on it); a table with one hook holds the hook traced into
+    the program. ``modules``: the module's ``named_modules``, ``unique``: each once. Adds
+    the dicts read to ``watched``: the parents' ``_modules``, the modules' ``__dict__``\\ s
+    (the training flags) and the hook tables. Parents are the objects traced once these
+    checks pass, so their tables are the objects traced (a module's ``_modules`` and hook
+    dicts are changed in place by ``setattr`` and ``register_*_hook``, never replaced).
+    Returns the source of each submodule by path (a global: the object traced)."""
     sources = {"": "module"}
     tables, keys, children = [], [], []
     for path, submodule in modules[1:]:
@@ -42,36 +91,32 @@ def module_checks(b, module: torch.nn.Module) -> dict[str, str]:
     if children:
         b.globals.update(MODULE_TABLES=tables, MODULE_KEYS=keys, MODULE_CHILDREN=children)
         b.fail_if("list(map(dict.get, MODULE_TABLES, MODULE_KEYS)) != MODULE_CHILDREN")
-    unique = list({id(m): m for _, m in modules}.values())
     b.globals.update(
         TRAINING=operator.attrgetter("training"),
         MODULES=unique,
         TRAINING_FLAGS=[m.training for m in unique],
     )
     b.fail_if("list(map(TRAINING, MODULES)) != TRAINING_FLAGS")
-    state_table_checks(b, unique)
-    empty, hooked, hook_ids = [], [], []
-    for submodule in unique:
-        for table in _HOOK_TABLES:
-            hooks = getattr(submodule, table)
-            if hooks:
-                hooked.append(hooks)
-                hook_ids.append(tuple(hooks))
-            else:
-                empty.append(hooks)
-    b.globals["EMPTY_HOOK_TABLES"] = empty
-    b.fail_if("any(map(len, EMPTY_HOOK_TABLES))")
-    if hooked:
-        b.globals.update(HOOK_TABLES=hooked, HOOK_IDS=hook_ids)
-        b.fail_if("list(map(tuple, HOOK_TABLES)) != HOOK_IDS")
+    single = [hooks for m in unique for hooks in map(vars(m).get, _HOOK_TABLES) if len(hooks) == 1]
+    if single:
+        b.globals.update(SINGLE_HOOK_TABLES=single, SINGLE_HOOK_IDS=[tuple(hooks) for hooks in single])
+        b.fail_if("list(map(tuple, SINGLE_HOOK_TABLES)) != SINGLE_HOOK_IDS")
+    watched += tables
+    watched += map(vars, unique)
+    watched += single
     return sources
 
 
-def state_table_checks(b, modules: list[torch.nn.Module]) -> None:
-    """Each module's parameter, buffer and submodule tables hold as many entries as traced
-    (none added or removed), and the empty slots (``Linear(bias=False)``'s ``bias``) are
-    still empty: a parameter assigned there later must be used. The tensors in the other
-    slots are read and guarded one by one."""
+def module_table_checks(b, modules: list[torch.nn.Module]) -> None:
+    """At every call (a ``len`` costs less than a dict's version): each module's parameter,
+    buffer and submodule tables hold as many entries as traced (none added or removed),
+    the empty slots (``Linear(bias=False)``'s ``bias``) are still empty, a parameter
+    assigned there later must be used; the empty hook tables are still empty, and those
+    with several hooks hold them in the order traced (an OrderedDict's order changes
+    without a new version: ``move_to_end``). The tensors in the other slots are read and
+    guarded one by one (``batched_guards.py``)."""
+    if not modules:
+        return
     tables, lengths, empty_tables, empty_keys = [], [], [], []
     for module in modules:
         for table in (module._parameters, module._buffers, module._modules):
@@ -86,18 +131,27 @@ def state_table_checks(b, modules: list[torch.nn.Module]) -> None:
     if empty_keys:
         b.globals.update(EMPTY_TABLES=empty_tables, EMPTY_KEYS=empty_keys, NONES=[None] * len(empty_keys))
         b.fail_if("list(map(dict.get, EMPTY_TABLES, EMPTY_KEYS)) != NONES")
+    hook_tables = [hooks for m in modules for hooks in map(vars(m).get, _HOOK_TABLES)]
+    b.globals["EMPTY_HOOK_TABLES"] = [hooks for hooks in hook_tables if not hooks]
+    b.fail_if("any(map(len, EMPTY_HOOK_TABLES))")
+    ordered = [hooks for hooks in hook_tables if len(hooks) > 1]
+    if ordered:
+        b.globals.update(HOOK_TABLES=ordered, HOOK_IDS=list(map(tuple, ordered)))
+        b.fail_if("list(map(tuple, HOOK_TABLES)) != HOOK_IDS")
 
 
-def python_state_checks(b, guards: PythonGuards) -> None:
+def python_state_checks(b, guards: PythonGuards, tag: str) -> None:
     """The Python values the program read (``capture/python_state.py``), in a few C-level
     passes over prepared lists: objects by identity first, then values by exact type and
-    ``==``, then the few (tuples, NaN, zeros) compared by their :func:`value_key`."""
+    ``==``, then the few (tuples, NaN, zeros) compared by their :func:`value_key`. ``tag``
+    begins the names of the lists (a prologue checks two sets of reads)."""
     if not guards:
         return
     plain = [(names, n) for names, (n, assigned) in zip(guards.namespaces, guards.namespace_lengths) if not assigned]
     if plain:
-        b.globals.update(NAMESPACES=[names for names, _ in plain], NAMESPACE_LENGTHS=[n for _, n in plain])
-        b.fail_if("list(map(len, NAMESPACES)) != NAMESPACE_LENGTHS")
+        b.globals[f"{tag}_NAMESPACES"] = [names for names, _ in plain]
+        b.globals[f"{tag}_NAMESPACE_LENGTHS"] = [n for _, n in plain]
+        b.fail_if(f"list(map(len, {tag}_NAMESPACES)) != {tag}_NAMESPACE_LENGTHS")
     for names, (n, assigned) in zip(guards.namespaces, guards.namespace_lengths):
         if assigned:  # names the forward assigns (the epilogue does, after each call) are not counted
             var = b.fresh("NAMESPACE")
@@ -118,25 +172,24 @@ def python_state_checks(b, guards: PythonGuards) -> None:
     if guards.same:
         # Dict reads, then attributes: each against its part of the objects expected.
         split = len(guards.same.dicts)
-        b.globals.update(
-            PY_SAME_OF_DICTS=guards.same.expected[:split], PY_SAME_OF_ATTRIBUTES=guards.same.expected[split:]
-        )
-        for values, expected in zip(
-            read(guards.same, "PY_SAME"), ("PY_SAME_OF_DICTS", "PY_SAME_OF_ATTRIBUTES")[not split :]
-        ):
+        of_dicts, of_attributes = f"{tag}_SAME_OF_DICTS", f"{tag}_SAME_OF_ATTRIBUTES"
+        b.globals.update({of_dicts: guards.same.expected[:split], of_attributes: guards.same.expected[split:]})
+        for values, expected in zip(read(guards.same, f"{tag}_SAME"), (of_dicts, of_attributes)[not split :]):
             b.fail_if(f"not all(map(is_, {values}, {expected}))")
     if guards.equal:
-        values = b.bind(" + ".join(f"list({v})" for v in read(guards.equal, "PY_EQUAL")), "py")
-        b.globals["PY_EQUAL_TYPES"] = guards.equal.types
-        b.fail_if(f"list(map(type, {values})) != PY_EQUAL_TYPES or {values} != PY_EQUAL")
+        equal = f"{tag}_EQUAL"
+        values = b.bind(" + ".join(f"list({v})" for v in read(guards.equal, equal)), "py")
+        b.globals[f"{equal}_TYPES"] = guards.equal.types
+        b.fail_if(f"list(map(type, {values})) != {equal}_TYPES or {values} != {equal}")
     if guards.zeros:  # floats equal to zero, checked above: 0.0 or -0.0 as traced
-        b.globals.update(copysign=math.copysign, PY_ONES=[1.0] * len(guards.zeros.expected))
-        signs = " + ".join(f"list(map(copysign, PY_ONES, {v}))" for v in read(guards.zeros, "PY_ZERO_SIGNS"))
-        b.fail_if(f"{signs} != PY_ZERO_SIGNS")
+        signs, ones = f"{tag}_ZERO_SIGNS", f"{tag}_ONES"
+        b.globals.update({"copysign": math.copysign, ones: [1.0] * len(guards.zeros.expected)})
+        found = " + ".join(f"list(map(copysign, {ones}, {v}))" for v in read(guards.zeros, signs))
+        b.fail_if(f"{found} != {signs}")
     b.globals["chain"] = itertools.chain.from_iterable
     for group, item_types, name, items in (
-        (guards.lists, guards.list_item_types, "PY_LISTS", "chain({})"),
-        (guards.dicts, guards.dict_item_types, "PY_DICT_CONTENTS", "chain(map(dict.values, {}))"),
+        (guards.lists, guards.list_item_types, f"{tag}_LISTS", "chain({})"),
+        (guards.dicts, guards.dict_item_types, f"{tag}_DICT_CONTENTS", "chain(map(dict.values, {}))"),
     ):
         if group:
             values = b.bind(" + ".join(f"list({v})" for v in read(group, name)), "py")
@@ -148,15 +201,17 @@ def python_state_checks(b, guards: PythonGuards) -> None:
             if group is guards.dicts and None not in guards.dict_versions:
                 # The very dicts read while tracing, unchanged since (a big TP plan read by
                 # every call): their contents need no comparing.
+                read_, versions = f"{tag}_DICTS_READ", f"{tag}_DICT_VERSIONS"
                 b.globals.update(
-                    dict_version=dict_version, PY_DICTS_READ=guards.dict_objects, PY_DICT_VERSIONS=guards.dict_versions
+                    {"dict_version": dict_version, read_: guards.dict_objects, versions: guards.dict_versions}
                 )
                 compare = (
-                    f"(not all(map(is_, {values}, PY_DICTS_READ))"
-                    f" or list(map(dict_version, {values})) != PY_DICT_VERSIONS) and ({compare})"
+                    f"(not all(map(is_, {values}, {read_})) or list(map(dict_version, {values})) != {versions})"
+                    f" and ({compare})"
                 )
             b.fail_if(compare)
     if guards.keyed:
         b.globals["VALUE_KEY"] = value_key
-        keys = " + ".join(f"list(map(VALUE_KEY, {v}))" for v in read(guards.keyed, "PY_KEYED"))
-        b.fail_if(f"{keys} != PY_KEYED")
+        keyed = f"{tag}_KEYED"
+        keys = " + ".join(f"list(map(VALUE_KEY, {v}))" for v in read(guards.keyed, keyed))
+        b.fail_if(f"{keys} != {keyed}")

@@ -1,0 +1,211 @@
+"""Single process: the prologue checks the module tree and the Python values read from
+dicts only when one of those dicts has a new version since a call that passed them
+(``jit/state_guards.py``, ``unless_dicts_changed``). Each test makes several calls first,
+so that the versions are recorded and the checks skipped, then changes the state in one
+way a user can: the next call must see it (a miss, eager's result), and a change undone
+must give a hit again."""
+
+import collections
+
+import pytest
+import torch
+from torch import nn
+
+import dtcompile
+from dtcompile.core.torch_internals import dict_version
+
+
+@pytest.fixture(autouse=True)
+def no_grad():
+    with torch.no_grad():
+        yield
+
+
+def counts(jitted):
+    return dtcompile.cache_misses(jitted), dtcompile.cache_hits(jitted)
+
+
+def settle(jitted, model, x, calls=3):
+    """Calls that pass every check, the first compiling: the versions are recorded."""
+    for _ in range(calls):
+        torch.testing.assert_close(jitted(x), model(x))
+
+
+class Block(nn.Module):
+    SHIFT = 0.0  # a class constant the forward reads
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)  # a library module: its attributes are read by no user code
+        self.act = nn.GELU()
+        self.scale = 2.0
+
+    def forward(self, x):
+        return self.act(self.norm(self.proj(x))) * self.scale + self.SHIFT
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_this_python_gives_dicts_versions_that_follow_changes():
+    # Without versions the checks run at every call and the tests below prove less.
+    assert dict_version is not None
+
+
+def test_the_checks_are_skipped_while_the_dicts_are_unchanged():
+    torch.manual_seed(0)
+    model = Model().eval()
+    jitted = dtcompile.jit(model)
+    settle(jitted, model, torch.randn(2, 4))
+    prologue = dtcompile.last_prologue(jitted)
+    passed = [value for name, value in prologue.globals.items() if name.startswith("PASSED_VERSIONS")]
+    watched = [value for name, value in prologue.globals.items() if name.startswith("WATCHED_DICTS")]
+    assert len(passed) == len(watched) == 1 and passed[0] == list(map(dict_version, watched[0]))
+    assert "list(map(TRAINING, MODULES))" in prologue.source  # among the checks skipped
+
+
+def _flag_through_object_setattr(model):
+    object.__setattr__(model.blocks[1].norm, "training", True)  # past nn.Module.__setattr__
+
+
+def _scale_in_the_instance_dict(model):
+    model.blocks[2].__dict__["scale"] = 3.0
+
+
+def _scale_set(model):
+    model.blocks[0].scale = -1.0
+
+
+def _class_constant(model):
+    Block.SHIFT = 1.5
+
+
+def _constant_shadowed_on_the_instance(model):
+    model.blocks[1].SHIFT = 0.5
+
+
+def _submodule_in_the_table(model):
+    model.blocks[1]._modules["act"] = nn.ReLU()
+
+
+def _submodule_set(model):
+    model.blocks[2].act = nn.Tanh()
+
+
+def _hook_added(model):
+    model.blocks[0].proj.register_forward_hook(lambda module, args, out: out * 3)
+
+
+def _pre_hook_added_directly(model):
+    model.blocks[0]._forward_pre_hooks[10**9] = lambda module, args: (args[0] * 2,)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        _flag_through_object_setattr,
+        _scale_in_the_instance_dict,
+        _scale_set,
+        _class_constant,
+        _constant_shadowed_on_the_instance,
+        _submodule_in_the_table,
+        _submodule_set,
+        _hook_added,
+        _pre_hook_added_directly,
+    ],
+)
+def test_a_change_after_calls_that_skipped_the_checks_is_seen(change):
+    torch.manual_seed(0)
+    model = Model().eval()
+    jitted = dtcompile.jit(model)
+    x = torch.randn(2, 4)
+    try:
+        settle(jitted, model, x)
+        change(model)
+        torch.testing.assert_close(jitted(x), model(x))
+        assert counts(jitted) == (2, 2)
+        torch.testing.assert_close(jitted(x), model(x))  # the new state, settled
+        assert counts(jitted) == (2, 3)
+    finally:
+        Block.SHIFT = 0.0
+
+
+def test_a_change_undone_is_a_hit():
+    torch.manual_seed(0)
+    model = Model().eval()
+    jitted = dtcompile.jit(model)
+    x = torch.randn(2, 4)
+    settle(jitted, model, x)
+    model.blocks[0].scale = 5.0
+    model.blocks[0].scale = 2.0  # a new version, the same value
+    model.blocks[1].norm.train().eval()
+    torch.testing.assert_close(jitted(x), model(x))
+    assert counts(jitted) == (1, 3)
+
+
+def test_a_hook_swapped_for_another_in_a_table_of_one():
+    torch.manual_seed(0)
+    model = Model().eval()
+    handle = model.blocks[1].proj.register_forward_hook(lambda module, args, out: out + 1)
+    jitted = dtcompile.jit(model)
+    x = torch.randn(2, 4)
+    settle(jitted, model, x)
+    handle.remove()
+    model.blocks[1].proj.register_forward_hook(lambda module, args, out: out - 1)  # still one hook
+    torch.testing.assert_close(jitted(x), model(x))
+    assert counts(jitted) == (2, 2)
+
+
+def test_hooks_reordered_without_a_new_version():
+    torch.manual_seed(0)
+    model = Model().eval()
+    proj = model.blocks[0].proj
+    proj.register_forward_hook(lambda module, args, out: out * 2)
+    second = proj.register_forward_hook(lambda module, args, out: out + 1)
+    jitted = dtcompile.jit(model)
+    x = torch.randn(2, 4)
+    settle(jitted, model, x)
+    hooks = proj._forward_hooks
+    assert isinstance(hooks, collections.OrderedDict)
+    before = dict_version(hooks)
+    hooks.move_to_end(second.id, last=False)  # (out + 1) * 2 now
+    assert dict_version(hooks) == before  # the order alone: no new version, checked anyway
+    torch.testing.assert_close(jitted(x), model(x))
+    assert counts(jitted) == (2, 2)
+
+
+class Counting(nn.Module):
+    """A forward that assigns an attribute: its ``__dict__`` changes at every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.scale = 2.0
+        self.seen = False
+
+    def forward(self, x):
+        self.seen = True
+        return self.proj(x) * self.scale
+
+
+def test_a_module_whose_forward_assigns_is_checked_at_every_call():
+    torch.manual_seed(0)
+    model = Counting().eval()
+    jitted = dtcompile.jit(model)
+    x = torch.randn(2, 4)
+    settle(jitted, model, x)
+    assert counts(jitted) == (2, 1)  # ``seen`` was False when traced: compiled once more
+    model.scale = 4.0
+    torch.testing.assert_close(jitted(x), model(x))
+    model.proj.train()
+    torch.testing.assert_close(jitted(x), model(x))
+    assert counts(jitted) == (4, 1)
