@@ -465,3 +465,56 @@ def test_int_of_tensor_data_is_checked_at_run_time():
     for x in inputs + inputs:
         assert_same_result(jitted(x), fn(x))
     assert dtcompile.cache_misses(jitted) == 3
+
+
+# Factory functions take the default dtype and device when the code names none: a program
+# traced under one default must not serve a call under another.
+def _zeros_cast_back(x):
+    return (x + torch.zeros(3)).to(torch.float32)  # a no-op cast when traced under float32
+
+
+def _arange_divided(x):
+    return torch.arange(3) / 3 + x.half()
+
+
+def _scalar_tensor(x):
+    return torch.tensor(1.5) * x.sum()
+
+
+def _full(x):
+    return torch.full((3,), 2.0) * x
+
+
+@pytest.mark.parametrize("fn", [_zeros_cast_back, _arange_divided, _scalar_tensor, _full])
+def test_a_new_default_dtype_is_a_miss_with_eagers_result(fn):
+    jitted = dtcompile.jit(fn)
+    x = torch.ones(3)
+    assert_same_result(jitted(x), fn(x))
+    try:
+        torch.set_default_dtype(torch.float64)
+        assert_same_result(jitted(x), fn(x))
+        assert dtcompile.cache_misses(jitted) == 2
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert_same_result(jitted(x), fn(x))
+    assert (dtcompile.cache_misses(jitted), dtcompile.cache_hits(jitted)) == (2, 1)
+
+
+def _made_and_scaled(x):
+    return torch.zeros(3) + 1, x * 2
+
+
+def test_a_default_device_is_a_miss_with_eagers_devices():
+    jitted = dtcompile.jit(_made_and_scaled)
+    x = torch.ones(3)
+    assert_same_result(jitted(x), _made_and_scaled(x))
+    with torch.device("meta"):  # a function mode on torch's stack
+        got, expected = jitted(x), _made_and_scaled(x)
+    assert [t.device.type for t in got] == [t.device.type for t in expected] == ["meta", "cpu"]
+    try:
+        torch.set_default_device("meta")  # the same device, set for the thread: a hit
+        assert [t.device.type for t in jitted(x)] == ["meta", "cpu"]
+    finally:
+        torch.set_default_device(None)
+    assert_same_result(jitted(x), _made_and_scaled(x))
+    assert (dtcompile.cache_misses(jitted), dtcompile.cache_hits(jitted)) == (2, 2)

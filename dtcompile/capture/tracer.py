@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
 from ..core import InputPath, Trace, TracingError, data_dependent_error, verify
-from ..core.torch_internals import compiling
+from ..core.torch_internals import compiling, function_mode_count
 from .annotator import CallAnnotator
 from .autograd import BackwardCapture, capture_backward
 from .c10d import object_collective_refusal
@@ -63,6 +63,22 @@ class CallInputs:
         return [self.args, self.kwargs] + [n for _, n in module_state]
 
 
+@dataclass(frozen=True)
+class TorchDefaults:
+    """What a factory function (``torch.zeros(3)``, ``torch.arange(4) / 3``) takes when the
+    code names no dtype or device, as it was when the call was traced: the default dtype,
+    the torch function modes active (a default device is one) and the default device. The
+    program is traced with them, so the prologue guards them."""
+
+    dtype: torch.dtype
+    function_modes: int
+    device: torch.device
+
+    @classmethod
+    def now(cls) -> TorchDefaults:
+        return cls(torch.get_default_dtype(), function_mode_count(), torch.get_default_device())
+
+
 @dataclass
 class CapturedCall:
     trace: Trace
@@ -72,6 +88,7 @@ class CapturedCall:
     # or the closed-over DTensor whose local tensor it is.
     captured: list[torch.Tensor]
     grad_enabled: bool
+    defaults: TorchDefaults
     meshes: list  # the DeviceMeshes of the DTensor inputs, without repeats
     shape_env: ShapeEnv | None  # the symbols and guards of symbolic sizes
     # For a call that needs gradients: the trace holds the forward and then the backward,
@@ -151,7 +168,7 @@ def capture_call(
                 getattr(inputs, kind).append((name, node))
                 state.setdefault(id(tensor), proxy)
 
-    grad_enabled = torch.is_grad_enabled()
+    grad_enabled, defaults = torch.is_grad_enabled(), TorchDefaults.now()
     collector = OutputCollector(proxifier.objects)
     module_state = ModuleState(module, state) if module is not None else None
     recording.snapshot = snapshot = _user_data(fn, module_state)
@@ -258,6 +275,7 @@ def capture_call(
         output,
         recording.captured_held,
         grad_enabled,
+        defaults,
         meshes,
         shape_env,
         backward,

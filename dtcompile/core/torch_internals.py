@@ -54,6 +54,7 @@ __all__ = [
     "compiling",
     "default_store",
     "fake_mode_active",
+    "function_mode_count",
     "make_dtensor",
     "resolve_process_group",
     "unboxed_process_group",
@@ -91,6 +92,12 @@ def completed_work():
 
 
 _FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
+
+
+def function_mode_count() -> int:
+    """How many torch function modes are active: a default device
+    (``torch.set_default_device``, ``with torch.device(...)``) is one."""
+    return torch._C._len_torch_function_stack()
 
 
 def fake_mode_active() -> bool:

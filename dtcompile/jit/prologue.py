@@ -25,11 +25,12 @@ from ..capture import (
     SameObjectInput,
     SequenceInput,
     TensorInput,
+    TorchDefaults,
 )
 from ..core.codegen import GeneratedFunction, literal_or_global
 from ..core.printing import python_literal
 from ..core.symbolic import is_symbolic, python_source, symbolic_expr
-from ..core.torch_internals import TensorGuards, shape_guards, symbol_range
+from ..core.torch_internals import TensorGuards, function_mode_count, shape_guards, symbol_range
 from .batched_guards import Batched, alike, alike_objects, check_batched, module_tensors, stand_in
 from .guards import meshes_match, spec_matches
 from .state_guards import state_checks
@@ -274,6 +275,7 @@ class _Builder:
 def build_prologue(
     inputs: CallInputs,
     grad_enabled: bool,
+    defaults: TorchDefaults,
     captured: list[tuple[torch.Tensor, object]],
     module: torch.nn.Module | None,
     unwrap_differentiable: bool = True,
@@ -281,7 +283,8 @@ def build_prologue(
     objects: list[ObjectInput] = (),
     input_labels: list[str] | None = None,
 ) -> GeneratedFunction:
-    """The prologue of one cache entry (see the module docstring). With
+    """The prologue of one cache entry (see the module docstring), for a call traced with
+    grad mode ``grad_enabled`` and the default dtype and device ``defaults``. With
     ``unwrap_differentiable=False`` it returns a DTensor that requires grad itself, not its
     local tensor. With a ``shape_env`` (symbolic values) it binds the symbolic sizes and
     checks the ShapeEnv's guards. After the computation's inputs it returns ``objects``
@@ -289,6 +292,12 @@ def build_prologue(
     inputs, in order; the results are checked against them as the prologue is built."""
     b = _Builder(unwrap_differentiable)
     b.fail_if(f"torch.is_grad_enabled() is not {grad_enabled}")
+    b.fail_if(f"torch.get_default_dtype() is not {python_literal(defaults.dtype)}")
+    b.globals["function_mode_count"] = function_mode_count
+    b.fail_if(f"function_mode_count() != {defaults.function_modes}")
+    if defaults.function_modes:  # a default device may be among them: the one traced
+        b.globals.update(DEFAULT_DEVICE=defaults.device, default_device=torch.get_default_device)
+        b.fail_if("default_device() != DEFAULT_DEVICE")
     # The arguments first: a call an entry does not fit usually fails there, cheaply.
     b.node(inputs.args, "args")
     b.node(inputs.kwargs, "kwargs")
