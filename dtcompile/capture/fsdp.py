@@ -66,6 +66,8 @@ class ManagedModule:
     params: list[ShardedParameter]
     reshard_after_forward: bool
     reduce_grads: bool  # False after ``set_requires_gradient_sync(False)``
+    # The keys of FSDP2's own hooks in the module's forward pre-hook and hook tables.
+    hook_ids: tuple[int, int]
 
 
 def _is_managed(module: torch.nn.Module) -> bool:
@@ -154,7 +156,8 @@ def _fsdp_groups(root: torch.nn.Module) -> list[ManagedModule]:
                         orig,
                     )
                 )
-        managed.append(ManagedModule(module, state, params, reshard, reduce_grads))
+        hook_ids = (state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id)
+        managed.append(ManagedModule(module, state, params, reshard, reduce_grads, hook_ids))
     return managed
 
 
@@ -229,13 +232,13 @@ class FSDPTracing:
 
     def __enter__(self) -> FSDPTracing:
         for managed in self.managed:
-            state = managed.state
-            for table, handle, hook in (
-                (managed.module._forward_pre_hooks, state._pre_forward_hook_handle, self._pre_forward(managed)),
-                (managed.module._forward_hooks, state._post_forward_hook_handle, self._post_forward(managed)),
+            pre_id, post_id = managed.hook_ids
+            for table, key, hook in (
+                (managed.module._forward_pre_hooks, pre_id, self._pre_forward(managed)),
+                (managed.module._forward_hooks, post_id, self._post_forward(managed)),
             ):
-                self._saved.append((table, handle.id, table[handle.id]))
-                table[handle.id] = hook
+                self._saved.append((table, key, table[key]))
+                table[key] = hook
         return self
 
     def __exit__(self, *exc) -> None:
