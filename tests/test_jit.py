@@ -484,11 +484,13 @@ def test_the_prologue_returns_the_computations_inputs_in_order():
     captured = capture_call(fn, (x, y), {})
     labels = [p.label for p in captured.trace.inputs]
     prologue = build_prologue(
-        captured.inputs, torch.is_grad_enabled(), captured.defaults, [], None, input_labels=labels
+        captured.inputs, torch.is_grad_enabled(), captured.global_state, [], None, input_labels=labels
     )
     assert prologue.fn(None, (x, y), {}) == (x, y)
     with pytest.raises(AssertionError, match="the computation takes"):
-        build_prologue(captured.inputs, torch.is_grad_enabled(), captured.defaults, [], None, input_labels=labels[::-1])
+        build_prologue(
+            captured.inputs, torch.is_grad_enabled(), captured.global_state, [], None, input_labels=labels[::-1]
+        )
 
 
 def test_slices_and_ellipsis_are_guarded_constants():

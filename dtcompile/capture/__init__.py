@@ -32,7 +32,7 @@ from .outputs import (
 )
 from .placements import describe_placement, describe_placements
 from .snapshots import DataSnapshot
-from .tracer import CallInputs, CapturedCall, TorchDefaults, capture_call, is_tracing
+from .tracer import CallInputs, CapturedCall, GlobalState, capture_call, is_tracing
 
 __all__ = [
     "AttributeUpdate",
@@ -41,7 +41,7 @@ __all__ = [
     "SameObjectInput",
     "CallInputs",
     "CapturedCall",
-    "TorchDefaults",
+    "GlobalState",
     "ConstantInput",
     "ConstantOutput",
     "DTensorInput",

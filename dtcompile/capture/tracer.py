@@ -19,7 +19,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
 from ..core import InputPath, Trace, TracingError, data_dependent_error, verify
-from ..core.torch_internals import compiling, function_mode_count
+from ..core.torch_internals import (
+    compiling,
+    dtensor_implicit_replication,
+    dtensor_op_handlers,
+    function_mode_count,
+)
 from .annotator import CallAnnotator
 from .autograd import BackwardCapture, capture_backward
 from .c10d import object_collective_refusal
@@ -64,19 +69,33 @@ class CallInputs:
 
 
 @dataclass(frozen=True)
-class TorchDefaults:
-    """What a factory function (``torch.zeros(3)``, ``torch.arange(4) / 3``) takes when the
-    code names no dtype or device, as it was when the call was traced: the default dtype,
-    the torch function modes active (a default device is one) and the default device. The
-    program is traced with them, so the prologue guards them."""
+class GlobalState:
+    """What the program was traced under besides its inputs and the Python values it reads,
+    as it was when tracing began; the prologue guards it. What a factory function
+    (``torch.zeros(3)``, ``torch.arange(4) / 3``) takes when the code names no dtype or
+    device: the default dtype, the torch function modes active (a default device is one)
+    and the default device. What DTensor's dispatch reads besides its arguments: whether
+    plain tensors count as replicated (``implicit_replication()``), and the handlers that
+    replace ops (``loss_parallel()`` adds some)."""
 
     dtype: torch.dtype
     function_modes: int
     device: torch.device
+    implicit_replication: bool
+    op_handlers: dict  # the handlers table itself
+    op_handler_items: list  # its items then
 
     @classmethod
-    def now(cls) -> TorchDefaults:
-        return cls(torch.get_default_dtype(), function_mode_count(), torch.get_default_device())
+    def now(cls) -> GlobalState:
+        handlers = dtensor_op_handlers()
+        return cls(
+            torch.get_default_dtype(),
+            function_mode_count(),
+            torch.get_default_device(),
+            dtensor_implicit_replication(),
+            handlers,
+            list(handlers.items()),
+        )
 
 
 @dataclass
@@ -88,7 +107,7 @@ class CapturedCall:
     # or the closed-over DTensor whose local tensor it is.
     captured: list[torch.Tensor]
     grad_enabled: bool
-    defaults: TorchDefaults
+    global_state: GlobalState
     meshes: list  # the DeviceMeshes of the DTensor inputs, without repeats
     shape_env: ShapeEnv | None  # the symbols and guards of symbolic sizes
     # For a call that needs gradients: the trace holds the forward and then the backward,
@@ -168,7 +187,7 @@ def capture_call(
                 getattr(inputs, kind).append((name, node))
                 state.setdefault(id(tensor), proxy)
 
-    grad_enabled, defaults = torch.is_grad_enabled(), TorchDefaults.now()
+    grad_enabled, global_state = torch.is_grad_enabled(), GlobalState.now()
     collector = OutputCollector(proxifier.objects)
     module_state = ModuleState(module, state) if module is not None else None
     recording.snapshot = snapshot = _user_data(fn, module_state)
@@ -275,7 +294,7 @@ def capture_call(
         output,
         recording.captured_held,
         grad_enabled,
-        defaults,
+        global_state,
         meshes,
         shape_env,
         backward,

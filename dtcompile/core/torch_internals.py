@@ -55,6 +55,8 @@ __all__ = [
     "default_store",
     "fake_mode_active",
     "function_mode_count",
+    "dtensor_implicit_replication",
+    "dtensor_op_handlers",
     "make_dtensor",
     "resolve_process_group",
     "unboxed_process_group",
@@ -92,6 +94,18 @@ def completed_work():
 
 
 _FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
+
+
+def dtensor_implicit_replication() -> bool:
+    """Whether DTensor's dispatch takes plain tensors as replicated (``implicit_replication()``
+    sets it; a property of the dispatcher)."""
+    return DTensor._op_dispatcher._allow_implicit_replication
+
+
+def dtensor_op_handlers() -> dict:
+    """DTensor's table of handlers that replace an op's dispatch (``loss_parallel()`` adds
+    and removes some; context parallelism swaps the table)."""
+    return DTensor._op_dispatcher._custom_op_handlers
 
 
 def function_mode_count() -> int:

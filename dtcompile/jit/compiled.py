@@ -221,7 +221,7 @@ class CompiledFunction:
             prologue=build_prologue(
                 captured.inputs,
                 captured.grad_enabled,
-                captured.defaults,
+                captured.global_state,
                 list(zip(captured.captured, (p for p in captured.trace.inputs if p.provenance.root == "captured"))),
                 self.module,
                 unwrap_differentiable=captured.backward is None,

@@ -19,18 +19,26 @@ from ..capture import (
     ConstantInput,
     DictInput,
     DTensorInput,
+    GlobalState,
     LocalTensorMeta,
     ObjectInput,
     PytreeInput,
     SameObjectInput,
     SequenceInput,
     TensorInput,
-    TorchDefaults,
 )
 from ..core.codegen import GeneratedFunction, literal_or_global
 from ..core.printing import python_literal
 from ..core.symbolic import is_symbolic, python_source, symbolic_expr
-from ..core.torch_internals import TensorGuards, function_mode_count, shape_guards, symbol_range
+from ..core.torch_internals import (
+    TensorGuards,
+    dict_version,
+    dtensor_implicit_replication,
+    dtensor_op_handlers,
+    function_mode_count,
+    shape_guards,
+    symbol_range,
+)
 from .batched_guards import Batched, alike, alike_objects, check_batched, module_tensors, stand_in
 from .guards import meshes_match, spec_matches
 from .state_guards import state_checks
@@ -272,10 +280,34 @@ class _Builder:
             self.fail_if(f"type({expr}) is not {kind} or {expr} != {self.constant(value, 'CONST')}")
 
 
+def global_state_checks(b: _Builder, state: GlobalState) -> None:
+    """The state the call was traced under (:class:`GlobalState`): the default dtype, the
+    torch function modes and, with any, the default device; DTensor's implicit replication
+    and its op handlers (the same table at the same version, else the same items)."""
+    b.fail_if(f"torch.get_default_dtype() is not {python_literal(state.dtype)}")
+    b.globals.update(function_mode_count=function_mode_count, implicit_replication=dtensor_implicit_replication)
+    b.fail_if(f"function_mode_count() != {state.function_modes}")
+    if state.function_modes:  # a default device may be among them: the one traced
+        b.globals.update(DEFAULT_DEVICE=state.device, default_device=torch.get_default_device)
+        b.fail_if("default_device() != DEFAULT_DEVICE")
+    b.fail_if(f"implicit_replication() is not {state.implicit_replication}")
+    b.globals.update(op_handlers=dtensor_op_handlers, OP_HANDLER_ITEMS=state.op_handler_items)
+    handlers = b.bind("op_handlers()", "handlers")
+    changed = f"list({handlers}.items()) != OP_HANDLER_ITEMS"
+    if dict_version is not None:  # the table traced, unchanged since: no items to compare
+        b.globals.update(
+            dict_version=dict_version,
+            OP_HANDLERS=state.op_handlers,
+            OP_HANDLERS_VERSION=dict_version(state.op_handlers),
+        )
+        changed = f"({handlers} is not OP_HANDLERS or dict_version({handlers}) != OP_HANDLERS_VERSION) and {changed}"
+    b.fail_if(changed)
+
+
 def build_prologue(
     inputs: CallInputs,
     grad_enabled: bool,
-    defaults: TorchDefaults,
+    global_state: GlobalState,
     captured: list[tuple[torch.Tensor, object]],
     module: torch.nn.Module | None,
     unwrap_differentiable: bool = True,
@@ -284,7 +316,7 @@ def build_prologue(
     input_labels: list[str] | None = None,
 ) -> GeneratedFunction:
     """The prologue of one cache entry (see the module docstring), for a call traced with
-    grad mode ``grad_enabled`` and the default dtype and device ``defaults``. With
+    grad mode ``grad_enabled`` and under ``global_state``. With
     ``unwrap_differentiable=False`` it returns a DTensor that requires grad itself, not its
     local tensor. With a ``shape_env`` (symbolic values) it binds the symbolic sizes and
     checks the ShapeEnv's guards. After the computation's inputs it returns ``objects``
@@ -292,12 +324,7 @@ def build_prologue(
     inputs, in order; the results are checked against them as the prologue is built."""
     b = _Builder(unwrap_differentiable)
     b.fail_if(f"torch.is_grad_enabled() is not {grad_enabled}")
-    b.fail_if(f"torch.get_default_dtype() is not {python_literal(defaults.dtype)}")
-    b.globals["function_mode_count"] = function_mode_count
-    b.fail_if(f"function_mode_count() != {defaults.function_modes}")
-    if defaults.function_modes:  # a default device may be among them: the one traced
-        b.globals.update(DEFAULT_DEVICE=defaults.device, default_device=torch.get_default_device)
-        b.fail_if("default_device() != DEFAULT_DEVICE")
+    global_state_checks(b, global_state)
     # The arguments first: a call an entry does not fit usually fails there, cheaply.
     b.node(inputs.args, "args")
     b.node(inputs.kwargs, "kwargs")

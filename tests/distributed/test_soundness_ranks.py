@@ -3,6 +3,7 @@ tensor-parallel module state changed by assignment, side effects, outputs, neste
 code, data-dependent code and closed-over DTensor parameters (issue 11)."""
 
 import collections
+import contextlib
 import copy
 
 import torch
@@ -220,3 +221,60 @@ def test_check_eager_on_ranks(ranks2):
     assert ranks2.run(checked_against_eager, False) == ["ok", "ok"]
     for message in ranks2.run(checked_against_eager, True):
         assert "torch.add(" in message and "# Tensor.mul(" in message
+
+
+def dtensor_dispatch_switches():
+    """A program traced under one of DTensor's dispatch switches must not serve a call
+    under another: plain tensors taken as replicated (``implicit_replication``), and op
+    handlers added by ``loss_parallel``. Eager's result, or eager's error."""
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    mesh = _mesh()
+    results = []
+    bias = torch.arange(8.0)
+    mixed = dtcompile.jit(lambda x: x * 2 + bias)
+    x = distribute_tensor(torch.ones(4, 8), mesh, [Replicate()])
+    with torch.no_grad():
+        with implicit_replication():
+            assert_same(mixed(x), x * 2 + bias)
+        for call in (mixed, lambda x: x * 2 + bias):  # outside: eager's error, both
+            try:
+                call(x)
+                results.append("no error")
+            except RuntimeError as error:
+                results.append("mixed torch.Tensor and DTensor" in str(error))
+        with implicit_replication():
+            assert_same(mixed(x), x * 2 + bias)
+    results.append(dtcompile.cache_misses(mixed))
+
+    def loss(logits, labels):
+        return torch.nn.functional.cross_entropy(logits, labels)
+
+    logits = distribute_tensor(torch.randn(6, 16, generator=torch.Generator().manual_seed(0)), mesh, [Shard(1)])
+    labels = torch.randint(0, 16, (6,), generator=torch.Generator().manual_seed(1))
+    # Plain labels: outside loss_parallel eager raises (mixed tensors); replicated ones:
+    # eager computes the loss another way (its last bits differ from the parallel one's).
+    for targets in (labels, distribute_tensor(labels, mesh, [Replicate()])):
+        jitted = dtcompile.jit(loss)
+        with torch.no_grad():
+            for parallel in (True, False, True):
+                with loss_parallel() if parallel else contextlib.nullcontext():
+                    try:
+                        expected = loss(logits, targets)
+                    except RuntimeError as error:
+                        expected = str(error)
+                    try:
+                        got = jitted(logits, targets)
+                    except RuntimeError as error:
+                        got = str(error)
+                if isinstance(expected, str):
+                    assert got == expected, (got, expected)
+                else:
+                    assert_same(got, expected)
+        results.append(dtcompile.cache_misses(jitted))
+    return results
+
+
+def test_dtensor_dispatch_switches_are_guarded(ranks2):
+    assert ranks2.run(dtensor_dispatch_switches) == [[True, True, 1, 1, 2]] * 2
