@@ -292,15 +292,17 @@ def global_state_checks(b: _Builder, state: GlobalState) -> None:
         b.fail_if("default_device() != DEFAULT_DEVICE")
     b.fail_if(f"implicit_replication() is not {state.implicit_replication}")
     b.globals.update(op_handlers=dtensor_op_handlers, OP_HANDLER_ITEMS=state.op_handler_items)
-    handlers = b.bind("op_handlers()", "handlers")
-    changed = f"list({handlers}.items()) != OP_HANDLER_ITEMS"
+    # No variable bound: the prologue's other names stay as they were.
+    changed = "list(op_handlers().items()) != OP_HANDLER_ITEMS"
     if dict_version is not None:  # the table traced, unchanged since: no items to compare
         b.globals.update(
             dict_version=dict_version,
             OP_HANDLERS=state.op_handlers,
             OP_HANDLERS_VERSION=dict_version(state.op_handlers),
         )
-        changed = f"({handlers} is not OP_HANDLERS or dict_version({handlers}) != OP_HANDLERS_VERSION) and {changed}"
+        changed = (
+            f"(op_handlers() is not OP_HANDLERS or dict_version(OP_HANDLERS) != OP_HANDLERS_VERSION) and {changed}"
+        )
     b.fail_if(changed)
 
 
