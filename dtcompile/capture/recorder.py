@@ -78,6 +78,7 @@ class Recording:
         self.used_names: set[str] = set()
         # How many torch-level calls with DTensor arguments are running (see CallAnnotator).
         self.dtensor_calls = 0
+        self.c10d_calls = 0  # c10d collectives the user's code called (``dist.all_reduce``)
         self.valued: list[TensorProxy] = []  # proxies whose trace-time value is known
         self.read_by: dict[object, str] = {}  # symbol of a number read from data -> the call that read it
         self.real_of: dict[str, torch.Tensor] = {}  # input label -> the call's real tensor (while tracing)
@@ -216,6 +217,7 @@ class Recording:
             # outside DTensor's handling: its ops on closed-over tensors are recorded.)
             return func(*args, **kwargs)
         if is_c10d_op(func):  # ``dist.all_reduce(y)`` in the user's code
+            self.c10d_calls += 1
             return record_c10d(self, func, *tree_map(self._captured_tensor, (args, kwargs)))
         args, kwargs = map_leaves(self._captured, (args, kwargs))
         proxies = [x for x in leaves((args, kwargs)) if isinstance(x, TensorProxy)]

@@ -27,6 +27,7 @@ from ..core.torch_internals import (
 )
 from .annotator import CallAnnotator
 from .autograd import BackwardCapture, capture_backward
+from .blocks import RepeatedBlocks
 from .c10d import object_collective_refusal
 from .data_branches import checks_first
 from .fsdp import FSDPTracing, reaches_fsdp
@@ -207,6 +208,7 @@ def capture_call(
             snapshot.add(vars(reached), f"the attributes of the module {path}")
     module_updates: list[ModuleUpdate] = []
     backward = None
+    replay_notes: list[str] = []
     _tracing.append(recording)
     # Libraries see a compiler tracing them, as under torch.compile (core/torch_internals.py).
     with (
@@ -219,8 +221,14 @@ def capture_call(
     ):
         try:
             if module_state is not None:
-                with module_state, FSDPTracing(module) as fsdp:
+                with (
+                    module_state,
+                    FSDPTracing(module) as fsdp,
+                    _repeated_blocks(recording, module_state, fsdp) as blocks,
+                ):
                     result = module(*proxy_args, **proxy_kwargs)
+                    if blocks is not None:
+                        replay_notes = blocks.notes()
                     closed = recording.closed_over_differentiable()
                     training = grad_enabled and bool(proxifier.differentiable or closed)
                     module_updates = module_state.updates(collector.describe, training)
@@ -278,7 +286,7 @@ def capture_call(
         bound_symbols=recording.bound_symbols,
         output=outputs,
         title="computation, as recorded below DTensor" + (" (forward, then backward)" if backward else ""),
-        header_notes=[_rank_line()],
+        header_notes=[_rank_line(), *replay_notes],
         input_notes={n.proxy.label: _input_note(n) for n in leaves},
         globals={label: (constant.value, None) for label, constant in recording.constants.items()},
     )
@@ -302,6 +310,17 @@ def capture_call(
         updates,
         module_updates,
     )
+
+
+def _repeated_blocks(recording: Recording, module_state: ModuleState, fsdp: FSDPTracing):
+    """Repeated blocks recorded once (``blocks.py``); not under FSDP2, whose hooks swap
+    the modules' parameters while they run."""
+    if not REPLAY_BLOCKS or fsdp.managed:
+        return contextlib.nullcontext()
+    return RepeatedBlocks(recording, module_state)
+
+
+REPLAY_BLOCKS = True  # False traces every block (tests compare the two programs)
 
 
 @contextlib.contextmanager

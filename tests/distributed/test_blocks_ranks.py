@@ -1,0 +1,129 @@
+"""Repeated tensor-parallel blocks recorded once and replayed (``capture/blocks.py``), on
+Gloo ranks: the program is the one recorded without replay, a block that differs is
+traced on its own, and results are eager's."""
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+import dtcompile
+from dtcompile.capture import tracer
+from dtcompile.testing.models import LlamaModel, llama_plan, parallel_block, parallel_llama
+
+
+def _first_call(model, args: tuple, kwargs: dict, replay: bool, cache: str):
+    saved, tracer.REPLAY_BLOCKS = tracer.REPLAY_BLOCKS, replay
+    try:
+        with torch.no_grad():
+            jitted = dtcompile.jit(model, cache=cache)
+            out = jitted(*args, **kwargs)
+    finally:
+        tracer.REPLAY_BLOCKS = saved
+    return out, str(dtcompile.last_traces(jitted)[0])
+
+
+def _local(value):
+    value = getattr(value, "logits", value)
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _replays(trace: str) -> list[str]:
+    return [line for line in trace.splitlines() if "recorded once, replayed" in line]
+
+
+def _without_replays(trace: str) -> str:
+    return "\n".join(line for line in trace.splitlines() if "recorded once, replayed" not in line)
+
+
+def _compare(model, args: tuple, kwargs: dict, cache: str) -> list[str]:
+    """Checks the program and the result; returns the replay lines of the trace."""
+    out, trace = _first_call(model, args, kwargs, True, cache)
+    _, traced = _first_call(model, args, kwargs, False, cache)
+    assert _without_replays(trace) == _without_replays(traced)
+    with torch.no_grad():
+        expected = model(*args, **kwargs)
+    torch.testing.assert_close(_local(out), _local(expected), rtol=0, atol=0)
+    return _replays(trace)
+
+
+def llama_case(cache):
+    mesh = init_device_mesh("cpu", (2,))
+    model = parallel_llama(mesh, layers=4, dim=64, hidden=128, n_heads=4)
+    return _compare(model, (torch.randint(0, 512, (2, 8)),), {}, cache)
+
+
+def sequence_parallel_case(cache):
+    mesh = init_device_mesh("cpu", (2,))
+    model = nn.Sequential(
+        *[parallel_block(mesh, dim=32, n_heads=4, hidden=64, sequence_parallel=True, seed=i) for i in range(3)]
+    )
+    torch.manual_seed(1)
+    return _compare(model, (torch.randn(2, 4, 32),), {}, cache)
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_tensor_parallel_blocks_are_replayed(cache, ranks2):
+    lines = ranks2.run(llama_case, cache)[0]
+    assert "layers.0 recorded once, replayed for 3 more (layers.1, layers.2, layers.3)" in lines[0]
+    lines = ranks2.run(sequence_parallel_case, cache)[0]
+    assert any("replayed for" in line for line in lines)
+
+
+def differing_layer_case(kind):
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    model = LlamaModel(dim=64, hidden=128, n_heads=4, layers=4)
+    plan = llama_plan(4)
+    if kind == "unsharded":  # layer 2 is not parallelized: plain tensors
+        plan = {k: v for k, v in plan.items() if not k.startswith("layers.2.")}
+    elif kind == "style":  # layer 2's MLP keeps DTensors between its linears
+        plan["layers.2.mlp.gate"] = ColwiseParallel(use_local_output=False)
+        plan["layers.2.mlp.up"] = ColwiseParallel(use_local_output=False)
+    model = parallelize_module(model, mesh, plan)
+    if kind == "hook":
+        model.layers[2].register_forward_hook(lambda module, args, output: output * 0.5)
+    return _compare(model, (torch.randint(0, 512, (2, 8)),), {}, "constant values")
+
+
+@pytest.mark.parametrize("kind", ["unsharded", "hook", "style"])
+def test_a_layer_that_differs_is_traced(kind, ranks2):
+    lines = ranks2.run(differing_layer_case, kind)[0]
+    assert "layers.0 recorded once, replayed for 2 more (layers.1, layers.3)" in lines[0]
+
+
+def hf_case(cache):
+    from transformers import StaticCache
+
+    from dtcompile.testing.models import parallel_hf_llama
+
+    mesh = init_device_mesh("cpu", (2,))
+    model, config = parallel_hf_llama(mesh, vocab=128, hidden=64, layers=3, heads=4, kv_heads=2, max_positions=64)
+    prompt = torch.randint(0, 128, (1, 6))
+    lines = []
+    for replay in (True, False):
+        static = StaticCache(config=config, max_cache_len=16)
+        _, trace = _first_call(model, (), dict(input_ids=prompt, cache=static, use_cache=True), replay, cache)
+        lines.append(trace)
+    assert _without_replays(lines[0]) == _without_replays(lines[1])
+    static, eager_cache = StaticCache(config=config, max_cache_len=16), StaticCache(config=config, max_cache_len=16)
+    jitted = dtcompile.jit(model, cache=cache)
+    tokens, eager_tokens = prompt, prompt
+    with torch.no_grad():
+        for _ in range(3):  # the prefill, then decode steps
+            logits = jitted(input_ids=tokens, cache=static, use_cache=True).logits
+            expected = model(input_ids=eager_tokens, cache=eager_cache, use_cache=True).logits
+            torch.testing.assert_close(_local(logits), _local(expected))  # as test_hf_llama.py: not bit-equal
+            tokens = eager_tokens = expected[:, -1:].argmax(-1)
+    return _replays(lines[0])
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_hugging_face_layers_parts_are_replayed(cache, ranks2):
+    """A decoder layer reads its own cache layer (``self.layer_idx``): not replayed; its
+    MLP, norms and projections are."""
+    lines = ranks2.run(hf_case, cache)[0]
+    assert any("model.layers.0.mlp recorded once, replayed for 2 more" in line for line in lines)
+    assert not any(line.startswith("# model.layers.0 recorded") for line in lines)

@@ -1,0 +1,241 @@
+"""Repeated blocks recorded once and replayed (``capture/blocks.py``), in one process.
+
+The program recorded with replay must be the one recorded without (the printed traces are
+compared), a block that differs in any way its code can see must be traced on its own,
+and every result must be eager's.
+"""
+
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+
+import dtcompile
+from dtcompile.capture import tracer
+
+
+class Block(nn.Module):
+    def __init__(self, index: int, dim: int = 8, hidden: int = 16):
+        super().__init__()
+        self.layer_id = index  # read by no code a call runs: blocks still match
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+        self.eps = 1e-5
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x))) * (1 + self.eps)
+
+
+def blocks(n: int = 4, **kwargs) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(i, **kwargs) for i in range(n)])
+
+
+def compiled(model, *args, replay: bool = True, cache: str = "constant values"):
+    """(output, printed trace) of a first compiled call without gradients."""
+    saved, tracer.REPLAY_BLOCKS = tracer.REPLAY_BLOCKS, replay
+    try:
+        with torch.no_grad():
+            jitted = dtcompile.jit(model, cache=cache)
+            out = jitted(*args)
+    finally:
+        tracer.REPLAY_BLOCKS = saved
+    return out, str(dtcompile.last_traces(jitted)[0])
+
+
+def replay_lines(trace: str) -> list[str]:
+    return [line for line in trace.splitlines() if "recorded once, replayed" in line]
+
+
+def without_replay_lines(trace: str) -> str:
+    return "\n".join(line for line in trace.splitlines() if "recorded once, replayed" not in line)
+
+
+def assert_eager(model, args, out):
+    with torch.no_grad():
+        expected = model(*args)
+    for got, want in zip(
+        out if isinstance(out, tuple) else (out,), expected if isinstance(expected, tuple) else (expected,)
+    ):
+        assert got.shape == want.shape and got.stride() == want.stride()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_replayed_program_is_the_traced_one(cache):
+    model = blocks()
+    x = torch.randn(3, 5, 8)
+    out, trace = compiled(model, x, cache=cache)
+    _, traced = compiled(model, x, replay=False, cache=cache)
+    assert without_replay_lines(trace) == without_replay_lines(traced)
+    assert replay_lines(trace), trace  # the later blocks were replayed
+    assert not replay_lines(traced)
+    assert_eager(model, (x,), out)
+
+
+def test_a_block_of_another_shape_is_traced():
+    model = blocks()
+    model[2] = Block(2, hidden=24)
+    x = torch.randn(3, 8)
+    out, trace = compiled(model, x)
+    (line,) = replay_lines(trace)
+    assert "replayed for 2 more (1, 3)" in line
+    assert_eager(model, (x,), out)
+
+
+def test_an_attribute_the_code_reads_differs():
+    model = blocks()
+    model[2].eps = 0.5
+    x = torch.randn(3, 8)
+    out, trace = compiled(model, x)
+    assert "(1, 3)" in replay_lines(trace)[0]
+    assert_eager(model, (x,), out)
+
+
+def test_a_hook_on_one_block():
+    model = blocks()
+    model[1].register_forward_hook(lambda module, args, output: output * 2)
+    model[3].register_forward_pre_hook(lambda module, args: (args[0] - 1,))
+    x = torch.randn(3, 8)
+    out, trace = compiled(model, x)
+    assert "(2)" in replay_lines(trace)[0]
+    assert_eager(model, (x,), out)
+
+
+def test_hooks_over_different_values():
+    model = blocks()
+    for i, block in enumerate(model):
+        factor = float(i + 1)
+        block.register_forward_hook(lambda module, args, output, factor=factor: output * factor)
+    x = torch.randn(3, 8)
+    out, trace = compiled(model, x)
+    assert not replay_lines(trace)
+    assert_eager(model, (x,), out)
+
+
+def test_the_same_hook_on_every_block_is_replayed():
+    model = blocks()
+    for block in model:
+        block.register_forward_hook(lambda module, args, output: output * (1 + module.eps))
+    x = torch.randn(3, 8)
+    out, trace = compiled(model, x)
+    assert "replayed for 3 more" in replay_lines(trace)[0]
+    assert_eager(model, (x,), out)
+
+
+class Branching(Block):
+    def forward(self, x):
+        y = super().forward(x)
+        return y * 2 if self.training else y
+
+
+def test_a_block_in_another_training_mode():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Branching(i) for i in range(4)]).eval()
+    model[2].train()
+    x = torch.randn(3, 8)
+    out, trace = compiled(model, x)
+    assert "(1, 3)" in replay_lines(trace)[0]
+    assert_eager(model, (x,), out)
+
+
+def test_a_forward_patched_on_one_instance():
+    model = blocks()
+    model[2].forward = types.MethodType(lambda self, x: x - 1, model[2])
+    x = torch.randn(3, 8)
+    out, _ = compiled(model, x)
+    assert_eager(model, (x,), out)
+
+
+class Counting(Block):
+    calls = 0
+
+    def forward(self, x):
+        type(self).calls += 1
+        return super().forward(x) * type(self).calls
+
+
+def test_python_state_the_first_block_changes():
+    """Each block reads a class attribute the one before changed: a replay of the first
+    would read the first's value (eager's first call, traced, sees each block's own)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Counting(i) for i in range(4)])
+    x = torch.randn(3, 8)
+    Counting.calls = 0
+    with torch.no_grad():
+        expected = model(x)
+    Counting.calls = 0
+    out, trace = compiled(model, x)
+    assert all("." in line.split()[1] for line in replay_lines(trace))  # their Linears only
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, y, scale=1.0):
+        x.mul_(2)  # an in-place change of an argument, made by every block
+        return self.lin(x) * scale + y, x
+
+
+class Calls(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(TwoInputs() for _ in range(5))
+
+    def forward(self, x, y):
+        a, _ = self.layers[0](x, y)
+        b, _ = self.layers[1](a, y)  # equivalent to the first: replayed
+        c, _ = self.layers[2](b, b)  # the same tensor twice
+        d, _ = self.layers[3](c, y, scale=3.0)  # another scale
+        e, back = self.layers[4](d.clone(), y)
+        return e, back
+
+
+def test_arguments_that_differ():
+    model = Calls()
+    x, y = torch.randn(3, 8), torch.randn(3, 8)
+    out, trace = compiled(model, x.clone(), y)
+    (line,) = replay_lines(trace)
+    assert line.endswith("replayed for 2 more (layers.1, layers.4)")
+    assert_eager(model, (x.clone(), y), out)
+
+
+def test_an_argument_changed_in_place_and_returned():
+    model = Calls()
+    x, y = torch.randn(3, 8), torch.randn(3, 8)
+    eager_x, compiled_x = x.clone(), x.clone()
+    with torch.no_grad():
+        expected = model(eager_x, y)
+        got = dtcompile.jit(model)(compiled_x, y)
+    torch.testing.assert_close(compiled_x, eager_x, rtol=0, atol=0)  # the first block's mul_ on the input
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_training_traces_every_block():
+    model = blocks()
+    reference = blocks()
+    x = torch.randn(3, 8)
+    jitted = dtcompile.jit(model)
+    jitted(x).sum().backward()
+    reference(x).sum().backward()
+    assert not replay_lines(str(dtcompile.last_traces(jitted)[0]))
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_a_change_after_compiling_is_a_miss():
+    model = blocks()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        jitted = dtcompile.jit(model)
+        jitted(x)
+        model[3].eps = 2.0
+        out = jitted(x)
+    assert dtcompile.cache_misses(jitted) == 2
+    assert_eager(model, (x,), out)
