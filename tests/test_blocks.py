@@ -148,6 +148,23 @@ def test_a_forward_patched_on_one_instance():
     assert_eager(model, (x,), out)
 
 
+def test_forwards_set_on_every_instance():
+    """An instance's own ``forward`` (as Hugging Face's tensor parallelism installs) is read
+    by every call: closures over different values are different blocks."""
+    model = blocks()
+    for i, block in enumerate(model):
+        original = block.forward
+
+        def forward(x, original=original, scale=float(i + 1)):
+            return original(x) * scale
+
+        block.forward = forward
+    x = torch.randn(3, 8)
+    out, trace = compiled(model, x)
+    assert all("." in line.split()[1] for line in replay_lines(trace))  # their Linears only
+    assert_eager(model, (x,), out)
+
+
 class Counting(Block):
     calls = 0
 

@@ -1,0 +1,300 @@
+"""When two blocks play the same part: the keys of a call's arguments, and equivalent modules.
+
+``capture/blocks.py`` replays the recording of a block's first call for a later call only
+where the later block and its arguments are equivalent to the first's:
+
+- **Arguments** (:func:`arguments_key`): the same structure; DTensors of the same spec and
+  local metadata, tensors of the same metadata, the same tensor at the same places, equal
+  scalars; and the same state of what decides how ops run (grad mode, autocast, the default
+  dtype, function modes, DTensor's implicit replication and op handlers).
+- **Modules** (:func:`why_different`): the same classes and submodule names through the
+  subtree; parameters, buffers and tensor attributes of the same metadata and DTensor
+  specs; hooks of the same code over equivalent values (tensor parallelism's hooks are
+  closures over its styles and the mesh); every other attribute equivalent, or provably
+  not read: an attribute that differs (a layer's index) may differ only where its name
+  appears nowhere, as an attribute or a string, in the code a call of the block can run
+  (its classes' ``forward`` and the methods and properties it names, its hooks, the
+  functions and classes these name through globals and closures, nn.Module's own call).
+  Code that can read any attribute (``__dict__``, ``vars``) allows no difference.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
+from torch.utils._pytree import tree_flatten
+
+from ..core import TensorProxy
+from ..core.torch_internals import dtensor_implicit_replication, dtensor_op_handlers, function_mode_count
+from .code_names import READS_ANY, class_names, hook_names, module_call_names
+from .python_reads import value_key
+
+SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout)
+# nn.Module's hook tables: a handle's id is the key, so only the hooks are compared.
+_HOOK_TABLES = frozenset(
+    {
+        "_forward_hooks",
+        "_forward_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+        "_forward_pre_hooks",
+        "_forward_pre_hooks_with_kwargs",
+        "_backward_hooks",
+        "_backward_pre_hooks",
+        "_state_dict_hooks",
+        "_state_dict_pre_hooks",
+        "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks",
+    }
+)
+TENSOR_TABLES = ("_parameters", "_buffers")
+GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_forward_hooks_always_called",
+    "_global_forward_hooks_with_kwargs",
+)
+_EQUIVALENCE_DEPTH = 8
+
+
+def _size_key(size) -> object:
+    return size.node.expr if isinstance(size, torch.SymInt) else size
+
+
+def tensor_key(t: torch.Tensor) -> tuple:
+    """What a proxy's metadata is compared by: sizes and strides (symbolic ones by
+    expression, so comparing adds no guard), offset, dtype, device, layout, grad."""
+    fake = t.fake if isinstance(t, TensorProxy) else t
+    return (
+        tuple(map(_size_key, fake.shape)),
+        tuple(map(_size_key, fake.stride())),
+        _size_key(fake.storage_offset()),
+        fake.dtype,
+        fake.device,
+        fake.layout,
+        t.requires_grad,
+    )
+
+
+def local_proxy(value) -> TensorProxy | None:
+    """The proxy a traced tensor is, or a traced DTensor holds; None for anything else."""
+    if isinstance(value, DTensor):
+        value = value._local_tensor
+    return value if isinstance(value, TensorProxy) else None
+
+
+def _traced_key(value) -> tuple | None:
+    """The key of a traced tensor or DTensor (None where it is not traced)."""
+    local = local_proxy(value)
+    if local is None:
+        return None
+    if isinstance(value, DTensor):
+        spec = value._spec
+        meta = spec.tensor_meta
+        return (
+            "dtensor",
+            id(spec.mesh),
+            tuple(spec.placements),
+            tuple(map(_size_key, meta.shape)),
+            tuple(map(_size_key, meta.stride)),
+            value.requires_grad,
+            tensor_key(local),
+        )
+    return ("tensor", tensor_key(local))
+
+
+def arguments_key(args: tuple, kwargs: dict) -> tuple | None:
+    """The key equivalent arguments share: their structure, each leaf's key and which
+    leaves are the same object; None where a leaf cannot be compared (an object, a real
+    tensor), so the call is traced as it is."""
+    flat, spec = tree_flatten((args, kwargs))
+    keys = []
+    first: dict[int, int] = {}
+    for index, leaf in enumerate(flat):
+        if isinstance(leaf, torch.Tensor):
+            key = _traced_key(leaf)
+            if key is None:
+                return None
+        elif type(leaf) in SCALARS:
+            key = value_key(leaf)
+        elif isinstance(leaf, torch.SymInt):
+            key = ("symint", leaf.node.expr)
+        else:
+            return None
+        keys.append((key, first.setdefault(id(leaf), index)))
+    return (spec, tuple(keys), dispatch_state())
+
+
+def dispatch_state() -> tuple:
+    """What decides how an op runs besides its arguments, which a forward could change
+    between its layers: grad and inference mode, autocast, the default dtype, the torch
+    function modes (a default device), DTensor's implicit replication and op handlers."""
+    handlers = dtensor_op_handlers()
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        tuple((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")),
+        torch.get_default_dtype(),
+        function_mode_count(),
+        dtensor_implicit_replication(),
+        id(handlers),
+        tuple(handlers),
+    )
+
+
+def named_tensors(module: torch.nn.Module) -> list[tuple[str, object]]:
+    """``(dotted name, value)`` of every tensor the subtree holds, in a fixed order."""
+    found = []
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for table in TENSOR_TABLES:
+            for name, value in getattr(sub, table).items():
+                found.append((f"{prefix}.{table}.{name}", value))
+        for name, value in vars(sub).items():
+            if isinstance(value, torch.Tensor):
+                found.append((f"{prefix}.{name}", value))
+    return found
+
+
+class _Equivalence:
+    """Whether two values play the same part in two blocks: the same object, equal
+    scalars and placements, corresponding modules, functions of the same code over
+    equivalent closures, partials and bound methods of such, and plain objects whose
+    attributes are equivalent (a few levels down)."""
+
+    def __init__(self, modules: dict[int, torch.nn.Module]):
+        self.modules = modules  # id of a module of the first block -> the module in the same place
+
+    def __call__(self, a, b, depth: int = 0) -> bool:
+        if isinstance(a, torch.nn.Module) or isinstance(b, torch.nn.Module):
+            mapped = self.modules.get(id(a))
+            return mapped is b if mapped is not None else a is b
+        if a is b:
+            return True
+        if type(a) is not type(b):
+            return False
+        if type(a) in SCALARS:
+            return value_key(a) == value_key(b)
+        if isinstance(a, Placement):
+            return a == b
+        if depth > _EQUIVALENCE_DEPTH:
+            return False
+        if isinstance(a, (tuple, list)):
+            return len(a) == len(b) and all(self(x, y, depth + 1) for x, y in zip(a, b))
+        if isinstance(a, dict):
+            return list(a) == list(b) and all(self(a[k], b[k], depth + 1) for k in a)
+        if isinstance(a, types.FunctionType):
+            return (
+                a.__code__ is b.__code__
+                and a.__globals__ is b.__globals__
+                and self(a.__defaults__, b.__defaults__, depth + 1)
+                and self(a.__kwdefaults__, b.__kwdefaults__, depth + 1)
+                and self._cells(a.__closure__ or (), b.__closure__ or (), depth)
+            )
+        if isinstance(a, types.MethodType):
+            return a.__func__ is b.__func__ and self(a.__self__, b.__self__, depth + 1)
+        if isinstance(a, functools.partial):
+            return (
+                self(a.func, b.func, depth + 1)
+                and self(a.args, b.args, depth + 1)
+                and self(a.keywords, b.keywords, depth + 1)
+            )
+        if isinstance(a, (torch.Tensor, type, types.ModuleType, types.BuiltinFunctionType)):
+            return False  # by identity only
+        if type(a).__module__ == "builtins" or not hasattr(a, "__dict__") or _has_slots(type(a)):
+            return False
+        return self(vars(a), vars(b), depth + 1)
+
+    def _cells(self, a: tuple, b: tuple, depth: int) -> bool:
+        if len(a) != len(b):
+            return False
+        for x, y in zip(a, b):
+            try:
+                xv = x.cell_contents
+            except ValueError:
+                xv = _EMPTY
+            try:
+                yv = y.cell_contents
+            except ValueError:
+                yv = _EMPTY
+            if not self(xv, yv, depth + 1):
+                return False
+        return True
+
+
+_EMPTY = object()
+
+
+def _has_slots(cls: type) -> bool:
+    """Whether instances of ``cls`` hold values outside their ``__dict__`` (``abc.ABC``'s
+    empty ``__slots__`` holds none)."""
+    return any(
+        name not in ("__dict__", "__weakref__")
+        for klass in cls.__mro__
+        for name in (
+            (vars(klass).get("__slots__") or ())
+            if not isinstance(vars(klass).get("__slots__"), str)
+            else (vars(klass)["__slots__"],)
+        )
+    )
+
+
+def same_blocks(first: torch.nn.Module, other: torch.nn.Module) -> bool:
+    """Whether ``other`` is equivalent to ``first`` (see the module docstring)."""
+    return first is other or why_different(first, other) is None
+
+
+def why_different(first: torch.nn.Module, other: torch.nn.Module) -> str | None:
+    """What makes ``other`` not equivalent to ``first``; None where nothing does."""
+    pairs = list(zip(first.named_modules(remove_duplicate=False), other.named_modules(remove_duplicate=False)))
+    if len(pairs) != sum(1 for _ in other.named_modules(remove_duplicate=False)) or len(pairs) != sum(
+        1 for _ in first.named_modules(remove_duplicate=False)
+    ):
+        return "their submodules differ"
+    for (pa, a), (pb, b) in pairs:
+        if pa != pb or type(a) is not type(b):
+            return f"their submodules differ ({pa!r}: {type(a).__name__}, {pb!r}: {type(b).__name__})"
+    equivalent = _Equivalence({id(a): b for (_, a), (_, b) in pairs})
+    differing: set[str] = set()
+    for path, a in (pair[0] for pair in pairs):
+        b = equivalent.modules[id(a)]
+        va, vb = vars(a), vars(b)
+        if list(va) != list(vb):
+            return f"{path or 'the block'} has other attributes"
+        for name, x in va.items():
+            y = vb[name]
+            where = f"{path}.{name}" if path else name
+            if name in TENSOR_TABLES:
+                if list(x) != list(y):
+                    return f"{where} holds other names"
+                for key in x:
+                    kx, ky = _traced_key(x[key]), _traced_key(y[key])
+                    if kx != ky or (kx is None and not (x[key] is None and y[key] is None)):
+                        return f"{where}[{key!r}] differs"
+            elif name == "_modules":
+                if list(x) != list(y):
+                    return f"{where} holds other names"
+            elif name in _HOOK_TABLES:
+                if len(x) != len(y) or not all(equivalent(p, q) for p, q in zip(x.values(), y.values())):
+                    return f"{where} holds other hooks"
+            elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+                kx = _traced_key(x)
+                if kx is None or kx != _traced_key(y):
+                    return f"{where} differs"
+            elif not equivalent(x, y):
+                differing.add(name)
+    if not differing:
+        return None
+    # Differing attributes are allowed only where no code the block runs names them.
+    names: set[str] = set()
+    for _, (_, module) in pairs:
+        names |= class_names(type(module))
+        hook_names(module, names)
+    if names & READS_ANY:
+        return f"attributes differ ({', '.join(sorted(differing))}) and its code reads {sorted(names & READS_ANY)[0]}"
+    read = differing & (names | module_call_names())
+    return f"attributes its code reads differ ({', '.join(sorted(read))})" if read else None
