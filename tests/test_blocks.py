@@ -32,8 +32,9 @@ def blocks(n: int = 4, **kwargs) -> nn.Sequential:
     return nn.Sequential(*[Block(i, **kwargs) for i in range(n)])
 
 
-def compiled(model, *args, replay: bool = True, cache: str = "constant values"):
-    """(output, printed trace) of a first compiled call without gradients."""
+def compiled(model, *args, replay: bool = True, cache: str = "constant values", stages: bool = False):
+    """(output, printed trace) of a first compiled call without gradients; with
+    ``stages``, the printed traces of every stage (recorded, passes, lowered) in one text."""
     saved, tracer.REPLAY_BLOCKS = tracer.REPLAY_BLOCKS, replay
     try:
         with torch.no_grad():
@@ -41,7 +42,8 @@ def compiled(model, *args, replay: bool = True, cache: str = "constant values"):
             out = jitted(*args)
     finally:
         tracer.REPLAY_BLOCKS = saved
-    return out, str(dtcompile.last_traces(jitted)[0])
+    traces = dtcompile.last_traces(jitted)
+    return out, "\n".join(map(str, traces if stages else traces[:1]))
 
 
 def replay_lines(trace: str) -> list[str]:
@@ -66,9 +68,9 @@ def assert_eager(model, args, out):
 def test_replayed_program_is_the_traced_one(cache):
     model = blocks()
     x = torch.randn(3, 5, 8)
-    out, trace = compiled(model, x, cache=cache)
-    _, traced = compiled(model, x, replay=False, cache=cache)
-    assert without_replay_lines(trace) == without_replay_lines(traced)
+    out, trace = compiled(model, x, cache=cache, stages=True)
+    _, traced = compiled(model, x, replay=False, cache=cache, stages=True)
+    assert without_replay_lines(trace) == without_replay_lines(traced)  # every stage's program
     assert replay_lines(trace), trace  # the later blocks were replayed
     assert not replay_lines(traced)
     assert_eager(model, (x,), out)

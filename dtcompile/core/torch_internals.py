@@ -114,6 +114,27 @@ def function_mode_count() -> int:
     return torch._C._len_torch_function_stack()
 
 
+def fake_like(fake_mode, like: torch.Tensor, base: torch.Tensor | None, requires_grad: bool) -> torch.Tensor:
+    """A fake tensor of ``fake_mode`` with ``like``'s sizes, strides and dtype: a view of
+    ``base``'s storage at ``like``'s offset, or (``base`` None) fresh storage. What the fake
+    mode would make for an op's output, without running the op's meta function (the same
+    kernel invocation the fake mode uses, and its converter's wrapping)."""
+    from torch._subclasses.fake_tensor import in_kernel_invocation_manager
+
+    with torch.no_grad(), in_kernel_invocation_manager(fake_mode):
+        if base is None:
+            meta = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device="meta")
+        else:
+            meta = torch.ops.aten.as_strided.default(base, like.shape, like.stride(), like.storage_offset())
+    meta.requires_grad_(requires_grad)
+    return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, meta, like.device)
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """Which storage a (fake) tensor's data lives in: equal for tensors sharing memory."""
+    return t.untyped_storage()._cdata
+
+
 def fake_mode_active() -> bool:
     """Whether a FakeTensorMode is the active dispatch mode (DTensor's sharding propagation
     runs its metadata computations under one): there is no public query."""

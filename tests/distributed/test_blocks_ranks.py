@@ -22,7 +22,7 @@ def _first_call(model, args: tuple, kwargs: dict, replay: bool, cache: str):
             out = jitted(*args, **kwargs)
     finally:
         tracer.REPLAY_BLOCKS = saved
-    return out, str(dtcompile.last_traces(jitted)[0])
+    return out, "\n".join(map(str, dtcompile.last_traces(jitted)))  # every stage's program
 
 
 def _local(value):
@@ -31,7 +31,8 @@ def _local(value):
 
 
 def _replays(trace: str) -> list[str]:
-    return [line for line in trace.splitlines() if "recorded once, replayed" in line]
+    """The replay lines of the recorded trace (each stage repeats them)."""
+    return list(dict.fromkeys(line for line in trace.splitlines() if "recorded once, replayed" in line))
 
 
 def _without_replays(trace: str) -> str:
