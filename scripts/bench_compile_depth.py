@@ -1,0 +1,99 @@
+"""Compile time by depth: repeated blocks recorded once, against every block traced.
+
+Run: python scripts/bench_compile_depth.py          (runs itself under torchrun on 2 ranks)
+  or torchrun --nproc-per-node N scripts/bench_compile_depth.py [--layers 2 8 32]
+
+The Llama-style model of ``dtcompile.testing.models`` (tensor-parallel blocks, hidden
+128), one forward under no_grad, compiled at each depth with its blocks replayed (the
+default: ``capture/blocks.py``) and with every block traced, the two interleaved depth
+by depth, under both cache options. Before the first, a one-layer model is compiled and
+not counted: it pays the process's first-compile costs (DTensor's sharding caches, the
+fake mode's), which would otherwise land on whichever variant runs first. Prints compile
+seconds, each depth's time over the smallest depth's, and the program's symbol count.
+Each compiled result is compared with eager's, and both variants must record the same
+program.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from timing import finish, init_gloo, print0, sync
+from torch.distributed.device_mesh import init_device_mesh
+
+import dtcompile
+from dtcompile.capture import tracer
+from dtcompile.testing.models import parallel_llama
+
+VARIANTS = {"blocks replayed": True, "every block traced": False}
+
+
+def compile_once(mesh, layers: int, replay: bool, cache: str) -> tuple[float, str]:
+    """Seconds of one compilation, and the recorded program (without its replay notes)."""
+    model = parallel_llama(mesh, layers=layers, dim=128, hidden=256, n_heads=4)
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    saved, tracer.REPLAY_BLOCKS = tracer.REPLAY_BLOCKS, replay
+    try:
+        with torch.no_grad():
+            jitted = dtcompile.jit(model, cache=cache)
+            sync()
+            start = time.perf_counter()
+            out = jitted(tokens)
+            seconds = time.perf_counter() - start
+            expected = model(tokens)
+    finally:
+        tracer.REPLAY_BLOCKS = saved
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    program = "\n".join(line for line in str(dtcompile.last_traces(jitted)[0]).splitlines() if "replayed" not in line)
+    return seconds, program
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
+    parser.add_argument("--cache", nargs="+", default=["constant values", "symbolic values"])
+    args = parser.parse_args()
+    init_gloo()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    first, _ = compile_once(mesh, 1, True, "constant values")
+    print0(f"first compile in this process (one layer, not counted below): {first:.2f} s")
+    for cache in args.cache:
+        seconds = {name: {} for name in VARIANTS}
+        symbols = {}
+        for layers in args.layers:
+            programs = []
+            for name, replay in VARIANTS.items():
+                seconds[name][layers], program = compile_once(mesh, layers, replay, cache)
+                programs.append(program)
+            if programs[0] != programs[1]:
+                raise SystemExit(f"{layers} layers, {cache}: replayed blocks recorded another program")
+            symbols[layers] = sum(1 for line in programs[0].splitlines() if " = " in line)
+        smallest = args.layers[0]
+        print0(f"\ncache={cache!r}, {dist.get_world_size()} ranks: compile seconds (x the {smallest}-layer time)")
+        print0(f"  {'layers':>6} {'symbols':>8}" + "".join(f" {name:>24}" for name in VARIANTS))
+        for layers in args.layers:
+            cells = "".join(
+                f" {seconds[name][layers]:>14.2f} ({seconds[name][layers] / seconds[name][smallest]:>5.1f}x)"
+                for name in VARIANTS
+            )
+            print0(f"  {layers:>6} {symbols[layers]:>8}{cells}")
+    finish()
+
+
+def launch() -> None:
+    """Run this script under torchrun on 2 ranks."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    command = [torchrun, "--standalone", "--nproc-per-node", "2", __file__, *sys.argv[1:]]
+    subprocess.run(command, check=True, env=env)
+
+
+if __name__ == "__main__":
+    if "LOCAL_RANK" in os.environ:
+        main()
+    else:
+        launch()
