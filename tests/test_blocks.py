@@ -190,6 +190,39 @@ def test_python_state_the_first_block_changes():
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
+class Reassigning(nn.Module):
+    """The forward changes a block between its calls: the same block called again, and a
+    block called after the first's attribute changed, must not replay what was recorded
+    with the old value."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(Block(i) for i in range(2))
+
+    def forward(self, x):
+        first, second = self.layers
+        h = first(x)
+        first.eps = 0.5
+        h = first(h)  # the same module, now with another eps
+        second.eps = 0.5
+        h = second(h)  # equal to the first as it is now, not as it was recorded
+        first.eps = 2.0
+        h = first(h)  # changed since it was recorded, and since second was compared with it
+        return h
+
+
+def test_a_block_changed_between_its_calls():
+    model = Reassigning()
+    x = torch.randn(3, 8)
+    out, trace = compiled(model, x)
+    with torch.no_grad():
+        fresh = Reassigning()  # eager on a model in the state the compiled one started in
+        expected = fresh(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert all("." in line.split()[1] for line in replay_lines(trace))  # Linears only
+
+
 class TwoInputs(nn.Module):
     def __init__(self):
         super().__init__()

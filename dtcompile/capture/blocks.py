@@ -42,6 +42,7 @@ from .equivalence import (
     SCALARS,
     TENSOR_TABLES,
     arguments_key,
+    block_state,
     local_proxy,
     named_tensors,
     same_blocks,
@@ -53,9 +54,10 @@ class BlockTemplate:
     """The symbols the first call of a block recorded, and how to record them again for an
     equivalent block (see the module docstring)."""
 
-    def __init__(self, module: torch.nn.Module, key: tuple):
+    def __init__(self, module: torch.nn.Module, key: tuple, state: list):
         self.module = module
         self.key = key
+        self.state = state  # the block as it was recorded (``equivalence.block_state``)
         self.symbols: list = []
         self.sources: dict[str, list[tuple[str, object]]] = {}  # free proxy label -> where each block has it
         self.output = None  # (treespec, leaves described)
@@ -114,7 +116,7 @@ class RepeatedBlocks:
         if key is None:
             return original(module, *args, **kwargs)
         for template in self.templates.get(type(module), ()):
-            if template.key == key and same_blocks(template.module, module):
+            if template.key == key and same_blocks(template.state, module):
                 if template.refused is not None:
                     return original(module, *args, **kwargs)
                 replayed = self._replay(template, module, args, kwargs)
@@ -122,7 +124,7 @@ class RepeatedBlocks:
                     self.replayed.setdefault(self.paths[id(template.module)], []).append(self.paths[id(module)])
                     return replayed
                 return original(module, *args, **kwargs)
-        template = BlockTemplate(module, key)
+        template = BlockTemplate(module, key, block_state(module))
         self.templates.setdefault(type(module), []).append(template)
         return self._record(template, original, module, args, kwargs)
 

@@ -118,9 +118,10 @@ def _code_names(code: types.CodeType, names: set) -> None:
             _code_names(const, names)
 
 
-def hook_names(module: torch.nn.Module, names: set) -> None:
+def hook_names(attributes: dict, names: set) -> None:
+    """Add the names the hooks in a module's attributes (``vars(module)``) use."""
     for table in _HOOK_TABLES:
-        for hook in getattr(module, table, {}).values():
+        for hook in attributes.get(table, {}).values():
             if callable(hook):
                 _callable_names(hook, names, 3)
                 for cell in getattr(hook, "__closure__", None) or ():

@@ -51,6 +51,7 @@ _HOOK_TABLES = frozenset(
     }
 )
 TENSOR_TABLES = ("_parameters", "_buffers")
+_TABLES = _HOOK_TABLES | {"_modules", *TENSOR_TABLES}  # copied by block_state
 GLOBAL_HOOKS = (
     "_global_forward_hooks",
     "_global_forward_pre_hooks",
@@ -243,26 +244,43 @@ def _has_slots(cls: type) -> bool:
     )
 
 
-def same_blocks(first: torch.nn.Module, other: torch.nn.Module) -> bool:
-    """Whether ``other`` is equivalent to ``first`` (see the module docstring)."""
-    return first is other or why_different(first, other) is None
+def block_state(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, dict]]:
+    """``(path, submodule, its attributes)`` through the subtree, as they are now: the
+    tables (parameters, buffers, submodules, hooks) copied, so that a later assignment or
+    hook does not change what was recorded with."""
+    state = []
+    for path, sub in module.named_modules(remove_duplicate=False):
+        attributes = {
+            name: dict(value) if name in _TABLES and isinstance(value, dict) else value
+            for name, value in vars(sub).items()
+        }
+        state.append((path, sub, attributes))
+    return state
 
 
-def why_different(first: torch.nn.Module, other: torch.nn.Module) -> str | None:
-    """What makes ``other`` not equivalent to ``first``; None where nothing does."""
-    pairs = list(zip(first.named_modules(remove_duplicate=False), other.named_modules(remove_duplicate=False)))
-    if len(pairs) != sum(1 for _ in other.named_modules(remove_duplicate=False)) or len(pairs) != sum(
-        1 for _ in first.named_modules(remove_duplicate=False)
-    ):
+def same_blocks(first: list, other: torch.nn.Module) -> bool:
+    """Whether ``other`` is now equivalent to the block whose ``block_state`` is ``first``
+    (see the module docstring)."""
+    return why_different(first, other) is None
+
+
+def why_different(first: list, other: torch.nn.Module) -> str | None:
+    """What makes ``other`` not equivalent to the block whose ``block_state`` is
+    ``first``; None where nothing does. The first block is compared as it was when its
+    state was taken (the module may be ``other`` itself, called again after the code
+    changed it)."""
+    others = list(other.named_modules(remove_duplicate=False))
+    if len(first) != len(others):
         return "their submodules differ"
-    for (pa, a), (pb, b) in pairs:
+    pairs = []
+    for (pa, a, attributes), (pb, b) in zip(first, others):
         if pa != pb or type(a) is not type(b):
             return f"their submodules differ ({pa!r}: {type(a).__name__}, {pb!r}: {type(b).__name__})"
-    equivalent = _Equivalence({id(a): b for (_, a), (_, b) in pairs})
+        pairs.append((pa, a, attributes, b))
+    equivalent = _Equivalence({id(a): b for _, a, _, b in pairs})
     differing: set[str] = set()
-    for path, a in (pair[0] for pair in pairs):
-        b = equivalent.modules[id(a)]
-        va, vb = vars(a), vars(b)
+    for path, _, va, b in pairs:
+        vb = vars(b)
         if list(va) != list(vb):
             return f"{path or 'the block'} has other attributes"
         for name, x in va.items():
@@ -291,9 +309,9 @@ def why_different(first: torch.nn.Module, other: torch.nn.Module) -> str | None:
         return None
     # Differing attributes are allowed only where no code the block runs names them.
     names: set[str] = set()
-    for _, (_, module) in pairs:
+    for _, _, attributes, module in pairs:
         names |= class_names(type(module))
-        hook_names(module, names)
+        hook_names(attributes, names)
     if names & READS_ANY:
         return f"attributes differ ({', '.join(sorted(differing))}) and its code reads {sorted(names & READS_ANY)[0]}"
     read = differing & (names | module_call_names())
