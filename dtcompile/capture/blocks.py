@@ -28,15 +28,13 @@ from __future__ import annotations
 
 import copy
 import types
-from dataclasses import replace
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..core import NoProvenance, TensorProxy
-from ..core.symbol import leaves, map_leaves
-from ..core.torch_internals import fake_like, make_dtensor, storage_id
+from ..core import TensorProxy
+from ..core.torch_internals import make_dtensor
 from .equivalence import (
     GLOBAL_HOOKS,
     SCALARS,
@@ -46,8 +44,8 @@ from .equivalence import (
     local_proxy,
     named_tensors,
     same_blocks,
-    tensor_key,
 )
+from .replay import ReplayDiverged, output_aliases, record_again
 
 
 class BlockTemplate:
@@ -212,7 +210,7 @@ class RepeatedBlocks:
             else:
                 return f"it returns a {type(leaf).__name__}"
         template.output = (spec, described)
-        template.aliases = [_output_aliases(bsym) for bsym in template.symbols]
+        template.aliases = [output_aliases(bsym) for bsym in template.symbols]
         return None
 
     def _replay(self, template: BlockTemplate, module, args: tuple, kwargs: dict):
@@ -224,8 +222,8 @@ class RepeatedBlocks:
         base = len(recording.bound_symbols)
         try:
             with torch._C.DisableTorchFunction():  # no torch-level call runs: nothing for the annotator
-                _record_again(recording, template, mapping)
-        except (_ReplayDiverged, ValueError):
+                record_again(recording, template.symbols, template.aliases, mapping)
+        except (ReplayDiverged, ValueError):
             del recording.bound_symbols[base:]
             return _FAILED
         spec, described = template.output
@@ -241,84 +239,6 @@ class RepeatedBlocks:
             else:
                 result.append(entry[1])
         return tree_unflatten(result, spec)
-
-
-def _record_again(recording, template: BlockTemplate, mapping: dict[str, TensorProxy]) -> None:
-    """Record the template's symbols again through ``recording``, each proxy swapped
-    through ``mapping`` (label -> proxy), which learns each new output. An op whose
-    outputs' storage the template knows (``_output_aliases``) is not run again: its
-    outputs are fake tensors like the first's; any other op is recorded as the first was."""
-
-    def mapped(x):
-        return mapping[x.label] if isinstance(x, TensorProxy) else x
-
-    for bsym, aliases in zip(template.symbols, template.aliases):
-        args, kwargs = map_leaves(mapped, (bsym.args, bsym.kwargs))
-        if aliases is not None:
-            out = _outputs_like(recording, bsym, aliases, args, kwargs)
-            recording.bound_symbols.append(replace(bsym, args=args, kwargs=kwargs, output=out))
-        else:
-            before = len(recording.bound_symbols)
-            out = recording.record(bsym.op, args, kwargs)
-            if len(recording.bound_symbols) != before + 1:
-                raise _ReplayDiverged
-        for old, new in zip(leaves(bsym.output), leaves(out), strict=True):
-            if isinstance(old, TensorProxy) != isinstance(new, TensorProxy):
-                raise _ReplayDiverged
-            if isinstance(old, TensorProxy):
-                if aliases is None and tensor_key(old) != tensor_key(new):
-                    raise _ReplayDiverged
-                mapping[old.label] = new
-        if bsym.note is not None:
-            recording.bound_symbols[-1] = replace(recording.bound_symbols[-1], note=bsym.note.renamed(mapping))
-
-
-def _output_aliases(bsym) -> list[int | None] | None:
-    """For an op whose outputs can be made from the first block's without running it: for
-    each output, the index of the input tensor whose storage it views (None: fresh
-    storage). None where the op must run again: it writes to its inputs (an in-place op
-    may change their metadata), makes tensors from nothing (a factory op: its values may be
-    known while tracing), returns more than tensors, or outputs share a fresh storage."""
-    inputs = bsym.input_tensors()
-    outputs = leaves(bsym.output)
-    if (
-        bsym.op._schema.is_mutable
-        or not inputs
-        or not outputs
-        or not all(isinstance(o, TensorProxy) and o.value is None for o in outputs)
-        or any(i.value is not None for i in inputs)
-    ):
-        return None
-    storages = {storage_id(i.fake): index for index, i in reversed(list(enumerate(inputs)))}
-    aliases, fresh = [], set()
-    for o in outputs:
-        storage = storage_id(o.fake)
-        index = storages.get(storage)
-        if index is None:
-            if storage in fresh or o.fake.storage_offset() != 0:
-                return None
-            fresh.add(storage)
-        aliases.append(index)
-    return aliases
-
-
-def _outputs_like(recording, bsym, aliases: list[int | None], args: tuple, kwargs: dict):
-    """The outputs of ``bsym`` again, for ``args``: fake tensors with its outputs' metadata,
-    viewing the new inputs' storages where its outputs viewed the old ones'."""
-    inputs = [x for x in leaves((args, kwargs)) if isinstance(x, TensorProxy)]
-    made_by = NoProvenance(str(bsym.op))
-
-    def again(old, alias):
-        base = None if alias is None else inputs[alias].fake
-        fake = fake_like(recording.fake_mode, old.fake, base, old.fake.requires_grad)
-        return TensorProxy(fake, recording.new_name(), made_by, requires_grad=old.requires_grad)
-
-    olds = iter(zip(leaves(bsym.output), aliases))
-    return map_leaves(lambda old: again(*next(olds)), bsym.output)
-
-
-class _ReplayDiverged(Exception):
-    """A replayed op recorded otherwise than the template's (it should not happen)."""
 
 
 _FAILED = object()

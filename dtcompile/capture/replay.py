@@ -1,0 +1,99 @@
+"""Recording a block's symbols again, with another block's tensors (``blocks.py``).
+
+Each symbol is recorded again with its proxies swapped through a mapping from the first
+block's labels to the later block's proxies, which learns each new output. Most ops are
+not run again: where every output of an op is a tensor viewing one of its inputs' storage
+or a fresh one (``output_aliases``), its outputs are fake tensors with the first block's
+metadata (``torch_internals.fake_like``), viewing the new inputs' storages where the first
+viewed the old ones' (the passes read aliasing from the fake storages). In-place ops
+(which may change their inputs' metadata), factory ops (whose values tracing may know)
+and ops with other outputs go through the recorder as the first block's did, and must
+give the same metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..core import NoProvenance, TensorProxy
+from ..core.symbol import leaves, map_leaves
+from ..core.torch_internals import fake_like, storage_id
+from .equivalence import tensor_key
+
+
+def record_again(recording, symbols: list, aliases: list, mapping: dict[str, TensorProxy]) -> None:
+    """Record ``symbols`` again through ``recording``, each proxy swapped
+    through ``mapping`` (label -> proxy), which learns each new output. An op whose
+    outputs' storage is known (``aliases``, from ``output_aliases``) is not run again: its
+    outputs are fake tensors like the first's; any other op is recorded as the first was."""
+
+    def mapped(x):
+        return mapping[x.label] if isinstance(x, TensorProxy) else x
+
+    for bsym, alias in zip(symbols, aliases, strict=True):
+        args, kwargs = map_leaves(mapped, (bsym.args, bsym.kwargs))
+        if alias is not None:
+            out = _outputs_like(recording, bsym, alias, args, kwargs)
+            recording.bound_symbols.append(replace(bsym, args=args, kwargs=kwargs, output=out))
+        else:
+            before = len(recording.bound_symbols)
+            out = recording.record(bsym.op, args, kwargs)
+            if len(recording.bound_symbols) != before + 1:
+                raise ReplayDiverged
+        for old, new in zip(leaves(bsym.output), leaves(out), strict=True):
+            if isinstance(old, TensorProxy) != isinstance(new, TensorProxy):
+                raise ReplayDiverged
+            if isinstance(old, TensorProxy):
+                if alias is None and tensor_key(old) != tensor_key(new):
+                    raise ReplayDiverged
+                mapping[old.label] = new
+        if bsym.note is not None:
+            recording.bound_symbols[-1] = replace(recording.bound_symbols[-1], note=bsym.note.renamed(mapping))
+
+
+def output_aliases(bsym) -> list[int | None] | None:
+    """For an op whose outputs can be made from the first block's without running it: for
+    each output, the index of the input tensor whose storage it views (None: fresh
+    storage). None where the op must run again: it writes to its inputs (an in-place op
+    may change their metadata), makes tensors from nothing (a factory op: its values may be
+    known while tracing), returns more than tensors, or outputs share a fresh storage."""
+    inputs = bsym.input_tensors()
+    outputs = leaves(bsym.output)
+    if (
+        bsym.op._schema.is_mutable
+        or not inputs
+        or not outputs
+        or not all(isinstance(o, TensorProxy) and o.value is None for o in outputs)
+        or any(i.value is not None for i in inputs)
+    ):
+        return None
+    storages = {storage_id(i.fake): index for index, i in reversed(list(enumerate(inputs)))}
+    aliases, fresh = [], set()
+    for o in outputs:
+        storage = storage_id(o.fake)
+        index = storages.get(storage)
+        if index is None:
+            if storage in fresh or o.fake.storage_offset() != 0:
+                return None
+            fresh.add(storage)
+        aliases.append(index)
+    return aliases
+
+
+def _outputs_like(recording, bsym, aliases: list[int | None], args: tuple, kwargs: dict):
+    """The outputs of ``bsym`` again, for ``args``: fake tensors with its outputs' metadata,
+    viewing the new inputs' storages where its outputs viewed the old ones'."""
+    inputs = [x for x in leaves((args, kwargs)) if isinstance(x, TensorProxy)]
+    made_by = NoProvenance(str(bsym.op))
+
+    def again(old, alias):
+        base = None if alias is None else inputs[alias].fake
+        fake = fake_like(recording.fake_mode, old.fake, base, old.fake.requires_grad)
+        return TensorProxy(fake, recording.new_name(), made_by, requires_grad=old.requires_grad)
+
+    olds = iter(zip(leaves(bsym.output), aliases))
+    return map_leaves(lambda old: again(*next(olds)), bsym.output)
+
+
+class ReplayDiverged(Exception):
+    """A replayed op recorded otherwise than the template's (it should not happen)."""
