@@ -269,16 +269,62 @@ def test_an_argument_changed_in_place_and_returned():
         torch.testing.assert_close(g, e, rtol=0, atol=0)
 
 
-def test_training_traces_every_block():
-    model = blocks()
-    reference = blocks()
-    x = torch.randn(3, 8)
-    jitted = dtcompile.jit(model)
-    jitted(x).sum().backward()
-    reference(x).sum().backward()
-    assert not replay_lines(str(dtcompile.last_traces(jitted)[0]))
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad)
+def _train(model_fn, x, replay: bool):
+    """(loss, parameter grads, input grad, every stage's program, replay lines) of one
+    compiled training call."""
+    saved, tracer.REPLAY_BLOCKS = tracer.REPLAY_BLOCKS, replay
+    try:
+        model = model_fn()
+        x = x.clone().requires_grad_()
+        jitted = dtcompile.jit(model)
+        loss = jitted(x).pow(2).sum()
+        loss.backward()
+    finally:
+        tracer.REPLAY_BLOCKS = saved
+    traces = dtcompile.last_traces(jitted)
+    program = "\n".join(map(str, traces))
+    return (
+        loss,
+        [p.grad for p in model.parameters()],
+        x.grad,
+        without_replay_lines(program),
+        replay_lines(str(traces[0])),
+    )
+
+
+class Transposing(nn.Module):
+    """Each block's output is transposed before the next: the gradients reaching the
+    blocks are not contiguous, unlike the cotangents the first backward template is
+    recorded for, so another template is recorded from the first block's graph."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(Block(i) for i in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x).t()
+        return x
+
+
+@pytest.mark.parametrize("model_fn", [blocks, Transposing], ids=["stack", "transposed gradients"])
+def test_training_replays_forward_and_backward(model_fn):
+    x = torch.randn(8, 8)
+    loss, grads, x_grad, program, lines = _train(model_fn, x, True)
+    traced_loss, traced_grads, traced_x_grad, traced_program, _ = _train(model_fn, x, False)
+    assert lines, "the later blocks were replayed"
+    assert program == traced_program  # forward and backward, every stage
+    reference = model_fn()
+    x_ref = x.clone().requires_grad_()
+    expected = reference(x_ref).pow(2).sum()
+    expected.backward()
+    for got, traced, want in zip(
+        [*grads, x_grad], [*traced_grads, traced_x_grad], [*(p.grad for p in reference.parameters()), x_ref.grad]
+    ):
+        assert torch.equal(got, traced)
+        torch.testing.assert_close(got, want)
+    assert torch.equal(loss, traced_loss)
 
 
 def test_a_change_after_compiling_is_a_miss():

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..core import TensorProxy
 from ..core.torch_internals import make_dtensor
+from .block_training import BlockReplayFailed, GradReplay, backward_template
 from .equivalence import (
     GLOBAL_HOOKS,
     SCALARS,
@@ -59,7 +60,14 @@ class BlockTemplate:
         self.symbols: list = []
         self.sources: dict[str, list[tuple[str, object]]] = {}  # free proxy label -> where each block has it
         self.output = None  # (treespec, leaves described)
-        self.aliases: list = []  # per symbol: what ``_output_aliases`` found
+        self.aliases: list = []  # per symbol: what ``replay.output_aliases`` found
+        # With gradients (``block_training.py``): which output leaves require grad, the first
+        # block's values that do (and where each block has them), its backward templates.
+        self.grad_outputs: list[int] = []
+        self.grad_output_values: list = []
+        self.grad_input_sources: list = []
+        self.grad_input_values: list = []
+        self.backwards: dict = {}
         self.refused: str | None = None  # why the block is only traced
 
     def sources_in(self, module: torch.nn.Module, flat_args: list) -> dict[str, TensorProxy] | None:
@@ -72,6 +80,15 @@ class BlockTemplate:
                 proxy = local_proxy(held.get(where) if kind == "module" else flat_args[where])
                 if proxy is None or found.setdefault(label, proxy) is not proxy:
                     return None
+        return found
+
+    def grad_inputs_in(self, module: torch.nn.Module, flat_args: list) -> list | None:
+        """The later block's values that require grad, as the first block's; None where
+        one does not."""
+        held = dict(named_tensors(module))
+        found = [held.get(where) if kind == "module" else flat_args[where] for kind, where in self.grad_input_sources]
+        if not all(isinstance(v, torch.Tensor) and v.requires_grad for v in found):
+            return None
         return found
 
 
@@ -192,12 +209,15 @@ class RepeatedBlocks:
         flat_out, spec = tree_flatten(out)
         described = []
         arg_ids = {id(leaf): index for index, leaf in enumerate(flat_args)}
+        training = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in flat_out)
         for leaf in flat_out:
             if isinstance(leaf, torch.Tensor):
                 local = local_proxy(leaf)
-                if local is None or leaf.requires_grad:
-                    return "it returns a tensor that is not traced, or requires grad"
+                if local is None:
+                    return "it returns a tensor that is not traced"
                 if id(leaf) in arg_ids:
+                    if training:
+                        return "it returns an argument, in a call that needs gradients"
                     described.append(("arg", arg_ids[id(leaf)]))
                 elif local.label not in defined and local.label not in template.sources:
                     return "it returns a tensor from outside it"
@@ -211,6 +231,32 @@ class RepeatedBlocks:
                 return f"it returns a {type(leaf).__name__}"
         template.output = (spec, described)
         template.aliases = [output_aliases(bsym) for bsym in template.symbols]
+        if training:
+            return self._with_gradients(template, module, flat_args, flat_out, free)
+        return None
+
+    def _with_gradients(self, template: BlockTemplate, module, flat_args: list, flat_out: list, free: dict):
+        """A template for calls that need gradients: which outputs and which of the block's
+        values require grad, and the backward for cotangents like the outputs; or why not."""
+        free_labels = set(free)
+        for bsym in template.symbols:
+            if bsym.op._schema.is_mutable and any(p.label in free_labels for p in bsym.input_proxies()):
+                return "it changes a tensor in place, in a call that needs gradients"
+        template.grad_outputs = [i for i, x in enumerate(flat_out) if isinstance(x, torch.Tensor) and x.requires_grad]
+        template.grad_output_values = [flat_out[i] for i in template.grad_outputs]
+        seen: set[int] = set()
+        candidates = [(("module", n), v) for n, v in named_tensors(module)]
+        candidates += [(("arg", i), v) for i, v in enumerate(flat_args)]
+        for source, value in candidates:
+            if isinstance(value, torch.Tensor) and value.requires_grad and id(value) not in seen:
+                seen.add(id(value))
+                template.grad_input_sources.append(source)
+                template.grad_input_values.append(value)
+        try:
+            backward = backward_template(self.recording, template.grad_output_values, template.grad_input_values, None)
+        except BlockReplayFailed as error:
+            return f"its backward: {error}"
+        template.backwards[backward.key] = backward
         return None
 
     def _replay(self, template: BlockTemplate, module, args: tuple, kwargs: dict):
@@ -219,16 +265,30 @@ class RepeatedBlocks:
         mapping = template.sources_in(module, flat_args)
         if mapping is None:
             return _FAILED
+        spec = template.output[0]
         base = len(recording.bound_symbols)
-        try:
+
+        def forward():
             with torch._C.DisableTorchFunction():  # no torch-level call runs: nothing for the annotator
                 record_again(recording, template.symbols, template.aliases, mapping)
+            return mapping, self._outputs(template, mapping, flat_args)
+
+        try:
+            if not template.grad_outputs:
+                return tree_unflatten(forward()[1], spec)
+            inputs = template.grad_inputs_in(module, flat_args)
+            if inputs is None:
+                return _FAILED
+            return tree_unflatten(GradReplay(recording, template, forward, inputs).apply(), spec)
         except (ReplayDiverged, ValueError):
             del recording.bound_symbols[base:]
             return _FAILED
-        spec, described = template.output
+
+    @staticmethod
+    def _outputs(template: BlockTemplate, mapping: dict, flat_args: list) -> list:
+        """The later block's output leaves, described by the template."""
         result = []
-        for entry in described:
+        for entry in template.output[1]:
             kind = entry[0]
             if kind == "arg":
                 result.append(flat_args[entry[1]])
@@ -238,7 +298,7 @@ class RepeatedBlocks:
                 result.append(mapping[entry[1].label])
             else:
                 result.append(entry[1])
-        return tree_unflatten(result, spec)
+        return result
 
 
 _FAILED = object()

@@ -89,7 +89,7 @@ def local_proxy(value) -> TensorProxy | None:
     return value if isinstance(value, TensorProxy) else None
 
 
-def _traced_key(value) -> tuple | None:
+def traced_key(value) -> tuple | None:
     """The key of a traced tensor or DTensor (None where it is not traced)."""
     local = local_proxy(value)
     if local is None:
@@ -118,7 +118,7 @@ def arguments_key(args: tuple, kwargs: dict) -> tuple | None:
     first: dict[int, int] = {}
     for index, leaf in enumerate(flat):
         if isinstance(leaf, torch.Tensor):
-            key = _traced_key(leaf)
+            key = traced_key(leaf)
             if key is None:
                 return None
         elif type(leaf) in SCALARS:
@@ -290,7 +290,7 @@ def why_different(first: list, other: torch.nn.Module) -> str | None:
                 if list(x) != list(y):
                     return f"{where} holds other names"
                 for key in x:
-                    kx, ky = _traced_key(x[key]), _traced_key(y[key])
+                    kx, ky = traced_key(x[key]), traced_key(y[key])
                     if kx != ky or (kx is None and not (x[key] is None and y[key] is None)):
                         return f"{where}[{key!r}] differs"
             elif name == "_modules":
@@ -300,8 +300,8 @@ def why_different(first: list, other: torch.nn.Module) -> str | None:
                 if len(x) != len(y) or not all(equivalent(p, q) for p, q in zip(x.values(), y.values())):
                     return f"{where} holds other hooks"
             elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-                kx = _traced_key(x)
-                if kx is None or kx != _traced_key(y):
+                kx = traced_key(x)
+                if kx is None or kx != traced_key(y):
                     return f"{where} differs"
             elif not equivalent(x, y):
                 differing.add(name)

@@ -75,6 +75,7 @@ class Recording:
         self.captured_proxies: list[TensorProxy] = []
         self._captured_index: dict[int, TensorProxy] = {}
         self._names = itertools.count()
+        self._prefix = "t"
         self.used_names: set[str] = set()
         # How many torch-level calls with DTensor arguments are running (see CallAnnotator).
         self.dtensor_calls = 0
@@ -89,9 +90,21 @@ class Recording:
         self.captured_held: list[torch.Tensor] = []  # what the program holds of each: the tensor, or its DTensor
         self._captured_dtensors: dict[int, DTensor] = {}  # id of a closed-over DTensor -> its traced stand-in
 
+    @contextlib.contextmanager
+    def names_apart(self, prefix: str):
+        """New names with ``prefix``, from a counter of their own, while recording symbols
+        that will not be in the trace (a repeated block's backward, recorded as a
+        template): the trace's own names are given as if they had not been recorded."""
+        saved = self._names, self._prefix
+        self._names, self._prefix = itertools.count(), prefix
+        try:
+            yield
+        finally:
+            self._names, self._prefix = saved
+
     def new_name(self) -> str:
         while True:
-            name = f"t{next(self._names)}"
+            name = f"{self._prefix}{next(self._names)}"
             if name not in self.used_names:
                 self.used_names.add(name)
                 return name

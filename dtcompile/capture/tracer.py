@@ -27,6 +27,7 @@ from ..core.torch_internals import (
 )
 from .annotator import CallAnnotator
 from .autograd import BackwardCapture, capture_backward
+from .block_training import BlockReplayFailed
 from .blocks import RepeatedBlocks
 from .c10d import object_collective_refusal
 from .data_branches import checks_first
@@ -157,7 +158,18 @@ def capture_call(
 ) -> CapturedCall:
     """Trace ``fn(*args, **kwargs)`` (or ``module(*args, **kwargs)``) into a per-rank trace.
     With ``symbolic`` the sizes of the call's tensors are symbols of a ShapeEnv (the
-    module's parameters, buffers and attributes keep theirs)."""
+    module's parameters, buffers and attributes keep theirs). Repeated blocks are recorded
+    once (``blocks.py``); where a replayed block's backward cannot be recorded, the call is
+    traced again with every block traced."""
+    try:
+        return _capture(fn, args, kwargs, module, symbolic, REPLAY_BLOCKS)
+    except BlockReplayFailed:
+        return _capture(fn, args, kwargs, module, symbolic, False)
+
+
+def _capture(
+    fn, args: tuple, kwargs: dict, module: torch.nn.Module | None, symbolic: bool, replay: bool
+) -> CapturedCall:
     # A ShapeEnv under either cache option: numbers read from tensor data are its
     # (unbacked) symbols. Only under symbolic values do the inputs' sizes get symbols.
     recording = Recording(FakeTensorMode(shape_env=ShapeEnv()))
@@ -224,7 +236,7 @@ def capture_call(
                 with (
                     module_state,
                     FSDPTracing(module) as fsdp,
-                    _repeated_blocks(recording, module_state, fsdp) as blocks,
+                    _repeated_blocks(recording, module_state, fsdp, replay) as blocks,
                 ):
                     result = module(*proxy_args, **proxy_kwargs)
                     if blocks is not None:
@@ -312,10 +324,10 @@ def capture_call(
     )
 
 
-def _repeated_blocks(recording: Recording, module_state: ModuleState, fsdp: FSDPTracing):
+def _repeated_blocks(recording: Recording, module_state: ModuleState, fsdp: FSDPTracing, replay: bool):
     """Repeated blocks recorded once (``blocks.py``); not under FSDP2, whose hooks swap
     the modules' parameters while they run."""
-    if not REPLAY_BLOCKS or fsdp.managed:
+    if not replay or fsdp.managed:
         return contextlib.nullcontext()
     return RepeatedBlocks(recording, module_state)
 
