@@ -128,3 +128,53 @@ def test_hugging_face_layers_parts_are_replayed(cache, ranks2):
     lines = ranks2.run(hf_case, cache)[0]
     assert any("model.layers.0.mlp recorded once, replayed for 2 more" in line for line in lines)
     assert not any(line.startswith("# model.layers.0 recorded") for line in lines)
+
+
+def _train(make, x, replay: bool, cache: str):
+    saved, tracer.REPLAY_BLOCKS = tracer.REPLAY_BLOCKS, replay
+    try:
+        model = make()
+        jitted = dtcompile.jit(model, cache=cache)
+        loss = _local(jitted(x)).pow(2).mean()
+        loss.backward()
+    finally:
+        tracer.REPLAY_BLOCKS = saved
+    program = "\n".join(map(str, dtcompile.last_traces(jitted)))
+    return loss, [_local(p.grad) for p in model.parameters()], program
+
+
+def training_case(kind, cache):
+    mesh = init_device_mesh("cpu", (2,))
+    if kind == "llama":
+
+        def make():
+            return parallel_llama(mesh, layers=4, dim=64, hidden=128, n_heads=4)
+
+        x = torch.randint(0, 512, (2, 8))
+    else:
+
+        def make():
+            blocks = [
+                parallel_block(mesh, dim=32, n_heads=4, hidden=64, sequence_parallel=True, seed=i) for i in range(4)
+            ]
+            return nn.Sequential(*blocks)
+
+        torch.manual_seed(1)
+        x = torch.randn(2, 4, 32)
+    loss, grads, program = _train(make, x, True, cache)
+    traced_loss, traced_grads, traced_program = _train(make, x, False, cache)
+    assert _without_replays(program) == _without_replays(traced_program)  # forward and backward, every stage
+    assert torch.equal(loss, traced_loss)
+    reference = make()
+    _local(reference(x)).pow(2).mean().backward()
+    for got, traced, param in zip(grads, traced_grads, reference.parameters()):
+        assert torch.equal(got, traced)
+        torch.testing.assert_close(got, _local(param.grad))
+    return _replays(program)
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("kind", ["llama", "sequence parallel"])
+def test_training_replays_blocks_forward_and_backward(kind, cache, ranks2):
+    lines = ranks2.run(training_case, kind, cache)[0]
+    assert any("recorded once, replayed for" in line for line in lines)
