@@ -18,7 +18,6 @@ from dtcompile.capture import tracer
 class Block(nn.Module):
     def __init__(self, index: int, dim: int = 8, hidden: int = 16):
         super().__init__()
-        self.layer_id = index  # read by no code a call runs: blocks still match
         self.up = nn.Linear(dim, hidden)
         self.down = nn.Linear(hidden, dim)
         self.eps = 1e-5
@@ -95,6 +94,24 @@ def test_an_attribute_the_code_reads_differs():
     assert_eager(model, (x,), out)
 
 
+class Numbered(Block):
+    def __init__(self, index: int):
+        super().__init__(index)
+        self.layer_id = index  # read by no code a call runs: blocks still differ
+
+
+def test_an_attribute_that_differs_is_traced():
+    """Whether code reads an attribute cannot be known from its code (a helper, a
+    descriptor, ``getattr`` with a computed name can read it): blocks whose attributes
+    differ at all are traced, their submodules still replayed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Numbered(i) for i in range(4)])
+    x = torch.randn(3, 8)
+    out, trace = compiled(model, x)
+    assert replay_lines(trace) and all("." in line.split()[1] for line in replay_lines(trace))
+    assert_eager(model, (x,), out)
+
+
 def test_a_hook_on_one_block():
     model = blocks()
     model[1].register_forward_hook(lambda module, args, output: output * 2)
@@ -112,7 +129,7 @@ def test_hooks_over_different_values():
         block.register_forward_hook(lambda module, args, output, factor=factor: output * factor)
     x = torch.randn(3, 8)
     out, trace = compiled(model, x)
-    assert not replay_lines(trace)
+    assert all("." in line.split()[1] for line in replay_lines(trace))  # their Linears only
     assert_eager(model, (x,), out)
 
 
@@ -337,3 +354,120 @@ def test_a_change_after_compiling_is_a_miss():
         out = jitted(x)
     assert dtcompile.cache_misses(jitted) == 2
     assert_eager(model, (x,), out)
+
+
+SETTINGS = {"scale": 1.0}
+
+
+class ReadsState(nn.Module):
+    """Equal blocks whose forward reads state its parent changes between them."""
+
+    factor = 1.0
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) * SETTINGS["scale"] * type(self).factor
+
+
+class ChangesState(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(ReadsState() for _ in range(4))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if i == 1:
+                SETTINGS["scale"] = 2.0  # a global dict's item
+            if i == 2:
+                ReadsState.factor = 3.0  # a class attribute
+            x = layer(x)
+        return x
+
+
+class ScaleLinear(torch.overrides.TorchFunctionMode):
+    def __init__(self, k: float):
+        super().__init__()
+        self.k = k
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * self.k if func is torch.nn.functional.linear else out
+
+
+class ModePerBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(ReadsState() for _ in range(4))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            with ScaleLinear(float(i + 1)):  # a new mode per block, its id possibly reused
+                x = layer(x)
+        return x
+
+
+class Stashing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, stash: list):
+        y = self.lin(x)
+        stash[0] = y  # writes into a list it received
+        y.kind = "stashed"  # and sets an attribute on its output
+        return y
+
+
+class ReadsWhatBlocksLeft(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(Stashing() for _ in range(3))
+
+    def forward(self, x):
+        stash = [x]
+        total = x
+        for layer in self.layers:
+            y = layer(stash[0], stash)
+            total = total + stash[0] * (2.0 if y.kind == "stashed" else 0.0)
+        return total
+
+
+class Arange(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) + torch.arange(8) / 3  # a factory op, whose value tracing knows
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        ChangesState,
+        ModePerBlock,
+        ReadsWhatBlocksLeft,
+        lambda: torch.manual_seed(0) and nn.Sequential(*[Arange() for _ in range(3)]),
+    ],
+    ids=["state changed between blocks", "function mode per block", "argument and output changed", "factory op"],
+)
+def test_what_a_replay_cannot_see_is_traced(make):
+    """Each model traced with replay on gives eager's result and the program traced with it
+    off (blocks are replayed only where that holds)."""
+    x = torch.randn(3, 8)
+    ReadsState.factor, SETTINGS["scale"] = 1.0, 1.0
+    with torch.no_grad():
+        expected = make()(x)
+    ReadsState.factor, SETTINGS["scale"] = 1.0, 1.0
+    out, trace = compiled(make(), x, stages=True)
+    ReadsState.factor, SETTINGS["scale"] = 1.0, 1.0
+    _, traced = compiled(make(), x, replay=False, stages=True)
+    ReadsState.factor, SETTINGS["scale"] = 1.0, 1.0
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert without_replay_lines(trace) == without_replay_lines(traced)

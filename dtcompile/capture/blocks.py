@@ -57,6 +57,7 @@ class BlockTemplate:
         self.module = module
         self.key = key
         self.state = state  # the block as it was recorded (``equivalence.block_state``)
+        self.python_state: list = []  # (container, its contents) the block could read, as recorded
         self.symbols: list = []
         self.sources: dict[str, list[tuple[str, object]]] = {}  # free proxy label -> where each block has it
         self.output = None  # (treespec, leaves described)
@@ -139,6 +140,10 @@ class RepeatedBlocks:
                     self.replayed.setdefault(self.paths[id(template.module)], []).append(self.paths[id(module)])
                     return replayed
                 return original(module, *args, **kwargs)
+        if any(template.key == key for template in self.templates.get(type(module), ())):
+            # Another block of this class and arguments, that differs (a layer's index):
+            # traced as it is, so that its submodules can be replayed.
+            return original(module, *args, **kwargs)
         template = BlockTemplate(module, key, block_state(module))
         self.templates.setdefault(type(module), []).append(template)
         return self._record(template, original, module, args, kwargs)
@@ -155,8 +160,8 @@ class RepeatedBlocks:
         recording = self.recording
         start = len(recording.bound_symbols)
         counts = _counts(recording)
-        tables = [(t, dict(t)) for t in _python_state(module)]
-        flat_args, _ = tree_flatten((args, kwargs))
+        template.python_state = tables = [(c, _contents(c)) for c in _python_state(module)]
+        flat_args, treespec = tree_flatten((args, kwargs))
         specs = [(leaf, leaf._spec) for leaf in flat_args if isinstance(leaf, DTensor)]
         self.recording_depth += 1
         try:
@@ -168,18 +173,20 @@ class RepeatedBlocks:
             "it changed the recording's other state"
             if _counts(recording) != counts
             else "it changed Python state it can read"
-            if _tables_changed(tables)
+            if any(_contents(c) != before for c, before in tables)
             else "it changed an argument's placements"
             if any(leaf._spec is not spec for leaf, spec in specs)
+            else "it changed a container it received"
+            if _arguments_changed(args, kwargs, flat_args, treespec)
             else _unreplayable(template.symbols)
         )
         if template.refused is None:
-            template.refused = self._describe(template, module, args, kwargs, out)
+            template.refused = self._describe(template, module, flat_args, out)
         return out
 
-    def _describe(self, template: BlockTemplate, module, args: tuple, kwargs: dict, out) -> str | None:
+    def _describe(self, template: BlockTemplate, module, flat_args: list, out) -> str | None:
         """The template's free proxies' sources and its output's description; or why it
-        cannot be replayed."""
+        cannot be replayed. ``flat_args``: the arguments' leaves as the call received them."""
         defined: set[str] = set()
         free: dict[str, TensorProxy] = {}
         for bsym in template.symbols:
@@ -194,7 +201,6 @@ class RepeatedBlocks:
             proxy = local_proxy(value)
             if proxy is not None:
                 sources.setdefault(proxy.label, []).append(("module", name))
-        flat_args, _ = tree_flatten((args, kwargs))
         for index, leaf in enumerate(flat_args):
             proxy = local_proxy(leaf)
             if proxy is not None:
@@ -215,6 +221,8 @@ class RepeatedBlocks:
                 local = local_proxy(leaf)
                 if local is None:
                     return "it returns a tensor that is not traced"
+                if set(vars(leaf)) - _TRACED_ATTRIBUTES:
+                    return "it returns a tensor with attributes of its own"
                 if id(leaf) in arg_ids:
                     if training:
                         return "it returns an argument, in a call that needs gradients"
@@ -261,12 +269,14 @@ class RepeatedBlocks:
 
     def _replay(self, template: BlockTemplate, module, args: tuple, kwargs: dict):
         recording = self.recording
+        if any(_contents(c) != before for c, before in template.python_state):
+            return _FAILED  # the code changed Python state the first block read, since
         flat_args, _ = tree_flatten((args, kwargs))
         mapping = template.sources_in(module, flat_args)
         if mapping is None:
             return _FAILED
         spec = template.output[0]
-        base = len(recording.bound_symbols)
+        base, names = len(recording.bound_symbols), recording.names_given()
 
         def forward():
             with torch._C.DisableTorchFunction():  # no torch-level call runs: nothing for the annotator
@@ -282,6 +292,7 @@ class RepeatedBlocks:
             return tree_unflatten(GradReplay(recording, template, forward, inputs).apply(), spec)
         except (ReplayDiverged, ValueError):
             del recording.bound_symbols[base:]
+            recording.forget_names_since(names)
             return _FAILED
 
     @staticmethod
@@ -313,12 +324,13 @@ def _counts(recording) -> tuple:
     )
 
 
-def _python_state(module: torch.nn.Module) -> list[dict]:
-    """The dicts a block's code reads Python values from: its modules' tables and
+def _python_state(module: torch.nn.Module) -> list:
+    """The containers a block's code reads Python values from: its modules' tables and
     attributes, the plain objects these hold (a config), its classes' dicts and their
-    functions' globals. A first call that changes one is not replayed (a later block
-    would have read the new value)."""
-    found: dict[int, dict] = {}
+    functions' globals, and the small lists and dicts any of these hold (a global table).
+    A first call that changes one is not replayed (a later block would have read the new
+    value), nor is a later call after the code changed one."""
+    found: dict[int, object] = {}
     for sub in module.modules():
         for table in (*(getattr(sub, name) for name in TENSOR_TABLES), vars(sub)):
             found[id(table)] = table
@@ -334,11 +346,32 @@ def _python_state(module: torch.nn.Module) -> list[dict]:
             for value in vars(klass).values():
                 if isinstance(value, types.FunctionType):
                     found[id(value.__globals__)] = value.__globals__
+    for container in list(found.values()):
+        for value in container.values():
+            if type(value) in (dict, list) and len(value) <= _SMALL and id(value) not in found:
+                found[id(value)] = value
     return list(found.values())
 
 
-def _tables_changed(tables: list[tuple[dict, dict]]) -> bool:
-    return any(t.keys() != before.keys() or any(t[k] is not v for k, v in before.items()) for t, before in tables)
+_SMALL = 64  # the largest list or dict held in those whose items are compared too
+
+
+def _contents(container) -> tuple:
+    """What a container holds, compared by identity (keys by value)."""
+    if type(container) is list:
+        return tuple(map(id, container))
+    return tuple((k, id(v)) for k, v in container.items())
+
+
+def _arguments_changed(args: tuple, kwargs: dict, flat_before: list, treespec) -> bool:
+    """Whether the call changed the containers it received (a list it wrote into)."""
+    flat, spec = tree_flatten((args, kwargs))
+    return spec != treespec or any(a is not b for a, b in zip(flat, flat_before))
+
+
+# What a traced tensor the recorder made holds in its ``__dict__``: an output holding more
+# (an attribute the code set) cannot be rebuilt by a replay.
+_TRACED_ATTRIBUTES = frozenset({"fake", "label", "provenance", "value"})
 
 
 def _unreplayable(symbols: list) -> str | None:

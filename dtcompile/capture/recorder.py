@@ -15,7 +15,6 @@ Two modes are active while a call is traced:
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 
 import torch
@@ -74,8 +73,9 @@ class Recording:
         self.captured: list[torch.Tensor] = []  # real tensors the program closes over
         self.captured_proxies: list[TensorProxy] = []
         self._captured_index: dict[int, TensorProxy] = {}
-        self._names = itertools.count()
+        self._next_name = 0
         self._prefix = "t"
+        self._given: list[str] = []  # the names new_name gave, in order
         self.used_names: set[str] = set()
         # How many torch-level calls with DTensor arguments are running (see CallAnnotator).
         self.dtensor_calls = 0
@@ -95,18 +95,32 @@ class Recording:
         """New names with ``prefix``, from a counter of their own, while recording symbols
         that will not be in the trace (a repeated block's backward, recorded as a
         template): the trace's own names are given as if they had not been recorded."""
-        saved = self._names, self._prefix
-        self._names, self._prefix = itertools.count(), prefix
+        saved = self._next_name, self._prefix
+        self._next_name, self._prefix = 0, prefix
         try:
             yield
         finally:
-            self._names, self._prefix = saved
+            self._next_name, self._prefix = saved
+
+    def names_given(self) -> tuple[int, int]:
+        """Where naming is now, for :meth:`forget_names_since`."""
+        return self._next_name, len(self._given)
+
+    def forget_names_since(self, given: tuple[int, int]) -> None:
+        """Give again the names given since ``names_given`` (the symbols recorded since
+        were taken out: a repeated block's replay that was abandoned)."""
+        self._next_name = given[0]
+        for name in self._given[given[1] :]:
+            self.used_names.discard(name)
+        del self._given[given[1] :]
 
     def new_name(self) -> str:
         while True:
-            name = f"{self._prefix}{next(self._names)}"
+            name = f"{self._prefix}{self._next_name}"
+            self._next_name += 1
             if name not in self.used_names:
                 self.used_names.add(name)
+                self._given.append(name)
                 return name
 
     def input_proxy(self, real: torch.Tensor, name: str, provenance: InputPath, dynamic: bool = False) -> TensorProxy:

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from ..core import NoProvenance, TensorProxy
 from ..core.symbol import leaves, map_leaves
-from ..core.torch_internals import fake_like, storage_id
+from ..core.torch_internals import dispatch_modes_off, fake_like, storage_id
 from .equivalence import tensor_key
 
 
@@ -37,7 +37,8 @@ def record_again(recording, symbols: list, aliases: list, mapping: dict[str, Ten
             recording.bound_symbols.append(replace(bsym, args=args, kwargs=kwargs, output=out))
         else:
             before = len(recording.bound_symbols)
-            out = recording.record(bsym.op, args, kwargs)
+            with dispatch_modes_off():  # as the recorder runs it: its own calls are not recorded
+                out = recording.record(bsym.op, args, kwargs)
             if len(recording.bound_symbols) != before + 1:
                 raise ReplayDiverged
         for old, new in zip(leaves(bsym.output), leaves(out), strict=True):

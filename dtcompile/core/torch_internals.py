@@ -135,6 +135,30 @@ def storage_id(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def function_modes() -> list:
+    """The torch function modes active now, innermost last."""
+    return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+
+
+def sdpa_backends() -> tuple[bool, ...]:
+    """Which attention kernels ``scaled_dot_product_attention`` may pick now
+    (``sdpa_kernel`` sets them): the op it records depends on them."""
+    backends = torch.backends.cuda
+    return (
+        backends.flash_sdp_enabled(),
+        backends.mem_efficient_sdp_enabled(),
+        backends.math_sdp_enabled(),
+        backends.cudnn_sdp_enabled(),
+    )
+
+
+def dispatch_modes_off():
+    """No torch dispatch mode active (as inside a mode's ``__torch_dispatch__``)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
 def fake_mode_active() -> bool:
     """Whether a FakeTensorMode is the active dispatch mode (DTensor's sharding propagation
     runs its metadata computations under one): there is no public query."""
