@@ -7,8 +7,9 @@ The Llama-style model of ``dtcompile.testing.models`` (tensor-parallel blocks, h
 128), one forward under no_grad, compiled at each depth with its blocks replayed (the
 default: ``capture/blocks.py``) and with every block traced, the two interleaved depth
 by depth, under both cache options. Before the first, a one-layer model is compiled and
-not counted: it pays the process's first-compile costs (DTensor's sharding caches, the
-fake mode's), which would otherwise land on whichever variant runs first. Prints compile
+not counted, under each cache option: it pays the process's first-compile costs
+(DTensor's sharding caches, the fake mode's, the symbolic shapes'), which would otherwise
+land on whichever variant runs first. Prints compile
 seconds, each depth's time over the smallest depth's, and the program's symbol count.
 Each compiled result is compared with eager's, and both variants must record the same
 program.
@@ -59,8 +60,9 @@ def main() -> None:
     args = parser.parse_args()
     init_gloo()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    first, _ = compile_once(mesh, 1, True, "constant values")
-    print0(f"first compile in this process (one layer, not counted below): {first:.2f} s")
+    for cache in args.cache:
+        first, _ = compile_once(mesh, 1, True, cache)
+        print0(f"first compile in this process with {cache} (one layer, not counted below): {first:.2f} s")
     for cache in args.cache:
         seconds = {name: {} for name in VARIANTS}
         symbols = {}
