@@ -95,7 +95,7 @@ def backward_template(recording, outputs: list, inputs: list, like: list | None)
     counts = (len(recording.captured), len(recording.read_by), recording.c10d_calls)
     valued = [(p, p.value) for p in recording.valued]
     try:
-        with recording.names_apart("block_grad"), torch._C.DisableTorchFunction():
+        with recording.names_apart("block_grad"):
             grads = torch.autograd.grad(chosen, inputs, cotangents, retain_graph=True, allow_unused=True)
     except RuntimeError as error:  # the first block's graph is gone
         raise BlockReplayFailed(str(error)) from error
