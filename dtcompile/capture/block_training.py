@@ -115,12 +115,15 @@ class GradReplay:
     """One later block's call replayed with gradients: its forward mapping, kept for its
     backward."""
 
-    def __init__(self, recording, template, forward, inputs: list):
+    def __init__(self, recording, template, forward, inputs: list, saved: list):
         self.recording = recording
         self.template = template
         self.forward = forward  # records the forward again; returns (mapping, the output leaves)
         self.inputs = inputs  # the later block's values that require grad, as the template's
         self.mapping: dict = {}
+        # The tensors its backward reads (inputs, then outputs once made), with their
+        # versions: changed in place before the backward, eager's autograd would raise.
+        self.saved = [(t, t._version) for t in saved]
 
     def apply(self):
         """The output leaves; those that require grad come out of the autograd Function."""
@@ -134,10 +137,18 @@ class GradReplay:
         result = list(leaves[0])
         for index, out in zip(self.template.grad_outputs, outs):
             result[index] = out
+        self.saved += [(result[i], result[i]._version) for i in self.template.saved_outputs]
         return result
 
     def backward(self, grads: tuple) -> list:
         template, recording = self.template, self.recording
+        for tensor, version in self.saved:
+            if tensor._version != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: a tensor of shape {list(tensor.shape)} a replayed repeated block saved is at version "
+                    f"{tensor._version}; expected version {version} instead (dtcompile: as autograd checks it)"
+                )
         key = gradient_key(grads)
         backward = template.backwards.get(key)
         if backward is None:

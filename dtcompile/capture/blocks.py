@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..core import TensorProxy
-from ..core.torch_internals import make_dtensor
+from ..core.torch_internals import make_dtensor, storage_id
 from .block_training import BlockReplayFailed, GradReplay, backward_template
 from .equivalence import (
     GLOBAL_HOOKS,
@@ -69,6 +69,8 @@ class BlockTemplate:
         self.grad_input_sources: list = []
         self.grad_input_values: list = []
         self.backwards: dict = {}
+        self.saved_sources: list = []  # where each block has the inputs its backward reads
+        self.saved_outputs: list[int] = []  # the output leaves its backward reads
         self.refused: str | None = None  # why the block is only traced
 
     def sources_in(self, module: torch.nn.Module, flat_args: list) -> dict[str, TensorProxy] | None:
@@ -252,6 +254,13 @@ class RepeatedBlocks:
                 return "it changes a tensor in place, in a call that needs gradients"
         template.grad_outputs = [i for i, x in enumerate(flat_out) if isinstance(x, torch.Tensor) and x.requires_grad]
         template.grad_output_values = [flat_out[i] for i in template.grad_outputs]
+        # Outputs that share memory with each other or with the block's inputs: an in-place
+        # change of one after the block reaches the others' gradients in eager, through
+        # views autograd tracks; the Function's outputs are not such views.
+        storages = [storage_id(local_proxy(x).fake) for x in flat_out if isinstance(x, torch.Tensor)]
+        inputs = {storage_id(p.fake) for p in free.values()}
+        if len(set(storages)) != len(storages) or inputs & set(storages):
+            return "its outputs share memory with each other or its inputs, in a call that needs gradients"
         seen: set[int] = set()
         candidates = [(("module", n), v) for n, v in named_tensors(module)]
         candidates += [(("arg", i), v) for i, v in enumerate(flat_args)]
@@ -265,6 +274,14 @@ class RepeatedBlocks:
         except BlockReplayFailed as error:
             return f"its backward: {error}"
         template.backwards[backward.key] = backward
+        # The block's inputs and outputs its backward reads: a later block's are checked to
+        # be unchanged when its backward runs, as autograd checks the tensors it saved.
+        # (By storage: autograd saves an output as a detached alias of it.)
+        read = {storage_id(p.fake) for bsym in backward.symbols for p in bsym.input_tensors()}
+        template.saved_sources = [s for label, s in template.sources.items() if storage_id(free[label].fake) in read]
+        template.saved_outputs = [
+            i for i, x in enumerate(flat_out) if isinstance(x, torch.Tensor) and storage_id(local_proxy(x).fake) in read
+        ]
         return None
 
     def _replay(self, template: BlockTemplate, module, args: tuple, kwargs: dict):
@@ -289,7 +306,13 @@ class RepeatedBlocks:
             inputs = template.grad_inputs_in(module, flat_args)
             if inputs is None:
                 return _FAILED
-            return tree_unflatten(GradReplay(recording, template, forward, inputs).apply(), spec)
+            saved = [
+                named[where] if kind == "module" else flat_args[where]
+                for sources in template.saved_sources
+                for kind, where in sources[:1]
+                for named in [dict(named_tensors(module))]
+            ]
+            return tree_unflatten(GradReplay(recording, template, forward, inputs, saved).apply(), spec)
         except (ReplayDiverged, ValueError):
             del recording.bound_symbols[base:]
             recording.forget_names_since(names)
