@@ -27,7 +27,6 @@ block is not built yet).
 from __future__ import annotations
 
 import copy
-import types
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -35,11 +34,18 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..core import TensorProxy
 from ..core.torch_internals import make_dtensor, storage_id
+from .block_checks import (
+    TRACED_ATTRIBUTES,
+    arguments_changed,
+    contents,
+    python_state,
+    recording_counts,
+    unreplayable,
+)
 from .block_training import BlockReplayFailed, GradReplay, backward_template
 from .equivalence import (
     GLOBAL_HOOKS,
     SCALARS,
-    TENSOR_TABLES,
     arguments_key,
     block_state,
     local_proxy,
@@ -161,8 +167,8 @@ class RepeatedBlocks:
     def _record(self, template: BlockTemplate, original, module, args: tuple, kwargs: dict):
         recording = self.recording
         start = len(recording.bound_symbols)
-        counts = _counts(recording)
-        template.python_state = tables = [(c, _contents(c)) for c in _python_state(module)]
+        counts = recording_counts(recording)
+        template.python_state = tables = [(c, contents(c)) for c in python_state(module)]
         flat_args, treespec = tree_flatten((args, kwargs))
         specs = [(leaf, leaf._spec) for leaf in flat_args if isinstance(leaf, DTensor)]
         self.recording_depth += 1
@@ -173,14 +179,14 @@ class RepeatedBlocks:
         template.symbols = recording.bound_symbols[start:]
         template.refused = (
             "it changed the recording's other state"
-            if _counts(recording) != counts
+            if recording_counts(recording) != counts
             else "it changed Python state it can read"
-            if any(_contents(c) != before for c, before in tables)
+            if any(contents(c) != before for c, before in tables)
             else "it changed an argument's placements"
             if any(leaf._spec is not spec for leaf, spec in specs)
             else "it changed a container it received"
-            if _arguments_changed(args, kwargs, flat_args, treespec)
-            else _unreplayable(template.symbols)
+            if arguments_changed(args, kwargs, flat_args, treespec)
+            else unreplayable(template.symbols)
         )
         if template.refused is None:
             template.refused = self._describe(template, module, flat_args, out)
@@ -223,7 +229,7 @@ class RepeatedBlocks:
                 local = local_proxy(leaf)
                 if local is None:
                     return "it returns a tensor that is not traced"
-                if set(vars(leaf)) - _TRACED_ATTRIBUTES:
+                if set(vars(leaf)) - TRACED_ATTRIBUTES:
                     return "it returns a tensor with attributes of its own"
                 if id(leaf) in arg_ids:
                     if training:
@@ -286,7 +292,7 @@ class RepeatedBlocks:
 
     def _replay(self, template: BlockTemplate, module, args: tuple, kwargs: dict):
         recording = self.recording
-        if any(_contents(c) != before for c, before in template.python_state):
+        if any(contents(c) != before for c, before in template.python_state):
             return _FAILED  # the code changed Python state the first block read, since
         flat_args, _ = tree_flatten((args, kwargs))
         mapping = template.sources_in(module, flat_args)
@@ -336,85 +342,3 @@ class RepeatedBlocks:
 
 
 _FAILED = object()
-
-
-def _counts(recording) -> tuple:
-    return (
-        len(recording.captured),
-        len(recording.read_by),
-        len(recording.cones),
-        recording.c10d_calls,
-    )
-
-
-def _python_state(module: torch.nn.Module) -> list:
-    """The containers a block's code reads Python values from: its modules' tables and
-    attributes, the plain objects these hold (a config), its classes' dicts and their
-    functions' globals, and the small lists and dicts any of these hold (a global table).
-    A first call that changes one is not replayed (a later block would have read the new
-    value), nor is a later call after the code changed one."""
-    found: dict[int, object] = {}
-    for sub in module.modules():
-        for table in (*(getattr(sub, name) for name in TENSOR_TABLES), vars(sub)):
-            found[id(table)] = table
-        for value in vars(sub).values():
-            if not isinstance(value, (torch.nn.Module, torch.Tensor, type)) and isinstance(
-                getattr(value, "__dict__", None), dict
-            ):
-                found[id(vars(value))] = vars(value)
-        for klass in type(sub).__mro__:
-            if klass is torch.nn.Module:
-                break
-            found[id(klass)] = klass.__dict__
-            for value in vars(klass).values():
-                if isinstance(value, types.FunctionType):
-                    found[id(value.__globals__)] = value.__globals__
-    for container in list(found.values()):
-        for value in container.values():
-            if type(value) in (dict, list) and len(value) <= _SMALL and id(value) not in found:
-                found[id(value)] = value
-    return list(found.values())
-
-
-_SMALL = 64  # the largest list or dict held in those whose items are compared too
-
-
-def _contents(container) -> tuple:
-    """What a container holds, compared by identity (keys by value)."""
-    if type(container) is list:
-        return tuple(map(id, container))
-    return tuple((k, id(v)) for k, v in container.items())
-
-
-def _arguments_changed(args: tuple, kwargs: dict, flat_before: list, treespec) -> bool:
-    """Whether the call changed the containers it received (a list it wrote into)."""
-    flat, spec = tree_flatten((args, kwargs))
-    return spec != treespec or any(a is not b for a, b in zip(flat, flat_before))
-
-
-# What a traced tensor the recorder made holds in its ``__dict__``: an output holding more
-# (an attribute the code set) cannot be rebuilt by a replay.
-_TRACED_ATTRIBUTES = frozenset({"fake", "label", "provenance", "value"})
-
-
-def _unreplayable(symbols: list) -> str | None:
-    for bsym in symbols:
-        if bsym.op is None:
-            return f"it records {bsym.symbol.name}, which is not an aten op"
-        if torch.Tag.nondeterministic_seeded in bsym.op.tags and not _without_dropout(bsym):
-            return f"it draws random numbers ({bsym.op})"
-    return None
-
-
-def _without_dropout(bsym) -> bool:
-    """Whether a seeded op draws nothing: attention with ``dropout_p`` 0. Other random ops
-    are not replayed: DTensor's random ops on shards take their offsets from Python state
-    at trace time, which a replay would not advance."""
-    for index, argument in enumerate(bsym.op._schema.arguments):
-        if argument.name == "dropout_p":
-            if argument.kwarg_only or index >= len(bsym.args):
-                value = bsym.kwargs.get("dropout_p", argument.default_value)
-            else:
-                value = bsym.args[index]
-            return type(value) in (int, float) and value == 0
-    return False
