@@ -61,10 +61,21 @@ class LocalTensorMeta:
     dtype: torch.dtype
     device: torch.device
     requires_grad: bool
+    # The conjugate and negative bits (``x.conj()`` of a complex tensor, its ``.imag``):
+    # ops and ``is_conj()`` answer by them, so a program traced with one differs.
+    conj: bool = False
+    neg: bool = False
 
     @staticmethod
     def of(t: torch.Tensor) -> LocalTensorMeta:
-        return LocalTensorMeta(type(t), tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
+        return LocalTensorMeta(
+            type(t), tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad, t.is_conj(), t.is_neg()
+        )
+
+    def bits_check(self, var: str) -> str:
+        """A condition true when the tensor ``var`` has other conjugate or negative bits."""
+        conj = f" or {var}.is_conj() is not {self.conj}" if self.dtype.is_complex else ""
+        return f"{var}.is_neg() is not {self.neg}{conj}"
 
 
 @dataclass

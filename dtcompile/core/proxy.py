@@ -78,6 +78,11 @@ class TensorProxy(torch.Tensor):
             layout=fake.layout,
             requires_grad=requires_grad,
         )
+        # The conjugate and negative bits are metadata like strides: ops dispatch on them.
+        if fake.is_conj():
+            torch._C._set_conj(proxy, True)
+        if fake.is_neg():
+            torch._C._set_neg(proxy, True)
         proxy.fake = fake
         proxy.label = name
         proxy.provenance = provenance
@@ -119,7 +124,7 @@ class TensorProxy(torch.Tensor):
         text = f"{dtype}[{', '.join(str(s) for s in self.shape)}]"
         if not is_contiguous_stride(self.shape, self.stride()):
             text += f" stride=({', '.join(str(s) for s in self.stride())})"
-        return text
+        return text + " conj" * self.is_conj() + " neg" * self.is_neg()
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"TensorProxy({self.label}: {self.type_string()}, {self.provenance})"

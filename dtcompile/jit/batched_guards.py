@@ -78,8 +78,14 @@ def stand_in(meta: LocalTensorMeta) -> torch.Tensor | None:
     object's), the sizes and strides given apart."""
     t = torch.empty(0, dtype=meta.dtype, device=meta.device)
     if meta.type is torch.nn.Parameter:
-        return torch.nn.Parameter(t, requires_grad=meta.requires_grad)
-    return t.requires_grad_(meta.requires_grad) if meta.type is torch.Tensor else None
+        t = torch.nn.Parameter(t, requires_grad=meta.requires_grad)
+    elif meta.type is torch.Tensor:
+        t.requires_grad_(meta.requires_grad)
+    else:
+        return None
+    torch._C._set_conj(t, meta.conj)  # TensorGuards compares them with the dispatch keys
+    torch._C._set_neg(t, meta.neg)
+    return t
 
 
 def check_batched(b) -> None:
@@ -112,6 +118,7 @@ def _python_check(b, t: Batched) -> str:
         f"type({var}) is {b.constant(type(t.example), 'TYPE')} and {var}.dtype is {python_literal(t.example.dtype)}"
         f" and {var}.shape == {python_literal(tuple(t.shape))} and {var}.stride() == {python_literal(tuple(t.stride))}"
         f" and {var}.device == {device} and {var}.requires_grad is {t.example.requires_grad}"
+        f" and not ({LocalTensorMeta.of(t.example).bits_check(var)})"
     )
 
 

@@ -111,11 +111,13 @@ class _Builder:
                 f"{var}.dtype is not {python_literal(meta.dtype)} or {var}.shape != {python_literal(meta.shape)}"
                 f" or {var}.stride() != {python_literal(meta.stride)} or {var}.device != {device}"
                 f" or {var}.requires_grad is not {meta.requires_grad} or {var}.storage_offset() != {offset}"
+                f" or {meta.bits_check(var)}"
             )
             return
         self.fail_if(
             f"{var}.dtype is not {python_literal(meta.dtype)} or {var}.dim() != {proxy.dim()}"
             f" or {var}.device != {device} or {var}.requires_grad is not {meta.requires_grad}"
+            f" or {meta.bits_check(var)}"
         )
         self.sizes(f"{var}.shape", proxy.shape, "size")
         self.sizes(f"{var}.stride()", proxy.stride(), "stride")

@@ -21,6 +21,8 @@ def waited(t):
 
 def _same_layout(got: torch.Tensor, expected: torch.Tensor, where: str) -> None:
     assert got.dtype == expected.dtype, (where, got.dtype, expected.dtype)
+    bits = (got.is_conj(), got.is_neg()), (expected.is_conj(), expected.is_neg())
+    assert bits[0] == bits[1], (where, "conjugate and negative bits", *bits)
     assert got.shape == expected.shape and got.stride() == expected.stride(), (
         where,
         got.shape,

@@ -153,8 +153,11 @@ class FusionExecutor(Executor):
             return False
         if bsym.op in MATMUL_OPS and not self.fuse_matmul:
             return False
-        if not all(self.backend.supports_device(t.device) for t in bsym.input_tensors() + bsym.output_tensors()):
+        tensors = bsym.input_tensors() + bsym.output_tensors()
+        if not all(self.backend.supports_device(t.device) for t in tensors):
             return False
+        if any(t.is_conj() or t.is_neg() for t in tensors):
+            return False  # a fusion reads and writes memory as it is, not through these bits
         if bsym.op not in VIEWS and any(dense_order(t.shape, t.stride()) is None for t in bsym.output_tensors()):
             return False  # a fusion writes dense outputs only
         return not any(executor.claims(bsym) for executor in earlier)
