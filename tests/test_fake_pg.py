@@ -358,3 +358,28 @@ def test_work_handles_are_values_of_the_execution_trace(fake_world):
         verify(execution.derive("the wait before its start", wait_first))
     with pytest.raises(TraceError, match=f"uses {work} before it is defined"):
         verify(execution.derive("no start", symbols[:start] + symbols[start + 1 :]))
+
+
+class _TiesShardedWeights(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        self.b.weight = self.a.weight  # a DTensor Parameter moved to another module
+        return self.b(x)
+
+
+def test_a_sharded_parameter_assigned_in_the_forward_is_the_parameter_itself(fake_world):
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    fake_world(2)
+    mesh = init_device_mesh("cpu", (2,))
+    model = parallelize_module(_TiesShardedWeights(), mesh, {"a": ColwiseParallel(), "b": ColwiseParallel()})
+    jitted = dtcompile.jit(model)
+    with torch.no_grad():
+        for _ in range(2):
+            out = jitted(torch.randn(2, 8))
+            assert model.b.weight is model.a.weight  # tied as eager ties them, not a copy
+            assert type(out) is torch.Tensor and out.shape == (2, 4)  # the local shard, as eager returns it

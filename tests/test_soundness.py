@@ -3,6 +3,7 @@ by assignment, Python side effects, outputs rebuilt as eager returns them, jitte
 called inside jitted code, and data-dependent code refused by name."""
 
 import collections
+import contextlib
 import copy
 import dataclasses
 
@@ -518,3 +519,119 @@ def test_a_default_device_is_a_miss_with_eagers_devices():
         torch.set_default_device(None)
     assert_same_result(jitted(x), _made_and_scaled(x))
     assert (dtcompile.cache_misses(jitted), dtcompile.cache_hits(jitted)) == (2, 2)
+
+
+def _dtype_for_a_part(x):
+    torch.set_default_dtype(torch.float64)
+    try:
+        return x + torch.ones(3)  # float64 ones in eager
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _dtype_for_arithmetic(x):
+    with _default_dtype(torch.float64):
+        return torch.arange(3) * 0.5 + x.sum()  # int * float: the default dtype decides
+
+
+def _dtype_with_explicit_dtype(x):
+    with _default_dtype(torch.float16):
+        made = torch.zeros(3, dtype=torch.float32)
+    return made + x
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
+@pytest.mark.parametrize("fn", [_dtype_for_a_part, _dtype_for_arithmetic, _dtype_with_explicit_dtype])
+def test_ops_under_a_default_dtype_set_inside_the_call_are_refused(fn):
+    # The program runs every op under the call's default dtype: a part traced under
+    # another would give other dtypes (or values) than eager, with no error.
+    with pytest.raises(dtcompile.TracingError, match="default dtype torch.float(64|16), set by the traced code"):
+        dtcompile.jit(fn)(torch.ones(3))
+    assert torch.get_default_dtype() is torch.float32
+
+
+def _restores_before_any_op(x):
+    with _default_dtype(torch.float64):
+        pass
+    return x + torch.ones(3)
+
+
+def test_a_default_dtype_changed_and_restored_before_any_op_compiles():
+    jitted = dtcompile.jit(_restores_before_any_op)
+    x = torch.ones(3)
+    assert_same_result(jitted(x), _restores_before_any_op(x))
+
+
+def _leaves_grad_off(x):
+    torch.set_grad_enabled(False)
+    return x * 2
+
+
+def _leaves_default_dtype(x):
+    y = x * 2
+    torch.set_default_dtype(torch.float64)
+    return y
+
+
+def _leaves_default_device(x):
+    y = x * 2
+    torch.set_default_device("cpu")
+    return y
+
+
+@pytest.mark.parametrize(
+    "fn, what",
+    [
+        (_leaves_grad_off, "the grad mode"),
+        (_leaves_default_dtype, "the default dtype"),
+        (_leaves_default_device, "the torch function modes"),
+    ],
+)
+def test_global_state_the_call_leaves_changed_is_refused_and_put_back(fn, what):
+    # Eager's forward changes it at every call; a compiled program, only while tracing.
+    try:
+        with pytest.raises(dtcompile.TracingError, match=f"changed {what}.* and left it so"):
+            dtcompile.jit(fn)(torch.ones(3))
+        assert torch.is_grad_enabled() and torch.get_default_dtype() is torch.float32
+    finally:
+        torch.set_grad_enabled(True)
+        torch.set_default_dtype(torch.float32)
+        torch.set_default_device(None)
+
+
+class _TiesInForward(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.b.weight = self.a.weight  # a Parameter moved to another module, as eager allows
+        self.shared = self.a.bias  # registered as a parameter under a new name
+        return self.b(x)
+
+
+def test_parameters_assigned_in_the_forward_are_assigned_at_each_call():
+    model, reference = _TiesInForward(), _TiesInForward()
+    reference.load_state_dict(model.state_dict())
+    jitted = dtcompile.jit(model)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            assert_same_result(jitted(x), reference(x))
+            assert model.b.weight is model.a.weight and model.shared is model.a.bias
+            assert type(model.b.weight) is torch.nn.Parameter and "shared" in model._parameters
+            assert [n for n, _ in model.named_parameters(remove_duplicate=False)] == [
+                n for n, _ in reference.named_parameters(remove_duplicate=False)
+            ]
+    with pytest.raises(dtcompile.TracingError, match="assigns the module attribute '(b.weight|shared)'"):
+        dtcompile.jit(_TiesInForward())(x)  # with gradients: a clear error

@@ -2,6 +2,7 @@
 
 from ..core import TracingError
 from .autograd import BackwardCapture
+from .global_state import GlobalState
 from .inputs import (
     ConstantInput,
     DictInput,
@@ -21,6 +22,7 @@ from .outputs import (
     ConstantOutput,
     DictOutput,
     DTensorOutput,
+    HeldOutput,
     NewObjectOutput,
     NumberOutput,
     ObjectOutput,
@@ -32,7 +34,7 @@ from .outputs import (
 )
 from .placements import describe_placement, describe_placements
 from .snapshots import DataSnapshot
-from .tracer import CallInputs, CapturedCall, GlobalState, capture_call, is_tracing
+from .tracer import CallInputs, CapturedCall, capture_call, is_tracing
 
 __all__ = [
     "AttributeUpdate",
@@ -46,6 +48,7 @@ __all__ = [
     "ConstantOutput",
     "DTensorInput",
     "DTensorOutput",
+    "HeldOutput",
     "NewObjectOutput",
     "new_object",
     "NumberOutput",

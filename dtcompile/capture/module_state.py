@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import TracingError
+from .outputs import HeldOutput
 
 _TABLES = ("_parameters", "_buffers", "__dict__")
 _MISSING = object()
@@ -43,6 +44,24 @@ def _table(module: torch.nn.Module, name: str) -> dict:
     return vars(module) if name == "__dict__" else getattr(module, name)
 
 
+def _setattr_with_stand_ins(original, stand_ins: dict[int, object]):
+    """``nn.Module.__setattr__`` while a module is traced: a parameter's stand-in (a proxy,
+    not a ``Parameter``) assigned to a module attribute goes where eager puts the
+    Parameter itself (``self.b.weight = self.a.weight`` ties them), in place of the
+    TypeError ``__setattr__`` raises for a plain tensor in a parameter's slot."""
+
+    def __setattr__(module, name, value):
+        params = module.__dict__.get("_parameters")
+        if id(value) not in stand_ins or params is None or torch.nn.modules.module._global_parameter_registration_hooks:
+            return original(module, name, value)
+        for table in (module.__dict__, module._buffers, module._modules):
+            table.pop(name, None)
+        module._non_persistent_buffers_set.discard(name)
+        params[name] = value
+
+    return __setattr__
+
+
 class ModuleState:
     """The module tree of a traced call (see the module docstring)."""
 
@@ -56,6 +75,9 @@ class ModuleState:
                 self.modules.append(submodule)
         self._before: list[tuple[dict, dict]] = []  # (table, its items before tracing)
         self._traced: list[tuple[torch.nn.Module, str, dict]] = []  # (module, table name, items as traced)
+        # id of a proxy standing for a Parameter -> (the proxy, where it stood: module, table, key)
+        self._parameter_stand_ins: dict[int, tuple] = {}
+        self._setattr = None
 
     def __enter__(self) -> ModuleState:
         for module in self.modules:
@@ -67,11 +89,16 @@ class ModuleState:
                 table = _table(module, name)
                 for key, value in list(table.items()):
                     if isinstance(value, torch.Tensor) and id(value) in self.proxies:
-                        table[key] = self.proxies[id(value)]
+                        table[key] = stand_in = self.proxies[id(value)]
+                        if isinstance(value, torch.nn.Parameter):
+                            self._parameter_stand_ins.setdefault(id(stand_in), (stand_in, module, name, key))
                 self._traced.append((module, name, dict(table)))
+        self._setattr = torch.nn.Module.__setattr__
+        torch.nn.Module.__setattr__ = _setattr_with_stand_ins(self._setattr, self._parameter_stand_ins)
         return self
 
     def __exit__(self, *exc) -> None:
+        torch.nn.Module.__setattr__ = self._setattr
         self.restore()
 
     def restore(self) -> None:
@@ -104,6 +131,11 @@ class ModuleState:
                     f"dtcompile.jit: the forward assigns the module attribute {path!r}; that is replayed after "
                     "each call only in calls that need no gradients"
                 )
-            described = None if value is _MISSING else describe(value, f"the module attribute {path!r}")
+            if value is _MISSING:
+                described = None
+            elif id(value) in self._parameter_stand_ins:  # the Parameter itself, as eager assigns it
+                described = HeldOutput(*self._parameter_stand_ins[id(value)][1:])
+            else:
+                described = describe(value, f"the module attribute {path!r}")
             updates.append(ModuleUpdate(module, table, key, described, path))
         return updates

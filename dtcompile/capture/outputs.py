@@ -31,6 +31,17 @@ class ConstantOutput(OutputNode):
 
 
 @dataclass
+class HeldOutput(OutputNode):
+    """What ``getattr(module, table)[key]`` holds when the call's computation is done,
+    read before the call's module updates: a parameter the forward assigned to another
+    module attribute is the Parameter object itself, as in eager."""
+
+    module: object
+    table: str
+    key: str
+
+
+@dataclass
 class TensorOutput(OutputNode):
     index: int  # into the computation's flat result
 

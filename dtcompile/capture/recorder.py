@@ -36,6 +36,7 @@ from ..core import (
     Note,
     NumberProxy,
     TensorProxy,
+    TracingError,
     aten_symbol,
     data_dependent_error,
 )
@@ -69,6 +70,8 @@ class Recording:
 
     def __init__(self, fake_mode: FakeTensorMode):
         self.fake_mode = fake_mode
+        # The call's default dtype: the compiled program runs every op under it.
+        self.default_dtype = torch.get_default_dtype()
         self.bound_symbols: list[BoundSymbol] = []
         self.captured: list[torch.Tensor] = []  # real tensors the program closes over
         self.captured_proxies: list[TensorProxy] = []
@@ -246,6 +249,13 @@ class Recording:
         if is_c10d_op(func):  # ``dist.all_reduce(y)`` in the user's code
             self.c10d_calls += 1
             return record_c10d(self, func, *tree_map(self._captured_tensor, (args, kwargs)))
+        if torch.get_default_dtype() is not self.default_dtype:
+            raise TracingError(
+                f"dtcompile.jit: {self.current_call or func} ran under the default dtype {torch.get_default_dtype()}, "
+                f"set by the traced code (the call began under {self.default_dtype}); factory ops and arithmetic "
+                "with Python floats follow it, and the compiled program runs every op under the call's own. Pass "
+                "dtype= explicitly, or set the default dtype before the call"
+            )
         args, kwargs = map_leaves(self._captured, (args, kwargs))
         proxies = [x for x in leaves((args, kwargs)) if isinstance(x, TensorProxy)]
         value = self.trace_time_value(func, args, kwargs, proxies)

@@ -21,9 +21,6 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, S
 from ..core import InputPath, Trace, TracingError, data_dependent_error, verify
 from ..core.torch_internals import (
     compiling,
-    dtensor_implicit_replication,
-    dtensor_op_handlers,
-    function_mode_count,
 )
 from .annotator import CallAnnotator
 from .autograd import BackwardCapture, capture_backward
@@ -32,6 +29,7 @@ from .blocks import RepeatedBlocks
 from .c10d import object_collective_refusal
 from .data_branches import checks_first
 from .fsdp import FSDPTracing, reaches_fsdp
+from .global_state import GlobalState, modes_left_changed, state_put_back
 from .inputs import (
     DictInput,
     DTensorInput,
@@ -68,36 +66,6 @@ class CallInputs:
     def nodes(self) -> list[InputNode]:
         module_state = self.params + self.buffers + self.attributes
         return [self.args, self.kwargs] + [n for _, n in module_state]
-
-
-@dataclass(frozen=True)
-class GlobalState:
-    """What the program was traced under besides its inputs and the Python values it reads,
-    as it was when tracing began; the prologue guards it. What a factory function
-    (``torch.zeros(3)``, ``torch.arange(4) / 3``) takes when the code names no dtype or
-    device: the default dtype, the torch function modes active (a default device is one)
-    and the default device. What DTensor's dispatch reads besides its arguments: whether
-    plain tensors count as replicated (``implicit_replication()``), and the handlers that
-    replace ops (``loss_parallel()`` adds some)."""
-
-    dtype: torch.dtype
-    function_modes: int
-    device: torch.device
-    implicit_replication: bool
-    op_handlers: dict  # the handlers table itself
-    op_handler_items: list  # its items then
-
-    @classmethod
-    def now(cls) -> GlobalState:
-        handlers = dtensor_op_handlers()
-        return cls(
-            torch.get_default_dtype(),
-            function_mode_count(),
-            torch.get_default_device(),
-            dtensor_implicit_replication(),
-            handlers,
-            list(handlers.items()),
-        )
 
 
 @dataclass
@@ -277,6 +245,14 @@ def _capture(
             collector.release_masks()
             changed = snapshot.changed()
             snapshot.restore()
+            left = state_put_back(grad_enabled, global_state)  # even where tracing failed
+    left += modes_left_changed(global_state)
+    if left:
+        raise TracingError(
+            f"dtcompile.jit: the traced code changed {left[0]} and left it so. A compiled program "
+            "runs the Python code once, while tracing, so it would not change it at each call: set it before "
+            "the call, or restore it inside (a with block)"
+        )
     if changed:
         raise TracingError(
             f"dtcompile.jit: the traced code changed {changed[0]}, a Python value outside its inputs. A compiled "

@@ -16,6 +16,7 @@ from ..capture import (
     ConstantOutput,
     DictOutput,
     DTensorOutput,
+    HeldOutput,
     NewObjectOutput,
     NumberOutput,
     ObjectOutput,
@@ -118,6 +119,12 @@ def build_epilogue(output: OutputNode, wrap: bool = True, updates=(), module_upd
     ``module_updates`` (the forward's assignments to module attributes). With
     ``wrap=False`` the DTensor slots already hold DTensors (see ``build_output_wrapper``)."""
     b = _Builder()
+    held = {}  # what the updates assign from module tables, read before any is made
+    for update in module_updates:
+        if isinstance(update.value, HeldOutput):
+            source = f"{b.constant(update.value.module, 'MODULE')}.{update.value.table}[{update.value.key!r}]"
+            held[id(update)] = f"held{len(held)}"
+            b.statements.append(f"    {held[id(update)]} = {source}")
     for update in updates:
         value = b.rebuild(update.value, wrap)
         b.statements.append(f"    objs[{update.index}].__dict__[{update.name!r}] = {value}")
@@ -126,7 +133,8 @@ def build_epilogue(output: OutputNode, wrap: bool = True, updates=(), module_upd
         if update.value is None:
             b.statements.append(f"    {table}.pop({update.key!r}, None)")
         else:
-            b.statements.append(f"    {table}[{update.key!r}] = {b.rebuild(update.value, wrap)}")
+            value = held.get(id(update)) or b.rebuild(update.value, wrap)
+            b.statements.append(f"    {table}[{update.key!r}] = {value}")
     result = b.rebuild(output, wrap)
     lines = ["def epilogue(outs, objs):", *b.statements, f"    return {result}"]
     return GeneratedFunction("epilogue", lines, b.globals, "epilogue: rebuilds the result from the local outputs")
