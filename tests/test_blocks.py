@@ -549,3 +549,62 @@ def test_training_changes_after_a_block(model_fn):
     else:
         for g, e in zip(got, expected):
             torch.testing.assert_close(g, e)
+
+
+class _Rope:
+    def __init__(self):
+        self.theta = 1.0
+
+
+class _Config:
+    def __init__(self):
+        self.attention = types.SimpleNamespace(rope=_Rope(), scaling=types.SimpleNamespace(factor=1.0))
+
+
+class ReadsDeepConfig(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.config = config
+
+    def forward(self, x):
+        attention = self.config.attention
+        return self.lin(x) * attention.rope.theta * attention.scaling.factor
+
+
+def _change_theta(config):
+    config.attention.rope.theta += 1.0
+
+
+def _change_factor(config):
+    config.attention.scaling.factor *= 2.0
+
+
+class ChangesDeepConfig(nn.Module):
+    """The parent changes a value three and four levels down a config its layers share
+    between their calls (and puts it back): each layer reads its own."""
+
+    def __init__(self, change):
+        super().__init__()
+        torch.manual_seed(0)
+        self.config, self.change = _Config(), change
+        self.layers = nn.ModuleList(ReadsDeepConfig(self.config) for _ in range(4))
+
+    def forward(self, x):
+        saved = (self.config.attention.rope.theta, self.config.attention.scaling.factor)
+        for layer in self.layers:
+            x = layer(x)
+            self.change(self.config)
+        self.config.attention.rope.theta, self.config.attention.scaling.factor = saved
+        return x
+
+
+@pytest.mark.parametrize("change", [_change_theta, _change_factor])
+def test_a_deep_config_value_changed_between_blocks(change):
+    model = ChangesDeepConfig(change)
+    x = torch.randn(3, 8)
+    out, trace = compiled(model, x)
+    with torch.no_grad():
+        expected = model(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert not any(line.split()[1].count(".") == 1 for line in replay_lines(trace))  # no layers.N replayed

@@ -22,19 +22,16 @@ def recording_counts(recording) -> tuple:
 
 def python_state(module: torch.nn.Module) -> list:
     """The containers a block's code reads Python values from: its modules' tables and
-    attributes, the plain objects these hold (a config), its classes' dicts and their
-    functions' globals, and the small lists and dicts any of these hold (a global table).
-    A first call that changes one is not replayed (a later block would have read the new
-    value), nor is a later call after the code changed one."""
+    attributes, the plain objects these hold (a config) and those they hold, levels down
+    (``self.config.attention.rope.theta``), its classes' dicts and their functions'
+    globals, and the small lists and dicts any of these hold (a global table). A first
+    call that changes one is not replayed (a later block would have read the new value),
+    nor is a later call after the code changed one."""
     found: dict[int, object] = {}
     for sub in module.modules():
         for table in (*(getattr(sub, name) for name in TENSOR_TABLES), vars(sub)):
             found[id(table)] = table
-        for value in vars(sub).values():
-            if not isinstance(value, (torch.nn.Module, torch.Tensor, type)) and isinstance(
-                getattr(value, "__dict__", None), dict
-            ):
-                found[id(vars(value))] = vars(value)
+        _plain_objects(vars(sub), found, _OBJECT_LEVELS)
         for klass in type(sub).__mro__:
             if klass is torch.nn.Module:
                 break
@@ -50,6 +47,20 @@ def python_state(module: torch.nn.Module) -> list:
 
 
 _SMALL = 64  # the largest list or dict held in those whose items are compared too
+_OBJECT_LEVELS = 4  # plain objects followed down from a module's attributes (the prologue guards 3)
+
+
+def _plain_objects(attributes: dict, found: dict[int, object], levels: int) -> None:
+    """Add the attribute dicts of the plain objects in ``attributes``, ``levels`` down."""
+    for value in attributes.values():
+        if (
+            levels
+            and not isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType))
+            and isinstance(getattr(value, "__dict__", None), dict)
+        ):
+            if id(vars(value)) not in found:
+                found[id(vars(value))] = vars(value)
+                _plain_objects(vars(value), found, levels - 1)
 
 
 def contents(container) -> tuple:
