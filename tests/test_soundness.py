@@ -6,7 +6,9 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import random
 
+import numpy
 import pytest
 import torch
 from support import assert_same_result
@@ -635,3 +637,66 @@ def test_parameters_assigned_in_the_forward_are_assigned_at_each_call():
             ]
     with pytest.raises(dtcompile.TracingError, match="assigns the module attribute '(b.weight|shared)'"):
         dtcompile.jit(_TiesInForward())(x)  # with gradients: a clear error
+
+
+def _seeds_inside(x):
+    torch.manual_seed(0)
+    return torch.nn.functional.dropout(x, 0.5, training=True)
+
+
+def _restores_generator_state(x):
+    state = torch.get_rng_state()
+    y = x + torch.rand(3)
+    torch.set_rng_state(state)  # the next call draws the same: a compiled one would not
+    return y
+
+
+def _seeds_the_generator_object(x):
+    torch.default_generator.manual_seed(5)
+    return x + torch.rand(3)
+
+
+def _forks_the_generator(x):
+    with torch.random.fork_rng():  # the same numbers at every call in eager
+        return x + torch.rand(3)
+
+
+def _python_random(x):
+    return x * random.random()
+
+
+def _python_seed(x):
+    random.seed(3)
+    return x * 2
+
+
+def _numpy_random(x):
+    return x * float(numpy.random.rand())
+
+
+@pytest.mark.parametrize(
+    "fn, generator",
+    [
+        (_seeds_inside, "torch.manual_seed"),
+        (_restores_generator_state, "torch.set_rng_state"),
+        (_seeds_the_generator_object, "torch's default random generator"),
+        (_forks_the_generator, "torch.fork_rng"),
+        (_python_random, "Python's random module"),
+        (_python_seed, "Python's random module"),
+        (_numpy_random, "NumPy's global random generator"),
+    ],
+)
+def test_random_generators_used_by_python_code_are_refused_and_put_back(fn, generator):
+    # Seeding or drawing in Python happens once, while tracing: eager's next call sees
+    # the seed again (or a new number), a compiled one a constant of the program.
+    before = (torch.get_rng_state(), random.getstate(), numpy.random.get_state()[1].copy())
+    with pytest.raises(dtcompile.TracingError, match=f"(used|called) {generator}"):
+        dtcompile.jit(fn)(torch.ones(3))
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    assert (numpy.random.get_state()[1] == before[2]).all()
+
+
+def test_torch_random_ops_draw_anew_at_each_call():
+    jitted = dtcompile.jit(lambda x: x + torch.rand(3) + torch.nn.functional.dropout(x, 0.5, training=True))
+    x = torch.ones(3)
+    assert not torch.equal(jitted(x), jitted(x))

@@ -5,11 +5,20 @@ state at each call."""
 
 from __future__ import annotations
 
+import contextlib
+import random
+import sys
 from dataclasses import dataclass
 
 import torch
 
-from ..core.torch_internals import dtensor_implicit_replication, dtensor_op_handlers, function_mode_count
+from ..core import TracingError
+from ..core.torch_internals import (
+    dispatch_modes_off,
+    dtensor_implicit_replication,
+    dtensor_op_handlers,
+    function_mode_count,
+)
 
 
 @dataclass(frozen=True)
@@ -66,3 +75,75 @@ def modes_left_changed(state: GlobalState) -> list[str]:
     if dtensor_implicit_replication() is not state.implicit_replication:
         changes.append("DTensor's implicit replication")
     return changes
+
+
+class RandomStates:
+    """The random number generators Python code can draw from or seed: Python's
+    ``random``, NumPy's global one (if imported) and torch's default CPU generator, as
+    they were when tracing began. Code that changes them (draws ``random.random()``,
+    calls ``torch.manual_seed(0)``) would do so only while tracing: the number drawn
+    would be a constant of the program, the seed set once, not at each call."""
+
+    def __init__(self):
+        self.python = random.getstate()
+        numpy = sys.modules.get("numpy")
+        self.numpy = numpy.random.get_state() if numpy is not None else None
+        self.torch = torch.default_generator.get_state()
+
+    def changed(self) -> list[str]:
+        """Which the traced code changed, each put back as it was (compared outside the
+        tracing modes: nothing here is part of the program)."""
+        with torch._C.DisableTorchFunction(), dispatch_modes_off():
+            return self._changed()
+
+    def _changed(self) -> list[str]:
+        changes = []
+        if random.getstate() != self.python:
+            changes.append("Python's random module (random.random(), random.seed())")
+            random.setstate(self.python)
+        numpy = sys.modules.get("numpy")
+        if self.numpy is not None and numpy is not None:
+            now = numpy.random.get_state()
+            if now[0] != self.numpy[0] or not (now[1] == self.numpy[1]).all() or now[2:] != self.numpy[2:]:
+                changes.append("NumPy's global random generator (np.random)")
+                numpy.random.set_state(self.numpy)
+        if not torch.equal(torch.default_generator.get_state(), self.torch):
+            changes.append("torch's default random generator (torch.manual_seed(), torch.set_rng_state())")
+            torch.default_generator.set_state(self.torch)
+        return changes
+
+
+_SEEDING = ("manual_seed", "seed", "set_rng_state", "fork_rng")  # in torch and torch.random
+
+
+@contextlib.contextmanager
+def seeding_refused():
+    """While tracing, torch's seeding functions raise where the user's code calls them:
+    code that seeds, or restores the generator's state to draw the same numbers again
+    (``fork_rng``), would do so once, while tracing, not at each call. Torch's own calls
+    (DTensor's random regions) go through."""
+    saved = [
+        (owner, name, getattr(owner, name))
+        for owner in (torch, torch.random)
+        for name in _SEEDING
+        if hasattr(owner, name)
+    ]
+
+    def refuse(name, original):
+        def refused(*args, **kwargs):
+            if sys._getframe(1).f_globals.get("__name__", "").startswith("torch"):
+                return original(*args, **kwargs)
+            raise TracingError(
+                f"dtcompile.jit: the traced code called torch.{name}: a compiled program runs the Python code "
+                "once, while tracing, so it would set the generator once, not at each call; seed outside the call"
+            )
+
+        return refused
+
+    for owner, name, original in saved:
+        setattr(owner, name, refuse(name, original))
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)

@@ -29,7 +29,7 @@ from .blocks import RepeatedBlocks
 from .c10d import object_collective_refusal
 from .data_branches import checks_first
 from .fsdp import FSDPTracing, reaches_fsdp
-from .global_state import GlobalState, modes_left_changed, state_put_back
+from .global_state import GlobalState, RandomStates, modes_left_changed, seeding_refused, state_put_back
 from .inputs import (
     DictInput,
     DTensorInput,
@@ -169,6 +169,7 @@ def _capture(
                 state.setdefault(id(tensor), proxy)
 
     grad_enabled, global_state = torch.is_grad_enabled(), GlobalState.now()
+    random_states = RandomStates()
     collector = OutputCollector(proxifier.objects)
     module_state = ModuleState(module, state) if module is not None else None
     recording.snapshot = snapshot = _user_data(fn, module_state)
@@ -198,6 +199,7 @@ def _capture(
         enable_python_dispatcher(),
         CallAnnotator(recording),
         OpRecorder(recording),
+        seeding_refused(),
     ):
         try:
             if module_state is not None:
@@ -246,6 +248,13 @@ def _capture(
             changed = snapshot.changed()
             snapshot.restore()
             left = state_put_back(grad_enabled, global_state)  # even where tracing failed
+            drawn = random_states.changed()
+    if drawn:
+        raise TracingError(
+            f"dtcompile.jit: the traced code used {drawn[0]} (it is put back). A compiled program runs the "
+            "Python code once, while tracing: a number drawn would be a constant of the program, a seed set "
+            "once. Draw numbers with torch's random ops, and seed outside the call"
+        )
     left += modes_left_changed(global_state)
     if left:
         raise TracingError(
