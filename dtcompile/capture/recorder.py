@@ -65,6 +65,10 @@ def _fake_errors_unlogged():
         _FAKE_TENSOR_LOG.disabled = disabled
 
 
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+_LIFT_FRESH_COPY = torch.ops.aten.lift_fresh_copy.default
+
+
 class Recording:
     """The state of one trace being recorded: its symbols, names and captured constants."""
 
@@ -256,6 +260,11 @@ class Recording:
                 "with Python floats follow it, and the compiled program runs every op under the call's own. Pass "
                 "dtype= explicitly, or set the default dtype before the call"
             )
+        if func is _LIFT_FRESH:
+            # ``torch.tensor([1., 2.])``: a new tensor at each eager call. The program holds the
+            # value as a constant, so it lifts a copy: an in-place change (by the program or by
+            # the caller, of a returned one) must not reach the next call.
+            func = _LIFT_FRESH_COPY
         args, kwargs = map_leaves(self._captured, (args, kwargs))
         proxies = [x for x in leaves((args, kwargs)) if isinstance(x, TensorProxy)]
         value = self.trace_time_value(func, args, kwargs, proxies)
