@@ -803,3 +803,86 @@ def test_values_read_at_each_call_outside_dicts_and_deeper(case, restore_read_st
     for _ in range(2):
         assert_same_tensor(jf(x), fn(x))
     assert counts(jf) == (2, 2)
+
+
+class _GrowsAList(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.history = []
+
+    def forward(self, x):
+        self.history = self.history + [x.sum()]  # a container assigned: guarded, eager's grows
+        return x * len(self.history)
+
+
+class _DeletesAnAttribute(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pending = 3.0
+
+    def forward(self, x):
+        scale = getattr(self, "pending", 1.0)
+        if hasattr(self, "pending"):
+            del self.pending  # the next call does not find it
+        return x * scale
+
+
+class _StoresOutputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.last = [y]  # assigned, never read: not guarded
+        return y
+
+
+@pytest.mark.parametrize("cls, misses", [(_GrowsAList, 4), (_DeletesAnAttribute, 2), (_StoresOutputs, 1)])
+def test_containers_and_deletions_the_forward_makes_are_guarded(cls, misses):
+    torch.manual_seed(0)
+    model = cls()
+    torch.manual_seed(0)
+    reference = cls()
+    jitted = dtcompile.jit(model)
+    for _ in range(4):
+        assert_same_tensor(jitted(torch.ones(2, 2)), reference(torch.ones(2, 2)))
+    assert dtcompile.cache_misses(jitted) == misses
+
+
+def test_a_simple_namespace_config_is_followed():
+    config = types.SimpleNamespace(scale=2.0, inner=types.SimpleNamespace(shift=1.0))
+
+    def fn(x):
+        return x * config.scale + config.inner.shift
+
+    jitted = dtcompile.jit(fn)
+    x = torch.ones(2)
+    assert_same_tensor(jitted(x), fn(x))
+    config.scale = 5.0
+    assert_same_tensor(jitted(x), fn(x))
+    config.inner.shift = -1.0
+    assert_same_tensor(jitted(x), fn(x))
+    assert dtcompile.cache_misses(jitted) == 3
+
+
+class _KeyedAttributes:
+    """A class whose ``__getattr__`` raises KeyError, not AttributeError."""
+
+    def __init__(self):
+        self.store = {"scale": 2.0}
+
+    def __getattr__(self, name):
+        return self.store[name]
+
+
+def test_an_object_whose_getattr_raises_key_error():
+    holder = _KeyedAttributes()
+
+    def fn(x):
+        return x * holder.scale
+
+    jitted = dtcompile.jit(fn)
+    assert_same_tensor(jitted(torch.ones(2)), fn(torch.ones(2)))
+    holder.store["scale"] = 3.0
+    assert_same_tensor(jitted(torch.ones(2)), fn(torch.ones(2)))

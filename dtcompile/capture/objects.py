@@ -53,6 +53,22 @@ def is_rebuildable_object(value: object) -> bool:
     return not type(value).__module__.startswith("torch")
 
 
+def attribute_or_none(value: object, name: str) -> object:
+    """``getattr(value, name, None)``, also where the class's ``__getattr__`` raises
+    something else than AttributeError (a KeyError from a dict it wraps)."""
+    try:
+        return getattr(value, name, None)
+    except Exception:
+        return None
+
+
+def plain_object(value: object) -> bool:
+    """An object whose attributes are its ``__dict__``: a config, a dataclass, a
+    ``types.SimpleNamespace``."""
+    plain = is_rebuildable_object(value) or type(value) is types.SimpleNamespace
+    return plain and isinstance(attribute_or_none(value, "__dict__"), dict)
+
+
 def new_object(cls: type, names: tuple, values: tuple) -> object:
     """An object of ``cls`` with these attributes, made without ``__init__`` (``__setattr__``
     bypassed too, so frozen dataclasses and ``__slots__`` work)."""

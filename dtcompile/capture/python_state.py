@@ -68,8 +68,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .objects import is_rebuildable_object
-from .outputs import ConstantOutput
+from .objects import attribute_or_none, plain_object
+from .outputs import DTensorOutput, HeldOutput, NumberOutput, TensorOutput
 from .python_reads import PythonGuards, Read, by_value, scalar_container, value_key
 
 _LIBRARIES = {"torch", "transformers", "dtcompile", "numpy", "accelerate", "safetensors", "triton", "sympy"}
@@ -236,7 +236,7 @@ class PythonState:
             for item in (*value.args, *value.keywords.values()):
                 self.follow(item, where)
             return
-        compiled = getattr(value, "_dtcompile", None)  # a jitted function called inside: inlined
+        compiled = attribute_or_none(value, "_dtcompile")  # a jitted function called inside: inlined
         if compiled is not None and not isinstance(value, torch.nn.Module):
             self.follow(getattr(value, "_fn", None), where)
             return
@@ -253,13 +253,13 @@ class PythonState:
             self._class(value)
         elif isinstance(value, types.ModuleType):
             self._python_module(value, names)
-        elif is_rebuildable_object(value) and isinstance(getattr(value, "__dict__", None), dict) and not _own(value):
+        elif plain_object(value) and not _own(value):
             self._walked.add(id(value))
             self._class(type(value))
             self._namespace(vars(value))
             for name, item in vars(value).items():
                 self._read(vars(value), name, item, f"{where}.{name}")
-                if depth + 1 < _OBJECT_LEVELS and is_rebuildable_object(item):
+                if depth + 1 < _OBJECT_LEVELS and plain_object(item):
                     self.follow(item, f"{where}.{name}", depth=depth + 1)
 
     def _function(self, fn: types.FunctionType) -> None:
@@ -346,15 +346,17 @@ class PythonState:
     def forget_assigned(self, module_updates: list) -> None:
         """Drop what the traced code assigned: values that changed while tracing (a global
         counter), and module attributes the forward assigns (``ModuleUpdate``\\ s, made
-        again after each call) to a tensor or another value the program computes: guarding
-        those would miss at every call. An attribute assigned a constant (a scalar the
-        program baked in, which ``self.calls + 1`` may have been computed from) stays
-        guarded, so the replayed constant is right: an idempotent assignment
-        (``self.ready = True``) compiles once more, a Python counter at every call."""
+        again after each call) to a tensor or a size the program computes: guarding those
+        would miss at every call. Any other assigned attribute stays guarded, so that the
+        replayed value is right: a constant (a scalar the program baked in, which
+        ``self.calls + 1`` may have been computed from; an idempotent ``self.ready = True``
+        compiles once more, a Python counter at every call), a container or an object (a
+        list the forward extends: eager's grows), and an attribute the forward deletes
+        (``del self.tmp``: the next call does not find it)."""
         assigned = {
             (id(vars(u.module)), u.key)
             for u in module_updates
-            if u.table == "__dict__" and not (isinstance(u.value, ConstantOutput) and by_value(u.value.value))
+            if u.table == "__dict__" and isinstance(u.value, (TensorOutput, DTensorOutput, NumberOutput, HeldOutput))
         }
         self.forget(lambda read: (id(read.holder), read.key) not in assigned and read.unchanged())
         for u in module_updates:
