@@ -700,3 +700,34 @@ def test_torch_random_ops_draw_anew_at_each_call():
     jitted = dtcompile.jit(lambda x: x + torch.rand(3) + torch.nn.functional.dropout(x, 0.5, training=True))
     x = torch.ones(3)
     assert not torch.equal(jitted(x), jitted(x))
+
+
+def _changes_a_literal(x):
+    t = torch.tensor([1.0, 2.0, 3.0])
+    t.add_(x)
+    return t
+
+
+def _returns_a_literal(x):
+    r = torch.tensor(1.0)
+    return x * r, r
+
+
+def _changes_an_alias_of_a_literal(x):
+    t = torch.tensor([1.0, 2.0, 3.0]).float()  # the same tensor: float() of a float32
+    t.mul_(2)
+    return t + x
+
+
+@pytest.mark.parametrize("fn", [_changes_a_literal, _returns_a_literal, _changes_an_alias_of_a_literal])
+def test_a_tensor_literal_is_a_new_tensor_at_each_call(fn):
+    # The program holds the literal's value as a constant: it must lift a copy, or an
+    # in-place change (by the program, or by the caller of a returned one) reaches the
+    # next call.
+    jitted = dtcompile.jit(fn)
+    x = torch.ones(3)
+    for _ in range(3):
+        got, expected = jitted(x), fn(x)
+        assert_same_result(got, expected)
+        for tensor in got if isinstance(got, tuple) else (got,):
+            tensor.add_(100)  # the caller's to change

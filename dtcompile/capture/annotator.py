@@ -11,6 +11,8 @@ its traced stand-in.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -83,6 +85,20 @@ def _describe_output(value) -> str:
     return type(value).__name__
 
 
+# Tensor attributes whose assignment changes the tensor outside any op, and what to do instead.
+_UNRECORDED_SETS = {
+    "data": "use x.copy_(y), or return y",
+    "grad": "set gradients outside the call",
+}
+
+
+def _user_frame() -> bool:
+    """Whether the Python code running the current torch-level call (two frames up: this
+    mode's handler is called from it) is the user's, not torch's or dtcompile's."""
+    module = sys._getframe(2).f_globals.get("__name__", "")
+    return module.partition(".")[0] not in ("torch", "dtcompile")
+
+
 class CallAnnotator(TorchFunctionMode):
     """Notes on each recorded symbol the torch-level call it came from, and tells the
     recording when DTensor is handling a call (its factory ops are then its own). A
@@ -112,6 +128,18 @@ class CallAnnotator(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if getattr(func, "__name__", "") in ("__get__", "__set__"):
+            attribute = getattr(getattr(func, "__self__", None), "__name__", "")
+            if func.__name__ == "__set__" and attribute in _UNRECORDED_SETS and args and _is_traced(args[0]):
+                raise TracingError(
+                    f"dtcompile.jit: Tensor.{attribute} is assigned on a traced tensor; that is not recorded, so a "
+                    f"compiled call would not make it: {_UNRECORDED_SETS[attribute]}"
+                )
+            if func.__name__ == "__get__" and attribute == "grad" and args and _is_traced(args[0]) and _user_frame():
+                raise TracingError(
+                    "dtcompile.jit: the traced code reads .grad of a tensor of the call; a traced tensor has no "
+                    "gradient while tracing, and a compiled call would not read the one it has then. Pass the "
+                    "gradient as an argument"
+                )
             return func(*args, **kwargs)
         start = len(self.recording.bound_symbols)
         leaves, _ = tree_flatten((args, kwargs))

@@ -131,7 +131,7 @@ def seeding_refused():
 
     def refuse(name, original):
         def refused(*args, **kwargs):
-            if sys._getframe(1).f_globals.get("__name__", "").startswith("torch"):
+            if sys._getframe(1).f_globals.get("__name__", "").partition(".")[0] == "torch":
                 return original(*args, **kwargs)
             raise TracingError(
                 f"dtcompile.jit: the traced code called torch.{name}: a compiled program runs the Python code "

@@ -30,6 +30,7 @@ from .c10d import object_collective_refusal
 from .data_branches import checks_first
 from .fsdp import FSDPTracing, reaches_fsdp
 from .global_state import GlobalState, RandomStates, modes_left_changed, seeding_refused, state_put_back
+from .grad_checks import gradient_refusal, requires_grad_of
 from .inputs import (
     DictInput,
     DTensorInput,
@@ -170,6 +171,7 @@ def _capture(
 
     grad_enabled, global_state = torch.is_grad_enabled(), GlobalState.now()
     random_states = RandomStates()
+    argument_flags = requires_grad_of(proxy_args, proxy_kwargs)
     collector = OutputCollector(proxifier.objects)
     module_state = ModuleState(module, state) if module is not None else None
     recording.snapshot = snapshot = _user_data(fn, module_state)
@@ -219,6 +221,7 @@ def _capture(
                 closed = recording.closed_over_differentiable()
                 training = grad_enabled and bool(proxifier.differentiable or closed)
             output = collector.describe(result)
+            gradient_refusal(argument_flags, collector.values, training)
             updates = proxifier.objects.updates(collector.describe)
             if training and proxifier.objects.needed:
                 raise TracingError(

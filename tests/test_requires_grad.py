@@ -1,0 +1,96 @@
+"""What a call does to ``requires_grad`` and ``.grad`` that a compiled program would not do
+(``capture/grad_checks.py``, ``capture/annotator.py``): refused with a clear error, where
+eager's tensors would differ with none."""
+
+import pytest
+import torch
+
+import dtcompile
+
+
+def _enables_grad(x):
+    with torch.enable_grad():
+        return x * 2
+
+
+def _requires_grad_inside(x):
+    return (x * 2).requires_grad_()
+
+
+def _factory_requiring_grad(x):
+    return torch.zeros(3, requires_grad=True) + x
+
+
+def _parameter_made_inside(x):
+    return torch.nn.Parameter(x * 2)
+
+
+def _makes_the_argument_require_grad(x):
+    x.requires_grad_()
+    return (x * x).sum()
+
+
+def _writes_a_value_that_requires_grad(x, w):
+    x.add_(w)
+    return x * 2
+
+
+def _returns_a_leaf_made_inside(x, w):
+    a = torch.zeros(3, requires_grad=True)
+    return (a * x).sum() + w.sum(), a
+
+
+def _reads_grad(x):
+    return x.grad * 2 + x
+
+
+def _sets_data(x, y):
+    x.data = y
+    return x * 2
+
+
+def _sets_grad(x):
+    x.grad = torch.ones(3)
+    return x * 2
+
+
+def _plain():
+    return torch.ones(3)
+
+
+def _needs_grad():
+    return torch.ones(3, requires_grad=True)
+
+
+CASES = [
+    (_enables_grad, (_needs_grad,), True, "returns a tensor that requires grad"),
+    (_requires_grad_inside, (_plain,), False, "returns a tensor that requires grad"),
+    (_factory_requiring_grad, (_plain,), False, "returns a tensor that requires grad"),
+    (_parameter_made_inside, (_plain,), False, "returns a tensor that requires grad"),
+    (_makes_the_argument_require_grad, (_plain,), False, "argument 0 requires grad"),
+    (_writes_a_value_that_requires_grad, (_plain, _needs_grad), False, "argument 0 requires grad"),
+    (_returns_a_leaf_made_inside, (_plain, _needs_grad), False, "a leaf tensor that requires grad"),
+    (_reads_grad, (_needs_grad,), False, "reads .grad"),
+    (_sets_data, (_plain, _plain), False, "Tensor.data is assigned"),
+    (_sets_grad, (_needs_grad,), False, "Tensor.grad is assigned"),
+]
+
+
+@pytest.mark.parametrize("fn, makers, no_grad, message", CASES, ids=[c[0].__name__ for c in CASES])
+def test_refused_where_eager_would_differ(fn, makers, no_grad, message):
+    args = [make() for make in makers]
+    if fn is _reads_grad:
+        args[0].grad = torch.full((3,), 7.0)
+    with torch.no_grad() if no_grad else torch.enable_grad():
+        with pytest.raises(dtcompile.TracingError, match=message):
+            dtcompile.jit(fn)(*args)
+    assert all(not a.requires_grad for a, make in zip(args, makers) if make is _plain)  # nothing changed
+
+
+def test_the_call_s_own_tensors_returned_as_they_are():
+    model = torch.nn.Linear(2, 2)
+    jitted = dtcompile.jit(lambda x: (model(x), model.weight))
+    for mode in (torch.no_grad, torch.enable_grad):
+        with mode():
+            out, weight = jitted(torch.ones(1, 2))
+        assert weight.requires_grad
