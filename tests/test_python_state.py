@@ -886,3 +886,49 @@ def test_an_object_whose_getattr_raises_key_error():
     assert_same_tensor(jitted(torch.ones(2)), fn(torch.ones(2)))
     holder.store["scale"] = 3.0
     assert_same_tensor(jitted(torch.ones(2)), fn(torch.ones(2)))
+
+
+class _Holder:
+    def __init__(self):
+        self.value = 2.0
+
+
+_TABLE = {"act": torch.relu}
+_OBJECTS = [_Holder()]
+_BY_INDEX = {0: 2.0}
+
+
+def _changed_table():
+    _TABLE["act"] = torch.neg
+
+
+def _changed_object_in_a_list():
+    _OBJECTS[0].value = 5.0
+
+
+def _changed_int_keyed_dict():
+    _BY_INDEX[0] = 5.0
+
+
+@pytest.mark.parametrize(
+    "fn, change",
+    [
+        (lambda x: _TABLE["act"](x - 1), _changed_table),
+        (lambda x: x * _OBJECTS[0].value, _changed_object_in_a_list),
+        (lambda x: x * _BY_INDEX[0], _changed_int_keyed_dict),
+    ],
+    ids=["function_table", "object_in_a_list", "int_keyed_dict"],
+)
+def test_small_containers_of_objects_are_guarded_by_their_items(fn, change):
+    saved = (dict(_TABLE), _OBJECTS[0].value, dict(_BY_INDEX))
+    try:
+        jitted = dtcompile.jit(fn)
+        x = torch.full((3,), 0.5)
+        assert_same_tensor(jitted(x), fn(x))
+        change()
+        assert_same_tensor(jitted(x), fn(x))
+        assert dtcompile.cache_misses(jitted) == 2
+    finally:
+        _TABLE.update(saved[0])
+        _OBJECTS[0].value = saved[1]
+        _BY_INDEX.update(saved[2])

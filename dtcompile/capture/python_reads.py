@@ -47,6 +47,23 @@ def scalar_container(value: object) -> bool:
     return _scalar_leaves(value, _CONTAINER_ITEMS) >= 0
 
 
+def object_container(value: object) -> bool:
+    """Whether ``value`` is a small list, tuple or dict (scalar keys) that is not a
+    :func:`scalar_container` and holds no tensors or arrays (a table of activation
+    functions, a list of config objects): its contents are guarded by :func:`value_key`
+    (items by ``==``, identity for functions and most objects), so an item replaced in
+    place is seen."""
+    kind = type(value)
+    if kind not in (list, dict, tuple) or by_value(value) or scalar_container(value):
+        return False
+    if kind is dict and not all(type(k) in _SCALARS for k in value):
+        return False
+    items = list(value.values()) if kind is dict else value
+    return len(items) <= _CONTAINER_ITEMS and not any(
+        type(i).__module__.partition(".")[0] in ("torch", "numpy") and hasattr(i, "__array__") for i in items
+    )
+
+
 def _scalar_leaves(value: object, budget: int) -> int:
     """``budget`` less the scalars in a tree of lists, tuples and dicts (string keys), or
     -1 where the tree holds anything else or more than ``budget`` scalars."""

@@ -70,7 +70,7 @@ import torch
 
 from .objects import attribute_or_none, plain_object
 from .outputs import DTensorOutput, HeldOutput, NumberOutput, TensorOutput
-from .python_reads import PythonGuards, Read, by_value, scalar_container, value_key
+from .python_reads import PythonGuards, Read, by_value, object_container, scalar_container, value_key
 
 _LIBRARIES = {"torch", "transformers", "dtcompile", "numpy", "accelerate", "safetensors", "triton", "sympy"}
 _LIBRARY_PATHS = tuple(
@@ -188,7 +188,7 @@ class PythonState:
             return
         self._seen_reads.add(seen)
         self.reads.append(Read(holder, key, value, where, attribute=attribute))
-        if scalar_container(value):
+        if scalar_container(value) or object_container(value):
             self.reads.append(
                 Read(holder, key, value, f"the contents of {where}", True, value_key(value), attribute=attribute)
             )
@@ -227,6 +227,11 @@ class PythonState:
         cells, a user class's methods, a plain object's attributes (and those of the plain
         objects it holds, ``depth`` levels down), the ``names`` of a user Python module."""
         if id(value) in self._walked or by_value(value):
+            return
+        if object_container(value):  # its items' own state: a config in a list
+            if depth + 1 < _OBJECT_LEVELS:
+                for key, item in value.items() if type(value) is dict else enumerate(value):
+                    self.follow(item, f"{where}[{key!r}]", depth=depth + 1)
             return
         if isinstance(value, functools.partial):
             self._walked.add(id(value))
