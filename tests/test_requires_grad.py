@@ -94,3 +94,16 @@ def test_the_call_s_own_tensors_returned_as_they_are():
         with mode():
             out, weight = jitted(torch.ones(1, 2))
         assert weight.requires_grad
+
+
+def _doubles_in_place(x):
+    x.mul_(2)
+    return x
+
+
+def test_an_in_place_change_of_a_non_leaf_argument_is_refused_by_name():
+    w = torch.arange(4.0, requires_grad=True)
+    with pytest.raises(dtcompile.TracingError, match=r"changes args\[0\] in place, a tensor that requires grad"):
+        dtcompile.jit(_doubles_in_place)(w * 1)  # eager changes it, extending its graph
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
+        dtcompile.jit(_doubles_in_place)(w)  # eager's own error for a leaf

@@ -99,6 +99,9 @@ def _user_frame() -> bool:
     return module.partition(".")[0] not in ("torch", "dtcompile")
 
 
+_LEAF_IN_PLACE = "a leaf Variable that requires grad is being used in an in-place operation"
+
+
 class CallAnnotator(TorchFunctionMode):
     """Notes on each recorded symbol the torch-level call it came from, and tells the
     recording when DTensor is handling a call (its factory ops are then its own). A
@@ -119,6 +122,15 @@ class CallAnnotator(TorchFunctionMode):
         hook = args[1] if len(args) > 1 else None
         if self.recording.snapshot is not None and hook is not None:
             self.recording.snapshot.add_callable(hook, f"the tensor hook {getattr(hook, '__qualname__', hook)}")
+
+    def _non_leaf_argument(self, leaves: list) -> str | None:
+        """Where the first argument among ``leaves`` is, that the call received as a
+        tensor requiring grad that is not a leaf; None if none."""
+        for x in leaves:
+            real = self.recording.real_of.get(getattr(x, "label", None))
+            if real is not None and real.requires_grad and not real.is_leaf:
+                return str(x.provenance)
+        return None
 
     def _traced_dtensor(self, value):
         if isinstance(value, DTensor) and not isinstance(value._local_tensor, TensorProxy):
@@ -159,6 +171,15 @@ class CallAnnotator(TorchFunctionMode):
             raise data_dependent_error(
                 _short_name(func), f"Python control flow on {error.cond}, a number read from tensor data"
             ) from error
+        except RuntimeError as error:
+            argument = _LEAF_IN_PLACE in str(error) and self._non_leaf_argument(leaves)
+            if argument:  # a proxy is a leaf; eager's argument is not, and its in-place change runs
+                raise TracingError(
+                    f"dtcompile.jit: {_short_name(func)} changes {argument} in place, a tensor that requires grad "
+                    "and is not a leaf (made by an op that autograd records); a compiled call cannot extend its "
+                    "graph. Clone it before the call, or change it outside"
+                ) from error
+            raise
         finally:
             self.recording.dtensor_calls -= handled_by_dtensor
             self.recording.current_call = outer_call
