@@ -107,3 +107,35 @@ def test_an_in_place_change_of_a_non_leaf_argument_is_refused_by_name():
         dtcompile.jit(_doubles_in_place)(w * 1)  # eager changes it, extending its graph
     with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
         dtcompile.jit(_doubles_in_place)(w)  # eager's own error for a leaf
+
+
+def _returns_its_input(x, y):
+    return x, x * y
+
+
+class _ReturnsItsWeight(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.lin(x), self.lin.weight
+
+
+def test_a_tensor_returned_as_it_is_in_a_training_call_is_the_caller_s_own():
+    a = torch.ones(3, requires_grad=True)
+    out, product = dtcompile.jit(_returns_its_input)(a, torch.full((3,), 2.0))
+    assert out is a  # a leaf, as eager returns it: backward fills its .grad
+    (out.sum() + product.sum()).backward()
+    assert torch.equal(a.grad, torch.full((3,), 3.0))
+
+    torch.manual_seed(0)
+    model = _ReturnsItsWeight()
+    reference = _ReturnsItsWeight()
+    reference.load_state_dict(model.state_dict())
+    got, weight = dtcompile.jit(model)(torch.ones(1, 2))
+    expected, expected_weight = reference(torch.ones(1, 2))
+    assert weight is model.lin.weight and expected_weight is reference.lin.weight
+    (got.sum() + weight.sum()).backward()
+    (expected.sum() + expected_weight.sum()).backward()
+    torch.testing.assert_close(model.lin.weight.grad, reference.lin.weight.grad, rtol=0, atol=0)

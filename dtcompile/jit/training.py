@@ -94,6 +94,9 @@ class TrainingProgram:
     cotangents: list[Cotangent]
     gradients: list[Gradient]
     inputs: int
+    # (output slot, input position) of inputs the call returns as they are: the caller's
+    # own tensor where it requires grad, as eager returns it (its .grad filled by backward).
+    returned_inputs: list[tuple[int, int]]
 
     @staticmethod
     def make(forward, backward, output, captured_inputs, backward_capture, slots: int, trace_output) -> TrainingProgram:
@@ -129,10 +132,21 @@ class TrainingProgram:
             cotangents=cotangents,
             gradients=gradients,
             inputs=len(captured_inputs),
+            returned_inputs=[
+                (i, position[out.label])
+                for i, out in enumerate(trace_output[:slots])
+                if isinstance(out, TensorProxy) and out.label in position
+            ],
         )
 
     def __call__(self, inputs: tuple):
-        return self.rebuild.fn(CompiledStep.apply(self, *inputs), ())
+        outs = CompiledStep.apply(self, *inputs)
+        if self.returned_inputs:
+            outs = list(outs)
+            for slot, position in self.returned_inputs:
+                if inputs[position].requires_grad:
+                    outs[slot] = inputs[position]
+        return self.rebuild.fn(outs, ())
 
 
 class CompiledStep(torch.autograd.Function):
