@@ -43,11 +43,12 @@ hook), so what is guarded is what the code *can* read, found before tracing:
 How: ``None``/``bool``/``int``/``float``/``complex``/``str``/``bytes`` and tuples of them
 by exact type and value (``1``, ``1.0`` and ``True`` are three values; so are ``0.0`` and
 ``-0.0``); small lists, dicts (string keys) and tuples of such values, nested or not (up
-to 32 values in all), by identity and by their contents; anything else (functions,
-classes, tensors, modules, objects) by identity.
+to 32 values in all), by identity and by their contents; those of up to 32 other things
+but tensors (functions, configs) by identity and their items (``==``), which are followed;
+anything else (functions, classes, tensors, modules, objects) by identity.
 
 Not guarded: attributes of plain objects four levels down, the contents of larger lists
-and dicts or of those holding other objects (only which list or dict it is), a library
+and dicts or of those holding tensors (only which list or dict it is), sets, a library
 class's attributes other than a module's ``forward`` (and ``nn.Module``'s own), a class's
 bases, values read inside library code (a global of ``transformers`` changed), names
 reached only through strings (``getattr(cfg, name)``), a ``functools.partial``'s
