@@ -608,3 +608,123 @@ def test_a_deep_config_value_changed_between_blocks(change):
         expected = model(x)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     assert not any(line.split()[1].count(".") == 1 for line in replay_lines(trace))  # no layers.N replayed
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+
+class _ReadsConfigScale(_Scaled):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+
+    def forward(self, x):
+        return self.lin(x) * (self.config.scale + 0.0)  # the float is not kept alive by the trace
+
+
+class _ReadsOwner(_Scaled):
+    def forward(self, x):
+        return self.lin(x) * self.__dict__["owner"].current  # a parent held as a plain attribute
+
+
+class _ReadsArgumentTag(_Scaled):
+    def forward(self, x):
+        return self.lin(x) * x.tag
+
+
+def _function_with(alpha):
+    def act(t):
+        return t
+
+    act.alpha = alpha
+    return act
+
+
+class _ReadsFunctionAttribute(_Scaled):
+    def __init__(self, alpha):
+        super().__init__()
+        self.act = _function_with(alpha)
+
+    def forward(self, x):
+        return self.act(self.lin(x)) * self.act.alpha
+
+
+_BIG_TABLE = {f"k{i}": i for i in range(100)}
+_BIG_TABLE["scale"] = 1.0
+
+
+class _ReadsBigTable(_Scaled):
+    def forward(self, x):
+        return self.lin(x) * _BIG_TABLE["scale"]
+
+
+class _ChangesBetweenLayers(nn.Module):
+    """Four layers that read a value the parent changes before each (and puts back)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind, self.config, self.current = kind, types.SimpleNamespace(scale=1.0), 1.0
+        make = {
+            "replaced float": lambda i: _ReadsConfigScale(self.config),
+            "owner attribute": lambda i: _ReadsOwner(),
+            "argument attribute": lambda i: _ReadsArgumentTag(),
+            "function attribute": lambda i: _ReadsFunctionAttribute(float(i + 1)),
+            "big global table": lambda i: _ReadsBigTable(),
+        }[kind]
+        self.layers = nn.ModuleList(make(i) for i in range(4))
+        for layer in self.layers:
+            layer.__dict__["owner"] = self
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            self.config.scale = self.config.scale * 1.25
+            self.current = _BIG_TABLE["scale"] = float(i + 1)
+            x = x * 1
+            x.tag = float(i + 1)
+            x = layer(x)
+        self.config.scale, self.current, _BIG_TABLE["scale"] = 1.0, 1.0, 1.0
+        return x
+
+
+@pytest.mark.parametrize(
+    "kind", ["replaced float", "owner attribute", "argument attribute", "function attribute", "big global table"]
+)
+def test_layers_that_read_what_differs_between_them_are_not_replayed(kind):
+    model = _ChangesBetweenLayers(kind)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        expected = model(x)
+    out, trace = compiled(model, x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert not any(line.split()[1].count(".") == 1 for line in replay_lines(trace))  # no layers.N replayed
+
+
+class _TwoInputs(_Scaled):
+    def forward(self, x, y):
+        return self.lin(x) * y
+
+
+class _DependentInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = _TwoInputs(), _TwoInputs()
+
+    def forward(self, x):
+        return self.first(x, x + 1) + self.second(x * 2, x * 3)  # the first call's inputs depend
+
+
+def test_a_first_block_whose_inputs_depend_on_each_other_is_not_replayed_with_gradients():
+    model = _DependentInputs()
+    reference = _DependentInputs()
+    x = torch.randn(2, 4)
+    got_x, expected_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    dtcompile.jit(model)(got_x).sum().backward()
+    reference(expected_x).sum().backward()
+    torch.testing.assert_close(got_x.grad, expected_x.grad, rtol=0, atol=0)
+    for got, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, expected.grad, rtol=0, atol=0)

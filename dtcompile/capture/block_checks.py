@@ -8,6 +8,7 @@ import types
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ..core.torch_internals import dict_version
 from .equivalence import TENSOR_TABLES
 
 
@@ -22,16 +23,18 @@ def recording_counts(recording) -> tuple:
 
 def python_state(module: torch.nn.Module) -> list:
     """The containers a block's code reads Python values from: its modules' tables and
-    attributes, the plain objects these hold (a config) and those they hold, levels down
-    (``self.config.attention.rope.theta``), its classes' dicts and their functions'
-    globals, and the small lists and dicts any of these hold (a global table). A first
-    call that changes one is not replayed (a later block would have read the new value),
-    nor is a later call after the code changed one."""
+    attributes; what these hold, levels down: plain objects (a config, and the objects it
+    holds: ``self.config.attention.rope.theta``), modules outside the block (a parent held
+    as a plain attribute), lists and dicts (and the objects in them); its classes' dicts
+    and their functions' globals, and the dicts and small lists these hold (a global
+    table). A first call that changes one is not replayed (a later block would have read
+    the new value), nor is a later call after the code changed one."""
     found: dict[int, object] = {}
+    tree = {id(m) for m in module.modules()}
     for sub in module.modules():
         for table in (*(getattr(sub, name) for name in TENSOR_TABLES), vars(sub)):
             found[id(table)] = table
-        _plain_objects(vars(sub), found, _OBJECT_LEVELS)
+        _reachable(vars(sub).values(), found, tree, _OBJECT_LEVELS)
         for klass in type(sub).__mro__:
             if klass is torch.nn.Module:
                 break
@@ -39,46 +42,57 @@ def python_state(module: torch.nn.Module) -> list:
             for value in vars(klass).values():
                 if isinstance(value, types.FunctionType):
                     found[id(value.__globals__)] = value.__globals__
-    for container in list(found.values()):
-        for value in container.values():
-            if type(value) in (dict, list) and len(value) <= _SMALL and id(value) not in found:
-                found[id(value)] = value
+                    _reachable(value.__globals__.values(), found, tree, 1)
     return list(found.values())
 
 
-_SMALL = 64  # the largest list or dict held in those whose items are compared too
-_OBJECT_LEVELS = 4  # plain objects followed down from a module's attributes (the prologue guards 3)
+_SMALL = 64  # the largest list whose items are compared (a dict, by its version, at any size)
+_OBJECT_LEVELS = 4  # objects followed down from a module's attributes (the prologue guards 3)
 
 
-def _plain_objects(attributes: dict, found: dict[int, object], levels: int) -> None:
-    """Add the attribute dicts of the plain objects in ``attributes``, ``levels`` down."""
-    for value in attributes.values():
-        if (
-            levels
-            and not isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType))
-            and isinstance(getattr(value, "__dict__", None), dict)
-        ):
-            if id(vars(value)) not in found:
-                found[id(vars(value))] = vars(value)
-                _plain_objects(vars(value), found, levels - 1)
+def _reachable(values, found: dict[int, object], tree: set[int], levels: int) -> None:
+    """Add what ``values`` hold that code can read through them, ``levels`` down: the
+    attributes of plain objects and of modules outside the block (``tree``), and dicts
+    and small lists, with what they hold."""
+    for value in values:
+        if not levels or isinstance(value, (torch.Tensor, type, types.ModuleType)):
+            continue
+        if type(value) is dict or (type(value) is list and len(value) <= _SMALL):
+            if id(value) not in found:
+                found[id(value)] = value
+                _reachable(value.values() if type(value) is dict else value, found, tree, levels - 1)
+        elif isinstance(value, torch.nn.Module) and id(value) in tree:
+            continue  # the block's own: its tables are watched
+        elif isinstance(getattr(value, "__dict__", None), dict) and id(vars(value)) not in found:
+            found[id(vars(value))] = vars(value)
+            _reachable(vars(value).values(), found, tree, levels - 1)
 
 
 def contents(container) -> tuple:
-    """What a container holds, compared by identity (keys by value)."""
+    """What a container holds now, to tell later whether it changed (:func:`changed`): a
+    dict's version, or its items themselves (held: an object freed meanwhile could leave
+    its address to a new one)."""
+    if type(container) is dict and dict_version is not None:
+        return ("version", dict_version(container))
+    return ("items", list(container) if type(container) is list else list(container.items()))
+
+
+def changed(container, before: tuple) -> bool:
+    """Whether ``container`` changed since :func:`contents` gave ``before``: keys by
+    value, values by identity."""
+    kind, held = before
+    if kind == "version":
+        return dict_version(container) != held
     if type(container) is list:
-        return tuple(map(id, container))
-    return tuple((k, id(v)) for k, v in container.items())
+        return len(container) != len(held) or any(a is not b for a, b in zip(container, held))
+    now = list(container.items())
+    return len(now) != len(held) or any(k != j or v is not w for (k, v), (j, w) in zip(now, held))
 
 
 def arguments_changed(args: tuple, kwargs: dict, flat_before: list, treespec) -> bool:
     """Whether the call changed the containers it received (a list it wrote into)."""
     flat, spec = tree_flatten((args, kwargs))
     return spec != treespec or any(a is not b for a, b in zip(flat, flat_before))
-
-
-# What a traced tensor the recorder made holds in its ``__dict__``: an output holding more
-# (an attribute the code set) cannot be rebuilt by a replay.
-TRACED_ATTRIBUTES = frozenset({"fake", "label", "provenance", "value"})
 
 
 def unreplayable(symbols: list) -> str | None:
@@ -101,4 +115,32 @@ def _without_dropout(bsym) -> bool:
             else:
                 value = bsym.args[index]
             return type(value) in (int, float) and value == 0
+    return False
+
+
+_GRAPH_NODES = 2000  # the most autograd nodes walked back from a block's inputs
+
+
+def inputs_depend(values: list) -> bool:
+    """Whether one of a block's inputs that need gradients was computed from another (an
+    argument ``x + 1`` beside ``x``, an argument made from the block's own parameter), or
+    that cannot be told in a bounded walk of their autograd graphs: a block's recorded
+    backward gives each input's gradient as if the others were independent."""
+    leaves = {id(v): v for v in values if v.grad_fn is None}
+    computed = {id(v.grad_fn) for v in values if v.grad_fn is not None}
+    for value in values:
+        if value.grad_fn is None:
+            continue
+        stack, seen = [n for n, _ in value.grad_fn.next_functions if n is not None], set()
+        while stack:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            variable = getattr(node, "variable", None)
+            if id(node) in computed or (variable is not None and id(variable) in leaves):
+                return True
+            if len(seen) > _GRAPH_NODES:
+                return True
+            stack += [n for n, _ in node.next_functions if n is not None]
     return False

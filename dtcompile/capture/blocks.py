@@ -19,9 +19,10 @@ tensors from the block's own parameters, buffers and attributes and from its arg
 (anything else the block reads, an object's tensors (a KV cache), a global tensor, cannot
 be mapped to a later block); no random ops (DTensor's take their offsets from Python
 state), collectives called directly, numbers read from data, changes to Python state the
-block reads (a later block would read the new value), nor to an argument's placements;
-no output that requires grad: training traces every block (the backward of a replayed
-block is not built yet).
+block reads (a later block would read the new value), nor to an argument's placements.
+With gradients, a later block goes through an autograd Function whose backward records
+the first block's backward again (``block_training.py``); the first block's inputs that
+need gradients must not depend on each other (``block_checks.inputs_depend``).
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..core import TensorProxy
 from ..core.torch_internals import make_dtensor, storage_id
 from .block_checks import (
-    TRACED_ATTRIBUTES,
     arguments_changed,
+    changed,
     contents,
+    inputs_depend,
     python_state,
     recording_counts,
     unreplayable,
@@ -46,6 +48,7 @@ from .block_training import BlockReplayFailed, GradReplay, backward_template
 from .equivalence import (
     GLOBAL_HOOKS,
     SCALARS,
+    TRACED_ATTRIBUTES,
     arguments_key,
     block_state,
     local_proxy,
@@ -181,7 +184,7 @@ class RepeatedBlocks:
             "it changed the recording's other state"
             if recording_counts(recording) != counts
             else "it changed Python state it can read"
-            if any(contents(c) != before for c, before in tables)
+            if any(changed(c, before) for c, before in tables)
             else "it changed an argument's placements"
             if any(leaf._spec is not spec for leaf, spec in specs)
             else "it changed a container it received"
@@ -275,6 +278,8 @@ class RepeatedBlocks:
                 seen.add(id(value))
                 template.grad_input_sources.append(source)
                 template.grad_input_values.append(value)
+        if inputs_depend(template.grad_input_values):
+            return "its inputs that need gradients depend on each other (a backward takes them as independent)"
         try:
             backward = backward_template(self.recording, template.grad_output_values, template.grad_input_values, None)
         except BlockReplayFailed as error:
@@ -292,7 +297,7 @@ class RepeatedBlocks:
 
     def _replay(self, template: BlockTemplate, module, args: tuple, kwargs: dict):
         recording = self.recording
-        if any(contents(c) != before for c, before in template.python_state):
+        if any(changed(c, before) for c, before in template.python_state):
             return _FAILED  # the code changed Python state the first block read, since
         flat_args, _ = tree_flatten((args, kwargs))
         mapping = template.sources_in(module, flat_args)

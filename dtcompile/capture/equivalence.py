@@ -60,6 +60,9 @@ GLOBAL_HOOKS = (
     "_global_forward_hooks_with_kwargs",
 )
 _EQUIVALENCE_DEPTH = 8
+# What a traced tensor holds in its ``__dict__`` (a proxy's own; a DTensor holds none): one
+# holding more (an attribute the code set) is not compared, nor rebuilt by a replay.
+TRACED_ATTRIBUTES = frozenset({"fake", "label", "provenance", "value"})
 
 
 def _size_key(size) -> object:
@@ -118,8 +121,8 @@ def arguments_key(args: tuple, kwargs: dict) -> tuple | None:
     for index, leaf in enumerate(flat):
         if isinstance(leaf, torch.Tensor):
             key = traced_key(leaf)
-            if key is None:
-                return None
+            if key is None or set(vars(leaf)) - TRACED_ATTRIBUTES:
+                return None  # not traced, or an attribute of its own (``x.tag``) the block may read
         elif type(leaf) in SCALARS:
             key = value_key(leaf)
         elif isinstance(leaf, torch.SymInt):
@@ -202,6 +205,7 @@ class _Equivalence:
                 and self(a.__defaults__, b.__defaults__, depth + 1)
                 and self(a.__kwdefaults__, b.__kwdefaults__, depth + 1)
                 and self._cells(a.__closure__ or (), b.__closure__ or (), depth)
+                and self(vars(a), vars(b), depth + 1)  # its own attributes (``f.alpha``)
             )
         if isinstance(a, types.MethodType):
             return a.__func__ is b.__func__ and self(a.__self__, b.__self__, depth + 1)
