@@ -932,3 +932,67 @@ def test_small_containers_of_objects_are_guarded_by_their_items(fn, change):
         _TABLE.update(saved[0])
         _OBJECTS[0].value = saved[1]
         _BY_INDEX.update(saved[2])
+
+
+class _LazyCache(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cache = None
+
+    def forward(self, x):
+        if self.cache is None:  # read, then assigned a tensor: the read stays guarded
+            self.cache = x * 10
+        return x + self.cache[: x.shape[0]]
+
+
+class _CreatedOnce(torch.nn.Module):
+    def forward(self, x):
+        if not hasattr(self, "cache"):  # absent before the first call: its absence is guarded
+            self.cache = x * 10
+        return x + self.cache[: x.shape[0]]
+
+
+class _GetattrDefault(torch.nn.Module):
+    def forward(self, x):
+        cache = getattr(self, "cache", None)
+        if cache is None:
+            cache = self.cache = x * 10
+        return x + cache[: x.shape[0]]
+
+
+class _RunningMax(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.longest = 0
+
+    def forward(self, x):
+        self.longest = max(self.longest, x.shape[0])  # a size computed from the value read
+        return x[: self.longest] * self.longest
+
+
+class _RecordsLength(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
+
+    def forward(self, x):
+        self.seen = x.shape[0] * 2  # assigned, never read by name: not guarded
+        return x * 2
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("cls", [_LazyCache, _CreatedOnce, _GetattrDefault, _RunningMax, _RecordsLength])
+def test_attributes_read_then_assigned_by_the_forward(cls, cache):
+    """Eager's results and state when the forward reads an attribute it then assigns: the
+    value read (or its absence) was baked into the program, so another compiles anew."""
+    model, reference = cls(), cls()
+    jitted = dtcompile.jit(model, cache=cache)
+    for n, fill in [(4, 4.0), (4, 4.5), (3, 3.0), (2, 5.0), (3, 2.0)]:
+        x = torch.full((n,), fill)
+        assert_same_tensor(jitted(x), reference(x))
+        for name, value in vars(reference).items():
+            if not name.startswith("_"):
+                got = getattr(model, name)
+                assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value, name
+    if cls is _RecordsLength and cache == "symbolic values":
+        assert dtcompile.cache_misses(jitted) == 1

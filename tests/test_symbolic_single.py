@@ -2,6 +2,7 @@
 strides."""
 
 import copy
+import math
 import re
 
 import pytest
@@ -298,7 +299,8 @@ def test_compiling_adds_no_guard_of_its_own():
     assert "%" not in source and "not (" not in source
     assert not re.search(r"size\d+\[\d\] != s", source)  # no equal sizes assumed
     checks = [line for line in source.splitlines() if re.search(r"\bs\d+\b", line) and "return None" in line]
-    assert checks and all(re.search(r"if (s\d+ < 2|stride\d+\[0\] != s\d+): return None", c) for c in checks), checks
+    ranges = rf"s\d+ < 2|s\d+ > {2**53}"  # a symbol stands for sizes 2 to 2**53
+    assert checks and all(re.search(rf"if ({ranges}|stride\d+\[0\] != s\d+): return None", c) for c in checks), checks
 
 
 def test_a_storage_offset_the_program_reads_is_guarded():
@@ -389,3 +391,35 @@ def test_sizes_printed_by_library_code_stay_symbolic():
         x = torch.randn(n, 2)
         assert_same_tensor(jitted(x), torch.cat([x, x]).view(-1, 2) * 2)
     assert dtcompile.cache_misses(jitted) == 1
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: torch.zeros(math.ceil(x.shape[0] / 3)),
+        lambda x: torch.zeros(math.floor(x.shape[0] / 3)) + x.shape[0] % 4,
+        lambda x: (math.ceil(x.shape[0] / 3), math.trunc(x.shape[0] / 4), int(x.shape[0] * 0.7)),
+        lambda x: F.pad(x, (0, math.ceil(x.shape[0] / 4) * 4 - x.shape[0])).view(-1, 4),
+        lambda x: x * 2 if math.floor(x.shape[0] / 3) == 3 else x * 3,
+    ],
+)
+def test_math_of_sizes_runs_in_the_program_and_its_guards(fn):
+    """``math.ceil``/``floor``/``trunc`` of sizes print as ``math`` calls in the program and
+    the prologue, which have ``math`` to call."""
+    jitted = dtcompile.jit(fn, cache=SYMBOLIC)
+    for n in (9, 10, 16, 2, 3, 11):
+        x = torch.randn(n)
+        assert_same_result(jitted(x), fn(x))
+
+
+def test_sizes_beyond_exact_floats_are_constants():
+    """torch simplifies ``int(n / 3)`` to ``n // 3``, exact only below 2**53: a larger
+    size is traced as a constant, and a symbol stands for sizes up to 2**53 only."""
+
+    def fn(x):
+        return x.shape[0] / 3, int(x.shape[0] / 3), x.shape[0] // 3
+
+    jitted = dtcompile.jit(fn, cache=SYMBOLIC)
+    for n in (10, 2**53 + 1, 2**60 + 3, 11):
+        x = torch.ones(1).expand(n)
+        assert jitted(x) == fn(x)

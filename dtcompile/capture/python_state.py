@@ -23,11 +23,10 @@ hook), so what is guarded is what the code *can* read, found before tracing:
   (a global model a loss function calls; for those also the training flag and which
   parameters, buffers, submodules and tensor attributes they hold): every entry of each
   submodule's ``__dict__`` except tensors, submodules and ``nn.Module``'s own tables
-  (parameters, buffers, submodules, hooks and the training flag are guarded elsewhere),
-  and except attributes the forward assigns a tensor or a computed size (replayed after
-  each call: guarding them would miss at every call). An attribute the forward assigns a
-  constant stays guarded: ``self.calls = self.calls + 1`` bakes in the new value, which
-  is right only for the old.
+  (parameters, buffers, submodules, hooks and the training flag are guarded elsewhere).
+  An attribute the forward assigns stays guarded (``if self.cache is None``, then
+  ``self.cache = ...``; ``self.calls + 1`` baked in; its absence, for ``hasattr``), but
+  for one no user code loads by name (guarding it would miss at every call).
 - **Plain objects, three levels deep**: the attributes of a plain object (a config) held
   in such an attribute, global or cell (``self.config.scale``, ``self.config.act``), and
   of the plain objects it holds, down to ``self.config.attention.rope.theta``; what
@@ -59,63 +58,21 @@ sees; the assignment is not replayed).
 
 from __future__ import annotations
 
-import dis
 import functools
-import gc
 import sys
-import sysconfig
 import types
 from dataclasses import dataclass, field
 
 import torch
 
 from .objects import attribute_or_none, plain_object
-from .outputs import DTensorOutput, HeldOutput, NumberOutput, TensorOutput
-from .python_reads import PythonGuards, Read, by_value, object_container, scalar_container, value_key
+from .python_reads import ABSENT, PythonGuards, Read, by_value, object_container, scalar_container, value_key
+from .user_code import class_namespace, code_names, is_library
 
-_LIBRARIES = {"torch", "transformers", "dtcompile", "numpy", "accelerate", "safetensors", "triton", "sympy"}
-_LIBRARY_PATHS = tuple(
-    path for path in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")} if path
-)
 # nn.Module's own entries of a module's __dict__ (tables, hooks, the training flag):
 # guarded by the prologue's module checks, or never read by the program.
 _MODULE_TABLES = frozenset(vars(torch.nn.Module()))
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-
-
-def is_library(obj: object) -> bool:
-    """Whether a function, class or Python module is library code, whose reads are not
-    guarded."""
-    if isinstance(obj, types.ModuleType):
-        module = obj.__name__
-    else:
-        module = getattr(obj, "__module__", None) or ""
-    code = getattr(obj, "__code__", None)
-    if code is not None:
-        filename = code.co_filename
-    else:
-        filename = getattr(sys.modules.get(module), "__file__", None) or ""
-    return library_code(module, filename)
-
-
-def library_code(module: str, filename: str) -> bool:
-    """Whether code of Python module ``module``, in file ``filename``, is library code:
-    torch, transformers, dtcompile itself (but for ``dtcompile.testing``), the standard
-    library, anything installed in site-packages."""
-    if module.startswith("dtcompile.testing"):
-        return False
-    root = module.partition(".")[0]
-    if root in _LIBRARIES or root in sys.stdlib_module_names:
-        return True
-    return "site-packages" in filename or "dist-packages" in filename or filename.startswith(_LIBRARY_PATHS)
-
-
-def class_namespace(cls: type) -> dict:
-    """The dict behind ``cls.__dict__`` (a read-only view): the prologue reads names from
-    it with ``dict.get`` like an instance's, and ``setattr(cls, ...)`` changes it in place.
-    The view's only referent is that dict."""
-    (names,) = gc.get_referents(vars(cls))
-    return names
 
 
 def _own(value: object) -> bool:
@@ -127,27 +84,6 @@ def _own(value: object) -> bool:
 # How deep plain objects (configs) are followed: ``self.config.attention.window``; the
 # objects held further down are guarded by identity only.
 _OBJECT_LEVELS = 3
-_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
-
-
-def _code_names(code: types.CodeType) -> tuple[set[str], set[str], set[str]]:
-    """The global names a code object and the functions nested in it load, the Python
-    modules they import (``import cfg`` inside a function), and the other names they use
-    (attributes: ``cfg.SCALE``). Told apart by the bytecode, so that an attribute
-    (``out.sum``) does not guard a global of that name (a loop's ``out``)."""
-    global_names, imported, other = set(), set(), set(code.co_names)
-    for instruction in dis.get_instructions(code):
-        if instruction.opname in _GLOBAL_LOADS:
-            global_names.add(instruction.argval)
-        elif instruction.opname == "IMPORT_NAME":
-            imported.add(instruction.argval)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            inner_globals, inner_imported, inner_other = _code_names(const)
-            global_names |= inner_globals
-            imported |= inner_imported
-            other |= inner_other
-    return global_names, imported, other - global_names
 
 
 @dataclass
@@ -167,6 +103,8 @@ class PythonState:
     _seen_namespaces: set = field(default_factory=set, repr=False)
     # (id of a module's dict, name) the forward assigns or removes: made after each call.
     _assigned_names: dict = field(default_factory=dict, repr=False)
+    # The attribute names the user code followed may read (``self.pos``, ``getattr``).
+    _attribute_loads: set = field(default_factory=set, repr=False)
 
     @classmethod
     def of_function(cls, fn: object) -> PythonState:
@@ -287,7 +225,8 @@ class PythonState:
             self._read(fn, None, defaults, where, attribute=attribute)
             for value in (defaults or {}).values() if isinstance(defaults, dict) else defaults or ():
                 self.follow(value, where)
-        global_names, imported, attributes = _code_names(code)
+        global_names, imported, attributes, loaded = code_names(code)
+        self._attribute_loads |= loaded
         for name in sorted(imported):
             module = sys.modules.get(name)
             if module is not None:
@@ -350,24 +289,28 @@ class PythonState:
         self.reads = [read for read in self.reads if keep(read)]
 
     def forget_assigned(self, module_updates: list) -> None:
-        """Drop what the traced code assigned: values that changed while tracing (a global
-        counter), and module attributes the forward assigns (``ModuleUpdate``\\ s, made
-        again after each call) to a tensor or a size the program computes: guarding those
-        would miss at every call. Any other assigned attribute stays guarded, so that the
-        replayed value is right: a constant (a scalar the program baked in, which
-        ``self.calls + 1`` may have been computed from; an idempotent ``self.ready = True``
-        compiles once more, a Python counter at every call), a container or an object (a
-        list the forward extends: eager's grows), and an attribute the forward deletes
-        (``del self.tmp``: the next call does not find it)."""
-        assigned = {
+        """Drop the values that changed while tracing, and note the module attributes the
+        forward assigns (``ModuleUpdate``\\ s, made again after each call), which the
+        namespaces' lengths do not count. What an assigned attribute held before the call
+        stays guarded where the program may have read it (``if self.cache is None``,
+        ``self.pos + n``, ``hasattr(self, "cache")``): another value compiles a new entry.
+        Not guarded: an attribute no code reads (``self.last = n * 2`` in user classes
+        whose code never loads ``last``), which would compile at every call."""
+        unread = {
             (id(vars(u.module)), u.key)
             for u in module_updates
-            if u.table == "__dict__" and isinstance(u.value, (TensorOutput, DTensorOutput, NumberOutput, HeldOutput))
+            if u.table == "__dict__"
+            and u.key not in self._attribute_loads
+            and not any(map(is_library, type(u.module).__mro__[: type(u.module).__mro__.index(torch.nn.Module)]))
         }
-        self.forget(lambda read: (id(read.holder), read.key) not in assigned and read.unchanged())
+        self.forget(lambda read: (id(read.holder), read.key) not in unread and read.unchanged())
         for u in module_updates:
             if u.table == "__dict__":
                 self._assigned_names[(id(vars(u.module)), u.key)] = None
+                if (id(vars(u.module)), u.key) not in unread:  # absent before: ``hasattr`` was False
+                    self._read(
+                        vars(u.module), u.key, vars(u.module).get(u.key, ABSENT), f"attribute {u.key!r} of {u.path}"
+                    )
 
     def namespace_lengths(self) -> list[tuple[int, tuple[str, ...]]]:
         """How many names each namespace holds, not counting the names the forward assigns

@@ -42,7 +42,7 @@ from ..core import (
 )
 from ..core.printing import NamedConstant, Unprintable, python_literal
 from ..core.symbol import leaves, map_leaves
-from ..core.symbolic import is_symbolic, symbolic_expr
+from ..core.symbolic import LARGEST_SYMBOLIC_SIZE, is_symbolic, symbolic_expr
 from ..core.torch_internals import fake_mode_active, make_dtensor, set_data_value
 from .c10d import is_c10d_op, record_c10d
 from .data_branches import value_now
@@ -141,7 +141,10 @@ class Recording:
         self.used_names.add(name)
         self.real_of[name] = real
         if dynamic and self.fake_mode.shape_env is not None:
-            context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DUCK] * real.dim())
+            dynamic_sizes = [
+                DimDynamic.STATIC if size > LARGEST_SYMBOLIC_SIZE else DimDynamic.DUCK for size in real.shape
+            ]
+            context = StatelessSymbolicContext(dynamic_sizes=dynamic_sizes)
             fake = self.fake_mode.from_tensor(real, symbolic_context=context)
         else:
             # Static explicitly: a fake mode with a ShapeEnv would otherwise give every

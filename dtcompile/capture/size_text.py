@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from .python_state import library_code
+from .user_code import library_code
 
 
 def _from_user_code() -> bool:

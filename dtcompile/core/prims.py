@@ -14,7 +14,7 @@ from .errors import DataCheckFailed
 from .printing import python_literal
 from .proxy import TensorProxy
 from .symbol import BoundSymbol, Symbol
-from .symbolic import python_source
+from .symbolic import SOURCE_GLOBALS, python_source
 
 
 def shape(tensor, dim: int) -> int:
@@ -80,7 +80,7 @@ READS = {
 
 
 def size_expression(expr, symbols: tuple) -> SizeExpression:
-    return SizeExpression("prims.size", pure=True, expr=expr, symbols=symbols)
+    return SizeExpression("prims.size", globals=SOURCE_GLOBALS, pure=True, expr=expr, symbols=symbols)
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,10 @@ class DataCheck(Symbol):
         return [f"if not ({condition}): raise DataCheckFailed({('traced with ' + condition)!r})"]
 
 
-_CHECK_GLOBALS = (("DataCheckFailed", DataCheckFailed, "from dtcompile.core.errors import DataCheckFailed"),)
+_CHECK_GLOBALS = (
+    ("DataCheckFailed", DataCheckFailed, "from dtcompile.core.errors import DataCheckFailed"),
+    *SOURCE_GLOBALS,
+)
 
 
 def data_check(expr, symbols: tuple) -> DataCheck:

@@ -9,6 +9,8 @@ answered from the expressions alone, never by guarding.
 
 from __future__ import annotations
 
+import math
+
 import sympy
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -17,6 +19,10 @@ from torch.utils._sympy.printers import PythonPrinter
 from .torch_internals import symbol_values
 
 SYMBOLIC_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+# The largest size a symbol stands for. torch simplifies size expressions that go through
+# floats (``int(n / 3)`` to ``n // 3``), which is exact only where floats hold every integer;
+# a larger size is traced as a constant.
+LARGEST_SYMBOLIC_SIZE = 2**53
 
 
 def is_symbolic(value: object) -> bool:
@@ -75,6 +81,9 @@ def size_hint(value, unknown: int | None = None) -> int | None:
 
 
 _printer = PythonPrinter()
+# The names ``python_source`` may print (``math.ceil``, ``torch.sym_float``), as a
+# Symbol's globals: (name, object, how a printed trace imports it).
+SOURCE_GLOBALS = (("math", math, "import math"), ("torch", torch, "import torch"))
 
 
 def python_source(expr, names: dict) -> str:

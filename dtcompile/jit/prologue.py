@@ -29,7 +29,7 @@ from ..capture import (
 )
 from ..core.codegen import GeneratedFunction, literal_or_global
 from ..core.printing import python_literal
-from ..core.symbolic import is_symbolic, python_source, symbolic_expr
+from ..core.symbolic import LARGEST_SYMBOLIC_SIZE, SOURCE_GLOBALS, is_symbolic, python_source, symbolic_expr
 from ..core.torch_internals import (
     TensorGuards,
     dict_version,
@@ -55,7 +55,7 @@ class _Builder:
         self.relations: list[tuple[str, sympy.Expr]] = []
         self.lines: list[str] = []
         self.globals: dict[str, object] = {
-            "torch": torch,
+            **{name: obj for name, obj, _ in SOURCE_GLOBALS},
             "DTensor": DTensor,
             "spec_matches": spec_matches,
             "meshes_match": meshes_match,
@@ -140,7 +140,8 @@ class _Builder:
     def symbolic_guards(self, shape_env) -> None:
         """The relations between sizes, then what the trace assumed of them: the ShapeEnv's
         guards (equal sizes, divisibility, branches taken) and each symbol's range (sizes 0
-        and 1 were traced as constants, so a symbol stands for 2 and more)."""
+        and 1 were traced as constants, so a symbol stands for 2 and more, up to
+        ``LARGEST_SYMBOLIC_SIZE``)."""
         for item, expr in self.relations:
             self.fail_if(f"{item} != {self.source(expr)}")
         checked = set()
@@ -151,12 +152,12 @@ class _Builder:
             self.fail_if(f"not ({self.source(expr)})")
         for symbol, var in self.symbols.items():
             bounds = symbol_range(shape_env, symbol)
-            if bounds is None:
-                continue
-            if bounds.lower.is_Integer:
+            if bounds is not None and bounds.lower.is_Integer:
                 self.fail_if(f"{var} < {int(bounds.lower)}")
-            if bounds.upper.is_Integer:
-                self.fail_if(f"{var} > {int(bounds.upper)}")
+            upper = LARGEST_SYMBOLIC_SIZE
+            if bounds is not None and bounds.upper.is_Integer:
+                upper = min(upper, int(bounds.upper))
+            self.fail_if(f"{var} > {upper}")
 
     def source(self, expr) -> str:
         missing = expr.free_symbols - set(self.symbols)
@@ -269,7 +270,6 @@ class _Builder:
             self.fail_if(f"type({expr}) is not float or {expr} == {expr}")
         elif isinstance(value, float) and value == 0.0:
             # 0.0 == -0.0, but 1 / x tells them apart.
-            self.globals["math"] = math
             self.fail_if(
                 f"type({expr}) is not float or {expr} != 0.0 or math.copysign(1.0, {expr}) != {math.copysign(1.0, value)}"
             )
