@@ -184,27 +184,37 @@ def test_forwards_set_on_every_instance():
     assert_eager(model, (x,), out)
 
 
+class Tally(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+
 class Counting(Block):
-    calls = 0
+    def __init__(self, index: int, tally: Tally):
+        super().__init__(index)
+        self.tally = tally  # one for all blocks
 
     def forward(self, x):
-        type(self).calls += 1
-        return super().forward(x) * type(self).calls
+        self.tally.calls += 1
+        return super().forward(x) * self.tally.calls
 
 
 def test_python_state_the_first_block_changes():
-    """Each block reads a class attribute the one before changed: a replay of the first
-    would read the first's value (eager's first call, traced, sees each block's own)."""
+    """Each block reads an attribute the one before assigned (of a submodule they share): a
+    replay of the first would read the first's value (eager's first call, traced, sees
+    each block's own)."""
     torch.manual_seed(0)
-    model = nn.Sequential(*[Counting(i) for i in range(4)])
+    tally = Tally()
+    model = nn.Sequential(*[Counting(i, tally) for i in range(4)])
     x = torch.randn(3, 8)
-    Counting.calls = 0
     with torch.no_grad():
         expected = model(x)
-    Counting.calls = 0
+    tally.calls = 0
     out, trace = compiled(model, x)
     assert all("." in line.split()[1] for line in replay_lines(trace))  # their Linears only
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert tally.calls == 4  # the assignments are made after the call
 
 
 class Reassigning(nn.Module):
@@ -371,7 +381,7 @@ class ReadsState(nn.Module):
         self.lin = nn.Linear(8, 8)
 
     def forward(self, x):
-        return self.lin(x) * SETTINGS["scale"] * type(self).factor
+        return self.lin(x) * SETTINGS["scale"] * self.factor
 
 
 class ChangesState(nn.Module):
@@ -382,10 +392,8 @@ class ChangesState(nn.Module):
 
     def forward(self, x):
         for i, layer in enumerate(self.layers):
-            if i == 1:
-                SETTINGS["scale"] = 2.0  # a global dict's item
             if i == 2:
-                ReadsState.factor = 3.0  # a class attribute
+                self.layers[2].factor = self.layers[3].factor = 3.0  # over the class attribute
             x = layer(x)
         return x
 

@@ -449,12 +449,36 @@ def counts_calls(x):
     return x + 1
 
 
-def test_a_global_the_traced_code_assigns_is_not_guarded():
-    jf = dtcompile.jit(counts_calls)
-    x = torch.zeros(2)
-    for _ in range(3):
-        assert_same_tensor(jf(x), x + 1)
-    assert counts(jf) == (1, 2)
+class _Counted:
+    calls = 0
+
+
+def counts_in_a_class(x):
+    _Counted.calls += 1
+    return x + _Counted.calls
+
+
+def counts_in_a_cell():
+    calls = 0
+
+    def fn(x):
+        nonlocal calls
+        calls += 1
+        return x + calls
+
+    return fn
+
+
+@pytest.mark.parametrize("fn", [counts_calls, counts_in_a_class, counts_in_a_cell()])
+def test_a_value_the_traced_code_rebinds_is_refused_and_put_back(fn):
+    """Eager rebinds it at every call; a program would once, while tracing, and bake in
+    the value read (``x + COUNTER`` stays ``x + 1``)."""
+    before = (COUNTER, _Counted.calls)
+    with pytest.raises(dtcompile.TracingError, match="changed .*a Python value outside its inputs"):
+        dtcompile.jit(fn)(torch.zeros(2))
+    assert (COUNTER, _Counted.calls) == before
+    if fn.__closure__:
+        assert fn.__closure__[0].cell_contents == 0
 
 
 def test_library_code_is_not_followed():

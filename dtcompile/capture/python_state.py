@@ -51,9 +51,9 @@ and dicts or of those holding tensors (only which list or dict it is), sets, a l
 class's attributes other than a module's ``forward`` (and ``nn.Module``'s own), a class's
 bases, values read inside library code (a global of ``transformers`` changed), names
 reached only through strings (``getattr(cfg, name)``), a ``functools.partial``'s
-positional arguments (a tuple: they cannot change, but the objects in it can), and
-globals the traced code itself assigns (their value after tracing is what the next call
-sees; the assignment is not replayed).
+positional arguments (a tuple: they cannot change, but the objects in it can). A global,
+class attribute or closure variable the traced code rebinds is refused and put back: the
+rebinding would happen once, while tracing.
 """
 
 from __future__ import annotations
@@ -103,6 +103,7 @@ class PythonState:
     _seen_namespaces: set = field(default_factory=set, repr=False)
     # (id of a module's dict, name) the forward assigns or removes: made after each call.
     _assigned_names: dict = field(default_factory=dict, repr=False)
+    _classes: dict = field(default_factory=dict, repr=False)  # id of a class's namespace -> the class
     # The attribute names the user code followed may read (``self.pos``, ``getattr``).
     _attribute_loads: set = field(default_factory=set, repr=False)
 
@@ -257,6 +258,7 @@ class PythonState:
                 continue
             self._walked.add(id(klass))
             names = class_namespace(klass)
+            self._classes[id(names)] = klass
             self._namespace(names)
             owner = f"class {klass.__qualname__}"
             for name, attr in names.items():
@@ -288,14 +290,33 @@ class PythonState:
         """Drop the reads for which ``keep(read)`` is false."""
         self.reads = [read for read in self.reads if keep(read)]
 
+    def put_back_changed(self) -> list[str]:
+        """Where the traced code rebound a value it can read (``global COUNTER; COUNTER +=
+        1``, a class attribute, a closure variable): that happens once, while tracing, and
+        the program bakes in what it read. Each is put back as it was."""
+        changed = [read for read in self.reads if not read.contents and not read.unchanged()]
+        for read in changed:
+            klass = self._classes.get(id(read.holder))
+            if read.key is None:
+                setattr(read.holder, read.attribute, read.value)
+            elif klass is not None:  # through the class, so that its method caches see it
+                if read.value is ABSENT:
+                    delattr(klass, read.key)
+                else:
+                    setattr(klass, read.key, read.value)
+            elif read.value is ABSENT:
+                read.holder.pop(read.key, None)
+            else:
+                read.holder[read.key] = read.value
+        return [read.where for read in changed]
+
     def forget_assigned(self, module_updates: list) -> None:
-        """Drop the values that changed while tracing, and note the module attributes the
-        forward assigns (``ModuleUpdate``\\ s, made again after each call), which the
-        namespaces' lengths do not count. What an assigned attribute held before the call
-        stays guarded where the program may have read it (``if self.cache is None``,
-        ``self.pos + n``, ``hasattr(self, "cache")``): another value compiles a new entry.
-        Not guarded: an attribute no code reads (``self.last = n * 2`` in user classes
-        whose code never loads ``last``), which would compile at every call."""
+        """Note the module attributes the forward assigns (``ModuleUpdate``\\ s, made
+        again after each call), which the namespaces' lengths do not count. What one held
+        before the call stays guarded where the program may have read it (``if self.cache
+        is None``, ``self.pos + n``, ``hasattr(self, "cache")``): another value compiles a
+        new entry. Not guarded: an attribute no code reads (``self.last = n * 2`` in user
+        classes whose code never loads ``last``), which would compile at every call."""
         unread = {
             (id(vars(u.module)), u.key)
             for u in module_updates
@@ -303,7 +324,7 @@ class PythonState:
             and u.key not in self._attribute_loads
             and not any(map(is_library, type(u.module).__mro__[: type(u.module).__mro__.index(torch.nn.Module)]))
         }
-        self.forget(lambda read: (id(read.holder), read.key) not in unread and read.unchanged())
+        self.forget(lambda read: (id(read.holder), read.key) not in unread)
         for u in module_updates:
             if u.table == "__dict__":
                 self._assigned_names[(id(vars(u.module)), u.key)] = None

@@ -184,6 +184,9 @@ def _capture(
                 "dtcompile.jit: the function calls a module managed by FSDP2's fully_shard; compile the module "
                 "itself (dtcompile.jit(model)) and compute the loss outside it"
             )
+    for read in inputs.python_state.reads:
+        if read.contents:  # a global dict of settings: its items changed in place are seen, and put back
+            snapshot.add(read.value, read.where)
     for path, reached in inputs.python_state.modules:
         if module_state is None or id(reached) not in module_state.paths:
             # A module the code reaches (a global model a loss function calls) is not an
@@ -265,6 +268,7 @@ def _capture(
             "runs the Python code once, while tracing, so it would not change it at each call: set it before "
             "the call, or restore it inside (a with block)"
         )
+    changed += inputs.python_state.put_back_changed()
     if changed:
         raise TracingError(
             f"dtcompile.jit: the traced code changed {changed[0]}, a Python value outside its inputs. A compiled "
