@@ -14,8 +14,11 @@ The call returns a completed ``Work`` (c10d's ``FakeWork``): ``async_op=True`` w
 ``wait_tensor``, which comes right after it (eager lets code read the buffer only after
 ``wait``, so waiting early changes no value).
 
-What cannot be recorded raises :class:`TracingError` naming the call: point-to-point
-``send``/``recv``, rooted collectives (``reduce``, ``gather``, ``scatter``), barriers (they
+The rooted ``scatter`` and ``reduce`` (``torch.distributed.nn.functional`` uses them) are
+recorded as a ``broadcast`` of the root's list, of which each rank keeps its piece, and an
+``all_reduce`` that only the root writes. What cannot be recorded raises
+:class:`TracingError` naming the call: point-to-point ``send``/``recv``, ``gather``
+(rooted: the other ranks have no buffer for it), barriers (they
 order processes, not data), and object collectives (``all_gather_object``: pickled Python
 objects, read back as values).
 """
@@ -40,9 +43,9 @@ _REFUSED = {
     "send": "point-to-point communication",
     "recv_": "point-to-point communication",
     "recv_any_source_": "point-to-point communication",
-    "reduce_": "a rooted collective (use all_reduce)",
+    # Recorded as an all-gather, the other ranks' programs would hold one whose result
+    # nothing reads, and lose it to dead-code elimination: the ranks would not agree.
     "gather_": "a rooted collective (use all_gather)",
-    "scatter_": "a rooted collective",
     "barrier": "a barrier: it orders processes, not data (call it outside the compiled function)",
     "monitored_barrier_": "a barrier: it orders processes, not data (call it outside the compiled function)",
     "allgather_coalesced_": "a deprecated collective (use all_gather_into_tensor)",
@@ -109,6 +112,9 @@ class _Recorder:
 
     def op(self, func, *args):
         return self.recording.record(func, args, {})
+
+    def rank(self, pg) -> int:
+        return unboxed_process_group(pg).rank()
 
     def group(self, pg) -> tuple[str, int]:
         group = unboxed_process_group(pg)
@@ -191,6 +197,32 @@ def _broadcast(r: _Recorder, tensors, pg, root_rank, root_tensor, *rest):
         r.write(t, r.waited(functional.broadcast.default, t, root_rank, group))
 
 
+def _reduce(r: _Recorder, tensors, pg, reduce_op, root_rank, *rest):
+    """An all-reduce the root keeps. The others leave their tensor as it was (eager leaves
+    what the backend leaves there: partial sums on Gloo) but write an empty slice of it, so
+    that their all-reduce, read by nothing else, stays in their programs like the root's."""
+    group, _ = r.group(pg)
+    op = r.reduce_op(reduce_op)
+    for t in tensors:
+        result = r.waited(functional.all_reduce.default, t, op, group)
+        if r.rank(pg) == root_rank:
+            r.write(t, result)
+        else:
+            empty = r.op(aten.slice.Tensor, r.flat([result]), 0, 0, 0)
+            r.op(aten.copy_.default, r.op(aten.slice.Tensor, r.flat([t]), 0, 0, 0), empty)
+
+
+def _scatter(r: _Recorder, outputs, input_lists, pg, root_rank, *rest):
+    """The root's list broadcast whole, each rank's piece taken from it."""
+    group, size = r.group(pg)
+    rank = r.rank(pg)
+    for i, output in enumerate(outputs):
+        n = output.numel()
+        source = r.flat(input_lists[i]) if input_lists else r.op(aten.new_empty.default, output, [size * n])
+        everything = r.waited(functional.broadcast.default, source, root_rank, group)
+        r.write(output, r.op(aten.slice.Tensor, everything, 0, rank * n, (rank + 1) * n))
+
+
 def _all_to_all_base(r: _Recorder, output, input, pg, output_splits, input_splits, *rest):
     group, size = r.group(pg)
     if not input_splits:
@@ -223,6 +255,8 @@ _RECORDED = {
     "reduce_scatter_": _reduce_scatter,
     "reduce_scatter_tensor_coalesced_": _reduce_scatter_coalesced,
     "broadcast_": _broadcast,
+    "scatter_": _scatter,
+    "reduce_": _reduce,
     "alltoall_base_": _all_to_all_base,
     "alltoall_": _all_to_all,
 }

@@ -175,7 +175,10 @@ class Recording:
         tracing (DTensor's ``arange(n)...tolist()`` index arithmetic in ``redistribute``);
         else None. The op stays in the program either way. Random ops get no value (drawing
         at trace time would move the generator), nor do in-place ops (running one at trace
-        time would change a captured tensor once more than eager does)."""
+        time would change a captured tensor once more than eager does), nor do collectives
+        (the other ranks may not have a value for theirs: they would wait for this rank)."""
+        if func.namespace == "_c10d_functional":
+            return None
         if func._schema.is_mutable:
             # It may change a valued tensor, or a view of one: those values are stale now.
             for proxy in self.valued:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 
 import torch
 import torch.distributed as dist
@@ -174,6 +175,17 @@ def _hash_unless_from_data(original):
     return __hash__
 
 
+class _TorchNotCompiling:
+    """``torch`` as ``torch.distributed.nn.functional`` sees it while dtcompile traces: its
+    autograd collectives refuse under torch.compile (Dynamo cannot trace them), but
+    dtcompile records the c10d calls they make, forward and backward."""
+
+    compiler = types.SimpleNamespace(is_compiling=lambda: False)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
 @contextlib.contextmanager
 def compiling():
     """Inside, ``torch.compiler.is_compiling()`` is True, and numbers read from tensor data
@@ -188,16 +200,19 @@ def compiling():
       value instead: for one read from data (``t * x.max().item()``) that is a guard on
       data, which fails. Raising TypeError for those takes DTensor's uncached path."""
     import torch.compiler
+    import torch.distributed.nn.functional as autograd_collectives
 
     saved = torch.compiler._is_compiling_flag
     hashes = {cls: cls.__hash__ for cls in (torch.SymFloat, torch.SymBool)}
     torch.compiler._is_compiling_flag = True
+    vars(autograd_collectives)["torch"] = _TorchNotCompiling()
     for cls, original in hashes.items():
         cls.__hash__ = _hash_unless_from_data(original)
     try:
         yield
     finally:
         torch.compiler._is_compiling_flag = saved
+        vars(autograd_collectives)["torch"] = torch
         for cls, original in hashes.items():
             cls.__hash__ = original
 

@@ -104,7 +104,50 @@ def two_buffers_filled_by_collectives(x):
     return a + b
 
 
+def scatter_from_last(x):
+    rank, n = _ranks()
+    out = torch.empty_like(x.chunk(n)[0])
+    dist.scatter(out, list((x * 2).chunk(n)) if rank == n - 1 else None, src=n - 1)
+    return out + 1
+
+
+def all_to_all_rank_dependent_splits(x):
+    """Split sizes that differ between ranks, constants of each rank's program."""
+    rank, n = _ranks()
+
+    def sent(source):  # rows rank ``source`` sends to each rank, of its 2 * n
+        rows = [2] * n
+        if source % 2:
+            rows[0], rows[1] = 3, 1
+        return rows
+
+    received = [sent(source)[rank] for source in range(n)]
+    out = torch.empty(sum(received), *x.shape[1:])
+    dist.all_to_all_single(out, x * 2, received, sent(rank))
+    return out
+
+
+def reduce_to_last(x):
+    """What the other ranks' tensor holds after it is the backend's: not returned."""
+    rank, n = _ranks()
+    y = x * 2
+    dist.reduce(y, dst=n - 1)
+    return y + 1 if rank == n - 1 else x + 1
+
+
+def a_constant_on_one_rank(x):
+    """Each rank's collective has a value while tracing on one rank only: none is run then."""
+    rank, _ = _ranks()
+    y = torch.ones_like(x) if rank == 0 else x * 2
+    dist.all_reduce(y)
+    return y
+
+
 FUNCTIONS = [
+    scatter_from_last,
+    reduce_to_last,
+    all_to_all_rank_dependent_splits,
+    a_constant_on_one_rank,
     all_reduce_sum,
     all_reduce_max_async,
     all_reduce_of_the_input,
@@ -211,6 +254,37 @@ def test_hand_written_tensor_parallelism_forward_and_backward(ranks2):
     assert ranks2.run(hand_written_tensor_parallel) == [True, True]
 
 
+def autograd_collectives():
+    """``torch.distributed.nn.functional``'s differentiable collectives (which refuse under
+    torch.compile), forward and backward; on Gloo their backward scatters and reduces."""
+    import torch.distributed.nn.functional as dnf
+
+    rank, n = _ranks()
+    functions = {
+        "all_reduce": lambda x: dnf.all_reduce(x * 2) * x,
+        "all_gather": lambda x: torch.cat(dnf.all_gather(x * 2)) * 3,
+        "all_to_all": lambda x: torch.cat(dnf.all_to_all([torch.empty(2, 2) for _ in range(n)], list(x.chunk(n)))),
+        "all_to_all_single": lambda x: dnf.all_to_all_single(torch.empty(2 * n, 2), x.square()),
+        "broadcast": lambda x: dnf.broadcast(x + 1, src=0) * x,
+        "reduce_scatter": lambda x: dnf.reduce_scatter(torch.empty(2, 2), list(x.chunk(n))),
+    }
+    for name, fn in functions.items():
+        jitted = dtcompile.jit(fn)
+        for call in range(2):
+            x = torch.arange(4.0 * n).reshape(2 * n, 2) * (rank + 1) + call
+            got_x, expected_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+            got, expected = jitted(got_x), fn(expected_x)
+            assert_same(got, expected, f"{name}, call {call}")
+            got.square().sum().backward()
+            expected.square().sum().backward()
+            assert_same(got_x.grad, expected_x.grad, f"{name}: the gradient, call {call}")
+    return True
+
+
+def test_autograd_collectives_forward_and_backward(ranks2):
+    assert ranks2.run(autograd_collectives) == [True, True]
+
+
 def _save_small_llama(path: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -292,8 +366,9 @@ def _barrier(x):
     return x + 1
 
 
-def _reduce(x):
-    dist.reduce(x, dst=0)
+def _gather(x):
+    outputs = [torch.empty_like(x) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+    dist.gather(x, outputs, dst=0)
     return x
 
 
@@ -301,7 +376,7 @@ REFUSED = {
     _send_recv: ("dist.send", "dist.recv"),
     _gather_object: ("dist.all_gather_object",),
     _barrier: ("dist.barrier",),
-    _reduce: ("dist.reduce",),
+    _gather: ("dist.gather",),
 }
 
 

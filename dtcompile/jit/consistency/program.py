@@ -30,8 +30,8 @@ def _describe(value: object, group_labels: dict[str, str], sizes: bool) -> str:
             return f"T:{dtype}"
         shape = ",".join(str(s) if isinstance(s, int) else "?" for s in value.shape)
         return f"T:{dtype}[{shape}]"
-    if is_proxy(value):
-        return "N"  # a traced number: a local size or value, which may differ
+    if is_proxy(value) or (not sizes and type(value) is int):
+        return "N"  # a traced number or a ragged split size: a local size, which may differ
     if isinstance(value, str):
         return repr(group_labels.get(value, value))
     if isinstance(value, (list, tuple)):
