@@ -658,7 +658,8 @@ def test_attribute_names_do_not_guard_globals_of_that_name():
             view = jf(x)  # rebinds the global ``view`` at each call
             assert_same_tensor(view, uses_an_attribute_named_view(x))
         reads = dtcompile.capture.python_state.PythonState.of_function(uses_an_attribute_named_view).reads
-        assert [read.key for read in reads if read.key is not None] == ["torch"]  # and its defaults (None)
+        assert [read.key for read in reads if read.holder is globals()] == ["torch"]  # not ``view``
+        assert {read.key for read in reads if read.holder is vars(torch.nn.functional)} == {"relu"}
         assert counts(jf) == (1, 2)
     finally:
         view = None

@@ -731,3 +731,79 @@ def test_a_tensor_literal_is_a_new_tensor_at_each_call(fn):
         assert_same_result(got, expected)
         for tensor in got if isinstance(got, tuple) else (got,):
             tensor.add_(100)  # the caller's to change
+
+
+def _scale_linear_outputs(module, args, output):
+    return output * 3 if isinstance(module, torch.nn.Linear) else output
+
+
+def _scale_linear_grads(module, grad_input, grad_output):
+    if isinstance(module, torch.nn.Linear):
+        return tuple(None if g is None else g * 5 for g in grad_input)
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_global_module_hooks_added_and_removed_after_compiling(cache):
+    """Global hooks run around every module call: one added after compiling changes what a
+    call computes (forward and backward), so each change compiles a new entry."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh(), torch.nn.Linear(3, 3))
+    jitted = dtcompile.jit(copy.deepcopy(model), cache=cache)
+
+    def step():
+        x, y = torch.ones(2, 3, requires_grad=True), torch.ones(2, 3, requires_grad=True)
+        assert_same_result(jitted(y), model(x))
+        jitted(y).sum().backward()
+        model(x).sum().backward()
+        torch.testing.assert_close(y.grad, x.grad, rtol=0, atol=0)
+
+    step()
+    handles = [
+        torch.nn.modules.module.register_module_forward_hook(_scale_linear_outputs),
+        torch.nn.modules.module.register_module_full_backward_hook(_scale_linear_grads),
+    ]
+    try:
+        step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    step()
+    assert dtcompile.cache_misses(jitted) == 2  # the hooks, then none: the first entry again
+
+
+def _patched_relu(x, inplace=False):
+    return x * 100
+
+
+def test_a_library_function_patched_after_compiling():
+    import torch.nn.functional as F
+
+    def fn(x):
+        return F.relu(x) + torch.tanh(x)
+
+    jitted = dtcompile.jit(fn)
+    x = torch.tensor([-1.0, 2.0])
+    assert_same_result(jitted(x), fn(x))
+    original = F.relu
+    F.relu = _patched_relu
+    try:
+        assert_same_result(jitted(x), fn(x))
+    finally:
+        F.relu = original
+    assert_same_result(jitted(x), fn(x))
+    assert (dtcompile.cache_misses(jitted), dtcompile.cache_hits(jitted)) == (2, 1)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [lambda x: x.t_(), lambda x: x.unsqueeze_(0) * 2, lambda x: x.resize_(4), lambda x: x.transpose_(0, 1) + 1],
+)
+def test_sizes_of_an_argument_changed_in_place_under_symbolic_values(fn):
+    """Eager's result under constant values; a TracingError naming the call under symbolic
+    values, whose prologue binds the sizes the call came with."""
+    x = torch.arange(6.0).view(2, 3)
+    got, expected = x.clone(), x.clone()
+    assert_same_result(dtcompile.jit(fn)(got), fn(expected))
+    assert_same_result(got, expected)
+    with pytest.raises(dtcompile.TracingError, match=r"Tensor\.\w+_ changes the sizes or strides of an argument"):
+        dtcompile.jit(fn, cache="symbolic values")(x.clone())

@@ -20,12 +20,34 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..core import Note, TensorProxy, TracingError, data_dependent_error
+from ..core.provenance import InputPath
+from ..core.symbolic import is_symbolic
 from .placements import describe_placements
 from .recorder import Recording
 
 # Tensor methods that hand the caller a tensor's data outside torch (NumPy, Python lists).
 _DATA_READS = {torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.data_ptr}
 _HOOK_REGISTRATIONS = {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
+
+
+# Tensor methods that change a tensor's sizes or strides in place.
+_METADATA_IN_PLACE = {
+    getattr(torch.Tensor, name)
+    for name in ("t_", "transpose_", "swapdims_", "swapaxes_", "unsqueeze_", "squeeze_", "resize_", "resize_as_")
+    + ("as_strided_", "set_", "unfold_")
+    if hasattr(torch.Tensor, name)
+}
+
+
+def _symbolic_input(value) -> bool:
+    """An argument of the call (a proxy with an input path, or a DTensor around one) with
+    symbolic sizes."""
+    proxy = getattr(value, "_local_tensor", value)
+    return (
+        isinstance(proxy, TensorProxy)
+        and isinstance(proxy.provenance, InputPath)
+        and any(is_symbolic(size) for size in (*proxy.shape, *getattr(value, "shape", ())))
+    )
 
 
 def tag_backward_nodes(inputs: list, outputs: list, note: Note) -> None:
@@ -159,6 +181,12 @@ class CallAnnotator(TorchFunctionMode):
             raise data_dependent_error(_short_name(func), "the data leaves torch")
         if func in _HOOK_REGISTRATIONS and _is_traced(args[0]):
             self._check_hook(func, args)
+        if func in _METADATA_IN_PLACE and _symbolic_input(args[0]):
+            raise TracingError(
+                f"dtcompile.jit: {_short_name(func)} changes the sizes or strides of an argument in place, which "
+                "cache='symbolic values' cannot guard (the prologue binds the sizes it was called with). Use the "
+                "out-of-place form (x = x.t()), or cache='constant values'"
+            )
         if any(isinstance(x, DTensor) and not isinstance(x._local_tensor, TensorProxy) for x in leaves):
             args, kwargs = tree_map(self._traced_dtensor, (args, kwargs))
             leaves, _ = tree_flatten((args, kwargs))

@@ -16,9 +16,9 @@ hook), so what is guarded is what the code *can* read, found before tracing:
 - **Globals** each such function's code loads (``LOAD_GLOBAL`` in its bytecode, nested
   functions and lambdas included) that are in its ``__globals__``; the **closure cells**
   it holds; its **default arguments** (``__defaults__``, ``__kwdefaults__``); a
-  ``functools.partial``'s keyword arguments; the attributes a user Python module holds
+  ``functools.partial``'s keyword arguments; the attributes a Python module holds
   (imported at the top or inside the function) under the other names its code uses
-  (``cfg.SCALE``).
+  (``cfg.SCALE``; of a library module, by identity: ``F.relu`` patched is seen).
 - **Module attributes** of the jitted module's tree, and of any module the code reaches
   (a global model a loss function calls; for those also the training flag and which
   parameters, buffers, submodules and tensor attributes they hold): every entry of each
@@ -212,6 +212,8 @@ class PythonState:
             return
         self._walked.add(id(fn))
         code = fn.__code__
+        global_names, imported, attributes, loaded = code_names(code)
+        self._attribute_loads |= loaded
         for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
             try:
                 value = cell.cell_contents
@@ -219,15 +221,13 @@ class PythonState:
                 continue
             where = f"closure variable {name!r} of {fn.__qualname__}"
             self._read(cell, None, value, where)
-            self.follow(value, where)
+            self.follow(value, where, attributes)
         for attribute in ("__defaults__", "__kwdefaults__"):  # assignable, and read at each call
             defaults = getattr(fn, attribute)
             where = f"the default arguments of {fn.__qualname__}"
             self._read(fn, None, defaults, where, attribute=attribute)
             for value in (defaults or {}).values() if isinstance(defaults, dict) else defaults or ():
                 self.follow(value, where)
-        global_names, imported, attributes, loaded = code_names(code)
-        self._attribute_loads |= loaded
         for name in sorted(imported):
             module = sys.modules.get(name)
             if module is not None:
@@ -275,16 +275,22 @@ class PythonState:
                     self._function(attr)
 
     def _python_module(self, module: types.ModuleType, names: set[str]) -> None:
-        """The attributes a user Python module holds under names the code uses (``cfg.SCALE``)."""
-        if is_library(module):
+        """The attributes a Python module holds under names the code uses (``cfg.SCALE``). Of
+        a library module (``F.relu``, ``torch.nn``), by identity only, not followed further
+        than its submodules: a function patched there after compiling is seen."""
+        key = (id(module), frozenset(names))  # another function may use other names of it
+        if key in self._walked:
             return
+        self._walked.add(key)
+        library = is_library(module)
         contents = vars(module)
         for name in sorted(names):
             if name in contents:
                 value = contents[name]
                 where = f"{module.__name__}.{name}"
                 self._read(contents, name, value, where)
-                self.follow(value, where, names)  # a package's module: ``pkg.sub.X``
+                if not library or isinstance(value, types.ModuleType):
+                    self.follow(value, where, names)  # a package's module: ``pkg.sub.X``
 
     def forget(self, keep) -> None:
         """Drop the reads for which ``keep(read)`` is false."""

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..capture.equivalence import GLOBAL_HOOKS
 from ..capture.python_reads import ABSENT, PythonGuards, ReadGroup, value_key
 from ..capture.python_state import PythonState
 from ..core.torch_internals import dict_version
@@ -43,8 +44,19 @@ def state_checks(b, module: torch.nn.Module | None, python_state: PythonState) -
         python_state_checks(b, versioned, "PY")
         watched += versioned.dicts_read()
     module_table_checks(b, unique)
+    if module is not None or python_state.modules:
+        global_hook_checks(b)
     python_state_checks(b, every_call, "PY_EACH")
     return sources
+
+
+def global_hook_checks(b) -> None:
+    """At every call, the global module hooks (``register_module_forward_hook``) are the
+    ones traced, in order: they run around every module call, so one added after compiling
+    changes what the program computes (a few empty dicts: well under a microsecond)."""
+    tables = [vars(torch.nn.modules.module)[name] for name in GLOBAL_HOOKS]
+    b.globals.update(GLOBAL_HOOK_TABLES=tables, GLOBAL_HOOK_KEYS=[tuple(table) for table in tables])
+    b.fail_if("list(map(tuple, GLOBAL_HOOK_TABLES)) != GLOBAL_HOOK_KEYS")
 
 
 @contextmanager
