@@ -1021,3 +1021,75 @@ def test_attributes_read_then_assigned_by_the_forward(cls, cache):
                 assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value, name
     if cls is _RecordsLength and cache == "symbolic values":
         assert dtcompile.cache_misses(jitted) == 1
+
+
+def reads_a_late_global(x):
+    try:
+        return x + LATE  # noqa: F821 (defined by the test)
+    except NameError:
+        return x - 1
+
+
+def shadows_a_builtin(x):
+    return x * max(2, 1)
+
+
+def test_a_global_absent_when_compiled_is_guarded_as_absent():
+    """A name not defined yet (a NameError caught) or a builtin: defining it after
+    compiling compiles anew, as eager sees it."""
+    x = torch.zeros(2)
+    late, shadowing = dtcompile.jit(reads_a_late_global), dtcompile.jit(shadows_a_builtin)
+    assert_same_tensor(late(x), reads_a_late_global(x))
+    assert_same_tensor(shadowing(x + 1), shadows_a_builtin(x + 1))
+    module = sys.modules[__name__]
+    module.LATE, module.max = 5.0, lambda *args: 10
+    try:
+        assert_same_tensor(late(x), reads_a_late_global(x))
+        assert_same_tensor(shadowing(x + 1), shadows_a_builtin(x + 1))
+    finally:
+        del module.LATE, module.max
+    assert_same_tensor(late(x), reads_a_late_global(x))
+    assert_same_tensor(shadowing(x + 1), shadows_a_builtin(x + 1))
+    assert (counts(late), counts(shadowing)) == ((2, 1), (2, 1))
+
+
+ARRAY, QUEUE, SET = None, None, None  # what the functions below read: each test sets them
+
+
+def reads_tables(x):
+    return x * float(ARRAY[0]) + len(QUEUE) + QUEUE[-1] + (3 in SET)
+
+
+@pytest.fixture
+def tables():
+    import collections
+
+    import numpy
+
+    global ARRAY, QUEUE, SET
+    ARRAY, QUEUE, SET = numpy.zeros(2), collections.deque([1]), {1, 2}
+    yield
+    ARRAY, QUEUE, SET = None, None, None
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_numpy_arrays_deques_and_sets_changed_between_calls(cache, tables):
+    jf = dtcompile.jit(reads_tables, cache=cache)
+    x = torch.ones(2)
+    assert_same_tensor(jf(x), reads_tables(x))
+    for change in (lambda: ARRAY.__setitem__(0, 5.0), lambda: QUEUE.append(7), lambda: SET.add(3)):
+        change()
+        assert_same_tensor(jf(x), reads_tables(x))
+    assert counts(jf) == (4, 0)
+
+
+def appends_to_tables(x):
+    QUEUE.append(1)
+    ARRAY[0] += 1
+    return x + len(QUEUE)
+
+
+def test_numpy_arrays_and_deques_changed_inside_are_refused_and_put_back(tables):
+    with pytest.raises(dtcompile.TracingError, match="a Python value outside its inputs"):
+        dtcompile.jit(appends_to_tables)(torch.zeros(1))
+    assert list(QUEUE) == [1] and ARRAY[0] == 0

@@ -74,3 +74,13 @@ def test_printed_types_show_the_bits():
     jitted(_complex().conj())
     text = str(dtcompile.last_traces(jitted)[0])
     assert "c64[5] conj" in text and "neg" in text
+
+
+@pytest.mark.parametrize("view", [torch.conj, torch._neg_view])
+def test_writing_through_a_conjugate_or_negative_view_is_refused(view):
+    def fn(x):
+        view(x).add_(1)
+        return x
+
+    with pytest.raises(dtcompile.TracingError, match="through a conjugate or negative view"):
+        dtcompile.jit(fn)(torch.tensor([1 + 2j]))

@@ -200,6 +200,12 @@ class CallAnnotator(TorchFunctionMode):
                 _short_name(func), f"Python control flow on {error.cond}, a number read from tensor data"
             ) from error
         except RuntimeError as error:
+            if "MathBitsFallback" in str(error):  # torch's fallback for conj/neg views asserts on proxies
+                raise TracingError(
+                    f"dtcompile.jit: {_short_name(func)} writes in place through a conjugate or negative view "
+                    "(x.conj(), torch._neg_view), which cannot be recorded: write to the tensor itself (for "
+                    "y = x.conj(); y.add_(1), x.add_(1))"
+                ) from error
             argument = _LEAF_IN_PLACE in str(error) and self._non_leaf_argument(leaves)
             if argument:  # a proxy is a leaf; eager's argument is not, and its in-place change runs
                 raise TracingError(

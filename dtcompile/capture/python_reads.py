@@ -6,7 +6,9 @@ the prologue checks in C-level passes (:class:`PythonGuards`). What is read is f
 
 from __future__ import annotations
 
+import collections
 import math
+import sys
 from dataclasses import dataclass, field
 
 from ..core.torch_internals import dict_version
@@ -30,6 +32,12 @@ def value_key(value: object) -> object:
     kind = type(value)
     if kind is tuple or kind is list:
         return (kind, tuple(map(value_key, value)))
+    if kind is set:
+        return (kind, frozenset(map(value_key, value)))
+    if kind is collections.deque:
+        return (kind, tuple(map(value_key, value)), value.maxlen)
+    if _small_array(value):
+        return (kind, str(value.dtype), value.shape, value.tobytes())
     if kind is dict:
         return (dict, tuple((k, value_key(v)) for k, v in value.items()))
     if kind is float or kind is complex:
@@ -37,12 +45,25 @@ def value_key(value: object) -> object:
     return (kind, value)
 
 
+def _small_array(value: object) -> bool:
+    """A NumPy array of up to 32 numbers (``np.ones(3)``, a global table of scales)."""
+    numpy = sys.modules.get("numpy")
+    return (
+        numpy is not None
+        and type(value) is numpy.ndarray
+        and value.size <= _CONTAINER_ITEMS
+        and value.dtype.kind in "biufc"
+    )
+
+
 def scalar_container(value: object) -> bool:
-    """Whether ``value`` is a small list or dict (string keys), or a tuple holding such, of
-    values guarded by value, nested or not (up to 32 in all), whose contents are guarded
-    too, beside its identity."""
+    """Whether ``value`` is a small list, dict (string keys), set or deque, or a tuple
+    holding such, of values guarded by value, nested or not (up to 32 in all), or a small
+    NumPy array: its contents are guarded too, beside its identity."""
     kind = type(value)
-    if kind not in (list, dict) and not (kind is tuple and not by_value(value)):
+    if _small_array(value):
+        return True
+    if kind not in (list, dict, set, collections.deque) and not (kind is tuple and not by_value(value)):
         return False
     return _scalar_leaves(value, _CONTAINER_ITEMS) >= 0
 
@@ -74,7 +95,7 @@ def _scalar_leaves(value: object, budget: int) -> int:
         if not all(type(k) is str for k in value):
             return -1
         value = value.values()
-    elif kind is not list and kind is not tuple:
+    elif kind not in (list, tuple, set, collections.deque):
         return -1
     for item in value:
         budget = _scalar_leaves(item, budget)
@@ -194,7 +215,7 @@ class PythonGuards:
             value = read.value
             if read.contents:
                 items = list(value.values()) if type(value) is dict else list(value)
-                if not all(map(_plain_scalar, items)):
+                if type(value) not in (list, dict) or not all(map(_plain_scalar, items)):
                     g.keyed.add(read, read.contents_key)
                 elif type(value) is dict:
                     g.dicts.add(read, dict(value))

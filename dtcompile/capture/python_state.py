@@ -14,7 +14,8 @@ hook), so what is guarded is what the code *can* read, found before tracing:
   followed: torch, transformers, dtcompile itself (but for ``dtcompile.testing``), the
   standard library, and anything installed in site-packages.
 - **Globals** each such function's code loads (``LOAD_GLOBAL`` in its bytecode, nested
-  functions and lambdas included) that are in its ``__globals__``; the **closure cells**
+  functions and lambdas included), from its ``__globals__`` (one absent there, a builtin
+  or a name not defined yet, is guarded as absent); the **closure cells**
   it holds; its **default arguments** (``__defaults__``, ``__kwdefaults__``); a
   ``functools.partial``'s keyword arguments; the attributes a Python module holds
   (imported at the top or inside the function) under the other names its code uses
@@ -41,13 +42,15 @@ hook), so what is guarded is what the code *can* read, found before tracing:
 
 How: ``None``/``bool``/``int``/``float``/``complex``/``str``/``bytes`` and tuples of them
 by exact type and value (``1``, ``1.0`` and ``True`` are three values; so are ``0.0`` and
-``-0.0``); small lists, dicts (string keys) and tuples of such values, nested or not (up
-to 32 values in all), by identity and by their contents; those of up to 32 other things
+``-0.0``); small lists, dicts (string keys), sets, deques and tuples of such values,
+nested or not (up to 32 values in all), and NumPy arrays of up to 32 numbers, by identity
+and by their contents; those of up to 32 other things
 but tensors (functions, configs) by identity and their items (``==``), which are followed;
 anything else (functions, classes, tensors, modules, objects) by identity.
 
 Not guarded: attributes of plain objects four levels down, the contents of larger lists
-and dicts or of those holding tensors (only which list or dict it is), sets, a library
+and dicts or of those holding tensors (only which list or dict it is), containers held
+in a container (a dict of NumPy arrays: only which arrays), iterators, a library
 class's attributes other than a module's ``forward`` (and ``nn.Module``'s own), a class's
 bases, values read inside library code (a global of ``transformers`` changed), names
 reached only through strings (``getattr(cfg, name)``), a ``functools.partial``'s
@@ -234,10 +237,12 @@ class PythonState:
                 self._python_module(module, attributes | set(name.split(".")[1:]))
         module_globals = fn.__globals__
         for name in sorted(global_names):
-            if name in module_globals:
-                value = module_globals[name]
-                where = f"global {name!r} of {fn.__qualname__}"
-                self._read(module_globals, name, value, where)
+            where = f"global {name!r} of {fn.__qualname__}"
+            # Absent: a builtin, or a NameError the code caught. Defining it later shadows
+            # the builtin, or ends the error: guarded as absent.
+            value = module_globals.get(name, ABSENT)
+            self._read(module_globals, name, value, where)
+            if value is not ABSENT:
                 self.follow(value, where, attributes)
 
     def _namespace(self, names: dict) -> None:

@@ -10,7 +10,9 @@ was, so that no proxy is left in user data and a failed compile changes nothing.
 
 from __future__ import annotations
 
+import collections
 import functools
+import sys
 
 import torch
 
@@ -22,6 +24,11 @@ def _state(value: object) -> tuple | None:
     snapshotted (numbers, tensors, modules, functions, torch's own objects)."""
     if isinstance(value, list):
         return ("list", list(value))
+    if isinstance(value, collections.deque):
+        return ("deque", list(value))
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.ndarray):
+        return ("array", value.copy())
     if isinstance(value, dict):
         return ("dict", list(value.items()))
     if isinstance(value, set):
@@ -32,7 +39,9 @@ def _state(value: object) -> tuple | None:
 
 
 def _children(value: object) -> list[tuple[str, object]]:
-    if isinstance(value, list):
+    if type(value).__name__ == "ndarray":
+        return []
+    if isinstance(value, (list, collections.deque)):
         return [(f"[{i}]", v) for i, v in enumerate(value)]
     if isinstance(value, dict):
         return [(f"[{k!r}]", v) for k, v in value.items()]
@@ -48,7 +57,13 @@ def _same(a: tuple, b: tuple) -> bool:
         return False
     if kind == "set":
         return items == other_items
-    if kind == "list":
+    if kind == "array":  # the same numbers, bit for bit
+        return (
+            items.shape == other_items.shape
+            and items.dtype == other_items.dtype
+            and items.tobytes() == other_items.tobytes()
+        )
+    if kind in ("list", "deque"):
         return all(x is y for x, y in zip(items, other_items))
     return all(k == j and x is y for (k, x), (j, y) in zip(items, other_items))
 
@@ -111,6 +126,11 @@ class DataSnapshot:
             kind, items = state
             if kind == "list":
                 value[:] = items
+            elif kind == "deque":
+                value.clear()
+                value.extend(items)
+            elif kind == "array":
+                value[...] = items
             elif kind in ("dict", "set"):
                 value.clear()
                 value.update(items)
