@@ -53,10 +53,23 @@ def state_checks(b, module: torch.nn.Module | None, python_state: PythonState) -
 def global_hook_checks(b) -> None:
     """At every call, the global module hooks (``register_module_forward_hook``) are the
     ones traced, in order: they run around every module call, so one added after compiling
-    changes what the program computes (a few empty dicts: well under a microsecond)."""
-    tables = [vars(torch.nn.modules.module)[name] for name in GLOBAL_HOOKS]
-    b.globals.update(GLOBAL_HOOK_TABLES=tables, GLOBAL_HOOK_KEYS=[tuple(table) for table in tables])
-    b.fail_if("list(map(tuple, GLOBAL_HOOK_TABLES)) != GLOBAL_HOOK_KEYS")
+    changes what the program computes (a few empty dicts: about a microsecond). torch's
+    own observers (``CommDebugMode``'s module tracker) are left out: they change nothing."""
+    b.globals.update(user_global_hooks=user_global_hooks, GLOBAL_HOOK_KEYS=user_global_hooks())
+    b.fail_if("user_global_hooks() != GLOBAL_HOOK_KEYS")
+
+
+_GLOBAL_HOOK_TABLES = [vars(torch.nn.modules.module)[name] for name in GLOBAL_HOOKS]
+
+
+def user_global_hooks() -> tuple:
+    """The keys of the global module hooks not from torch itself, table by table."""
+    return tuple(
+        tuple(key for key, hook in table.items() if not getattr(hook, "__module__", "").startswith("torch."))
+        if table
+        else ()
+        for table in _GLOBAL_HOOK_TABLES
+    )
 
 
 @contextmanager
