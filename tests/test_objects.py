@@ -326,3 +326,22 @@ def test_alike_objects_in_a_list_are_each_guarded(change):
         assert_same_tensor(got.keys, want.keys)
     # "str attribute" is read by no op: the trace does not depend on it, but is guarded all the same.
     assert dtcompile.cache_misses(jitted) == (1 if change == "none" else 2)
+
+
+def _scales_and_counts(x, cfg):
+    cfg.count = cfg.count + 1
+    cfg.last = x * cfg.scale
+    return x * cfg.scale
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_a_simple_namespace_argument_is_taken_apart_like_any_object(cache):
+    import types
+
+    jitted = dtcompile.jit(_scales_and_counts, cache=cache)
+    got, expected = types.SimpleNamespace(scale=2.0, count=0), types.SimpleNamespace(scale=2.0, count=0)
+    for scale in (2.0, 3.0, 3.0):
+        got.scale = expected.scale = scale
+        assert_same_result(jitted(torch.ones(2), got), _scales_and_counts(torch.ones(2), expected))
+        assert got.count == expected.count
+        assert_same_tensor(got.last, expected.last)

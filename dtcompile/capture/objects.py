@@ -28,8 +28,8 @@ _MISSING = object()
 
 def is_state_object(value: object) -> bool:
     """Whether ``value`` is an object dtcompile takes apart by its ``__dict__`` when it is
-    an input (a KV cache): a rebuildable object whose state is all in its ``__dict__``."""
-    return is_rebuildable_object(value) and isinstance(getattr(value, "__dict__", None), dict)
+    an input (a KV cache, a config): its state all in its ``__dict__``."""
+    return plain_object(value)
 
 
 def object_state(value: object) -> dict:
@@ -80,7 +80,8 @@ def new_object(cls: type, names: tuple, values: tuple) -> object:
 
 def new_stand_in(value: object) -> object:
     """An object of ``value``'s class with no state yet, made without running its ``__init__``."""
-    return object.__new__(type(value))
+    cls = type(value)
+    return cls.__new__(cls) if cls is types.SimpleNamespace else object.__new__(cls)
 
 
 def holds_proxies(value: object, depth: int = 4) -> bool:
