@@ -1093,3 +1093,32 @@ def test_numpy_arrays_and_deques_changed_inside_are_refused_and_put_back(tables)
     with pytest.raises(dtcompile.TracingError, match="a Python value outside its inputs"):
         dtcompile.jit(appends_to_tables)(torch.zeros(1))
     assert list(QUEUE) == [1] and ARRAY[0] == 0
+
+
+TABLES = {}  # a dict of tables the function below reads: the test fills it
+
+
+def reads_a_dict_of_tables(x):
+    return x * float(TABLES["array"][0]) + len(TABLES["queue"]) + (3 in TABLES["set"]) + TABLES["weights"].sum()
+
+
+def test_small_containers_held_in_a_dict_are_guarded_by_contents():
+    import collections
+
+    import numpy
+
+    TABLES.update(array=numpy.ones(2), queue=collections.deque([1]), set={1, 2}, weights=torch.ones(2))
+    try:
+        jf = dtcompile.jit(reads_a_dict_of_tables)
+        x = torch.ones(2)
+        assert_same_tensor(jf(x), reads_a_dict_of_tables(x))
+        for change in (
+            lambda: TABLES["array"].__setitem__(0, 5.0),
+            lambda: TABLES["queue"].append(7),
+            lambda: TABLES["set"].add(3),
+        ):
+            change()
+            assert_same_tensor(jf(x), reads_a_dict_of_tables(x))
+        assert counts(jf) == (4, 0)
+    finally:
+        TABLES.clear()

@@ -50,7 +50,7 @@ anything else (functions, classes, tensors, modules, objects) by identity.
 
 Not guarded: attributes of plain objects four levels down, the contents of larger lists
 and dicts or of those holding tensors (only which list or dict it is), containers held
-in a container (a dict of NumPy arrays: only which arrays), iterators, a library
+in a list, or in a dict under other keys than strings, iterators, a library
 class's attributes other than a module's ``forward`` (and ``nn.Module``'s own), a class's
 bases, values read inside library code (a global of ``transformers`` changed), names
 reached only through strings (``getattr(cfg, name)``), a ``functools.partial``'s
@@ -171,6 +171,10 @@ class PythonState:
         objects it holds, ``depth`` levels down), the ``names`` of a user Python module."""
         if id(value) in self._walked or by_value(value):
             return
+        if type(value) is dict and len(value) <= 32:  # small containers in it, by contents
+            for key, item in value.items():
+                if type(key) is str and scalar_container(item):
+                    self._read(value, key, item, f"{where}[{key!r}]")
         if object_container(value):  # its items' own state: a config in a list
             if depth + 1 < _OBJECT_LEVELS:
                 for key, item in value.items() if type(value) is dict else enumerate(value):
