@@ -1,18 +1,19 @@
-"""Compile time by depth: repeated blocks recorded once, against every block traced.
+"""Compile time by depth: repeated blocks called or replayed, against every block traced.
 
 Run: python scripts/bench_compile_depth.py          (runs itself under torchrun on 2 ranks)
   or torchrun --nproc-per-node N scripts/bench_compile_depth.py [--layers 2 8 32]
 
 The Llama-style model of ``dtcompile.testing.models`` (tensor-parallel blocks, hidden
-128), one forward under no_grad, compiled at each depth with its blocks replayed (the
-default: ``capture/blocks.py``) and with every block traced, the two interleaved depth
-by depth, under both cache options. Before the first, a one-layer model is compiled and
+128), one forward under no_grad, compiled at each depth three ways, interleaved depth by
+depth, under both cache options: its repeated blocks one program called per block (the
+default: ``capture/block_calls.py``), their symbols recorded again (``capture/blocks.py``),
+and every block traced. Before the first, a one-layer model is compiled and
 not counted, under each cache option: it pays the process's first-compile costs
 (DTensor's sharding caches, the fake mode's, the symbolic shapes'), which would otherwise
 land on whichever variant runs first. Prints compile
 seconds, each depth's time over the smallest depth's, and the program's symbol count.
-Each compiled result is compared with eager's, and both variants must record the same
-program.
+Each compiled result is compared with eager's (bit for bit), and the replayed and traced
+variants must record the same program (the symbol count is that program's).
 """
 
 import argparse
@@ -27,17 +28,19 @@ from timing import finish, init_gloo, print0, sync
 from torch.distributed.device_mesh import init_device_mesh
 
 import dtcompile
-from dtcompile.capture import tracer
+from dtcompile.capture import block_calls, tracer
 from dtcompile.testing.models import parallel_llama
 
-VARIANTS = {"blocks replayed": True, "every block traced": False}
+# name: (blocks replayed, replayed blocks called)
+VARIANTS = {"blocks called": (True, True), "blocks replayed": (True, False), "every block traced": (False, False)}
 
 
-def compile_once(mesh, layers: int, replay: bool, cache: str) -> tuple[float, str]:
+def compile_once(mesh, layers: int, variant: tuple[bool, bool], cache: str) -> tuple[float, str]:
     """Seconds of one compilation, and the recorded program (without its replay notes)."""
     model = parallel_llama(mesh, layers=layers, dim=128, hidden=256, n_heads=4)
     tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
-    saved, tracer.REPLAY_BLOCKS = tracer.REPLAY_BLOCKS, replay
+    saved = tracer.REPLAY_BLOCKS, block_calls.BLOCK_CALLS
+    tracer.REPLAY_BLOCKS, block_calls.BLOCK_CALLS = variant
     try:
         with torch.no_grad():
             jitted = dtcompile.jit(model, cache=cache)
@@ -47,7 +50,7 @@ def compile_once(mesh, layers: int, replay: bool, cache: str) -> tuple[float, st
             seconds = time.perf_counter() - start
             expected = model(tokens)
     finally:
-        tracer.REPLAY_BLOCKS = saved
+        tracer.REPLAY_BLOCKS, block_calls.BLOCK_CALLS = saved
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     program = "\n".join(line for line in str(dtcompile.last_traces(jitted)[0]).splitlines() if "replayed" not in line)
     return seconds, program
@@ -61,19 +64,18 @@ def main() -> None:
     init_gloo()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for cache in args.cache:
-        first, _ = compile_once(mesh, 1, True, cache)
+        first, _ = compile_once(mesh, 1, VARIANTS["blocks called"], cache)
         print0(f"first compile in this process with {cache} (one layer, not counted below): {first:.2f} s")
     for cache in args.cache:
         seconds = {name: {} for name in VARIANTS}
         symbols = {}
         for layers in args.layers:
-            programs = []
-            for name, replay in VARIANTS.items():
-                seconds[name][layers], program = compile_once(mesh, layers, replay, cache)
-                programs.append(program)
-            if programs[0] != programs[1]:
+            programs = {}
+            for name, variant in VARIANTS.items():
+                seconds[name][layers], programs[name] = compile_once(mesh, layers, variant, cache)
+            if programs["blocks replayed"] != programs["every block traced"]:
                 raise SystemExit(f"{layers} layers, {cache}: replayed blocks recorded another program")
-            symbols[layers] = sum(1 for line in programs[0].splitlines() if " = " in line)
+            symbols[layers] = sum(1 for line in programs["every block traced"].splitlines() if " = " in line)
         smallest = args.layers[0]
         print0(f"\ncache={cache!r}, {dist.get_world_size()} ranks: compile seconds (x the {smallest}-layer time)")
         print0(f"  {'layers':>6} {'symbols':>8}" + "".join(f" {name:>24}" for name in VARIANTS))

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import dtcompile
-from dtcompile.capture import tracer
+from dtcompile.capture import block_calls, tracer
 
 
 class Block(nn.Module):
@@ -31,16 +31,20 @@ def blocks(n: int = 4, **kwargs) -> nn.Sequential:
     return nn.Sequential(*[Block(i, **kwargs) for i in range(n)])
 
 
-def compiled(model, *args, replay: bool = True, cache: str = "constant values", stages: bool = False):
+def compiled(
+    model, *args, replay: bool = True, cache: str = "constant values", stages: bool = False, calls: bool = False
+):
     """(output, printed trace) of a first compiled call without gradients; with
-    ``stages``, the printed traces of every stage (recorded, passes, lowered) in one text."""
-    saved, tracer.REPLAY_BLOCKS = tracer.REPLAY_BLOCKS, replay
+    ``stages``, the printed traces of every stage (recorded, passes, lowered) in one text.
+    Replayed blocks are recorded again, not called, unless ``calls`` (``test_block_calls.py``)."""
+    saved = tracer.REPLAY_BLOCKS, block_calls.BLOCK_CALLS
+    tracer.REPLAY_BLOCKS, block_calls.BLOCK_CALLS = replay, calls
     try:
         with torch.no_grad():
             jitted = dtcompile.jit(model, cache=cache)
             out = jitted(*args)
     finally:
-        tracer.REPLAY_BLOCKS = saved
+        tracer.REPLAY_BLOCKS, block_calls.BLOCK_CALLS = saved
     traces = dtcompile.last_traces(jitted)
     return out, "\n".join(map(str, traces if stages else traces[:1]))
 

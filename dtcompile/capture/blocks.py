@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..core import TensorProxy
 from ..core.torch_internals import make_dtensor, storage_id
+from .block_calls import block_program, call_again, first_call
 from .block_checks import (
     arguments_changed,
     changed,
@@ -81,6 +82,9 @@ class BlockTemplate:
         self.saved_sources: list = []  # where each block has the inputs its backward reads
         self.saved_outputs: list[int] = []  # the output leaves its backward reads
         self.refused: str | None = None  # why the block is only traced
+        self.free: dict[str, TensorProxy] = {}  # the tensors it reads from outside, by label
+        self.replayed = False
+        self.program = None  # without gradients, the program each equivalent block calls (``block_calls.py``)
 
     def sources_in(self, module: torch.nn.Module, flat_args: list) -> dict[str, TensorProxy] | None:
         """The later block's proxy for each free proxy of the template; None where one has
@@ -115,6 +119,7 @@ class RepeatedBlocks:
         self.templates: dict[type, list[BlockTemplate]] = {}
         self.recording_depth = 0
         self.replayed: dict[str, list[str]] = {}  # path of a recorded block -> the blocks replayed from it
+        self.program_names: set[str] = set()
         self._original = None
 
     def __enter__(self) -> RepeatedBlocks:
@@ -165,6 +170,9 @@ class RepeatedBlocks:
         for first, later in self.replayed.items():
             shown = ", ".join(later[:3]) + (", ..." if len(later) > 3 else "")
             lines.append(f"{first} recorded once, replayed for {len(later)} more ({shown})")
+        for template in (t for templates in self.templates.values() for t in templates):
+            if template.program is not None and template.replayed:
+                lines.append(f"{template.program.name}: the program of {template.program.source}, called for each")
         return lines
 
     def _record(self, template: BlockTemplate, original, module, args: tuple, kwargs: dict):
@@ -193,6 +201,9 @@ class RepeatedBlocks:
         )
         if template.refused is None:
             template.refused = self._describe(template, module, flat_args, out)
+        if template.refused is None:
+            path = self.paths[id(module)]
+            template.program = block_program(template, template.free, path, self.program_names)
         return out
 
     def _describe(self, template: BlockTemplate, module, flat_args: list, out) -> str | None:
@@ -223,6 +234,7 @@ class RepeatedBlocks:
             if proxy.value is not None:
                 return f"it reads {label}, whose value tracing knows"
             template.sources[label] = sources[label]
+        template.free = free
         flat_out, spec = tree_flatten(out)
         described = []
         arg_ids = {id(leaf): index for index, leaf in enumerate(flat_args)}
@@ -304,6 +316,12 @@ class RepeatedBlocks:
         if mapping is None:
             return _FAILED
         spec = template.output[0]
+        if template.program is not None and not template.replayed and not first_call(recording, template.program):
+            template.program = None  # the first block becomes a call too, now that it repeats; else none does
+        if template.program is not None:
+            template.replayed = True
+            call_again(recording, template.program, mapping)
+            return tree_unflatten(self._outputs(template, mapping, flat_args), spec)
         base, names = len(recording.bound_symbols), recording.names_given()
 
         def forward():

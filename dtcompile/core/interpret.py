@@ -10,6 +10,7 @@ from __future__ import annotations
 import sympy
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .block_call import BlockCall
 from .prims import SHAPE, STORAGE_OFFSET, STRIDE, SizeExpression
 from .printing import NamedConstant
 from .proxy import is_proxy
@@ -36,6 +37,8 @@ def interpret(trace, *inputs):
             out = bsym.op(*args, **kwargs)
         elif bsym.symbol.name in _QUERIES:
             out = _QUERIES[bsym.symbol.name](*args)
+        elif isinstance(bsym.symbol, BlockCall):
+            out = interpret(bsym.symbol.block.trace, *args)
         elif isinstance(bsym.symbol, SizeExpression):
             result = bsym.symbol.expr.subs(dict(zip(bsym.symbol.symbols, args)))
             out = int(result) if result.is_integer else float(result) if isinstance(result, sympy.Expr) else result

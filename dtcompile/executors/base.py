@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from torch.utils._pytree import tree_flatten
 
 from ..core import BoundSymbol, TensorProxy, Trace
+from ..core.block_call import BlockCall
 from ..transforms import storage_bases
 
 
@@ -83,6 +84,9 @@ def lower(trace: Trace, executors: list[Executor]) -> Trace:
     context = LoweringContext(trace)
     lowered: list[BoundSymbol] = []
     for index, bsym in enumerate(trace.bound_symbols):
+        if isinstance(bsym.symbol, BlockCall):
+            lowered.append(bsym)  # runs the block's program, lowered on its own (jit/compiled.py)
+            continue
         for executor in executors:
             if executor.claims(bsym):
                 lowered.extend(executor.lower(bsym, index, context))

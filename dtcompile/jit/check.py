@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..capture import DataSnapshot, is_state_object
 from ..core import Trace
+from ..core.block_call import with_block_symbols
 from ..core.torch_internals import default_store, resolve_process_group
 
 functional = torch.ops._c10d_functional
@@ -214,7 +215,7 @@ def _first_differing_line(execution: Trace, reference: dict, compiled: dict) -> 
 
 def _collective_ranks(trace: Trace) -> list[int]:
     ranks: set[int] = set()
-    for bsym in trace.bound_symbols:
+    for bsym in with_block_symbols(trace.bound_symbols):
         if bsym.op is None or bsym.op.namespace != "_c10d_functional":
             continue
         for arg in bsym.args:

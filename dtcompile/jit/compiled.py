@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..capture import CapturedCall, capture_call, is_tracing
 from ..core import DataCheckFailed, TensorProxy, Trace, verify
+from ..core.block_call import block_programs
 from ..core.codegen import GeneratedFunction
 from ..core.torch_internals import resolve_process_group
 from ..executors import lower, resolve_executors
@@ -268,13 +269,27 @@ class CompiledFunction:
         ]
         return execution
 
+    def _blocks(self, trace: Trace, labels, executors, sized: bool) -> list[Trace]:
+        """Each block program ``trace`` calls, passed, lowered and compiled once, before
+        the trace that calls it is lowered (``core/block_call.py``); their traces."""
+        traces = []
+        for block in block_programs(trace):
+            passed = pipelines.run_passes(block.trace, pipelines.inference_passes(sized))
+            block.checked = pipelines.before_finish(passed)
+            execution = self._lowered(passed[-1], labels, executors)
+            block.function = execution.compile()
+            block.traces = passed + [execution]
+            traces += block.traces
+        return traces
+
     def _inference(self, captured: CapturedCall, labels, executors, sized: bool):
         traces = pipelines.run_passes(captured.trace, pipelines.inference_passes(sized))
+        blocks = self._blocks(traces[-1], labels, executors, sized)
         execution = self._lowered(traces[-1], labels, executors)
         epilogue = build_epilogue(captured.output, updates=captured.updates, module_updates=captured.module_updates)
         inputs = len(captured.trace.inputs) if captured.objects else None
         program = InferenceProgram(execution.compile(), epilogue, inputs)
-        return program, epilogue, traces + [execution], [pipelines.before_finish(traces)]
+        return program, epilogue, traces + blocks + [execution], [pipelines.before_finish(traces)]
 
     def _training(self, captured: CapturedCall, labels, executors, sized: bool):
         backward = captured.backward

@@ -15,6 +15,7 @@ import difflib
 import torch.distributed as dist
 
 from ...core import TensorProxy, Trace, is_proxy
+from ...core.block_call import with_block_symbols
 from ...core.op_classes import group_name, is_collective
 from ...core.printing import Unprintable, python_literal
 from ...core.torch_internals import resolve_process_group
@@ -48,7 +49,7 @@ def collective_lines(trace: Trace, group_labels: dict[str, str]) -> list[str]:
     """The trace's collectives, in order, as lines equal on every rank of a program that
     cannot hang."""
     lines = []
-    for bsym in trace.bound_symbols:
+    for bsym in with_block_symbols(trace.bound_symbols):
         if not is_collective(bsym.op):
             continue
         sizes = bsym.op._schema.name.split("::")[-1] not in _RAGGED
@@ -72,7 +73,7 @@ def collective_ranks(trace: Trace) -> set[int]:
     function makes itself (``DTensor.from_local`` of a plain tensor argument) has no mesh
     among the inputs, but its collectives still need every rank of their group."""
     ranks: set[int] = set()
-    for bsym in trace.bound_symbols:
+    for bsym in with_block_symbols(trace.bound_symbols):
         group = group_name(bsym) if is_collective(bsym.op) else None
         if isinstance(group, str):
             ranks.update(dist.get_process_group_ranks(resolve_process_group(group)))
@@ -96,7 +97,7 @@ def group_labels(meshes, trace: Trace | None = None) -> dict[str, str]:
             group, label = mesh.get_group(d), names[d] if names else f"mesh{m}.dim{d}"
             labels.setdefault(group.group_name, label)
             by_ranks.setdefault(tuple(dist.get_process_group_ranks(group)), label)
-    for bsym in trace.bound_symbols if trace is not None else ():
+    for bsym in with_block_symbols(trace.bound_symbols) if trace is not None else ():
         group = group_name(bsym) if is_collective(bsym.op) else None
         if not isinstance(group, str) or group in labels:
             continue

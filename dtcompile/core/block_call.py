@@ -1,0 +1,87 @@
+"""Block calls: a repeated block's program, traced once, called once per layer.
+
+A :class:`BlockProgram` is the trace of one block's first call, its inputs being the
+tensors it reads (its parameters, its arguments), its outputs the tensors it returns. A
+:class:`BlockCall` is the symbol a trace calls it by, once per equivalent block, with that
+block's tensors: ``(t57,) = block_0(t20, t21, t22)``. The passes and the lowering run on
+the block's program once (``jit/compiled.py``); to the passes of the trace that calls it,
+a call is one pure op (its outputs are fresh tensors, and it writes none of its inputs:
+``capture/block_calls.py`` makes calls only of such blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from .symbol import BoundSymbol, Symbol
+from .trace import Trace
+
+
+class BlockProgram:
+    """One block's program and what the compilation made of it: the traces of its passes
+    and its execution trace (``traces``), and the function that runs it (``function``)."""
+
+    def __init__(self, name: str, trace: Trace, source: str):
+        self.name = name
+        self.trace = trace  # as recorded
+        self.source = source  # the path of the block it was recorded from
+        self.traces: list[Trace] = []
+        self.checked: Trace | None = None  # what the ranks compare (the last before the finishing passes)
+        self.function = None
+
+    def __repr__(self) -> str:
+        return f"BlockProgram({self.name})"
+
+
+class _Run:
+    """What a block call's name stands for in a program: the block's compiled function, or,
+    in a trace compiled before its blocks are (a recorded trace run as the reference of
+    ``check="eager"``), the block's recorded program interpreted."""
+
+    def __init__(self, block: BlockProgram):
+        self.block = block
+
+    def __call__(self, *args):
+        if self.block.function is not None:
+            return self.block.function(*args)
+        from .interpret import interpret
+
+        return interpret(self.block.trace, *args)
+
+    def __repr__(self) -> str:
+        return f"the program of block {self.block.name}"
+
+
+@dataclass(frozen=True, repr=False)
+class BlockCall(Symbol):
+    """A call of a block's program (see the module docstring)."""
+
+    block: BlockProgram | None = field(default=None, compare=False)
+    pure: bool = True
+
+    def __repr__(self) -> str:
+        return f"BlockCall({self.name})"
+
+
+def block_call(block: BlockProgram) -> BlockCall:
+    return BlockCall(name=block.name, block=block, globals=((block.name, _Run(block), None),))
+
+
+def with_block_symbols(symbols) -> Iterator[BoundSymbol]:
+    """``symbols``, each block call followed by the symbols of its block's program (as the
+    ranks compare it, else as recorded): what runs, for questions about collectives."""
+    for bsym in symbols:
+        yield bsym
+        if isinstance(bsym.symbol, BlockCall):
+            block = bsym.symbol.block
+            yield from with_block_symbols((block.checked or block.trace).bound_symbols)
+
+
+def block_programs(trace: Trace) -> list[BlockProgram]:
+    """The block programs ``trace`` calls, each once, in order of first call."""
+    found: dict[int, BlockProgram] = {}
+    for bsym in trace.bound_symbols:
+        if isinstance(bsym.symbol, BlockCall):
+            found.setdefault(id(bsym.symbol.block), bsym.symbol.block)
+    return list(found.values())

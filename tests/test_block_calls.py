@@ -1,0 +1,107 @@
+"""Repeated blocks called (``capture/block_calls.py``): without gradients, a block that
+repeats is one program, passed and lowered once, that the trace calls once per block.
+
+Every result must be eager's, bit for bit; a block whose program is not a pure function
+of the tensors it reads (it writes to its input, returns a view of it) is recorded again
+instead, as is every block of a call that needs gradients.
+"""
+
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+from test_blocks import Block, assert_eager, blocks, compiled
+
+import dtcompile
+from dtcompile.transforms import pipelines
+
+
+def calls_in(trace: str) -> list[str]:
+    return re.findall(r"= (block_\w+)\(", trace)
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_repeated_blocks_are_one_program_called_per_block(cache):
+    model = blocks(6)
+    x = torch.randn(3, 5, 8)
+    out, recorded = compiled(model, x, cache=cache, calls=True)
+    assert_eager(model, (x,), out)
+    called = calls_in(recorded)
+    assert len(called) >= 5 and len(set(called)) == 1, recorded
+    _, stages = compiled(model, x, cache=cache, calls=True, stages=True)
+    # Passed and lowered once: the block's program as recorded, after each pass, lowered.
+    passes = pipelines.inference_passes(cache == "symbolic values")
+    assert len(re.findall(rf"^def {called[0]}\(", stages, re.M)) == 1 + len(passes) + 1
+
+
+def test_block_calls_serve_every_length_under_symbolic_values():
+    model = blocks(4)
+    with torch.no_grad():
+        jitted = dtcompile.jit(model, cache="symbolic values")
+        for length in (5, 7, 3):
+            x = torch.randn(2, length, 8)
+            assert_eager(model, (x,), jitted(x))
+    assert dtcompile.cache_misses(jitted) == 1
+    assert calls_in(str(dtcompile.last_traces(jitted)[0]))
+
+
+class WritesItsInput(Block):
+    def forward(self, x):
+        x.mul_(2)  # an in-place write to what the caller passed
+        return super().forward(x)
+
+
+class ReturnsAView(Block):
+    def forward(self, x):
+        y = super().forward(x)
+        return y, x[..., :4]  # a view of its input
+
+
+@pytest.mark.parametrize("kind", [WritesItsInput, ReturnsAView])
+def test_a_block_that_is_not_a_pure_function_is_recorded_again(kind):
+    torch.manual_seed(0)
+    if kind is ReturnsAView:
+
+        class Stack(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = nn.ModuleList(ReturnsAView(i) for i in range(4))
+
+            def forward(self, x):
+                views = []
+                for layer in self.layers:
+                    x, view = layer(x)
+                    views.append(view)
+                return x, *views
+
+        model = Stack()
+    else:
+        model = nn.Sequential(*[kind(i) for i in range(4)])
+    x = torch.randn(3, 5, 8)
+    out, recorded = compiled(model, x.clone(), calls=True)
+    assert not calls_in(recorded)
+    assert "recorded once, replayed" in recorded  # still replayed, as symbols
+    assert_eager(model, (x.clone(),), out)
+
+
+def test_blocks_of_a_call_that_needs_gradients_are_recorded_again():
+    model = blocks(4)
+    x = torch.randn(3, 8)
+    jitted = dtcompile.jit(model)
+    jitted(x).sum().backward()
+    assert not calls_in(str(dtcompile.last_traces(jitted)[0]))
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    for got, want in zip(grads, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_block_that_differs_is_traced_between_calls():
+    model = blocks(5)
+    model[3] = Block(3, hidden=24)
+    x = torch.randn(3, 5, 8)
+    out, recorded = compiled(model, x, calls=True)
+    assert_eager(model, (x,), out)
+    assert len(calls_in(recorded)) >= 3
