@@ -147,16 +147,18 @@ class RepeatedBlocks:
         key = arguments_key(args, kwargs)
         if key is None:
             return original(module, *args, **kwargs)
-        for template in self.templates.get(type(module), ()):
-            if template.key == key and same_blocks(template.state, module):
-                if template.refused is not None:
-                    return original(module, *args, **kwargs)
-                replayed = self._replay(template, module, args, kwargs)
-                if replayed is not _FAILED:
-                    self.replayed.setdefault(self.paths[id(template.module)], []).append(self.paths[id(module)])
-                    return replayed
+        templates = self.templates.get(type(module), ())
+        with torch._C.DisableTorchFunction():  # metadata reads only: not the annotator's to see
+            template = next((t for t in templates if t.key == key and same_blocks(t.state, module)), None)
+        if template is not None:
+            if template.refused is not None:
                 return original(module, *args, **kwargs)
-        if any(template.key == key for template in self.templates.get(type(module), ())):
+            replayed = self._replay(template, module, args, kwargs)
+            if replayed is not _FAILED:
+                self.replayed.setdefault(self.paths[id(template.module)], []).append(self.paths[id(module)])
+                return replayed
+            return original(module, *args, **kwargs)
+        if any(template.key == key for template in templates):
             # Another block of this class and arguments, that differs (a layer's index):
             # traced as it is, so that its submodules can be replayed.
             return original(module, *args, **kwargs)
