@@ -68,14 +68,16 @@ def block_call(block: BlockProgram) -> BlockCall:
     return BlockCall(name=block.name, block=block, globals=((block.name, _Run(block), None),))
 
 
-def with_block_symbols(symbols) -> Iterator[BoundSymbol]:
-    """``symbols``, each block call followed by the symbols of its block's program (as the
-    ranks compare it, else as recorded): what runs, for questions about collectives."""
+def with_block_symbols(symbols, lowered: bool = False) -> Iterator[BoundSymbol]:
+    """``symbols``, each block call followed by the symbols of its block's program: as it
+    runs (``lowered``, once compiled), else as the ranks compare it (or as recorded). What
+    runs at each call, for questions about collectives."""
     for bsym in symbols:
         yield bsym
         if isinstance(bsym.symbol, BlockCall):
             block = bsym.symbol.block
-            yield from with_block_symbols((block.checked or block.trace).bound_symbols)
+            program = block.traces[-1] if lowered and block.traces else block.checked or block.trace
+            yield from with_block_symbols(program.bound_symbols, lowered)
 
 
 def block_programs(trace: Trace) -> list[BlockProgram]:

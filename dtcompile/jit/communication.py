@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import BoundSymbol, TensorProxy, Trace
+from ..core.block_call import BlockCall
 from ..core.op_classes import group_name, is_collective, is_communication, is_wait, makes_view
 from ..core.symbolic import is_symbolic, symbolic_expr
 from ..core.torch_internals import resolve_process_group
@@ -107,6 +108,9 @@ def program_collectives(trace: Trace, labels: dict[str, str]) -> list[Collective
     symbols = trace.bound_symbols
     rows = []
     for index, bsym in enumerate(symbols):
+        if isinstance(bsym.symbol, BlockCall):  # the block's own, at each call
+            rows += program_collectives(bsym.symbol.block.traces[-1], labels)
+            continue
         if not is_collective(bsym.op):
             continue
         made = {p.label for p in bsym.output_proxies()}

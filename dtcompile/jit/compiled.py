@@ -277,6 +277,7 @@ class CompiledFunction:
             passed = pipelines.run_passes(block.trace, pipelines.inference_passes(sized))
             block.checked = pipelines.before_finish(passed)
             execution = self._lowered(passed[-1], labels, executors)
+            execution.title = f"block program {block.name}, {execution.title}"
             block.function = execution.compile()
             block.traces = passed + [execution]
             traces += block.traces

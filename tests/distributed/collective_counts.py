@@ -5,6 +5,8 @@ from collections import Counter
 
 from torch.distributed.tensor.debug import CommDebugMode
 
+from dtcompile.core.block_call import with_block_symbols
+
 # The functional collectives DTensor records, and the c10d ops that run them.
 FUNCTIONAL_TO_C10D = {
     "all_reduce": "allreduce_",
@@ -27,8 +29,10 @@ def comm_counts(mode: CommDebugMode) -> Counter:
 
 
 def trace_collectives(trace) -> list:
-    """The collectives a trace issues (its functional collective symbols, before or after lowering)."""
-    return [b for b in trace.bound_symbols if b.op is not None and b.op._opname in FUNCTIONAL_TO_C10D]
+    """The collectives a trace issues (its functional collective symbols, before or after
+    lowering), those of the repeated blocks it calls at each call."""
+    symbols = with_block_symbols(trace.bound_symbols, lowered=trace.title.startswith("execution"))
+    return [b for b in symbols if b.op is not None and b.op._opname in FUNCTIONAL_TO_C10D]
 
 
 def trace_counts(trace) -> Counter:

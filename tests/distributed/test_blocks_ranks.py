@@ -2,6 +2,8 @@
 Gloo ranks: the program is the one recorded without replay, a block that differs is
 traced on its own, and results are eager's."""
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -10,18 +12,20 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 import dtcompile
-from dtcompile.capture import tracer
+from dtcompile.capture import block_calls, tracer
 from dtcompile.testing.models import LlamaModel, llama_plan, parallel_block, parallel_llama
 
 
-def _first_call(model, args: tuple, kwargs: dict, replay: bool, cache: str):
-    saved, tracer.REPLAY_BLOCKS = tracer.REPLAY_BLOCKS, replay
+def _first_call(model, args: tuple, kwargs: dict, replay: bool, cache: str, calls: bool = False):
+    """Replayed blocks recorded again, unless ``calls``: one program called per block."""
+    saved = tracer.REPLAY_BLOCKS, block_calls.BLOCK_CALLS
+    tracer.REPLAY_BLOCKS, block_calls.BLOCK_CALLS = replay, calls
     try:
         with torch.no_grad():
             jitted = dtcompile.jit(model, cache=cache)
             out = jitted(*args, **kwargs)
     finally:
-        tracer.REPLAY_BLOCKS = saved
+        tracer.REPLAY_BLOCKS, block_calls.BLOCK_CALLS = saved
     return out, "\n".join(map(str, dtcompile.last_traces(jitted)))  # every stage's program
 
 
@@ -39,15 +43,18 @@ def _without_replays(trace: str) -> str:
     return "\n".join(line for line in trace.splitlines() if "recorded once, replayed" not in line)
 
 
-def _compare(model, args: tuple, kwargs: dict, cache: str) -> list[str]:
-    """Checks the program and the result; returns the replay lines of the trace."""
+def _compare(model, args: tuple, kwargs: dict, cache: str) -> tuple[list[str], list[str]]:
+    """Checks the program and the results, with blocks recorded again and called; returns
+    the replay lines of the trace, and the blocks the called program calls."""
     out, trace = _first_call(model, args, kwargs, True, cache)
     _, traced = _first_call(model, args, kwargs, False, cache)
     assert _without_replays(trace) == _without_replays(traced)
+    called, called_trace = _first_call(model, args, kwargs, True, cache, calls=True)
     with torch.no_grad():
         expected = model(*args, **kwargs)
     torch.testing.assert_close(_local(out), _local(expected), rtol=0, atol=0)
-    return _replays(trace)
+    torch.testing.assert_close(_local(called), _local(expected), rtol=0, atol=0)
+    return _replays(trace), re.findall(r"= (block_\w+)\(", called_trace.split("\n\n# ")[0])
 
 
 def llama_case(cache):
@@ -67,10 +74,12 @@ def sequence_parallel_case(cache):
 
 @pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
 def test_tensor_parallel_blocks_are_replayed(cache, ranks2):
-    lines = ranks2.run(llama_case, cache)[0]
+    lines, calls = ranks2.run(llama_case, cache)[0]
     assert "layers.0 recorded once, replayed for 3 more (layers.1, layers.2, layers.3)" in lines[0]
-    lines = ranks2.run(sequence_parallel_case, cache)[0]
+    assert calls == ["block_layers_0"] * 4  # every layer a call of one program
+    lines, calls = ranks2.run(sequence_parallel_case, cache)[0]
     assert any("replayed for" in line for line in lines)
+    assert len(calls) >= 2 and len(set(calls)) == 1  # the first block, taking the call's input, is keyed apart
 
 
 def differing_layer_case(kind):
@@ -91,8 +100,9 @@ def differing_layer_case(kind):
 
 @pytest.mark.parametrize("kind", ["unsharded", "hook", "style"])
 def test_a_layer_that_differs_is_traced(kind, ranks2):
-    lines = ranks2.run(differing_layer_case, kind)[0]
+    lines, calls = ranks2.run(differing_layer_case, kind)[0]
     assert "layers.0 recorded once, replayed for 2 more (layers.1, layers.3)" in lines[0]
+    assert calls.count("block_layers_0") == 3
 
 
 def hf_case(cache):
