@@ -14,6 +14,8 @@ import torch.nn as nn
 from test_blocks import Block, assert_eager, blocks, compiled
 
 import dtcompile
+from dtcompile.jit.api import _last_entry
+from dtcompile.jit.check import _all_values
 from dtcompile.transforms import pipelines
 
 
@@ -105,3 +107,19 @@ def test_a_block_that_differs_is_traced_between_calls():
     out, recorded = compiled(model, x, calls=True)
     assert_eager(model, (x,), out)
     assert len(calls_in(recorded)) >= 3
+
+
+def test_the_eager_check_runs_the_recorded_calls():
+    """``check="eager"`` compares with eager at every call, and where they differ runs the
+    recorded program as its reference: a call there interprets the block's program."""
+    model = blocks(4)
+    x = torch.randn(3, 5, 8)
+    with torch.no_grad():
+        jitted = dtcompile.jit(model, check="eager")
+        assert_eager(model, (x,), jitted(x))
+    entry = _last_entry(jitted)
+    assert calls_in(str(entry.reference))
+    values = _all_values(entry.reference, (x, *model.parameters()))
+    with torch.no_grad():
+        expected = model(x)
+    assert torch.equal(values[entry.reference.output[0].label], expected)
