@@ -174,7 +174,8 @@ class RepeatedBlocks:
             lines.append(f"{first} recorded once, replayed for {len(later)} more ({shown})")
         for template in (t for templates in self.templates.values() for t in templates):
             if template.program is not None and template.replayed:
-                lines.append(f"{template.program.name}: the program of {template.program.source}, called for each")
+                program = template.program
+                lines.append(f"{program.name}: one program for {program.source} and the blocks replayed from it")
         return lines
 
     def _record(self, template: BlockTemplate, original, module, args: tuple, kwargs: dict):

@@ -3,7 +3,7 @@
 A :class:`BlockProgram` is the trace of one block's first call, its inputs being the
 tensors it reads (its parameters, its arguments), its outputs the tensors it returns. A
 :class:`BlockCall` is the symbol a trace calls it by, once per equivalent block, with that
-block's tensors: ``(t57,) = block_0(t20, t21, t22)``. The passes and the lowering run on
+block's tensors: ``t57, = block_0(t20, t21, t22)``. The passes and the lowering run on
 the block's program once (``jit/compiled.py``); to the passes of the trace that calls it,
 a call is one pure op (its outputs are fresh tensors, and it writes none of its inputs:
 ``capture/block_calls.py`` makes calls only of such blocks).
