@@ -46,6 +46,7 @@ from ..core.symbolic import LARGEST_SYMBOLIC_SIZE, is_symbolic, symbolic_expr
 from ..core.torch_internals import fake_mode_active, make_dtensor, set_data_value
 from .c10d import is_c10d_op, record_c10d
 from .data_branches import value_now
+from .input_fakes import InputFakes
 
 _DATA_DEPENDENT_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
 
@@ -74,6 +75,7 @@ class Recording:
 
     def __init__(self, fake_mode: FakeTensorMode):
         self.fake_mode = fake_mode
+        self.fakes = InputFakes(fake_mode)  # the fake of each real tensor entering the trace
         # The call's default dtype: the compiled program runs every op under it.
         self.default_dtype = torch.get_default_dtype()
         self.bound_symbols: list[BoundSymbol] = []
@@ -145,11 +147,11 @@ class Recording:
                 DimDynamic.STATIC if size > LARGEST_SYMBOLIC_SIZE else DimDynamic.DUCK for size in real.shape
             ]
             context = StatelessSymbolicContext(dynamic_sizes=dynamic_sizes)
-            fake = self.fake_mode.from_tensor(real, symbolic_context=context)
+            fake = self.fakes.converted(real, symbolic_context=context)
         else:
             # Static explicitly: a fake mode with a ShapeEnv would otherwise give every
             # tensor it converts symbolic sizes (a module's parameters, captured tensors).
-            fake = self.fake_mode.from_tensor(real, static_shapes=True)
+            fake = self.fakes.static(real)
         return TensorProxy(fake, name, provenance, requires_grad=real.requires_grad)
 
     def capture(self, real: torch.Tensor) -> TensorProxy:

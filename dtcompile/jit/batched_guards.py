@@ -14,7 +14,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..capture import CallInputs, ConstantInput, DTensorInput, LocalTensorMeta, ObjectInput, TensorInput
-from ..core.printing import python_literal
 from ..core.symbolic import is_symbolic
 from ..core.torch_internals import TensorGuards
 
@@ -92,7 +91,8 @@ def check_batched(b) -> None:
     """The batched tensors' type, dtype, device, requires_grad, sizes and strides in one
     TensorGuards check (C++), and their storage offsets in one pass. TensorGuards also
     compares dispatch keys, which an active dispatch mode (CommDebugMode) changes: where
-    it fails, the same checks run in Python before the call is turned down."""
+    it fails, the same checks run in Python (:func:`tensors_match`) before the call is
+    turned down. The source names each tensor once, whatever their number."""
     if not b.batched:
         return
     guards = b.fresh("TENSOR_GUARDS")
@@ -101,24 +101,49 @@ def check_batched(b) -> None:
         dynamic_dims_sizes=[list(t.shape) for t in b.batched],
         dynamic_dims_strides=[list(t.stride) for t in b.batched],
     )
-    slow = " and ".join(_python_check(b, t) for t in b.batched)
-    b.fail_if(f"not {guards}.check({', '.join(t.var for t in b.batched)}) and not ({slow})")
-    offsets = [t for t in b.batched if t.offset is not None]
+    batch = b.bind(f"({', '.join(t.var for t in b.batched)},)", "batch")
+    metas = b.constant([_expected(t) for t in b.batched], "METAS")
+    b.globals["tensors_match"] = tensors_match
+    b.fail_if(f"not {guards}.check(*{batch}) and not tensors_match({batch}, {metas})")
+    offsets = [i for i, t in enumerate(b.batched) if t.offset is not None]
     if offsets:
         b.globals["OFFSET"] = torch.Tensor.storage_offset
-        expected = b.constant([t.offset for t in offsets], "OFFSETS")
-        b.fail_if(f"list(map(OFFSET, ({', '.join(t.var for t in offsets)},))) != {expected}")
+        expected = b.constant([b.batched[i].offset for i in offsets], "OFFSETS")
+        chosen = batch
+        if len(offsets) < len(b.batched):
+            chosen = f"{b.constant(_items(offsets), 'WITH_OFFSETS')}({batch})"
+        b.fail_if(f"list(map(OFFSET, {chosen})) != {expected}")
 
 
-def _python_check(b, t: Batched) -> str:
-    device = b.fresh("DEVICE")
-    b.globals[device] = t.example.device
-    var = t.var
+def _items(indices: list[int]):
+    """A function picking these positions of a sequence, as a tuple."""
+    if len(indices) == 1:
+        return lambda sequence: (sequence[indices[0]],)
+    return operator.itemgetter(*indices)
+
+
+def _expected(t: Batched) -> LocalTensorMeta:
+    e = t.example
+    return LocalTensorMeta(
+        type(e), tuple(t.shape), tuple(t.stride), e.dtype, e.device, e.requires_grad, e.is_conj(), e.is_neg()
+    )
+
+
+def tensors_match(tensors: tuple, metas: list[LocalTensorMeta]) -> bool:
+    """TensorGuards' checks in Python (bar the dispatch keys), tensor by tensor."""
+    return all(map(_matches, tensors, metas))
+
+
+def _matches(t, m: LocalTensorMeta) -> bool:
     return (
-        f"type({var}) is {b.constant(type(t.example), 'TYPE')} and {var}.dtype is {python_literal(t.example.dtype)}"
-        f" and {var}.shape == {python_literal(tuple(t.shape))} and {var}.stride() == {python_literal(tuple(t.stride))}"
-        f" and {var}.device == {device} and {var}.requires_grad is {t.example.requires_grad}"
-        f" and not ({LocalTensorMeta.of(t.example).bits_check(var)})"
+        type(t) is m.type
+        and t.dtype is m.dtype
+        and t.shape == m.shape
+        and t.stride() == m.stride
+        and t.device == m.device
+        and t.requires_grad is m.requires_grad
+        and t.is_neg() is m.neg
+        and (not m.dtype.is_complex or t.is_conj() is m.conj)
     )
 
 

@@ -1,0 +1,88 @@
+"""The fake tensor of each real tensor that enters a trace (an argument, a parameter, a
+buffer, a closed-over tensor).
+
+The fake mode's converter walks a real tensor's whole description (about 0.3 ms each):
+most of a deep model's inputs are parameters, so it was a tenth of a 32-layer compile.
+A leaf tensor that fills its storage, of a storage met first here, is made from its
+metadata instead (``fake_like``, a sixth of that) and given to the converter's memo, so
+that converting the real tensor again gives the same fake. Aliasing is kept: a storage
+is either made here, and every later tensor of it is made in that fake's storage (which
+covers it), or converted, and the converter knows the storage; a tensor of a storage
+made here gets static sizes even where symbolic ones were asked (guarded exactly: a
+narrower program, never a wrong one).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core import TracingError
+from ..core.torch_internals import fake_in_storage, fake_like, storage_id
+
+_CONVERTED = object()  # a storage the converter has met
+
+
+class InputFakes:
+    def __init__(self, fake_mode):
+        self.fake_mode = fake_mode
+        self._storages: dict[int, object] = {}  # storage id -> the fake made here first, or _CONVERTED
+
+    def static(self, real: torch.Tensor) -> torch.Tensor:
+        """A fake of ``real`` with its sizes."""
+        first = self._storages.get(storage_id(real))
+        if first is None and _fills_storage(real):
+            return self._made(real, None)
+        return self.converted(real, static_shapes=True)
+
+    def converted(self, real: torch.Tensor, **options) -> torch.Tensor:
+        """The converter's fake of ``real`` (``options``: its sizes' symbolic context), or,
+        for a storage made here, a fake in that storage with ``real``'s sizes."""
+        first = self._storages.get(storage_id(real))
+        if first is not None and first is not _CONVERTED:
+            if real.is_nested or real.is_quantized or real.layout is not torch.strided:
+                raise TracingError(
+                    f"dtcompile: a {real.layout} tensor shares memory with another input; not supported"
+                )
+            return self._made(real, first)
+        self._storages[storage_id(real)] = _CONVERTED
+        return self.fake_mode.from_tensor(real, **options)
+
+    def _made(self, real: torch.Tensor, base: torch.Tensor | None) -> torch.Tensor:
+        if base is None:
+            fake = fake_like(self.fake_mode, real, None, real.requires_grad)
+        else:  # with its bits: a view of a complex tensor's ``.imag`` has the negative bit
+            fake = fake_in_storage(self.fake_mode, real, base)
+            torch._C._set_conj(fake, real.is_conj())
+            torch._C._set_neg(fake, real.is_neg())
+        if type(real) is torch.nn.Parameter:
+            fake._is_param = True  # as the converter marks it: ``isinstance(p, Parameter)``
+        if getattr(real, "_is_buffer", False):
+            fake._is_buffer = True
+        if base is None:
+            self._storages[storage_id(real)] = fake
+        self.fake_mode.fake_tensor_converter.set_tensor_memo(real, fake)
+        return fake
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A dense leaf tensor whose fake is its metadata: no bits, grad history or nesting."""
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.layout is torch.strided
+        and t.is_leaf
+        and not t.is_nested
+        and not t.is_quantized
+        and not t.is_inference()
+        and not t.is_conj()
+        and not t.is_neg()
+        and t.grad is None
+    )
+
+
+def _fills_storage(t: torch.Tensor) -> bool:
+    """Not a view, at offset 0, and as many bytes as its storage holds (a storage resized
+    to nothing, as FSDP2's unsharded parameters are between steps, is not)."""
+    if not _plain(t) or t._base is not None or t.storage_offset() != 0 or t.numel() == 0:
+        return False
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.untyped_storage().nbytes() == extent * t.element_size()
