@@ -22,6 +22,9 @@ from .objects import is_rebuildable_object, object_state
 def _state(value: object) -> tuple | None:
     """A shallow copy of what ``value`` holds, tagged with its kind; None for values not
     snapshotted (numbers, tensors, modules, functions, torch's own objects)."""
+    kind = _EXACT_KINDS.get(type(value))  # most values: a module's tables, lists, numbers
+    if kind is not None:
+        return kind(value)
     if isinstance(value, list):
         return ("list", list(value))
     if isinstance(value, collections.deque):
@@ -36,6 +39,19 @@ def _state(value: object) -> tuple | None:
     if is_rebuildable_object(value):
         return ("object", list(object_state(value).items()))
     return None
+
+
+def _not_kept(value: object) -> None:
+    return None
+
+
+_EXACT_KINDS = {
+    dict: lambda value: ("dict", list(value.items())),
+    collections.OrderedDict: lambda value: ("dict", list(value.items())),
+    list: lambda value: ("list", list(value)),
+    set: lambda value: ("set", set(value)),
+    **dict.fromkeys((bool, int, float, str, type(None), torch.dtype, torch.device), _not_kept),
+}
 
 
 def _children(value: object) -> list[tuple[str, object]]:
@@ -114,15 +130,14 @@ class DataSnapshot:
             if name in names:
                 self.add(names[name], f"{name!r} (a global of {path})", depth=2)
 
-    def changed(self) -> list[str]:
-        """The paths of the values whose state is not what it was."""
-        return [path for value, path, state in self._taken.values() if not _same(_state(value), state)]
-
-    def restore(self) -> None:
-        """Put every value recorded back in the state it had."""
-        for value, _, state in self._taken.values():
+    def put_back(self) -> list[str]:
+        """Put every value recorded back in the state it had; the paths of those that
+        had changed."""
+        changed = []
+        for value, path, state in self._taken.values():
             if _same(_state(value), state):
                 continue
+            changed.append(path)
             kind, items = state
             if kind == "list":
                 value[:] = items
@@ -141,3 +156,4 @@ class DataSnapshot:
                         object.__delattr__(value, name)
                 for name, item in items:
                     object.__setattr__(value, name, item)
+        return changed

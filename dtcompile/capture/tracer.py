@@ -251,8 +251,7 @@ def _capture(
             _tracing.pop()
             recording.forget_values()
             collector.release_masks()
-            changed = snapshot.changed()
-            snapshot.restore()
+            changed = snapshot.put_back()
             left = state_put_back(grad_enabled, global_state)  # even where tracing failed
             drawn = random_states.changed()
     if drawn:

@@ -153,6 +153,7 @@ def module_tensors(b, module: torch.nn.Module, inputs: CallInputs, sources: dict
     and checked with the batch (TensorGuards), a DTensor's spec by identity: a few
     passes whatever the depth of the model, not lines per tensor."""
     entries = []  # (table source, table, key, node, example)
+    owners = dict(module.named_modules(remove_duplicate=False))
     for table, pairs in (
         ("_parameters", inputs.params),
         ("_buffers", inputs.buffers),
@@ -160,7 +161,7 @@ def module_tensors(b, module: torch.nn.Module, inputs: CallInputs, sources: dict
     ):
         for name, node in pairs:
             owner, _, leaf = name.rpartition(".")
-            held = getattr(module.get_submodule(owner), table)
+            held = getattr(owners[owner], table)
             entries.append((f"{sources[owner]}.{table}", held, leaf, node, held.get(leaf)))
     batch = [e for e in entries if TensorGuards is not None and _batchable(e[3], e[4])]
     position = {id(e[3]): i for i, e in enumerate(batch)}

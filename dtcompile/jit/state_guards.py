@@ -106,9 +106,10 @@ def module_tree_checks(b, module: torch.nn.Module, modules: list, unique: list, 
     Returns the source of each submodule by path (a global: the object traced)."""
     sources = {"": "module"}
     tables, keys, children = [], [], []
+    by_path = dict(modules)
     for path, submodule in modules[1:]:
         parent, _, leaf = path.rpartition(".")
-        tables.append(module.get_submodule(parent)._modules)
+        tables.append(by_path[parent]._modules)
         keys.append(leaf)
         children.append(submodule)
         sources[path] = b.fresh("MODULE")
