@@ -10,8 +10,9 @@ default: ``capture/block_calls.py``), their symbols recorded again (``capture/bl
 and every block traced. Before the first, a one-layer model is compiled and
 not counted, under each cache option: it pays the process's first-compile costs
 (DTensor's sharding caches, the fake mode's, the symbolic shapes'), which would otherwise
-land on whichever variant runs first. Prints compile
-seconds, each depth's time over the smallest depth's, and the program's symbol count.
+land on whichever variant runs first. Each cell is the fastest of ``--repeat`` compiles
+(interleaved with the other variants'). Prints compile seconds (the first call, its run
+included), each depth's time over the smallest depth's, and the program's symbol count.
 Each compiled result is compared with eager's (bit for bit), and the replayed and traced
 variants must record the same program (the symbol count is that program's).
 """
@@ -60,6 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
     parser.add_argument("--cache", nargs="+", default=["constant values", "symbolic values"])
+    parser.add_argument("--repeat", type=int, default=3, help="compilations per cell; the fastest counts")
     args = parser.parse_args()
     init_gloo()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -71,8 +73,12 @@ def main() -> None:
         symbols = {}
         for layers in args.layers:
             programs = {}
-            for name, variant in VARIANTS.items():
-                seconds[name][layers], programs[name] = compile_once(mesh, layers, variant, cache)
+            for name in VARIANTS:
+                seconds[name][layers] = float("inf")
+            for _ in range(args.repeat):  # interleaved: these machines are noisy
+                for name, variant in VARIANTS.items():
+                    elapsed, programs[name] = compile_once(mesh, layers, variant, cache)
+                    seconds[name][layers] = min(seconds[name][layers], elapsed)
             if programs["blocks replayed"] != programs["every block traced"]:
                 raise SystemExit(f"{layers} layers, {cache}: replayed blocks recorded another program")
             symbols[layers] = sum(1 for line in programs["every block traced"].splitlines() if " = " in line)

@@ -3,13 +3,16 @@ Python state a replay must find unchanged (``blocks.py``)."""
 
 from __future__ import annotations
 
+import functools
 import types
+import weakref
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from ..core.torch_internals import dict_version
 from .equivalence import TENSOR_TABLES
+from .user_code import code_names
 
 
 def recording_counts(recording) -> tuple:
@@ -44,6 +47,80 @@ def python_state(module: torch.nn.Module) -> list:
                     found[id(value.__globals__)] = value.__globals__
                     _reachable(value.__globals__.values(), found, tree, 1)
     return list(found.values())
+
+
+def identity_read(module: torch.nn.Module, containers: list, traced: list[torch.nn.Module]) -> str | None:
+    """Where the block's code could tell it from an equivalent block by identity
+    (``REGISTRY[id(self)]``, ``self is LAST``, ``self in SKIP``): a global its classes'
+    code names, a class attribute, or one of ``containers`` (what :func:`python_state`
+    found; of the containers globals hold, those of the globals it names) holds a module of the ``traced`` tree of a class the block has, its ``id()``,
+    or a set, list, tuple or dict of them. The block's modules' own attributes may hold
+    the block's own submodules (the equivalence check maps them to the other block's), but
+    no other such module. None where nothing does."""
+    own_modules = list(module.modules())
+    classes = {type(m) for m in own_modules}
+    ids = {id(m) for m in traced if type(m) in classes}
+    others = ids - {id(m) for m in own_modules}
+    skipped = {id(t) for m in own_modules for t in (m._modules, *(getattr(m, n) for n in TENSOR_TABLES))}
+    named, unnamed = set(), set()  # what globals the code names hold, and the other globals
+    for sub in own_modules:
+        skipped.add(id(vars(sub)))
+        for name, value in vars(sub).items():
+            if name not in _MODULE_ATTRIBUTES and _names_one(value, others):
+                return f"its attribute {name!r} holds another block's module or its id"
+        for klass in type(sub).__mro__[: type(sub).__mro__.index(torch.nn.Module)]:
+            for fn in vars(klass).values():
+                if isinstance(fn, types.FunctionType):
+                    if id(fn.__globals__) not in skipped:  # globals the code does not name are not read
+                        skipped.add(id(fn.__globals__))
+                        unnamed.update(map(_held_id, fn.__globals__.values()))
+                    for name in _global_names(fn.__code__):
+                        named.add(_held_id(fn.__globals__.get(name)))
+                        if _names_one(fn.__globals__.get(name), ids):
+                            return f"the global {name!r} holds one of its modules or their ids"
+    skipped |= unnamed - named
+    for container in containers:
+        if id(container) not in skipped:
+            items = container.items() if isinstance(container, (dict, types.MappingProxyType)) else enumerate(container)
+            for key, value in items:
+                if _names_one(key, ids) or _names_one(value, ids):
+                    return f"a Python value it can read holds one of its modules or their ids (at {key!r})"
+    return None
+
+
+def _held_id(value) -> int:
+    """The id of the container :func:`python_state` keeps for a global's value: the value
+    (a dict, a list) or an object's ``__dict__``."""
+    state = getattr(value, "__dict__", None)
+    return id(state) if type(state) is dict and not isinstance(value, type) else id(value)
+
+
+_MODULE_ATTRIBUTES = frozenset(vars(torch.nn.Module()))  # nn.Module's own: tables, flags
+
+
+@functools.lru_cache(maxsize=1024)
+def _global_names(code: types.CodeType) -> frozenset[str]:
+    return frozenset(code_names(code)[0])
+
+
+def _names_one(value, ids: set[int]) -> bool:
+    """Whether ``value`` is one of the modules ``ids`` names or one of those ids, or a
+    container (weak ones too) holding one, one level down (two for a dict's values)."""
+    if id(value) in ids or (type(value) is int and value in ids):
+        return True
+    if isinstance(value, weakref.ref):
+        return id(value()) in ids
+    if isinstance(value, weakref.WeakValueDictionary):
+        value = dict(value.items())
+    if isinstance(value, (dict, weakref.WeakKeyDictionary)) and len(value) <= _SMALL:
+        return any(_one(k, ids) or _names_one(v, ids) for k, v in value.items() if not isinstance(v, dict))
+    if isinstance(value, (set, frozenset, list, tuple, weakref.WeakSet)) and len(value) <= _SMALL:
+        return any(_one(x, ids) for x in value)
+    return False
+
+
+def _one(value, ids: set[int]) -> bool:
+    return id(value) in ids or (type(value) is int and value in ids)
 
 
 _SMALL = 64  # the largest list whose items are compared (a dict, by its version, at any size)

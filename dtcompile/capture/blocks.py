@@ -40,6 +40,7 @@ from .block_checks import (
     arguments_changed,
     changed,
     contents,
+    identity_read,
     inputs_depend,
     python_state,
     recording_counts,
@@ -49,7 +50,6 @@ from .block_training import BlockReplayFailed, GradReplay, backward_template
 from .equivalence import (
     GLOBAL_HOOKS,
     SCALARS,
-    TRACED_ATTRIBUTES,
     arguments_key,
     block_state,
     local_proxy,
@@ -57,6 +57,7 @@ from .equivalence import (
     same_blocks,
 )
 from .replay import ReplayDiverged, output_aliases, record_again
+from .tensor_attributes import user_attributes
 
 
 class BlockTemplate:
@@ -115,6 +116,7 @@ class RepeatedBlocks:
     def __init__(self, recording, module_state):
         self.recording = recording
         self.paths = module_state.paths  # id of each module of the traced tree -> its path
+        self.modules = module_state.modules
         self.root = module_state.modules[0] if module_state.modules else None
         self.templates: dict[type, list[BlockTemplate]] = {}
         self.recording_depth = 0
@@ -200,7 +202,7 @@ class RepeatedBlocks:
             if any(leaf._spec is not spec for leaf, spec in specs)
             else "it changed a container it received"
             if arguments_changed(args, kwargs, flat_args, treespec)
-            else unreplayable(template.symbols)
+            else identity_read(module, [c for c, _ in tables], self.modules) or unreplayable(template.symbols)
         )
         if template.refused is None:
             template.refused = self._describe(template, module, flat_args, out)
@@ -247,7 +249,7 @@ class RepeatedBlocks:
                 local = local_proxy(leaf)
                 if local is None:
                     return "it returns a tensor that is not traced"
-                if set(vars(leaf)) - TRACED_ATTRIBUTES:
+                if user_attributes(leaf):
                     return "it returns a tensor with attributes of its own"
                 if id(leaf) in arg_ids:
                     if training:

@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten
 from ..core import TensorProxy
 from ..core.torch_internals import dtensor_implicit_replication, dtensor_op_handlers, function_modes, sdpa_backends
 from .python_reads import value_key
+from .tensor_attributes import attributes_key, user_attributes
 
 SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout)
 # nn.Module's hook tables: a handle's id is the key, so only the hooks are compared.
@@ -60,9 +61,6 @@ GLOBAL_HOOKS = (
     "_global_forward_hooks_with_kwargs",
 )
 _EQUIVALENCE_DEPTH = 8
-# What a traced tensor holds in its ``__dict__`` (a proxy's own; a DTensor holds none): one
-# holding more (an attribute the code set) is not compared, nor rebuilt by a replay.
-TRACED_ATTRIBUTES = frozenset({"fake", "label", "provenance", "value"})
 
 
 def _size_key(size) -> object:
@@ -107,8 +105,9 @@ def traced_key(value) -> tuple | None:
             tuple(map(_size_key, meta.stride)),
             value.requires_grad,
             tensor_key(local),
+            attributes_key(value),
         )
-    return ("tensor", tensor_key(local))
+    return ("tensor", tensor_key(local), attributes_key(value))
 
 
 def arguments_key(args: tuple, kwargs: dict) -> tuple | None:
@@ -121,7 +120,7 @@ def arguments_key(args: tuple, kwargs: dict) -> tuple | None:
     for index, leaf in enumerate(flat):
         if isinstance(leaf, torch.Tensor):
             key = traced_key(leaf)
-            if key is None or set(vars(leaf)) - TRACED_ATTRIBUTES:
+            if key is None or user_attributes(leaf):
                 return None  # not traced, or an attribute of its own (``x.tag``) the block may read
         elif type(leaf) in SCALARS:
             key = value_key(leaf)

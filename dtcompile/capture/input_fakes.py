@@ -56,8 +56,10 @@ class InputFakes:
             torch._C._set_neg(fake, real.is_neg())
         if type(real) is torch.nn.Parameter:
             fake._is_param = True  # as the converter marks it: ``isinstance(p, Parameter)``
-        if getattr(real, "_is_buffer", False):
+        if getattr(real, "_is_buffer", False):  # ``nn.Buffer``'s marks, as the converter forwards them
             fake._is_buffer = True
+            if hasattr(real, "persistent"):
+                fake.persistent = real.persistent
         if base is None:
             self._storages[storage_id(real)] = fake
         self.fake_mode.fake_tensor_converter.set_tensor_memo(real, fake)

@@ -23,6 +23,7 @@ from ..core.symbolic import is_symbolic
 from ..core.torch_internals import DTensorSpec, TensorMeta, make_dtensor
 from .objects import StateObjects, is_state_object, new_stand_in
 from .recorder import Recording
+from .tensor_attributes import carry_attributes
 
 CONSTANT_TYPES = (
     bool,
@@ -94,6 +95,7 @@ class ConstantInput(InputNode):
 class TensorInput(InputNode):
     proxy: TensorProxy
     meta: LocalTensorMeta
+    attributes: dict = dataclasses.field(default_factory=dict)  # Python attributes guarded
 
 
 @dataclass
@@ -106,6 +108,7 @@ class DTensorInput(InputNode):
     # The input whose tensor is this DTensor's local tensor too (two DTensors made from one
     # local tensor): the local is then that input, not a new one.
     local_of: InputNode | None = None
+    attributes: dict = dataclasses.field(default_factory=dict)  # Python attributes guarded
 
 
 @dataclass
@@ -215,7 +218,7 @@ class InputProxifier:
             proxy = self.recording.input_proxy(value, identifier(name_hint, self.taken), path, dynamic)
             if value.requires_grad:
                 self.differentiable.append((proxy, proxy))
-            node = TensorInput(path, proxy, LocalTensorMeta.of(value))
+            node = TensorInput(path, proxy, LocalTensorMeta.of(value), carry_attributes(value, proxy))
             self._tensors[id(value)] = (proxy, node, False)
             return proxy, node
         if isinstance(value, CONSTANT_TYPES) or type(value) is torch.Size or _constant_slice(value):
@@ -285,6 +288,7 @@ class InputProxifier:
         spec = _symbolic_spec(value, proxy) if dynamic else value._spec
         wrapped = make_dtensor(proxy, spec, requires_grad=value.requires_grad)
         node = DTensorInput(path, proxy, value._spec, LocalTensorMeta.of(local), value.requires_grad, spec, first)
+        node.attributes = carry_attributes(value, wrapped)
         self._tensors[id(value)] = (wrapped, node, False)
         if first is None:
             self._tensors[id(local)] = (proxy, node, True)

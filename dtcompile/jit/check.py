@@ -111,7 +111,7 @@ class _SavedState:
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
 
     def restore(self) -> None:
-        self.objects.restore()
+        self.objects.put_back()
         with torch.no_grad():
             for tensor, saved in self.tensors:
                 tensor.copy_(saved)

@@ -26,7 +26,9 @@ from ..capture import (
     SameObjectInput,
     SequenceInput,
     TensorInput,
+    iter_leaves,
 )
+from ..capture.tensor_attributes import attributes_match
 from ..core.codegen import GeneratedFunction, literal_or_global
 from ..core.printing import python_literal
 from ..core.symbolic import LARGEST_SYMBOLIC_SIZE, SOURCE_GLOBALS, is_symbolic, python_source, symbolic_expr
@@ -358,6 +360,9 @@ def build_prologue(
         b.results.append(name)
         b.result_labels.append(proxy.label)
     check_batched(b)
+    for node in (n for root in inputs.nodes() for n in iter_leaves(root) if getattr(n, "attributes", None)):
+        b.globals["attributes_match"] = attributes_match  # a tensor's Python attributes, as traced
+        b.fail_if(f"not attributes_match({b.tensor_vars[id(node)]}, {b.constant(node.attributes, 'ATTRIBUTES')})")
     if shape_env is not None:
         b.symbolic_guards(shape_env)
     for device in sorted(b.devices):

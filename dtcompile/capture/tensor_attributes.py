@@ -1,0 +1,50 @@
+"""Python attributes of an input tensor (``w.tag = "expert"``, nn.Buffer's ``persistent``,
+a DTensor parameter's ``_is_param``), carried onto what the traced code gets, so that it
+reads what eager would (``isinstance(w, nn.Parameter)``, ``getattr(b, "persistent")``).
+
+The values are baked into the program: those a user sets are guarded (by value for
+scalars, else by identity, and no name added or removed, ``attributes_match``); torch's
+own marks (:data:`TORCH_MARKS`) are not, nor are attributes added to a tensor that had none
+when it was traced.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .python_reads import by_value, value_key
+
+# Set once, by torch, when a Parameter or Buffer is made.
+TORCH_MARKS = frozenset({"_is_param", "_is_buffer", "persistent"})
+# What a traced tensor holds in its ``__dict__`` (a proxy's own; a DTensor holds none).
+TRACED_ATTRIBUTES = frozenset({"fake", "label", "provenance", "value"})
+
+
+def carry_attributes(real: torch.Tensor, traced: torch.Tensor) -> dict:
+    """Set ``real``'s attributes on ``traced`` (a plain Parameter's class too, as the
+    ``_is_param`` mark); returns those guarded."""
+    if type(real) is torch.nn.Parameter:
+        traced._is_param = True
+    attributes = {name: value for name, value in vars(real).items() if name not in TRACED_ATTRIBUTES}
+    for name, value in attributes.items():
+        setattr(traced, name, value)
+    return {name: value for name, value in attributes.items() if name not in TORCH_MARKS}
+
+
+def user_attributes(traced: torch.Tensor) -> dict:
+    """The attributes of a traced tensor a user set (carried, or set while tracing)."""
+    return {k: v for k, v in vars(traced).items() if k not in TRACED_ATTRIBUTES and k not in TORCH_MARKS}
+
+
+def attributes_key(traced: torch.Tensor) -> tuple:
+    """What two blocks' tensors must share: their user attributes, by value or identity."""
+    return tuple((k, value_key(v) if by_value(v) else id(v)) for k, v in user_attributes(traced).items())
+
+
+def attributes_match(tensor: torch.Tensor, expected: dict) -> bool:
+    """Whether a call's tensor holds the attributes traced (the prologue's check)."""
+    found = {k: v for k, v in vars(tensor).items() if k not in TORCH_MARKS}
+    return found.keys() == expected.keys() and all(
+        (by_value(v) and type(v) is type(w) and value_key(v) == value_key(w)) or v is w
+        for v, w in zip(found.values(), (expected[k] for k in found))
+    )

@@ -1,0 +1,86 @@
+"""Inputs' fake tensors made from their metadata (``capture/input_fakes.py``) keep what
+the fake mode's converter kept: which tensors share memory (an in-place change of one is
+seen through the others), ``isinstance(p, nn.Parameter)``, a buffer's marks. Results
+must be eager's, call after call (each call writes in place).
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import dtcompile
+
+
+class SharedBuffers(nn.Module):
+    """Two buffers of one storage, in the order given: the whole tensor and a view of it
+    (at an offset, maybe of another dtype)."""
+
+    def __init__(self, view_first: bool, dtype_view: bool):
+        super().__init__()
+        whole = torch.arange(8.0)
+        part = whole.view(torch.int32)[2:] if dtype_view else whole[2:]
+        pairs = [("part", part), ("whole", whole)] if view_first else [("whole", whole), ("part", part)]
+        for name, t in pairs:
+            self.register_buffer(name, t)
+        self.w = nn.Parameter(torch.ones(6))
+
+    def forward(self, x):
+        self.whole.add_(1)  # seen through ``part``
+        part = self.part.float() if self.part.dtype != torch.float32 else self.part
+        return x * part + self.w
+
+
+@pytest.mark.parametrize("view_first", [False, True], ids=["whole first", "view first"])
+@pytest.mark.parametrize("dtype_view", [False, True], ids=["same dtype", "int32 view"])
+def test_tensors_sharing_storage_stay_aliased(view_first, dtype_view):
+    model, reference = SharedBuffers(view_first, dtype_view), SharedBuffers(view_first, dtype_view)
+    jitted = dtcompile.jit(model)
+    x = torch.randn(6)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(jitted(x), reference(x), rtol=0, atol=0)
+    torch.testing.assert_close(model.whole, reference.whole, rtol=0, atol=0)
+
+
+class ParameterCheck(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        self.b = nn.Buffer(torch.randn(4), persistent=False)
+
+    def forward(self, x):
+        scale = 2.0 if isinstance(self.w, nn.Parameter) else 3.0
+        shift = 1.0 if getattr(self.b, "persistent", True) is False else 5.0
+        return x * self.w * scale + self.b + shift
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_parameters_and_buffers_look_as_in_eager(grad):
+    model = ParameterCheck()
+    x = torch.randn(4)
+    with torch.set_grad_enabled(grad):
+        torch.testing.assert_close(dtcompile.jit(model)(x), model(x), rtol=0, atol=0)
+
+
+class Tagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        self.w.tag = "double"
+
+    def forward(self, x):
+        scale = 2.0 if getattr(self.w, "tag", None) == "double" else 1.0
+        return x * self.w * scale
+
+
+def test_a_tensor_attribute_is_read_as_in_eager_and_guarded():
+    model = Tagged()
+    jitted = dtcompile.jit(model)
+    x = torch.randn(4)
+    with torch.no_grad():
+        torch.testing.assert_close(jitted(x), model(x), rtol=0, atol=0)
+        model.w.tag = "single"  # a new value: a new entry
+        torch.testing.assert_close(jitted(x), model(x), rtol=0, atol=0)
+        del model.w.tag
+        torch.testing.assert_close(jitted(x), model(x), rtol=0, atol=0)
+    assert dtcompile.cache_misses(jitted) == 3
