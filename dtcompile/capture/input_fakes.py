@@ -40,9 +40,7 @@ class InputFakes:
         first = self._storages.get(storage_id(real))
         if first is not None and first is not _CONVERTED:
             if real.is_nested or real.is_quantized or real.layout is not torch.strided:
-                raise TracingError(
-                    f"dtcompile: a {real.layout} tensor shares memory with another input; not supported"
-                )
+                raise TracingError(f"dtcompile: a {real.layout} tensor shares memory with another input; not supported")
             return self._made(real, first)
         self._storages[storage_id(real)] = _CONVERTED
         return self.fake_mode.from_tensor(real, **options)
