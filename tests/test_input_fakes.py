@@ -84,3 +84,25 @@ def test_a_tensor_attribute_is_read_as_in_eager_and_guarded():
         del model.w.tag
         torch.testing.assert_close(jitted(x), model(x), rtol=0, atol=0)
     assert dtcompile.cache_misses(jitted) == 3
+
+
+def test_an_attribute_set_after_compiling_is_seen():
+    """On a parameter that had none, and on an argument: a new entry reads it."""
+    model = Tagged()
+    del model.w.tag
+    jitted = dtcompile.jit(model)
+    x = torch.randn(4)
+    with torch.no_grad():
+        torch.testing.assert_close(jitted(x), model(x), rtol=0, atol=0)
+        model.w.tag = "double"
+        torch.testing.assert_close(jitted(x), model(x), rtol=0, atol=0)
+
+    def scaled(t):
+        return t * (3.0 if getattr(t, "scale_me", False) else 1.0)
+
+    jitted = dtcompile.jit(scaled)
+    y = torch.randn(4)
+    torch.testing.assert_close(jitted(y), scaled(y), rtol=0, atol=0)
+    y.scale_me = True
+    torch.testing.assert_close(jitted(y), scaled(y), rtol=0, atol=0)
+    assert dtcompile.cache_misses(jitted) == 2

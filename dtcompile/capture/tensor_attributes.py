@@ -3,9 +3,9 @@ a DTensor parameter's ``_is_param``), carried onto what the traced code gets, so
 reads what eager would (``isinstance(w, nn.Parameter)``, ``getattr(b, "persistent")``).
 
 The values are baked into the program: those a user sets are guarded (by value for
-scalars, else by identity, and no name added or removed, ``attributes_match``); torch's
-own marks (:data:`TORCH_MARKS`) are not, nor are attributes added to a tensor that had none
-when it was traced.
+scalars, else by identity, and no name added or removed, ``attributes_match``), the
+other tensors by how many attributes they hold (``batched_guards.attribute_checks``); the
+values of torch's own marks (:data:`TORCH_MARKS`) are not compared.
 """
 
 from __future__ import annotations

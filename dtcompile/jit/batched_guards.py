@@ -14,6 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..capture import CallInputs, ConstantInput, DTensorInput, LocalTensorMeta, ObjectInput, TensorInput
+from ..capture.tensor_attributes import attributes_match
 from ..core.symbolic import is_symbolic
 from ..core.torch_internals import TensorGuards
 
@@ -240,3 +241,22 @@ def alike_objects(b, objects: list[ObjectInput], var: str) -> None:
                 b.result_labels.append(child.proxy.label)
                 b.tensor_vars[id(child)] = b.local_vars[id(child)] = item
     b.in_object -= 1
+
+
+def attribute_checks(b, leaves: list) -> None:
+    """Each tensor's Python attributes as traced (``capture/tensor_attributes.py``): one
+    holding attributes a user set, by ``attributes_match``; the others, by how many
+    attributes they hold, in one pass (a ``w.tag`` set after compiling is a new entry)."""
+    counted = []
+    for node in leaves:
+        if not isinstance(node, (TensorInput, DTensorInput)) or id(node) not in b.tensor_vars:
+            continue
+        if node.attributes:
+            b.globals["attributes_match"] = attributes_match
+            expected = b.constant(node.attributes, "ATTRIBUTES")
+            b.fail_if(f"not attributes_match({b.tensor_vars[id(node)]}, {expected})")
+        else:
+            counted.append((b.tensor_vars[id(node)], node.held_attributes))
+    if counted:
+        counts = b.constant([n for _, n in counted], "ATTRIBUTE_COUNTS")
+        b.fail_if(f"list(map(len, map(vars, ({', '.join(v for v, _ in counted)},)))) != {counts}")

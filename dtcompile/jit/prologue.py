@@ -28,7 +28,6 @@ from ..capture import (
     TensorInput,
     iter_leaves,
 )
-from ..capture.tensor_attributes import attributes_match
 from ..core.codegen import GeneratedFunction, literal_or_global
 from ..core.printing import python_literal
 from ..core.symbolic import LARGEST_SYMBOLIC_SIZE, SOURCE_GLOBALS, is_symbolic, python_source, symbolic_expr
@@ -41,7 +40,15 @@ from ..core.torch_internals import (
     shape_guards,
     symbol_range,
 )
-from .batched_guards import Batched, alike, alike_objects, check_batched, module_tensors, stand_in
+from .batched_guards import (
+    Batched,
+    alike,
+    alike_objects,
+    attribute_checks,
+    check_batched,
+    module_tensors,
+    stand_in,
+)
 from .guards import meshes_match, spec_matches
 from .state_guards import state_checks
 
@@ -360,9 +367,7 @@ def build_prologue(
         b.results.append(name)
         b.result_labels.append(proxy.label)
     check_batched(b)
-    for node in (n for root in inputs.nodes() for n in iter_leaves(root) if getattr(n, "attributes", None)):
-        b.globals["attributes_match"] = attributes_match  # a tensor's Python attributes, as traced
-        b.fail_if(f"not attributes_match({b.tensor_vars[id(node)]}, {b.constant(node.attributes, 'ATTRIBUTES')})")
+    attribute_checks(b, [n for root in inputs.nodes() for n in iter_leaves(root)])
     if shape_env is not None:
         b.symbolic_guards(shape_env)
     for device in sorted(b.devices):

@@ -278,3 +278,77 @@ def dtensor_dispatch_switches():
 
 def test_dtensor_dispatch_switches_are_guarded(ranks2):
     assert ranks2.run(dtensor_dispatch_switches) == [[True, True, 1, 1, 2]] * 2
+
+
+class _TaggedMLP(torch.nn.Module):
+    """A tensor-parallel MLP whose forward reads Python attributes of its DTensor weight."""
+
+    def __init__(self, mesh):
+        super().__init__()
+        self.mlp = parallel_mlp(mesh, dim=8, hidden=16)
+
+    def forward(self, x):
+        weight = self.mlp.up.weight
+        scale = 2.0 if isinstance(weight, torch.nn.Parameter) else 3.0
+        if getattr(weight, "tag", None) == "half":
+            scale = scale / 2
+        return self.mlp(x) * scale
+
+
+def dtensor_parameter_attributes():
+    model = _TaggedMLP(_mesh())
+    jitted = dtcompile.jit(model)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert_same(jitted(x), model(x))
+        model.mlp.up.weight.tag = "half"  # guarded: a new entry reads it
+        assert_same(jitted(x), model(x))
+        model.mlp.up.weight.tag = "whole"
+        assert_same(jitted(x), model(x))
+    return dtcompile.cache_misses(jitted)
+
+
+def test_dtensor_parameter_attributes_are_read_as_in_eager(ranks2):
+    assert ranks2.run(dtensor_parameter_attributes) == [3, 3]
+
+
+SKIPPED_BLOCKS: set = set()
+
+
+class _SkippingMLP(torch.nn.Module):
+    """A tensor-parallel MLP block, skipped where it is in a global set: blocks told apart
+    by identity, which a replay of the first one's recording would get wrong."""
+
+    def __init__(self, mesh, seed):
+        super().__init__()
+        self.inner = parallel_mlp(mesh, dim=8, hidden=16, seed=seed)
+
+    def forward(self, x):
+        return x if self in SKIPPED_BLOCKS else x + self.inner(x)
+
+
+def blocks_told_apart_by_identity():
+    mesh = _mesh()
+    model = torch.nn.Sequential(*(_SkippingMLP(mesh, seed) for seed in range(4)))
+    SKIPPED_BLOCKS.clear()
+    SKIPPED_BLOCKS.add(model[2])
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+    results = []
+    for cache in ("constant values", "symbolic values"):
+        with torch.no_grad():
+            assert_same(dtcompile.jit(model, cache=cache)(x), model(x))
+        out = dtcompile.jit(model, cache=cache)(x)
+        out.sum().backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        expected = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        results.append(grads.keys() == expected.keys())
+        for name in grads:
+            torch.testing.assert_close(grads[name], expected[name], rtol=1e-5, atol=1e-6)
+    return results
+
+
+def test_blocks_told_apart_by_identity_on_ranks(ranks2):
+    assert ranks2.run(blocks_told_apart_by_identity) == [[True, True], [True, True]]
