@@ -106,3 +106,10 @@ def test_an_attribute_set_after_compiling_is_seen():
     y.scale_me = True
     torch.testing.assert_close(jitted(y), scaled(y), rtol=0, atol=0)
     assert dtcompile.cache_misses(jitted) == 2
+
+
+def test_an_attribute_named_as_a_traced_tensor_s_own_is_refused():
+    model = Tagged()
+    model.w.label = "mine"  # a traced tensor's own attribute: reading it would give the trace's
+    with pytest.raises(dtcompile.TracingError, match="'label'"):
+        dtcompile.jit(model)(torch.randn(4))

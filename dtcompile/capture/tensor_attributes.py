@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core import TracingError
 from .python_reads import by_value, value_key
 
 # Set once, by torch, when a Parameter or Buffer is made.
@@ -23,9 +24,15 @@ TRACED_ATTRIBUTES = frozenset({"fake", "label", "provenance", "value"})
 def carry_attributes(real: torch.Tensor, traced: torch.Tensor) -> dict:
     """Set ``real``'s attributes on ``traced`` (a plain Parameter's class too, as the
     ``_is_param`` mark); returns those guarded."""
+    clash = sorted(TRACED_ATTRIBUTES & vars(real).keys())
+    if clash:
+        raise TracingError(
+            f"dtcompile.jit: an input tensor holds the Python attribute {clash[0]!r}, a name dtcompile's traced "
+            "tensors use for themselves; the traced code would read theirs. Rename the attribute"
+        )
     if type(real) is torch.nn.Parameter:
         traced._is_param = True
-    attributes = {name: value for name, value in vars(real).items() if name not in TRACED_ATTRIBUTES}
+    attributes = dict(vars(real))
     for name, value in attributes.items():
         setattr(traced, name, value)
     return {name: value for name, value in attributes.items() if name not in TORCH_MARKS}
