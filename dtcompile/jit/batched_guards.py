@@ -243,20 +243,31 @@ def alike_objects(b, objects: list[ObjectInput], var: str) -> None:
     b.in_object -= 1
 
 
-def attribute_checks(b, leaves: list) -> None:
+def attribute_checks(b, roots: list) -> None:
     """Each tensor's Python attributes as traced (``capture/tensor_attributes.py``): one
     holding attributes a user set, by ``attributes_match``; the others, by how many
-    attributes they hold, in one pass (a ``w.tag`` set after compiling is a new entry)."""
+    attributes they hold, in one pass (a ``w.tag`` set after compiling is a new entry),
+    but for the tensors of input objects (a KV cache's, a library's own: a few hundred more
+    objects touched per call at 32 layers)."""
     counted = []
-    for node in leaves:
-        if not isinstance(node, (TensorInput, DTensorInput)) or id(node) not in b.tensor_vars:
+    for node, in_object in _tensor_leaves(roots):
+        if id(node) not in b.tensor_vars:
             continue
         if node.attributes:
             b.globals["attributes_match"] = attributes_match
             expected = b.constant(node.attributes, "ATTRIBUTES")
             b.fail_if(f"not attributes_match({b.tensor_vars[id(node)]}, {expected})")
-        else:
+        elif not in_object:
             counted.append((b.tensor_vars[id(node)], node.held_attributes))
     if counted:
         counts = b.constant([n for _, n in counted], "ATTRIBUTE_COUNTS")
         b.fail_if(f"list(map(len, map(vars, ({', '.join(v for v, _ in counted)},)))) != {counts}")
+
+
+def _tensor_leaves(nodes: list, in_object: bool = False):
+    """``(node, inside an input object)`` for each tensor node under ``nodes``."""
+    for node in nodes:
+        if isinstance(node, (TensorInput, DTensorInput)):
+            yield node, in_object
+        else:
+            yield from _tensor_leaves(getattr(node, "children", ()), in_object or isinstance(node, ObjectInput))

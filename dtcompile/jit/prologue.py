@@ -26,7 +26,6 @@ from ..capture import (
     SameObjectInput,
     SequenceInput,
     TensorInput,
-    iter_leaves,
 )
 from ..core.codegen import GeneratedFunction, literal_or_global
 from ..core.printing import python_literal
@@ -367,7 +366,7 @@ def build_prologue(
         b.results.append(name)
         b.result_labels.append(proxy.label)
     check_batched(b)
-    attribute_checks(b, [n for root in inputs.nodes() for n in iter_leaves(root)])
+    attribute_checks(b, inputs.nodes())
     if shape_env is not None:
         b.symbolic_guards(shape_env)
     for device in sorted(b.devices):
