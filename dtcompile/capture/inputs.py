@@ -220,7 +220,9 @@ class InputProxifier:
             proxy = self.recording.input_proxy(value, identifier(name_hint, self.taken), path, dynamic)
             if value.requires_grad:
                 self.differentiable.append((proxy, proxy))
-            node = TensorInput(path, proxy, LocalTensorMeta.of(value), carry_attributes(value, proxy), len(vars(value)))
+            node = TensorInput(
+                path, proxy, LocalTensorMeta.of(value), carry_attributes(value, proxy, path), len(vars(value))
+            )
             self._tensors[id(value)] = (proxy, node, False)
             return proxy, node
         if isinstance(value, CONSTANT_TYPES) or type(value) is torch.Size or _constant_slice(value):
@@ -290,7 +292,7 @@ class InputProxifier:
         spec = _symbolic_spec(value, proxy) if dynamic else value._spec
         wrapped = make_dtensor(proxy, spec, requires_grad=value.requires_grad)
         node = DTensorInput(path, proxy, value._spec, LocalTensorMeta.of(local), value.requires_grad, spec, first)
-        node.attributes, node.held_attributes = carry_attributes(value, wrapped), len(vars(value))
+        node.attributes, node.held_attributes = carry_attributes(value, wrapped, path), len(vars(value))
         self._tensors[id(value)] = (wrapped, node, False)
         if first is None:
             self._tensors[id(local)] = (proxy, node, True)

@@ -21,13 +21,13 @@ TORCH_MARKS = frozenset({"_is_param", "_is_buffer", "persistent"})
 TRACED_ATTRIBUTES = frozenset({"fake", "label", "provenance", "value"})
 
 
-def carry_attributes(real: torch.Tensor, traced: torch.Tensor) -> dict:
-    """Set ``real``'s attributes on ``traced`` (a plain Parameter's class too, as the
-    ``_is_param`` mark); returns those guarded."""
+def carry_attributes(real: torch.Tensor, traced: torch.Tensor, path) -> dict:
+    """Set ``real``'s attributes (it is the call's ``path``) on ``traced`` (a plain
+    Parameter's class too, as the ``_is_param`` mark); returns those guarded."""
     clash = sorted(TRACED_ATTRIBUTES & vars(real).keys())
     if clash:
         raise TracingError(
-            f"dtcompile.jit: an input tensor holds the Python attribute {clash[0]!r}, a name dtcompile's traced "
+            f"dtcompile.jit: {path} holds the Python attribute {clash[0]!r}, a name dtcompile's traced "
             "tensors use for themselves; the traced code would read theirs. Rename the attribute"
         )
     if type(real) is torch.nn.Parameter:
