@@ -125,6 +125,10 @@ BRANCHES = {
     "item compared": lambda x: x * 2 if x.sum().item() > 0 else x - 1,
     "two branches": lambda x: (x.exp() if x.max() > 1 else x.sin()) + (1 if x.min() < -1 else 2),
     "after other ops": lambda x: torch.relu(x * 3).sum(0) if x.mean() > 0 else torch.tanh(x).sum(0),
+    # A size read from data (the count a mask selects) in what the branch reads: computed
+    # now from the real inputs too.
+    "after a size from data": lambda x: (lambda y: y * 2 if (y > 0.5).any() else y - 1)(x - x[x > 0].shape[0] / 12),
+    "a number after a size from data": lambda x: (lambda y: y * int((y > 0).sum()))(x + torch.nonzero(x > 0).shape[0]),
 }
 
 

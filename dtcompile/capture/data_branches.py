@@ -20,6 +20,7 @@ ranks, so they trace, and fail a check, together.
 
 from __future__ import annotations
 
+import sympy
 import torch
 from torch._dispatch.python import no_python_dispatcher
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
@@ -39,10 +40,26 @@ def _symbols(number: NumberProxy) -> set:
     return set(number.expr.free_symbols) if isinstance(number.provenance, FromData) else set()
 
 
+def _data_sizes(proxy, every_dim: bool = False) -> list:
+    """The sizes of a tensor that are symbols read from data (a ``nonzero``'s count);
+    with ``every_dim``, one entry per dimension, None where the size is not one."""
+    if not isinstance(proxy, TensorProxy):
+        return []
+    found = []
+    for size in proxy.fake.shape:
+        expr = size.node.expr if isinstance(size, torch.SymInt) else None
+        found.append(expr if expr is not None and expr.is_Symbol and free_unbacked_symbols(size) else None)
+    return found if every_dim else [s for s in found if s is not None]
+
+
 def _cone(symbols: list[BoundSymbol], source: TensorProxy) -> list[int] | None:
     """The indices of the symbols ``source`` depends on (its producers, theirs, and the
     readers of numbers they use), or None when one of them cannot run now."""
     number_of = {s: b.output.label for b in symbols if isinstance(b.output, NumberProxy) for s in _symbols(b.output)}
+    for bsym in symbols:  # sizes read from data (``nonzero``'s): the first tensor that has each
+        for proxy in bsym.output_proxies():
+            for symbol in _data_sizes(proxy):
+                number_of.setdefault(symbol, proxy.label)
     needed, cone = {source.label}, []
     for index in range(len(symbols) - 1, -1, -1):
         bsym = symbols[index]
@@ -97,6 +114,9 @@ def value_now(recording, source: TensorProxy):
         for proxy, value in zip(tree_flatten(bsym.output)[0], tree_flatten(out)[0]):
             if isinstance(proxy, (TensorProxy, NumberProxy)):
                 env[proxy.label] = value
+            for symbol, size in zip(_data_sizes(proxy, every_dim=True), getattr(value, "shape", ())):
+                if symbol is not None:
+                    known.setdefault(symbol, sympy.Integer(size))
     return env[source.label].item(), cone
 
 
