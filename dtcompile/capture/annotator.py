@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..core import Note, TensorProxy, TracingError, data_dependent_error
 from ..core.provenance import InputPath
 from ..core.symbolic import is_symbolic
+from .op_memo import MISSED, OpMemo, state
 from .placements import describe_placements
 from .recorder import Recording
 
@@ -132,6 +133,7 @@ class CallAnnotator(TorchFunctionMode):
     def __init__(self, recording: Recording):
         super().__init__()
         self.recording = recording
+        self.memo = OpMemo(recording)
 
     def _check_hook(self, func, args) -> None:
         """A hook registered on a traced tensor runs while the backward is traced: its
@@ -190,6 +192,12 @@ class CallAnnotator(TorchFunctionMode):
         if any(isinstance(x, DTensor) and not isinstance(x._local_tensor, TensorProxy) for x in leaves):
             args, kwargs = tree_map(self._traced_dtensor, (args, kwargs))
             leaves, _ = tree_flatten((args, kwargs))
+        memo_key = self.memo.key(func, args, kwargs, leaves)
+        if memo_key is not None:
+            out = self.memo.replay(memo_key, leaves)
+            if out is not MISSED:
+                return out
+            specs, before = [getattr(x, "_spec", None) for x in leaves], state(self.recording)
         handled_by_dtensor = any(isinstance(x, DTensor) for x in leaves)
         self.recording.dtensor_calls += handled_by_dtensor
         outer_call, self.recording.current_call = self.recording.current_call, _short_name(func)
@@ -228,4 +236,6 @@ class CallAnnotator(TorchFunctionMode):
                     bsym.note = note
             if torch.is_grad_enabled():
                 tag_backward_nodes(leaves, tree_flatten(out)[0], note)
+        if memo_key is not None:
+            self.memo.keep(memo_key, leaves, specs, start, before, out)
         return out

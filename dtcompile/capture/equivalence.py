@@ -126,10 +126,23 @@ def arguments_key(args: tuple, kwargs: dict) -> tuple | None:
             key = value_key(leaf)
         elif isinstance(leaf, torch.SymInt):
             key = ("symint", leaf.node.expr)
+        elif type(leaf) is slice:  # an index: ``x[..., : n // 2]``
+            key = (slice, *map(_bound_key, (leaf.start, leaf.stop, leaf.step)))
+            if None in key:
+                return None
+        elif leaf is Ellipsis or type(leaf) is torch.memory_format:
+            key = leaf
         else:
             return None
         keys.append((key, first.setdefault(id(leaf), index)))
     return (spec, tuple(keys), dispatch_state())
+
+
+def _bound_key(bound) -> object:
+    """A slice bound's key; None where it cannot be compared."""
+    if isinstance(bound, torch.SymInt):
+        return ("symint", bound.node.expr)
+    return value_key(bound) if bound is None or type(bound) is int else None
 
 
 def dispatch_state() -> tuple:

@@ -1,0 +1,165 @@
+"""Torch-level calls recorded again for inputs like an earlier call's (``capture/op_memo.py``).
+
+Layers that cannot be replayed whole (each picks its cache entry by its index, as a
+Hugging Face decoder layer does) are traced one by one, their calls recorded again from
+the first layer's. The program must be the one dispatching every call records (the
+printed traces of every stage are compared), calls that differ in anything that decides
+their result must be dispatched, and every result must be eager's.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from support import assert_same_result
+from test_blocks import assert_eager
+
+import dtcompile
+from dtcompile.capture import op_memo
+from dtcompile.core import TracingError
+
+
+class Cache:
+    """A KV cache: one tensor per layer, written in place."""
+
+    def __init__(self, layers: int, length: int = 6, dim: int = 8):
+        self.keys = [torch.zeros(2, length, dim) for _ in range(layers)]
+
+
+class IndexedLayer(nn.Module):
+    """A layer that reads and writes its own entry of the cache by its index."""
+
+    def __init__(self, index: int, dim: int = 8):
+        super().__init__()
+        self.index = index
+        self.proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x, cache, position):
+        h = self.proj(x)
+        half = h.shape[-1] // 2
+        h = h * 0.5 + torch.cat((-h[..., half:], h[..., :half]), dim=-1) * 0.25
+        keys = cache.keys[self.index]
+        keys.index_copy_(1, position, h)
+        seen = keys[:, : position.shape[0]].transpose(0, 1).contiguous().transpose(0, 1)
+        return x + F.silu(seen)
+
+
+class Model(nn.Module):
+    def __init__(self, layer=IndexedLayer, n: int = 4, **kwargs):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(layer(i, **kwargs) for i in range(n))
+
+    def forward(self, x, cache, position):
+        for layer in self.layers:
+            x = layer(x, cache, position)
+        return x
+
+
+def _compiled_traces(model, args, memo: bool, cache: str):
+    saved, op_memo.ENABLED = op_memo.ENABLED, memo
+    try:
+        with torch.no_grad():
+            jitted = dtcompile.jit(model, cache=cache)
+            out = jitted(*args)
+    finally:
+        op_memo.ENABLED = saved
+    return out, "\n".join(map(str, dtcompile.last_traces(jitted)))
+
+
+@pytest.fixture
+def replays(monkeypatch):
+    """How many calls were recorded again, not dispatched."""
+    counted = []
+    original = op_memo.record_again
+
+    def counting(*args, **kwargs):
+        counted.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(op_memo, "record_again", counting)
+    return counted
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_the_program_is_the_one_dispatched_and_eagers(cache, replays):
+    model = Model()
+    x, position = torch.randn(2, 3, 8), torch.tensor([0, 1, 2])
+    memo_cache, plain_cache, eager_cache = Cache(4), Cache(4), Cache(4)
+    out, trace = _compiled_traces(model, (x, memo_cache, position), True, cache)
+    assert replays, "the later layers' calls were recorded again"
+    _, dispatched = _compiled_traces(model, (x, plain_cache, position), False, cache)
+    assert trace == dispatched  # every stage's program
+    with torch.no_grad():
+        expected = model(x, eager_cache, position)
+    assert_same_result(out, expected)
+    for got, want in zip(memo_cache.keys, eager_cache.keys):
+        assert_same_result(got, want)
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_later_calls_of_a_compiled_model_are_eagers(cache):
+    model = Model()
+    compiled_cache, eager_cache = Cache(4, length=8), Cache(4, length=8)
+    jitted = dtcompile.jit(model, cache=cache)
+    with torch.no_grad():
+        for length, start in ((3, 0), (1, 3), (2, 4)):
+            x, position = torch.randn(2, length, 8), torch.arange(start, start + length)
+            assert_same_result(jitted(x, compiled_cache, position), model(x, eager_cache, position))
+    for got, want in zip(compiled_cache.keys, eager_cache.keys):
+        assert_same_result(got, want)
+
+
+class BranchingLayer(IndexedLayer):
+    """Python decisions by the layer's index, between calls like every other layer's."""
+
+    def forward(self, x, cache, position):
+        h = self.proj(x)
+        if self.index == 2:
+            h = h.transpose(0, 1).transpose(0, 1) * 2
+        offsets = (torch.arange(4) + self.index).tolist()  # values known while tracing
+        h = h + offsets[0]
+        alias = h if self.index % 2 else h.clone()  # storage shared, or not
+        alias.mul_(3)
+        return x + h + alias
+
+
+class DataLayer(IndexedLayer):
+    """Sizes and values read from tensor data: a new number at each layer."""
+
+    def forward(self, x, cache, position):
+        h = self.proj(x)
+        picked = h[h > 0]
+        count = int((h > 0).sum())
+        return x + picked.sum() + count + torch.nonzero(h > 0.1).shape[0]
+
+
+@pytest.mark.parametrize("layer", [BranchingLayer, DataLayer])
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_calls_that_differ_are_dispatched(layer, cache):
+    model = Model(layer)
+    jitted = dtcompile.jit(model, cache=cache)
+    with torch.no_grad():
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            x, position = torch.randn(2, 3, 8), torch.tensor([0, 1, 2])
+            args = (x, Cache(4), position)
+            assert_eager(model, args, jitted(*args))
+
+
+class DtypeLayer(IndexedLayer):
+    """The default dtype changed by one layer: the others' calls are alike, this one's not."""
+
+    def forward(self, x, cache, position):
+        if self.index == 1:
+            torch.set_default_dtype(torch.float64)
+        try:
+            return x + self.proj(x) * 2.5
+        finally:
+            torch.set_default_dtype(torch.float32)
+
+
+def test_a_call_under_another_default_dtype_is_dispatched_and_refused():
+    model = Model(DtypeLayer)
+    with torch.no_grad(), pytest.raises(TracingError, match="default dtype"):
+        dtcompile.jit(model)(torch.randn(2, 3, 8), Cache(4), torch.tensor([0]))
