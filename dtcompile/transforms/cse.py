@@ -35,18 +35,17 @@ def cse(trace: Trace) -> Trace:
     leaves, _ = tree_flatten(trace.output)
     returned = {base[x.label] for x in leaves if isinstance(x, TensorProxy)}  # storages the caller gets
     seen: dict[str, object] = {}
+    touching: dict[object, list] = {}  # storage -> (key, symbol) of the seen that read or made it
     renames: dict[str, TensorProxy] = {}
     kept = []
     for bsym in trace.bound_symbols:
         bsym = bsym.with_inputs_renamed(renames) if renames else bsym
         if mutates(bsym):
             # What a merge would reuse (a result) or compare (an argument) is stale now.
-            written = {base.get(p.label) for p in bsym.input_tensors()}
-            seen = {
-                k: b
-                for k, b in seen.items()
-                if not any(base.get(p.label) in written for p in (*b.input_tensors(), *b.output_tensors()))
-            }
+            for storage in {base.get(p.label) for p in bsym.input_tensors()}:
+                for k, b in touching.pop(storage, ()):
+                    if seen.get(k) is b:
+                        del seen[k]
         key = None if has_side_effects(bsym) else _key(bsym)
         if key is not None and any(base.get(p.label) in written_anywhere for p in bsym.output_tensors()):
             key = None
@@ -63,6 +62,8 @@ def cse(trace: Trace) -> Trace:
                 continue
         if key is not None and earlier is None:
             seen[key] = bsym
+            for storage in {base.get(p.label) for p in (*bsym.input_tensors(), *bsym.output_tensors())}:
+                touching.setdefault(storage, []).append((key, bsym))
         kept.append(bsym)
 
     return trace.derive(
