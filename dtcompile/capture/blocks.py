@@ -52,6 +52,7 @@ from .equivalence import (
     SCALARS,
     arguments_key,
     block_state,
+    holds_data,
     local_proxy,
     named_tensors,
     same_blocks,
@@ -258,6 +259,8 @@ class RepeatedBlocks:
                 elif local.label not in defined and local.label not in template.sources:
                     return "it returns a tensor from outside it"
                 elif isinstance(leaf, DTensor):
+                    if holds_data(leaf._spec):
+                        return "it returns a DTensor whose placement holds the call's data (an embedding's mask)"
                     described.append(("dtensor", local, leaf._spec))
                 else:
                     described.append(("tensor", local))

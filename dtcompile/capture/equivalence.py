@@ -29,7 +29,13 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_flatten
 
 from ..core import TensorProxy
-from ..core.torch_internals import dtensor_implicit_replication, dtensor_op_handlers, function_modes, sdpa_backends
+from ..core.torch_internals import (
+    dtensor_implicit_replication,
+    dtensor_op_handlers,
+    function_modes,
+    mask_buffer,
+    sdpa_backends,
+)
 from .python_reads import value_key
 from .tensor_attributes import attributes_key, user_attributes
 
@@ -82,6 +88,13 @@ def tensor_key(t: torch.Tensor) -> tuple:
     )
 
 
+def holds_data(spec) -> bool:
+    """Whether a DTensor's placements hold data of their call (a row-parallel embedding's
+    _MaskPartial, the mask of the indices it looked up): such a DTensor is not like
+    another with equal placements, nor can its spec be given to another call's output."""
+    return any(mask_buffer(placement) is not None for placement in spec.placements)
+
+
 def local_proxy(value) -> TensorProxy | None:
     """The proxy a traced tensor is, or a traced DTensor holds; None for anything else."""
     if isinstance(value, DTensor):
@@ -96,6 +109,8 @@ def traced_key(value) -> tuple | None:
         return None
     if isinstance(value, DTensor):
         spec = value._spec
+        if holds_data(spec):
+            return None
         meta = spec.tensor_meta
         return (
             "dtensor",

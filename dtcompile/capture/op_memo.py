@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..core import TensorProxy
 from ..core.torch_internals import make_dtensor, storage_id
 from .block_checks import recording_counts, unreplayable
-from .equivalence import SCALARS, arguments_key, local_proxy
+from .equivalence import SCALARS, arguments_key, holds_data, local_proxy
 from .replay import ReplayDiverged, output_aliases, record_again
 
 
@@ -116,6 +116,8 @@ class OpMemo:
                 local = local_proxy(leaf)
                 if local is None or local.value is not None or local.label not in defined or leaf.requires_grad:
                     return
+                if isinstance(leaf, DTensor) and holds_data(leaf._spec):
+                    return  # a placement holding this call's data (an embedding's mask)
                 outputs.append(
                     ("dtensor", local.label, leaf._spec) if isinstance(leaf, DTensor) else ("tensor", local.label)
                 )
