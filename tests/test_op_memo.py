@@ -163,3 +163,84 @@ def test_a_call_under_another_default_dtype_is_dispatched_and_refused():
     model = Model(DtypeLayer)
     with torch.no_grad(), pytest.raises(TracingError, match="default dtype"):
         dtcompile.jit(model)(torch.randn(2, 3, 8), Cache(4), torch.tensor([0]))
+
+
+# Found by an audit: what a call recorded again must give as dispatching does.
+def _dtype_views(x, y):  # a view as another dtype, then what depends on the dtype
+    a, b = x.view(torch.int32).float(), y.view(torch.int32).float()
+    c, d = torch.view_as_complex(x.view(4, 3, 2)), torch.view_as_complex(y.view(4, 3, 2))
+    return a, b, (y.view(torch.int32) >> 23).float(), c * (1 if c.dtype == torch.complex64 else 2), d * 1
+
+
+def _conjugate_bits(x, y):  # the bits ops dispatch on, and branches on them
+    a, b = torch.complex(x, y).conj(), torch.complex(y, x).conj()
+    n, m = torch._neg_view(x), torch._neg_view(y)
+    return (
+        (a * 1 if a.is_conj() else a * 0),
+        (b * 1 if b.is_conj() else b * 0),
+        b.imag * 1,
+        n * (2 if n.is_neg() else 3),
+        m * (2 if m.is_neg() else 3),
+    )
+
+
+def _resolved(x, y):  # ``resolve_conj`` of a tensor without the bit returns the tensor itself
+    a = torch._neg_view(x).resolve_neg()
+    b = y.resolve_neg()
+    b.add_(1)
+    return a, b
+
+
+class _Scaling(nn.Module):
+    """A forward that sets an attribute a user's function reads, between two calls of it."""
+
+    def forward(self, x, y):
+        self.scale = 2.0
+        a = _scaled(x)
+        self.scale = 3.0
+        return a, _scaled(y)
+
+
+SCALING = _Scaling()
+
+
+def _scaled(x):  # a user's function taking part in ``__torch_function__``, reading a global
+    if torch.overrides.has_torch_function((x,)):
+        return torch.overrides.handle_torch_function(_scaled, (x,), x)
+    return x * SCALING.scale
+
+
+@pytest.mark.parametrize("fn", [_dtype_views, _conjugate_bits, _resolved])
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_calls_like_others_but_for_what_decides_their_result(fn, cache):
+    jitted = dtcompile.jit(fn, cache=cache)
+    with torch.no_grad():
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            x, y = torch.randn(4, 6), torch.randn(4, 6)
+            got_inputs, expected_inputs = (x.clone(), y.clone()), (x.clone(), y.clone())
+            assert_same_result(jitted(*got_inputs), fn(*expected_inputs))
+            assert_same_result(got_inputs, expected_inputs)
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_a_users_function_is_dispatched(cache):
+    jitted = dtcompile.jit(SCALING, cache=cache)
+    with torch.no_grad():
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            x, y = torch.randn(4, 6), torch.randn(4, 6)
+            assert_same_result(jitted(x, y), SCALING(x, y))
+
+
+class _BitsBlock(nn.Module):
+    def forward(self, x):
+        return x + x.view(torch.int32).float() * 0 + torch._neg_view(x).resolve_neg()
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_replayed_blocks_keep_dtypes_and_bits(cache):
+    model = nn.Sequential(*[_BitsBlock() for _ in range(3)])
+    x = torch.randn(4, 6)
+    out, trace = _compiled_traces(model, (x,), True, cache)
+    assert_eager(model, (x,), out)

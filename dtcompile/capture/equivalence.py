@@ -75,7 +75,8 @@ def _size_key(size) -> object:
 
 def tensor_key(t: torch.Tensor) -> tuple:
     """What a proxy's metadata is compared by: sizes and strides (symbolic ones by
-    expression, so comparing adds no guard), offset, dtype, device, layout, grad."""
+    expression, so comparing adds no guard), offset, dtype, device, layout, grad, the
+    conjugate and negative bits."""
     fake = t.fake if isinstance(t, TensorProxy) else t
     return (
         tuple(map(_size_key, fake.shape)),
@@ -85,6 +86,8 @@ def tensor_key(t: torch.Tensor) -> tuple:
         fake.device,
         fake.layout,
         t.requires_grad,
+        fake.is_conj(),  # ops dispatch on these bits (``resolve_conj`` returns its input without)
+        fake.is_neg(),
     )
 
 

@@ -14,7 +14,9 @@ outputs rebuilt with the first call's DTensor specs.
 tensors, whose metadata, placements, identity and storage sharing are the same, under the
 same dispatch state (``equivalence.arguments_key``). Only calls without gradients (a
 traced backward's notes name the forward call each symbol differentiates), whose tensors
-are all traced and none with a value known while tracing; a call is kept only when what
+are all traced and none with a value known while tracing, and only torch's own functions
+(a user's function taking part in ``__torch_function__`` may read anything); a call is
+kept only when what
 it recorded can be recorded again: aten ops that draw no random numbers, that read
 nothing but the call's tensors, made no new symbol (a size read from data is a new one
 each time), changed no other state of the recording, and returned traced tensors or
@@ -133,7 +135,7 @@ def call_key(func, args: tuple, kwargs: dict, flat: list) -> tuple | None:
     """The key calls like each other share (see the module docstring); None where the
     call is not kept: gradients, a tensor that is not traced or whose value tracing
     knows, an argument that cannot be compared."""
-    if torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
+    if torch.is_grad_enabled() or torch._C._current_autograd_node() is not None or not _torch_own(func):
         return None
     tensors = _tensor_leaves(flat)
     if not tensors or any(local_proxy(t) is None or local_proxy(t).value is not None for t in tensors):
@@ -154,6 +156,16 @@ def state(recording) -> tuple:
     symbols of sizes (a size read from data is a new symbol at each call)."""
     shape_env = recording.fake_mode.shape_env
     return recording_counts(recording), 0 if shape_env is None else len(shape_env.var_to_range)
+
+
+def _torch_own(func) -> bool:
+    """Whether ``func`` is torch's (an op, a Tensor method, a function of ``torch``): a
+    user's function that takes part in ``__torch_function__`` may read anything."""
+    if isinstance(func, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        return True
+    owner = getattr(func, "__objclass__", None)  # a method of torch's C tensor class
+    module = getattr(owner, "__module__", None) if owner is not None else getattr(func, "__module__", None)
+    return isinstance(module, str) and (module == "torch" or module.startswith("torch."))
 
 
 def _view_in_place(bsym) -> bool:

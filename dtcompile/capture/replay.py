@@ -57,7 +57,9 @@ def output_aliases(bsym) -> list[int | None] | None:
     each output, the index of the input tensor whose storage it views (None: fresh
     storage). None where the op must run again: it writes to its inputs (an in-place op
     may change their metadata), makes tensors from nothing (a factory op: its values may be
-    known while tracing), returns more than tensors, or outputs share a fresh storage."""
+    known while tracing), returns more than tensors, outputs share a fresh storage, or an
+    output has what ``fake_like`` does not make: a conjugate or negative bit, another dtype
+    than the input it views."""
     inputs = bsym.input_tensors()
     outputs = leaves(bsym.output)
     if (
@@ -65,6 +67,7 @@ def output_aliases(bsym) -> list[int | None] | None:
         or not inputs
         or not outputs
         or not all(isinstance(o, TensorProxy) and o.value is None for o in outputs)
+        or any(o.fake.is_conj() or o.fake.is_neg() for o in outputs)  # bits ``fake_like`` does not make
         or any(i.value is not None for i in inputs)
     ):
         return None
@@ -77,6 +80,8 @@ def output_aliases(bsym) -> list[int | None] | None:
             if storage in fresh or o.fake.storage_offset() != 0:
                 return None
             fresh.add(storage)
+        elif o.fake.dtype != inputs[index].fake.dtype:
+            return None  # a view as another dtype (``x.view(torch.int32)``): ``fake_like`` keeps the input's
         aliases.append(index)
     return aliases
 
