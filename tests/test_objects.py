@@ -345,3 +345,40 @@ def test_a_simple_namespace_argument_is_taken_apart_like_any_object(cache):
         assert_same_result(jitted(torch.ones(2), got), _scales_and_counts(torch.ones(2), expected))
         assert got.count == expected.count
         assert_same_tensor(got.last, expected.last)
+
+
+class _Settings:
+    def __init__(self):
+        self.scale = 1.0
+        self.table = torch.ones(2)
+
+
+SETTINGS = _Settings()
+
+
+def _set_then_read_global(x, settings):
+    settings.scale = 2.0
+    return x * SETTINGS.scale
+
+
+def _identity_of_the_global(x, settings):
+    return x * 2 if settings is SETTINGS else x
+
+
+class _HoldsSettings(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.settings = SETTINGS
+
+    def forward(self, x, settings):
+        settings.scale = 3.0
+        return x * self.settings.scale
+
+
+@pytest.mark.parametrize("fn", [_set_then_read_global, _identity_of_the_global, _HoldsSettings()])
+def test_an_object_of_the_call_also_reached_another_way_is_refused(fn):
+    """The traced code gets a stand-in for the call's object: reached another way too (a
+    global, a module's attribute), the two would be different objects while tracing."""
+    with pytest.raises(dtcompile.TracingError, match=r"args\[1\] is also reached as"):
+        dtcompile.jit(fn)(torch.ones(2), SETTINGS)
+    assert SETTINGS.scale == 1.0  # nothing done

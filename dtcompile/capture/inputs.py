@@ -266,7 +266,7 @@ class InputProxifier:
             attributes[name] = proxied
             node.children.append(child)
         stand_in.__dict__.update(attributes)
-        self.objects.add(node, stand_in, attributes)
+        self.objects.add(node, stand_in, attributes, value)
         return stand_in, node
 
     def _dtensor(self, value: DTensor, path: InputPath, name_hint: str, dynamic: bool) -> tuple[DTensor, DTensorInput]:

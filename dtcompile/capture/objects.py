@@ -130,10 +130,11 @@ class StateObjects:
         self.containers: list[tuple[InputPath, object, list]] = []
         self.needed: list[object] = []  # ObjectInputs the epilogue receives, in order
 
-    def add(self, node, stand_in: object, given: dict) -> None:
+    def add(self, node, stand_in: object, given: dict, real: object) -> None:
         traced = _Traced(node, stand_in, dict(given))
         self.traced.append(traced)
         self._by_stand_in[id(stand_in)] = traced
+        self.by_real[id(real)] = node
 
     def add_container(self, path: InputPath, container: object) -> None:
         items = list(container.items()) if isinstance(container, dict) else list(container)
@@ -149,6 +150,20 @@ class StateObjects:
                 return i
         self.needed.append(traced.node)
         return len(self.needed) - 1
+
+    def refuse_other_paths(self, reads: list) -> None:
+        """An input object the traced code also reads another way (a global, a module's
+        attribute) would be two objects while tracing, the stand-in and the real one,
+        where eager has one: an attribute assigned through one path is not seen through
+        the other, ``is`` between them is False. Refused."""
+        for read in reads:
+            node = self.by_real.get(id(read.value))
+            if node is not None:
+                raise TracingError(
+                    f"dtcompile.jit: {node.path} is also reached as {read.where}; the traced code gets a stand-in "
+                    "for an object of the call, so the two would be different objects while tracing (an attribute "
+                    "assigned through one not seen through the other). Reach it one way: pass it in the call only"
+                )
 
     def updates(self, describe) -> list[AttributeUpdate]:
         """What the call changed on each object, as updates (values described by
