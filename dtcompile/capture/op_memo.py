@@ -62,7 +62,6 @@ class OpMemo:
     def __init__(self, recording):
         self.recording = recording
         self.calls: dict[tuple, _Call] = {}
-        self.hits = 0
 
     def key(self, func, args: tuple, kwargs: dict, flat: list) -> tuple | None:
         return call_key(func, args, kwargs, flat) if ENABLED else None
@@ -86,7 +85,6 @@ class OpMemo:
             del recording.bound_symbols[base:]
             recording.forget_names_since(names)
             return MISSED
-        self.hits += 1
         return tree_unflatten([_output(entry, flat, mapping) for entry in call.outputs], call.treespec)
 
     def keep(self, key: tuple, flat: list, specs: list, start: int, before: tuple, out) -> None:
