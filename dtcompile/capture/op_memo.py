@@ -50,6 +50,7 @@ class _Call:
     labels: list[str]
     outputs: list
     treespec: object
+    specs: list  # its arguments' DTensor specs: the meshes the key names by id stay alive
 
 
 MISSED = object()
@@ -126,7 +127,7 @@ class OpMemo:
             else:
                 return  # a size (a SymInt), or an object
         aliases = [output_aliases(bsym) for bsym in symbols]
-        self.calls[key] = _Call(list(symbols), aliases, labels, outputs, treespec)
+        self.calls[key] = _Call(list(symbols), aliases, labels, outputs, treespec, specs)
 
 
 def call_key(func, args: tuple, kwargs: dict, flat: list) -> tuple | None:
