@@ -14,10 +14,12 @@ narrower program, never a wrong one).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..core import TracingError
-from ..core.torch_internals import fake_in_storage, fake_like, storage_id
+from ..core.torch_internals import dispatch_modes_off, fake_in_storage, fake_like, storage_id
 
 _CONVERTED = object()  # a storage the converter has met
 
@@ -29,14 +31,22 @@ class InputFakes:
 
     def static(self, real: torch.Tensor) -> torch.Tensor:
         """A fake of ``real`` with its sizes."""
+        with _untraced():
+            return self._static(real)
+
+    def _static(self, real: torch.Tensor) -> torch.Tensor:
         first = self._storages.get(storage_id(real))
         if first is None and _fills_storage(real):
             return self._made(real, None)
-        return self.converted(real, static_shapes=True)
+        return self._converted(real, static_shapes=True)
 
     def converted(self, real: torch.Tensor, **options) -> torch.Tensor:
         """The converter's fake of ``real`` (``options``: its sizes' symbolic context), or,
         for a storage made here, a fake in that storage with ``real``'s sizes."""
+        with _untraced():
+            return self._converted(real, **options)
+
+    def _converted(self, real: torch.Tensor, **options) -> torch.Tensor:
         first = self._storages.get(storage_id(real))
         if first is not None and first is not _CONVERTED:
             if real.is_nested or real.is_quantized or real.layout is not torch.strided:
@@ -86,3 +96,13 @@ def _fills_storage(t: torch.Tensor) -> bool:
         return False
     extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     return t.untyped_storage().nbytes() == extent * t.element_size()
+
+
+@contextlib.contextmanager
+def _untraced():
+    """No torch function or dispatch mode of the trace sees a conversion: converting a view
+    replays its view op on its base's fake, and a real tensor met while tracing (a
+    closed-over DTensor's unevenly sized shard, a view of a padded buffer) is converted
+    with the trace's modes active; recorded, that op would give a proxy for a fake."""
+    with torch._C.DisableTorchFunction(), dispatch_modes_off():
+        yield

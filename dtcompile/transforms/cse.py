@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch.utils._pytree import tree_flatten, tree_structure
 
 from ..core import TensorProxy, Trace, is_proxy, renamed
+from ..core.op_classes import is_communication
 from ..core.printing import Unprintable, python_literal
 from .effects import has_side_effects, mutates, storage_bases, written_tensors
 
@@ -28,7 +29,10 @@ def cse(trace: Trace) -> Trace:
     the caller one tensor twice, or two outputs that share memory, so that writing to one
     changes the other. Nor are two computations whose memory is written in place anywhere
     in the trace (two ``empty_like`` buffers a collective then fills): merged, both writes
-    would land in one buffer.
+    would land in one buffer. Nor are collectives: whether two are alike here depends on
+    this rank's local computation (a rank whose uneven shard DTensor pads gathers a padded
+    copy, one that needs no padding gathers the shard itself), so a merge made on one rank
+    only would leave the ranks running different collectives.
     """
     base = storage_bases(trace, inputs_may_alias=True)
     written_anywhere = {base.get(p.label) for bsym in trace.bound_symbols for p in written_tensors(bsym)}
@@ -46,7 +50,7 @@ def cse(trace: Trace) -> Trace:
                 for k, b in touching.pop(storage, ()):
                     if seen.get(k) is b:
                         del seen[k]
-        key = None if has_side_effects(bsym) else _key(bsym)
+        key = None if has_side_effects(bsym) or is_communication(bsym.op) else _key(bsym)
         if key is not None and any(base.get(p.label) in written_anywhere for p in bsym.output_tensors()):
             key = None
         earlier = seen.get(key) if key is not None else None

@@ -117,3 +117,63 @@ def local_slices_of_uneven_shards():
 
 def test_local_slices_of_uneven_shards_match_eager(ranks2):
     assert ranks2.run(local_slices_of_uneven_shards) == [True, True]
+
+
+def _gathered_two_ways(x, y):
+    """``x`` gathered by two DTensor paths: ``full_tensor``, and ``cat``'s redistribution.
+    A rank whose shard DTensor pads gathers two different padded copies (``F.pad`` and
+    ``aten.pad``); a rank with no padding gathers its shard itself, twice."""
+    return x.full_tensor(), torch.cat([x, y]), (x * 2).sum(0), x.mT @ y
+
+
+def uneven_shards_gathered_two_ways(mesh_shape, cache):
+    """A pass that merges alike computations (CSE) must not merge collectives on some ranks
+    only: each rank's programs agree, and match eager, as the sizes change."""
+    mesh = init_device_mesh("cpu", mesh_shape)
+    placements = [Shard(0)] * mesh.ndim
+    jitted = dtcompile.jit(_gathered_two_ways, cache=cache)
+    for step, rows in enumerate((5, 7, 3, 6, 9)):
+        x, y = (distribute_tensor(data(rows, 3, seed=10 * step + k), mesh, placements) for k in (0, 1))
+        with torch.no_grad():
+            assert_all_same(jitted(x, y), _gathered_two_ways(x, y), f"{rows} rows, {cache}")
+    return dtcompile.cache_misses(jitted) >= 1
+
+
+@pytest.mark.parametrize("cache", ["constant values", SYMBOLIC])
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)], ids=["2 ranks", "4 ranks", "2x2"])
+def test_uneven_shards_gathered_two_ways_match_eager(mesh_shape, cache, ranks2, ranks4):
+    pool = ranks2 if mesh_shape == (2,) else ranks4
+    assert all(pool.run(uneven_shards_gathered_two_ways, mesh_shape, cache))
+
+
+def closed_over_uneven_shards_updated_in_place(cache):
+    """A DTensor the traced code closes over, whose shard is a view of DTensor's padded
+    buffer (its rows not divided by the ranks), read and updated in place at every call."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    rows = dist.get_world_size() + 1  # one rank holds two rows, the others one
+
+    def make(buffers):
+        def step(x):
+            buffers[0].add_(x)
+            buffers[1].mul_(0.5).add_(buffers[0])
+            return buffers[0] + buffers[1], buffers[1].full_tensor()
+
+        return step
+
+    compiled_buffers, eager_buffers = (
+        [distribute_tensor(data(rows, 3, seed=k), mesh, [Shard(0)]) for k in (1, 2)] for _ in range(2)
+    )
+    jitted, eager = dtcompile.jit(make(compiled_buffers), cache=cache), make(eager_buffers)
+    for i in range(3):
+        x = distribute_tensor(data(rows, 3, seed=10 + i), mesh, [Shard(0)])
+        with torch.no_grad():
+            assert_all_same(jitted(x), eager(x), f"call {i}, {cache}")
+        assert_all_same(compiled_buffers, eager_buffers, f"buffers after call {i}, {cache}")
+    return counts(jitted)
+
+
+@pytest.mark.parametrize("cache", ["constant values", SYMBOLIC])
+@pytest.mark.parametrize("world", [2, 4])
+def test_closed_over_uneven_shards_updated_in_place_match_eager(world, cache, ranks2, ranks4):
+    pool = ranks2 if world == 2 else ranks4
+    assert pool.run(closed_over_uneven_shards_updated_in_place, cache) == [(1, 2)] * world
