@@ -8,6 +8,7 @@ constants, and the containers around them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from ..core import TensorProxy, TracingError
 from ..core.symbolic import as_constant, is_symbolic
-from ..core.torch_internals import mask_buffer
+from ..core.torch_internals import TensorMeta, mask_buffer
 from .objects import StateObjects, holds_proxies, is_rebuildable_object, object_state
 
 
@@ -134,7 +135,7 @@ class OutputCollector:
                     self.mask_buffers.append(buffer)
             meta = value._spec.tensor_meta
             if not any(is_symbolic(x) for x in (*meta.shape, *meta.stride)):
-                return DTensorOutput(slot, value._spec, value.requires_grad, tuple(masks))
+                return DTensorOutput(slot, _with_plain_sizes(value._spec), value.requires_grad, tuple(masks))
             shape = tuple(self._size(x) for x in meta.shape)
             stride = tuple(self._size(x) for x in meta.stride)
             return DTensorOutput(slot, value._spec, value.requires_grad, tuple(masks), shape, stride)
@@ -190,3 +191,16 @@ class OutputCollector:
         fills them with each call's real mask, as eager DTensor does."""
         for buffer in self.mask_buffers:
             buffer.data, buffer.refcount = None, 0
+
+
+def _with_plain_sizes(spec):
+    """``spec`` with ints for sizes that are SymInts of a known value (an ``out=`` DTensor's
+    spec, set by DTensor from the traced op's): a spec holding SymInts cannot be hashed,
+    and DTensor hashes the specs of the caller's DTensors when it redistributes them."""
+    meta = spec.tensor_meta
+    if all(type(x) is int for x in (*meta.shape, *meta.stride)):
+        return spec
+    plain = TensorMeta(
+        torch.Size([as_constant(x) for x in meta.shape]), tuple(as_constant(x) for x in meta.stride), meta.dtype
+    )
+    return dataclasses.replace(spec, tensor_meta=plain)

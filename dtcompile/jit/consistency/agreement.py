@@ -2,9 +2,10 @@
 
 Made before tracing, so that a rank that fails while tracing or compiling can still tell
 the ranks compiling with it (they raise :class:`RankFailedError` at once, naming it). After
-compiling, the ranks of the program's meshes and collectives exchange a hash of what must
+compiling, the ranks of the program's meshes and collectives exchange hashes of what must
 agree: the DTensor inputs' global metadata (``identity.input_signature``) and the programs'
-collectives (``program.collective_lines``); the full texts only when the hashes differ.
+collectives (``program.collective_lines``) on every rank, and the shapes of each
+group's collectives on the ranks of that group; the full texts only when a hash differs.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class RankAgreement:
         """Raise :class:`RankMismatchError` unless every rank of ``meshes``, and of the
         process groups the traces' collectives run on, agrees with this one. The ranks
         checked (none, a no-op, without a real multi-process group) and the digest of what
-        they agreed on."""
+        they agreed on (the same on each of them)."""
         if not _multi_process():
             return (), ""
         mesh_ranks = {int(r) for mesh in meshes for r in mesh.mesh.flatten().tolist()}
@@ -62,18 +63,27 @@ class RankAgreement:
         if len(ranks) < 2 or dist.get_rank() not in ranks:
             return (), ""
         key, store = self._take_key(), default_store()
-        mine = [*(_INPUTS + " " + line for line in self.signature)]
-        mine += [_PROGRAM + " " + line for trace in traces for line in collective_lines(trace, labels)]
-        text = "\n".join(mine)
-        digest = hashlib.sha256(text.encode()).hexdigest()
-        hashes = self._exchange(store, f"{key}/hash", ranks, digest)
-        if len(set(hashes.values())) == 1:
+        collectives = [c for trace in traces for c in collective_lines(trace, labels)]
+        inputs = [_INPUTS + " " + line for line in self.signature]
+        common = [*inputs, *(_PROGRAM + " " + c.line for c in collectives)]
+        sized: dict[tuple[int, ...], list[str]] = defaultdict(list)  # group -> its collectives with shapes
+        for c in collectives:
+            sized[c.group or ranks].append(c.sized)
+        digests = [_digest(common), *(f"{_ranks_text(g)}={_digest(lines)}" for g, lines in sorted(sized.items()))]
+        hashes = self._exchange(store, f"{key}/hash", ranks, " ".join(digests))
+        if _agreed(hashes):
             release(store, key, ranks, [f"{key}/hash/{r}" for r in ranks])
-            return ranks, digest
+            return ranks, _digest([f"{r} {v}" for r, v in sorted(hashes.items())])
+        text = "\n".join(
+            [*inputs, *(f"{_PROGRAM} {c.line}\t{c.sized}\t{_ranks_text(c.group or ranks)}" for c in collectives)]
+        )
         texts = self._exchange(store, f"{key}/text", ranks, text)
         release(store, key, ranks, [f"{key}/{kind}/{r}" for kind in ("hash", "text") for r in ranks])
-        self._raise_difference(mine, {r: t.split("\n") if t else [] for r, t in texts.items()})
-        return ranks, digest  # not reached: texts that differ raise above
+        error = self._difference({r: t.split("\n") if t else [] for r, t in texts.items()})
+        if error is not None:
+            raise error
+        # Alike but for symbolic sizes, which may be any size (the same on every rank).
+        return ranks, _digest([f"{r} {v}" for r, v in sorted(hashes.items())])
 
     def _exchange(self, store, key: str, ranks: tuple[int, ...], value: str) -> dict[int, str]:
         try:
@@ -85,34 +95,68 @@ class RankAgreement:
                 "this rank missed, or run other code; run together, the ranks' programs would hang"
             ) from None
 
-    def _raise_difference(self, mine: list[str], programs: dict[int, list[str]]) -> None:
+    def _difference(self, programs: dict[int, list[str]]) -> RankMismatchError | None:
+        """The error for the first pair of ranks that differ, this rank's pairs first (every
+        rank raises, also one that agrees with each of its peers: it must not run alone)."""
         rank = dist.get_rank()
         groups: dict[tuple[str, ...], list[int]] = defaultdict(list)
         for r, lines in sorted(programs.items()):
             groups[tuple(lines)].append(r)
         who = "; ".join(f"ranks {g}" for g in groups.values())
-        for r, lines in sorted(programs.items()):
-            if r == rank:
-                continue
-            inputs = _input_difference(mine, lines)
+        pairs = [(rank, r) for r in sorted(programs) if r != rank]
+        pairs += [(a, b) for a in sorted(programs) for b in sorted(programs) if rank not in (a, b) and a < b]
+        for a, b in pairs:
+            inputs = _input_difference(programs[a], programs[b])
             if inputs is not None:
                 path, here, there = inputs
-                raise RankMismatchError(
+                return RankMismatchError(
                     f"dtcompile: ranks called {self.what} with different DTensors: {who}. {path} is\n"
-                    f"  rank {rank}: {here}\n  rank {r}: {there}\n"
+                    f"  rank {a}: {here}\n  rank {b}: {there}\n"
                     "DTensor inputs must have the same global shape, dtype and placements on every rank."
                 )
-            ours = [line for line in mine if line.startswith(_PROGRAM)]
-            theirs = [line for line in lines if line.startswith(_PROGRAM)]
-            difference = first_difference(ours, theirs)
+            difference = first_difference(_as_seen_by(programs[a], b), _as_seen_by(programs[b], a))
             if difference is None:
                 continue
             index, here, there = difference
-            raise RankMismatchError(
+            return RankMismatchError(
                 f"dtcompile: ranks compiled programs with different collectives for {self.what}: {who}. "
-                f"First difference, at collective {index}:\n  rank {rank}: {here}\n  rank {r}: {there}\n"
+                f"First difference, at collective {index}:\n  rank {a}: {here}\n  rank {b}: {there}\n"
                 "Ranks that run different collectives hang at the first one that differs."
             )
+        return None
+
+
+def _digest(lines: list[str]) -> str:
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def _ranks_text(ranks: tuple[int, ...]) -> str:
+    return ",".join(map(str, ranks))
+
+
+def _agreed(posted: dict[int, str]) -> bool:
+    """Whether the ranks' digests (``common group=digest ...``) agree: the common part on
+    every rank, each group's on the ranks of that group."""
+    parsed = {r: value.split(" ") for r, value in posted.items()}
+    if len({common for common, *_ in parsed.values()}) != 1:
+        return False
+    by_group: dict[str, set[str]] = defaultdict(set)
+    for _, *groups in parsed.values():
+        for item in groups:
+            group, _, digest = item.partition("=")
+            by_group[group].add(digest)
+    return all(len(digests) == 1 for digests in by_group.values())
+
+
+def _as_seen_by(lines: list[str], other: int) -> list[str]:
+    """A program's collectives as a peer compares them: with their shapes where the peer
+    is in the collective's group."""
+    seen = []
+    for line in lines:
+        if line.startswith(_PROGRAM):
+            shapeless, sized, group = line.removeprefix(_PROGRAM + " ").split("\t")
+            seen.append(sized if str(other) in group.split(",") else shapeless)
+    return seen
 
 
 def _input_difference(mine: list[str], theirs: list[str]) -> tuple[str, str, str] | None:

@@ -4,13 +4,17 @@ Ranks that run different collectives hang at the first one that differs (or Gloo
 on mismatched sizes). Local arithmetic may differ freely (``x * (1.0 + rank)`` runs as in
 eager), and so may local sizes with uneven shards and the pads and narrows DTensor adds
 for them. So a program is compared as the sequence of its collectives: kind, process
-group (as a rank-independent mesh-dim label), reduce op and other constant arguments,
-dtype, and the shapes of collectives whose inputs must be equally sized on every rank.
+group (as a rank-independent mesh-dim label), reduce op and other constant arguments and
+dtype, on every rank; and the shapes of collectives whose inputs must be equally sized,
+by the ranks of each collective's group only. On a 2x2 mesh the two groups of a mesh dim
+may gather shards of different sizes (5 rows split 3 and 2, then 2, 1 and 1, 1).
 """
 
 from __future__ import annotations
 
 import difflib
+import re
+from typing import NamedTuple
 
 import torch.distributed as dist
 
@@ -45,9 +49,20 @@ def _describe(value: object, group_labels: dict[str, str], sizes: bool) -> str:
         return type(value).__name__
 
 
-def collective_lines(trace: Trace, group_labels: dict[str, str]) -> list[str]:
-    """The trace's collectives, in order, as lines equal on every rank of a program that
-    cannot hang."""
+class CollectiveLine(NamedTuple):
+    """One collective of a program: ``line`` equal on every rank of a program that cannot
+    hang, ``sized`` (with its tensors' shapes) equal on the ranks of ``group``."""
+
+    line: str
+    sized: str
+    group: tuple[int, ...] | None  # None: a group not known here, compared with every rank
+
+
+_SHAPES = re.compile(r"(T:\w+)\[[^\]]*\]")
+
+
+def collective_lines(trace: Trace, group_labels: dict[str, str]) -> list[CollectiveLine]:
+    """The trace's collectives, in order."""
     lines = []
     for bsym in with_block_symbols(trace.bound_symbols):
         if not is_collective(bsym.op):
@@ -55,17 +70,45 @@ def collective_lines(trace: Trace, group_labels: dict[str, str]) -> list[str]:
         sizes = bsym.op._schema.name.split("::")[-1] not in _RAGGED
         args = [_describe(a, group_labels, sizes) for a in bsym.args]
         args += [f"{k}={_describe(v, group_labels, sizes)}" for k, v in bsym.kwargs.items()]
-        lines.append(f"{bsym.symbol.name}({', '.join(args)})")
+        sized = f"{bsym.symbol.name}({', '.join(args)})"
+        lines.append(CollectiveLine(_SHAPES.sub(r"\1", sized), sized, _group_ranks(group_name(bsym))))
     return lines
 
 
+def _group_ranks(group: object) -> tuple[int, ...] | None:
+    if not isinstance(group, str):
+        return None
+    try:
+        return tuple(dist.get_process_group_ranks(resolve_process_group(group)))
+    except (KeyError, ValueError, RuntimeError):  # not a live group
+        return None
+
+
 def first_difference(mine: list[str], theirs: list[str]) -> tuple[int, str, str] | None:
-    """The first line where two programs' descriptions differ, if any."""
+    """The first line where two programs' descriptions differ, if any. A symbolic size
+    (``?``) may equal any size at run time: lines alike but for one are not a difference
+    (a rank whose local sizes specialized while tracing, where its peer's stayed symbolic)."""
+    theirs = [m if i < len(mine) and _alike(m := mine[i], t) else t for i, t in enumerate(theirs)]
     matcher = difflib.SequenceMatcher(a=mine, b=theirs, autojunk=False)
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
         if tag != "equal":
             return i1, "\n    ".join(mine[i1:i2]) or "(nothing)", "\n    ".join(theirs[j1:j2]) or "(nothing)"
     return None
+
+
+_DIMS = re.compile(r"T:\w+\[([^\]]*)\]")
+
+
+def _alike(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    if _SHAPES.sub(r"\1", a) != _SHAPES.sub(r"\1", b):
+        return False
+    for x, y in zip(_DIMS.findall(a), _DIMS.findall(b)):
+        dims_x, dims_y = x.split(","), y.split(",")
+        if len(dims_x) != len(dims_y) or any(i != j and "?" not in (i, j) for i, j in zip(dims_x, dims_y)):
+            return False
+    return True
 
 
 def collective_ranks(trace: Trace) -> set[int]:

@@ -1,0 +1,107 @@
+"""What the ranks must agree on, and only that: programs that differ between ranks in
+what cannot hang them compile and match eager (on 4 ranks, the 2x2 mesh's two groups of
+a mesh dim may hold different sizes; one rank's sizes may specialize while tracing where
+a peer's stay symbolic). And DTensors a compiled call returns are the caller's to use."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from checks import assert_all_same, data, rank_data
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+import dtcompile
+
+CACHES = ["constant values", "symbolic values"]
+
+
+def _mixed(x, y):
+    a, b = x + y, y + x
+    return a, b, a.full_tensor(), b.full_tensor(), x.sum(0), y.sum(0)
+
+
+def partial_on_one_dim_shard_on_the_other(cache):
+    """``[Partial, Shard(0)] + [Shard(0), Partial]`` on a 2x2 mesh, as the sizes change."""
+    mesh = init_device_mesh("cpu", (2, 2))
+    jitted = dtcompile.jit(_mixed, cache=cache)
+    for step, rows in enumerate((2, 4, 2, 6)):
+        x = DTensor.from_local(rank_data(rows, 4, seed=step), mesh, [Partial(), Shard(0)])
+        y = DTensor.from_local(rank_data(rows, 4, seed=10 + step), mesh, [Shard(0), Partial()])
+        with torch.no_grad():
+            assert_all_same(jitted(x, y), _mixed(x, y), f"{rows} rows, {cache}")
+    return dtcompile.cache_misses(jitted) >= 1
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_partial_on_one_dim_shard_on_the_other_matches_eager(cache, ranks4):
+    assert all(ranks4.run(partial_on_one_dim_shard_on_the_other, cache))
+
+
+def _uneven_groups(x):
+    return x.full_tensor(), x.redistribute(x.device_mesh, [Shard(0), Replicate()]) * 2
+
+
+def groups_of_one_dim_with_different_sizes(cache):
+    """Rows split 3 and 2 over the first mesh dim, then 2, 1 and 1, 1 over the second: the
+    two groups of the second dim gather different sizes, each group agreeing within."""
+    mesh = init_device_mesh("cpu", (2, 2))
+    jitted = dtcompile.jit(_uneven_groups, cache=cache)
+    for step, rows in enumerate((5, 7, 9)):
+        x = distribute_tensor(data(rows, 3, seed=step), mesh, [Shard(0), Shard(0)])
+        with torch.no_grad():
+            assert_all_same(jitted(x), _uneven_groups(x), f"{rows} rows, {cache}")
+    return True
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_groups_of_one_mesh_dim_may_gather_different_sizes(cache, ranks4):
+    assert all(ranks4.run(groups_of_one_dim_with_different_sizes, cache))
+
+
+def _max_into(x, values, indices):
+    torch.max(x, dim=1, out=(values, indices))
+    return values, indices
+
+
+def _add_into(x, out):
+    torch.add(x, 1, out=out)
+    return out * 2, out
+
+
+def _sum_into(x, out):
+    torch.sum(x, dim=1, out=out)
+    return out
+
+
+def out_arguments_returned(cache):
+    """DTensors written by ``out=`` and returned: their specs are the caller's (sizes as
+    ints, so DTensor can hash them when it redistributes), their values eager's."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    n = dist.get_world_size()
+    cases = [
+        (
+            _max_into,
+            lambda rows, seed: (data(rows, 3, seed=seed), torch.zeros(rows), torch.zeros(rows, dtype=torch.long)),
+        ),
+        (_add_into, lambda rows, seed: (data(rows, 3, seed=seed), torch.zeros(rows, 3))),
+        (_sum_into, lambda rows, seed: (data(rows, 3, seed=seed), torch.zeros(rows))),
+    ]
+    for fn, make in cases:
+        jitted = dtcompile.jit(fn, cache=cache)
+        for step, rows in enumerate((2 * n, 4 * n, 2 * n)):
+            eager_args, compiled_args = (
+                [distribute_tensor(t, mesh, [Shard(0)]) for t in make(rows, step)] for _ in range(2)
+            )
+            with torch.no_grad():
+                expected, got = fn(*eager_args), jitted(*compiled_args)
+            where = f"{fn.__name__}, {rows} rows, {cache}"
+            assert_all_same(got, expected, where)  # redistributes them: hashes their specs
+            assert_all_same(compiled_args, eager_args, where)
+            for out in got if isinstance(got, tuple) else (got,):
+                hash(out._spec)
+    return True
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_out_arguments_returned_are_usable_dtensors(cache, ranks2):
+    assert all(ranks2.run(out_arguments_returned, cache))
