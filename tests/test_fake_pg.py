@@ -238,7 +238,7 @@ def _reduce_twice(x, w):
     return y.redistribute(y.device_mesh, [Replicate()]) + y.redistribute(y.device_mesh, [Replicate()])
 
 
-def test_a_collective_repeated_on_the_same_value_runs_once(fake_world):
+def test_a_collective_repeated_on_the_same_value_and_summed_runs_once(fake_world):
     fake_world(8)
     mesh = init_device_mesh("cpu", (8,))
     x = distribute_tensor(torch.randn(4, 16), mesh, [Shard(1)])
@@ -249,9 +249,17 @@ def test_a_collective_repeated_on_the_same_value_runs_once(fake_world):
     with torch.no_grad():
         got = jitted(x, w)
     assert_same_metadata(got, expected)
-    traces = dtcompile.last_traces(jitted)
-    assert [op for op, _ in trace_collectives(traces[0])] == ["all_reduce", "all_reduce"]
-    assert [op for op, _ in trace_collectives(traces[-2])] == ["all_reduce"]  # CSE merged them
+    traces = {str(t).splitlines()[0]: t for t in dtcompile.last_traces(jitted)}
+    recorded, after_cse = traces["# computation, as recorded below DTensor"], traces[
+        "# computation, after common-subexpression elimination"
+    ]
+    assert [op for op, _ in trace_collectives(recorded)] == ["all_reduce", "all_reduce"]
+    # CSE never merges collectives (a merge on some ranks only would make their programs
+    # differ); the sum of the two all-reduces is one all-reduce of the sum.
+    assert [op for op, _ in trace_collectives(after_cse)] == ["all_reduce", "all_reduce"]
+    combined = traces["# computation, after combining summed all-reduces"]
+    assert [op for op, _ in trace_collectives(combined)] == ["all_reduce"]
+    assert [op for op, _ in trace_collectives(dtcompile.last_traces(jitted)[-2])] == ["all_reduce"]
 
 
 def _names(trace) -> list[str]:
