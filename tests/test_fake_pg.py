@@ -250,9 +250,10 @@ def test_a_collective_repeated_on_the_same_value_and_summed_runs_once(fake_world
         got = jitted(x, w)
     assert_same_metadata(got, expected)
     traces = {str(t).splitlines()[0]: t for t in dtcompile.last_traces(jitted)}
-    recorded, after_cse = traces["# computation, as recorded below DTensor"], traces[
-        "# computation, after common-subexpression elimination"
-    ]
+    recorded, after_cse = (
+        traces["# computation, as recorded below DTensor"],
+        traces["# computation, after common-subexpression elimination"],
+    )
     assert [op for op, _ in trace_collectives(recorded)] == ["all_reduce", "all_reduce"]
     # CSE never merges collectives (a merge on some ranks only would make their programs
     # differ); the sum of the two all-reduces is one all-reduce of the sum.

@@ -19,9 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
 from ..core import InputPath, Trace, TracingError, data_dependent_error, verify
-from ..core.torch_internals import (
-    compiling,
-)
+from ..core.torch_internals import compiling, dtensor_refused_symbols
 from .annotator import CallAnnotator
 from .autograd import BackwardCapture, capture_backward
 from .block_training import BlockReplayFailed
@@ -129,7 +127,18 @@ def capture_call(
     With ``symbolic`` the sizes of the call's tensors are symbols of a ShapeEnv (the
     module's parameters, buffers and attributes keep theirs). Repeated blocks are recorded
     once (``blocks.py``); where a replayed block's backward cannot be recorded, the call is
-    traced again with every block traced."""
+    traced again with every block traced. Where DTensor cannot propagate a sharding with
+    symbolic sizes (a flatten through a ``_StridedShard`` whose split factor is a symbol),
+    the call is traced again with its sizes as they are: a narrower entry, guarded exactly."""
+    try:
+        return _capture_replaying(fn, args, kwargs, module, symbolic)
+    except Exception as error:
+        if not symbolic or isinstance(error, TracingError) or not dtensor_refused_symbols(error):
+            raise
+    return _capture_replaying(fn, args, kwargs, module, False)
+
+
+def _capture_replaying(fn, args: tuple, kwargs: dict, module, symbolic: bool) -> CapturedCall:
     try:
         return _capture(fn, args, kwargs, module, symbolic, REPLAY_BLOCKS)
     except BlockReplayFailed:

@@ -165,6 +165,19 @@ def sdpa_backends() -> tuple[bool, ...]:
     )
 
 
+def dtensor_refused_symbols(error: BaseException) -> bool:
+    """An error raised inside DTensor about symbolic sizes (its sharding propagation, a
+    spec it hashes): what eager, with no symbols, never meets."""
+    if not any(word in str(error) for word in ("symbolic", "SymInt")):
+        return False
+    frame = error.__traceback__
+    while frame is not None:
+        if "torch/distributed/tensor/" in frame.tb_frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        frame = frame.tb_next
+    return False
+
+
 def dispatch_modes_off():
     """No torch dispatch mode active (as inside a mode's ``__torch_dispatch__``)."""
     from torch.utils._python_dispatch import _disable_current_modes

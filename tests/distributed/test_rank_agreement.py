@@ -1,7 +1,8 @@
 """What the ranks must agree on, and only that: programs that differ between ranks in
 what cannot hang them compile and match eager (on 4 ranks, the 2x2 mesh's two groups of
 a mesh dim may hold different sizes; one rank's sizes may specialize while tracing where
-a peer's stay symbolic). And DTensors a compiled call returns are the caller's to use."""
+a peer's stay symbolic). And DTensors a compiled call returns are the caller's to use;
+a sharding DTensor cannot propagate with symbolic sizes is traced with its sizes."""
 
 import pytest
 import torch
@@ -105,3 +106,26 @@ def out_arguments_returned(cache):
 @pytest.mark.parametrize("cache", CACHES)
 def test_out_arguments_returned_are_usable_dtensors(cache, ranks2):
     assert all(ranks2.run(out_arguments_returned, cache))
+
+
+def _flattened(x):
+    flat = x.flatten()  # over [Shard(0), Shard(1)]: a _StridedShard whose split factor is a size
+    return flat * 2, (flat * 2).full_tensor(), flat.view(x.shape[0], -1) + 1
+
+
+def flatten_of_two_shardings(placements):
+    """DTensor refuses to propagate the flatten with a symbolic split factor; under
+    symbolic values the call is traced again with its sizes as they are (one entry per
+    size, guarded exactly), and gives eager's results."""
+    mesh = init_device_mesh("cpu", (2, 2))
+    jitted = dtcompile.jit(_flattened, cache="symbolic values")
+    for step, n in enumerate((4, 8, 4, 12)):
+        x = distribute_tensor(data(n, n, seed=step), mesh, placements)
+        with torch.no_grad():
+            assert_all_same(jitted(x), _flattened(x), f"{n}x{n}, {placements}")
+    return dtcompile.cache_misses(jitted), dtcompile.cache_hits(jitted)
+
+
+@pytest.mark.parametrize("placements", [[Shard(0), Shard(1)], [Shard(1), Shard(0)]], ids=["S0S1", "S1S0"])
+def test_a_sharding_dtensor_refuses_with_symbolic_sizes_is_traced_with_its_sizes(placements, ranks4):
+    assert ranks4.run(flatten_of_two_shardings, placements) == [(3, 1)] * 4
