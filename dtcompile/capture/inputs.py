@@ -181,6 +181,7 @@ class InputProxifier:
         self.symbolic = symbolic  # sizes of the call's tensors (not the module's) are symbolic
         self.taken: set[str] = recording.used_names
         self.dtensor_inputs: list[DTensorInput] = []
+        self.traced_dtensors: list[tuple[DTensor, DTensorInput]] = []  # what the traced code gets for each
         # (proxy of a computation input, the traced value to differentiate with respect to):
         # the proxy itself for a tensor, the DTensor around it for a DTensor.
         self.differentiable: list[tuple[TensorProxy, object]] = []
@@ -297,6 +298,7 @@ class InputProxifier:
         if first is None:
             self._tensors[id(local)] = (proxy, node, True)
         self.dtensor_inputs.append(node)
+        self.traced_dtensors.append((wrapped, node))
         if value.requires_grad:
             self.differentiable.append((proxy, wrapped))
         return wrapped, node

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import InputPath, TensorProxy, TracingError
+from ..core.symbolic import symbolic_expr
 
 _MISSING = object()
 
@@ -128,7 +129,8 @@ class StateObjects:
         # (path, container given to the program, its items then): lists and dicts of the
         # call must not change in place, which the epilogue could not replay.
         self.containers: list[tuple[InputPath, object, list]] = []
-        self.needed: list[object] = []  # ObjectInputs the epilogue receives, in order
+        self.needed: list[object] = []  # ObjectInputs (and DTensorInputs) the epilogue receives, in order
+        self._given: dict[int, tuple[object, object]] = {}  # id of a traced DTensor input -> (it, its node)
 
     def add(self, node, stand_in: object, given: dict, real: object) -> None:
         traced = _Traced(node, stand_in, dict(given))
@@ -140,15 +142,30 @@ class StateObjects:
         items = list(container.items()) if isinstance(container, dict) else list(container)
         self.containers.append((path, container, items))
 
+    def return_as_given(self, dtensors: list[tuple[object, object]]) -> None:
+        """``(traced DTensor, its DTensorInput)`` of the call's DTensors: one the call returns
+        (or assigns) unchanged is the caller's own object, as in eager. Only without
+        gradients: a training step's outputs get their ``grad_fn`` from its autograd."""
+        for traced, node in dtensors:
+            self._given[id(traced)] = (traced, node)
+
     def index_of(self, value: object) -> int | None:
-        """The epilogue's index of the real object whose stand-in is ``value``, or None."""
+        """The epilogue's index of the real object whose stand-in is ``value`` (or which is
+        the DTensor ``value`` traces, unchanged), or None."""
         traced = self._by_stand_in.get(id(value))
-        if traced is None or traced.stand_in is not value:
-            return None
+        if traced is not None and traced.stand_in is value:
+            found = traced.node
+        else:
+            given = self._given.get(id(value))
+            if given is None or given[0] is not value:
+                return None
+            found = given[1]
+            if value._local_tensor is not found.proxy or not _same_spec(value._spec, found.traced_spec):
+                return None  # its metadata changed in place (``x.squeeze_()``): rebuilt, as traced
         for i, node in enumerate(self.needed):
-            if node is traced.node:
+            if node is found:
                 return i
-        self.needed.append(traced.node)
+        self.needed.append(found)
         return len(self.needed) - 1
 
     def refuse_other_paths(self, reads: list) -> None:
@@ -193,6 +210,20 @@ class StateObjects:
                 value = describe(state[name], traced.node.path.attr(name))
                 updates.append(AttributeUpdate(index, name, value))
         return updates
+
+
+def _same_spec(spec, traced) -> bool:
+    """``spec`` is ``traced``, or DTensor set an equal one (an ``out=`` DTensor's); sizes
+    compared by their expressions (comparing SymInts would add guards)."""
+    if spec is traced:
+        return True
+    sizes = zip((*spec.shape, *spec.stride), (*traced.shape, *traced.stride))
+    return (
+        spec.mesh == traced.mesh
+        and spec.placements == traced.placements
+        and spec.tensor_meta.dtype == traced.tensor_meta.dtype
+        and all(symbolic_expr(a) == symbolic_expr(b) for a, b in sizes)
+    )
 
 
 def _differs(a, b) -> bool:

@@ -126,6 +126,9 @@ class OutputCollector:
     def describe(self, value: object, where: object = "the result") -> OutputNode:
         """The node that rebuilds ``value``; ``where`` names it in errors."""
         if isinstance(value, DTensor) and isinstance(value._local_tensor, TensorProxy):
+            index = self.objects.index_of(value)
+            if index is not None:
+                return ObjectOutput(index)  # a DTensor of the call, returned unchanged: the caller's
             slot = self._slot(value._local_tensor, value)
             masks = []
             for i, placement in enumerate(value.placements):

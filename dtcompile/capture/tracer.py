@@ -228,11 +228,15 @@ def _capture(
                         replay_notes = blocks.notes()
                     closed = recording.closed_over_differentiable()
                     training = grad_enabled and bool(proxifier.differentiable or closed)
+                    if not training:
+                        proxifier.objects.return_as_given(proxifier.traced_dtensors)
                     module_updates = module_state.updates(collector.describe, training)
             else:
                 result = fn(*proxy_args, **proxy_kwargs)
                 closed = recording.closed_over_differentiable()
                 training = grad_enabled and bool(proxifier.differentiable or closed)
+                if not training:
+                    proxifier.objects.return_as_given(proxifier.traced_dtensors)
             output = collector.describe(result)
             gradient_refusal(argument_flags, collector.values, training)
             updates = proxifier.objects.updates(collector.describe)

@@ -386,7 +386,8 @@ def build_prologue(
         raise AssertionError(
             f"dtcompile: the prologue would return {b.result_labels}, the computation takes {list(input_labels)}"
         )
-    b.results += [b.object_vars[id(node)] for node in objects]
+    # Input objects, and DTensors returned as the caller's own (bound as tensors).
+    b.results += [b.object_vars.get(id(node)) or b.tensor_vars[id(node)] for node in objects]
     returned = ", ".join(b.results)
     lines = [
         "def prologue(module, args, kwargs):",

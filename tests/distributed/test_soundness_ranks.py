@@ -352,3 +352,61 @@ def blocks_told_apart_by_identity():
 
 def test_blocks_told_apart_by_identity_on_ranks(ranks2):
     assert ranks2.run(blocks_told_apart_by_identity) == [[True, True], [True, True]]
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self, mesh):
+        super().__init__()
+        self.weight = torch.nn.Parameter(distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)]), requires_grad=False)
+
+    def forward(self, x):
+        return x * self.weight, self.weight
+
+
+def dtensor_arguments_returned():
+    """A DTensor the call received and returns unchanged is the caller's object, as in
+    eager: returned as is, after an in-place op, as an ``out=`` tensor, nested, and a
+    module's parameter; under both cache options. Values are eager's."""
+
+    def as_is(x, o):
+        return x
+
+    def after_add_(x, o):
+        x.add_(1)
+        return x, x * 2
+
+    def out_of_add(x, o):
+        torch.add(x, 1, out=o)
+        return {"out": o, "pair": (o, x)}
+
+    mesh = _mesh()
+    identical = []
+    for cache in ("constant values", "symbolic values"):
+        for fn in (as_is, after_add_, out_of_add):
+            jitted = dtcompile.jit(fn, cache=cache)
+            for rows in (4, 8):
+                x, o = (
+                    distribute_tensor(
+                        torch.randn(rows, 3, generator=torch.Generator().manual_seed(rows)), mesh, [Shard(0)]
+                    )
+                    for _ in range(2)
+                )
+                ex, eo = copy.deepcopy(x), copy.deepcopy(o)
+                with torch.no_grad():
+                    got, expected = jitted(x, o), fn(ex, eo)
+                assert_all_same(got, expected, f"{fn.__name__}, {cache}")
+                assert_all_same((x, o), (ex, eo), f"{fn.__name__} arguments, {cache}")
+                leaves = torch.utils._pytree.tree_leaves(got)
+                expected_leaves = torch.utils._pytree.tree_leaves(expected)
+                identical.append([g is x or g is o for g in leaves] == [e is ex or e is eo for e in expected_leaves])
+        model = _Scaled(mesh)
+        jitted = dtcompile.jit(model, cache=cache)
+        with torch.no_grad():
+            _, weight = jitted(distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]))
+        identical.append(weight is model.weight)
+    return identical
+
+
+def test_dtensor_arguments_returned_are_the_callers_own(ranks2):
+    for identical in ranks2.run(dtensor_arguments_returned):
+        assert all(identical), identical
