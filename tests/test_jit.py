@@ -96,6 +96,24 @@ def test_like_factories_keep_eager_strides(like):
         torch.testing.assert_close(got, expected)
 
 
+def _reshaped_slices(x):
+    rows = x[:, :-1]  # one row: its row stride is the parent's, which a reshape recomputes
+    return rows.view(rows.shape), rows.reshape(1, -1), rows.view(1, 1, -1), x.view(1, -1)[:, 1:].view(1, -1)
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_reshapes_give_a_dim_of_size_one_eagers_stride(cache):
+    # Eager's view of a [1, n-1] slice of a [1, n] tensor has strides (n-1, 1); the fake
+    # mode's keeps (n, 1). The view was then taken for an identity and removed.
+    jitted = dtcompile.jit(_reshaped_slices, cache=cache)
+    for n in (4, 6, 9):
+        x = torch.randn(1, n)
+        got, expected = jitted(x), _reshaped_slices(x)
+        for g, e in zip(got, expected):
+            assert g.shape == e.shape and g.stride() == e.stride(), (n, g.stride(), e.stride())
+            assert torch.equal(g, e)
+
+
 def test_nested_outputs_and_constants():
     def fn(x, y):
         return {"sum": (x + y, [x.sum(), None, "text"]), "count": 3, "pair": [(x * y,), 2.5]}

@@ -44,6 +44,7 @@ from ..core.printing import NamedConstant, Unprintable, python_literal
 from ..core.symbol import leaves, map_leaves
 from ..core.symbolic import LARGEST_SYMBOLIC_SIZE, is_symbolic, symbolic_expr
 from ..core.torch_internals import fake_mode_active, make_dtensor, set_data_value
+from ..core.view_strides import with_eager_view_strides
 from .c10d import is_c10d_op, record_c10d
 from .data_branches import value_now
 from .input_fakes import InputFakes
@@ -295,6 +296,7 @@ class Recording:
                 self.current_call, f"the output of {func}, whose shape or value depends on the data"
             ) from error
 
+        fake_out = with_eager_view_strides(self.fake_mode, func, fake_args, fake_out)
         made_by = NoProvenance(str(func))
 
         def to_output_proxy(x):

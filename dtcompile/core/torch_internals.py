@@ -133,14 +133,15 @@ def fake_like(fake_mode, like: torch.Tensor, base: torch.Tensor | None, requires
 
 def fake_in_storage(fake_mode, like: torch.Tensor, holder: torch.Tensor) -> torch.Tensor:
     """A fake tensor of ``fake_mode`` with ``like``'s sizes, strides, offset and dtype, in
-    the storage of the fake ``holder`` (which may have another dtype)."""
+    the storage of the fake ``holder`` (which may have another dtype), on ``holder``'s
+    device (``like`` may be a meta tensor)."""
     from torch._subclasses.fake_tensor import in_kernel_invocation_manager
 
     with torch.no_grad(), in_kernel_invocation_manager(fake_mode):
         meta = torch.empty(0, dtype=like.dtype, device="meta")
         meta.set_(holder.untyped_storage(), like.storage_offset(), like.shape, like.stride())
     meta.requires_grad_(like.requires_grad)
-    return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, meta, like.device)
+    return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, meta, holder.device)
 
 
 def storage_id(t: torch.Tensor) -> int:

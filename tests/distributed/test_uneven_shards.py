@@ -119,6 +119,24 @@ def test_local_slices_of_uneven_shards_match_eager(ranks2):
     assert ranks2.run(local_slices_of_uneven_shards) == [True, True]
 
 
+def one_row_gathered(cache):
+    """A [1, n] DTensor sharded over its columns, gathered: DTensor views the padded
+    gather as [1, n] after a narrow, and eager's view gives the row its own stride."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    jitted = dtcompile.jit(lambda x: x.full_tensor(), cache=cache)
+    for n in (3, 5, 7):
+        x = distribute_tensor(data(1, n, seed=n), mesh, [Shard(1)])
+        with torch.no_grad():
+            got, expected = jitted(x), x.full_tensor()
+        assert got.stride() == expected.stride() and torch.equal(got, expected), (n, got.stride(), expected.stride())
+    return True
+
+
+@pytest.mark.parametrize("cache", ["constant values", SYMBOLIC])
+def test_one_row_gathered_has_eagers_strides(cache, ranks2):
+    assert all(ranks2.run(one_row_gathered, cache))
+
+
 def _gathered_two_ways(x, y):
     """``x`` gathered by two DTensor paths: ``full_tensor``, and ``cat``'s redistribution.
     A rank whose shard DTensor pads gathers two different padded copies (``F.pad`` and

@@ -1,0 +1,43 @@
+"""Eager's strides for a reshaping view, where the fake mode's differ.
+
+The fake mode's reshape (the Python reference, under the Python dispatcher) keeps a
+same-shaped source's strides, where eager's kernel computes them anew: the stride of a
+dim of size 1 is free, and eager gives it its own. Strides are part of what a trace
+promises (passes drop a view whose result has its source's strides), so the recorder and
+the type check both take eager's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._dispatch.python import no_python_dispatcher
+
+from .symbol import leaves
+from .symbolic import is_symbolic
+from .torch_internals import dispatch_modes_off, fake_in_storage
+
+_RESHAPING_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def with_eager_view_strides(fake_mode, func, fake_args: tuple, fake_out):
+    """``fake_out`` with the strides eager's kernel gives a view (a reshape). The fake
+    mode's reshape keeps a same-shaped source's strides, where eager computes them anew:
+    a ``[1, 3]`` slice of a ``[1, 4]`` tensor, viewed as ``[1, 3]``, has strides ``(4, 1)``
+    as a fake and ``(3, 1)`` in eager (the stride of a dim of size 1 is free). Computed
+    on a meta tensor where every size is known."""
+    if func not in _RESHAPING_VIEWS or not isinstance(fake_out, torch.Tensor):
+        return fake_out
+    source = fake_args[0]
+    metadata = (*source.shape, *source.stride(), source.storage_offset(), *leaves(fake_args[1:]))
+    if any(is_symbolic(x) or isinstance(x, torch.SymInt) for x in metadata):
+        return fake_out
+    # Plain meta tensors, through the C++ kernels (the Python dispatcher's reshape is the fake's).
+    with torch._C.DisableTorchFunction(), dispatch_modes_off(), no_python_dispatcher():
+        meta = torch.empty_strided(source.shape, source.stride(), dtype=source.dtype, device="meta")
+        eager = func(meta, *fake_args[1:])
+        if eager.stride() == fake_out.stride():
+            return fake_out
+        like = torch.empty_strided(eager.shape, eager.stride(), dtype=eager.dtype, device="meta")
+        like = like.as_strided(eager.shape, eager.stride(), fake_out.storage_offset())
+    fake = fake_in_storage(fake_mode, like, fake_out)
+    return fake.requires_grad_(fake_out.requires_grad) if fake_out.requires_grad else fake
