@@ -77,7 +77,7 @@ def tensor_key(t: torch.Tensor) -> tuple:
     """What a proxy's metadata is compared by: sizes and strides (symbolic ones by
     expression, so comparing adds no guard), offset, dtype, device, layout, grad, the
     conjugate and negative bits."""
-    fake = t.fake if isinstance(t, TensorProxy) else t
+    fake = t.meta if isinstance(t, TensorProxy) else t
     return (
         tuple(map(_size_key, fake.shape)),
         tuple(map(_size_key, fake.stride())),

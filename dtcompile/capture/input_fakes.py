@@ -10,6 +10,10 @@ is either made here, and every later tensor of it is made in that fake's storage
 covers it), or converted, and the converter knows the storage; a tensor of a storage
 made here gets static sizes even where symbolic ones were asked (guarded exactly: a
 narrower program, never a wrong one).
+
+Such a fake is made when first asked for (``deferred``): a deep model's later blocks are
+calls of the first one's program, and their parameters' proxies never need fakes. Until
+then its storage is pending; any conversion or view of that storage makes it first.
 """
 
 from __future__ import annotations
@@ -29,13 +33,22 @@ class InputFakes:
         self.fake_mode = fake_mode
         self._storages: dict[int, object] = {}  # storage id -> the fake made here first, or _CONVERTED
 
+    def deferred(self, real: torch.Tensor):
+        """For a tensor whose fake :meth:`static` would make from its metadata: a function
+        making that fake, which can be called later (the storage waits for it); else None."""
+        if storage_id(real) in self._storages or not _fills_storage(real):
+            return None
+        pending = _Pending(self, real)
+        self._storages[storage_id(real)] = pending
+        return pending
+
     def static(self, real: torch.Tensor) -> torch.Tensor:
         """A fake of ``real`` with its sizes."""
         with _untraced():
             return self._static(real)
 
     def _static(self, real: torch.Tensor) -> torch.Tensor:
-        first = self._storages.get(storage_id(real))
+        first = self._first(real)
         if first is None and _fills_storage(real):
             return self._made(real, None)
         return self._converted(real, static_shapes=True)
@@ -47,13 +60,19 @@ class InputFakes:
             return self._converted(real, **options)
 
     def _converted(self, real: torch.Tensor, **options) -> torch.Tensor:
-        first = self._storages.get(storage_id(real))
+        first = self._first(real)
         if first is not None and first is not _CONVERTED:
             if real.is_nested or real.is_quantized or real.layout is not torch.strided:
                 raise TracingError(f"dtcompile: a {real.layout} tensor shares memory with another input; not supported")
             return self._made(real, first)
         self._storages[storage_id(real)] = _CONVERTED
         return self.fake_mode.from_tensor(real, **options)
+
+    def _first(self, real: torch.Tensor):
+        """What ``real``'s storage met first: a fake made here (made now if pending),
+        ``_CONVERTED``, or None."""
+        first = self._storages.get(storage_id(real))
+        return first() if isinstance(first, _Pending) else first
 
     def _made(self, real: torch.Tensor, base: torch.Tensor | None) -> torch.Tensor:
         if base is None:
@@ -72,6 +91,19 @@ class InputFakes:
             self._storages[storage_id(real)] = fake
         self.fake_mode.fake_tensor_converter.set_tensor_memo(real, fake)
         return fake
+
+
+class _Pending:
+    """A fake made from its tensor's metadata when first asked for (``InputFakes.deferred``)."""
+
+    def __init__(self, fakes: InputFakes, real: torch.Tensor):
+        self.fakes, self.real, self.fake = fakes, real, None
+
+    def __call__(self) -> torch.Tensor:
+        if self.fake is None:
+            with _untraced():
+                self.fake = self.fakes._made(self.real, None)
+        return self.fake
 
 
 def _plain(t: torch.Tensor) -> bool:

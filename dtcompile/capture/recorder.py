@@ -150,6 +150,9 @@ class Recording:
             context = StatelessSymbolicContext(dynamic_sizes=dynamic_sizes)
             fake = self.fakes.converted(real, symbolic_context=context)
         else:
+            make_fake = self.fakes.deferred(real)
+            if make_fake is not None:
+                return TensorProxy.deferred(real, make_fake, name, provenance)
             # Static explicitly: a fake mode with a ShapeEnv would otherwise give every
             # tensor it converts symbolic sizes (a module's parameters, captured tensors).
             fake = self.fakes.static(real)

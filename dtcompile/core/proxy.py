@@ -58,7 +58,6 @@ def is_contiguous_stride(shape, stride) -> bool:
 class TensorProxy(torch.Tensor):
     """A named, metadata-only tensor whose operations become bound symbols of a trace."""
 
-    fake: torch.Tensor
     label: str
     provenance: Provenance
     value: torch.Tensor | None  # the real value at trace time, for values made from constants only
@@ -68,26 +67,49 @@ class TensorProxy(torch.Tensor):
 
     @staticmethod
     def __new__(cls, fake: torch.Tensor, name: str, provenance: Provenance, requires_grad: bool = False):
-        proxy = torch.Tensor._make_wrapper_subclass(
-            cls,
-            fake.shape,
-            strides=fake.stride(),
-            storage_offset=fake.storage_offset(),
-            dtype=fake.dtype,
-            device=fake.device,
-            layout=fake.layout,
-            requires_grad=requires_grad,
-        )
+        proxy = _wrapping(cls, fake, requires_grad)
         # The conjugate and negative bits are metadata like strides: ops dispatch on them.
         if fake.is_conj():
             torch._C._set_conj(proxy, True)
         if fake.is_neg():
             torch._C._set_neg(proxy, True)
-        proxy.fake = fake
+        proxy._fake, proxy._make_fake = fake, None
         proxy.label = name
         proxy.provenance = provenance
         proxy.value = None
         return proxy
+
+    @classmethod
+    def deferred(cls, like: torch.Tensor, make_fake, name: str, provenance: Provenance) -> TensorProxy:
+        """A proxy with the metadata of ``like`` (a plain tensor: no conjugate or negative
+        bit), whose fake ``make_fake()`` makes when first asked for. Most of a deep model's
+        parameters only pass through to a block's call, and never need one."""
+        proxy = _wrapping(cls, like, like.requires_grad)
+        proxy._fake, proxy._make_fake = None, make_fake
+        proxy.label = name
+        proxy.provenance = provenance
+        proxy.value = None
+        return proxy
+
+    @property
+    def fake_deferred(self) -> bool:
+        """Whether the fake is still to be made: until then no op has read the proxy, and
+        no other tensor of the trace shares its storage (``capture/input_fakes.py``)."""
+        return self._fake is None
+
+    @property
+    def meta(self) -> torch.Tensor:
+        """What to read the metadata from without making a deferred fake: the fake, or the
+        proxy itself, made with the metadata the fake will have."""
+        return self if self._fake is None else self._fake
+
+    @property
+    def fake(self) -> torch.Tensor:
+        fake = self._fake
+        if fake is None:
+            fake, self._make_fake = self._make_fake(), None
+            self._fake = fake
+        return fake
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -128,6 +150,19 @@ class TensorProxy(torch.Tensor):
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"TensorProxy({self.label}: {self.type_string()}, {self.provenance})"
+
+
+def _wrapping(cls, like: torch.Tensor, requires_grad: bool) -> TensorProxy:
+    return torch.Tensor._make_wrapper_subclass(
+        cls,
+        like.shape,
+        strides=like.stride(),
+        storage_offset=like.storage_offset(),
+        dtype=like.dtype,
+        device=like.device,
+        layout=like.layout,
+        requires_grad=requires_grad,
+    )
 
 
 def read_elements(tensor: torch.Tensor):

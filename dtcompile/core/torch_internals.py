@@ -119,16 +119,18 @@ def fake_like(fake_mode, like: torch.Tensor, base: torch.Tensor | None, requires
     """A fake tensor of ``fake_mode`` with ``like``'s sizes, strides and dtype: a view of
     ``base``'s storage at ``like``'s offset, or (``base`` None) fresh storage. What the fake
     mode would make for an op's output, without running the op's meta function (the same
-    kernel invocation the fake mode uses, and its converter's wrapping)."""
+    kernel invocation the fake mode uses, and its converter's wrapping). No torch function
+    mode sees it: while tracing, the annotator would look at each of its calls."""
     from torch._subclasses.fake_tensor import in_kernel_invocation_manager
 
-    with torch.no_grad(), in_kernel_invocation_manager(fake_mode):
-        if base is None:
-            meta = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device="meta")
-        else:
-            meta = torch.ops.aten.as_strided.default(base, like.shape, like.stride(), like.storage_offset())
-    meta.requires_grad_(requires_grad)
-    return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, meta, like.device)
+    with torch._C.DisableTorchFunction():
+        with torch.no_grad(), in_kernel_invocation_manager(fake_mode):
+            if base is None:
+                meta = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device="meta")
+            else:
+                meta = torch.ops.aten.as_strided.default(base, like.shape, like.stride(), like.storage_offset())
+        meta.requires_grad_(requires_grad)
+        return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, meta, like.device)
 
 
 def fake_in_storage(fake_mode, like: torch.Tensor, holder: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,9 @@ def storage_bases(trace, inputs_may_alias: bool = False) -> dict[str, str]:
     inputs = [p for p in trace.inputs if isinstance(p, TensorProxy)]
     tensors = inputs + [p for bsym in trace.bound_symbols for p in bsym.output_tensors()]
     for proxy in tensors:
+        if proxy.fake_deferred:  # memory of its own
+            base[proxy.label] = proxy.label
+            continue
         key = StorageWeakRef(proxy.fake.untyped_storage())
         base[proxy.label] = first.setdefault(key, proxy.label)
     if inputs_may_alias and inputs:
