@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.overrides import TorchFunctionMode, resolve_name
@@ -29,6 +30,19 @@ from .recorder import Recording
 # Tensor methods that hand the caller a tensor's data outside torch (NumPy, Python lists).
 _DATA_READS = {torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.data_ptr}
 _HOOK_REGISTRATIONS = {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
+
+# Tensor methods that read a tensor's metadata and dispatch no op. On a proxy or a fake,
+# what dtcompile's own code asks while tracing (a replayed block's output, an equivalence
+# key), they need none of the checks, DTensor captures or memo keys of a torch-level call.
+_METADATA_READS = {
+    torch.Tensor.stride,
+    torch.Tensor.storage_offset,
+    torch.Tensor.untyped_storage,
+    torch.Tensor.is_conj,
+    torch.Tensor.is_neg,
+    torch.Tensor.size,
+    torch.Tensor.dim,
+}
 
 
 # Tensor methods that change a tensor's sizes or strides in place.
@@ -163,6 +177,8 @@ class CallAnnotator(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _METADATA_READS and isinstance(args[0], (TensorProxy, FakeTensor)):
+            return func(*args, **kwargs)
         if getattr(func, "__name__", "") in ("__get__", "__set__"):
             attribute = getattr(getattr(func, "__self__", None), "__name__", "")
             if func.__name__ == "__set__" and attribute in _UNRECORDED_SETS and args and _is_traced(args[0]):

@@ -285,17 +285,21 @@ def _has_slots(cls: type) -> bool:
     )
 
 
-def block_state(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, dict]]:
-    """``(path, submodule, its attributes)`` through the subtree, as they are now: the
-    tables (parameters, buffers, submodules, hooks) copied, so that a later assignment or
-    hook does not change what was recorded with."""
+def block_state(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, dict, dict]]:
+    """``(path, submodule, its attributes, its tensors' keys)`` through the subtree, as
+    they are now: the tables (parameters, buffers, submodules, hooks) copied, so that a
+    later assignment or hook does not change what was recorded with; the key
+    (``traced_key``) of each tensor in a table or attribute, by ``(attribute, name)``."""
     state = []
     for path, sub in module.named_modules(remove_duplicate=False):
-        attributes = {
-            name: dict(value) if name in _TABLES and isinstance(value, dict) else value
-            for name, value in vars(sub).items()
-        }
-        state.append((path, sub, attributes))
+        attributes, keys = {}, {}
+        for name, value in vars(sub).items():
+            if name in TENSOR_TABLES:
+                keys.update(((name, key), traced_key(tensor)) for key, tensor in value.items())
+            elif isinstance(value, torch.Tensor):
+                keys[(name, None)] = traced_key(value)
+            attributes[name] = dict(value) if name in _TABLES and isinstance(value, dict) else value
+        state.append((path, sub, attributes, keys))
     return state
 
 
@@ -313,36 +317,39 @@ def why_different(first: list, other: torch.nn.Module) -> str | None:
     others = list(other.named_modules(remove_duplicate=False))
     if len(first) != len(others):
         return "their submodules differ"
-    pairs = []
-    for (pa, a, attributes), (pb, b) in zip(first, others):
+    for (pa, a, _, _), (pb, b) in zip(first, others):
         if pa != pb or type(a) is not type(b):
             return f"their submodules differ ({pa!r}: {type(a).__name__}, {pb!r}: {type(b).__name__})"
-        pairs.append((pa, a, attributes, b))
-    equivalent = _Equivalence({id(a): b for _, a, _, b in pairs})
-    for path, _, va, b in pairs:
+    equivalent = _Equivalence({id(a): b for (_, a, _, _), (_, b) in zip(first, others)})
+    for (path, _, va, keys), (_, b) in zip(first, others):
         vb = vars(b)
         if list(va) != list(vb):
             return f"{path or 'the block'} has other attributes"
         for name, x in va.items():
             y = vb[name]
-            where = f"{path}.{name}" if path else name
             if name in TENSOR_TABLES:
                 if list(x) != list(y):
-                    return f"{where} holds other names"
-                for key in x:
-                    kx, ky = traced_key(x[key]), traced_key(y[key])
-                    if kx != ky or (kx is None and not (x[key] is None and y[key] is None)):
-                        return f"{where}[{key!r}] differs"
+                    return f"{_where(path, name)} holds other names"
+                for key, tensor in y.items():
+                    kx = keys[(name, key)]
+                    if kx is None and x[key] is None and tensor is None:
+                        continue
+                    if kx is None or kx != traced_key(tensor):
+                        return f"{_where(path, name)}[{key!r}] differs"
             elif name == "_modules":
                 if list(x) != list(y):
-                    return f"{where} holds other names"
+                    return f"{_where(path, name)} holds other names"
             elif name in _HOOK_TABLES:
                 if len(x) != len(y) or not all(equivalent(p, q) for p, q in zip(x.values(), y.values())):
-                    return f"{where} holds other hooks"
+                    return f"{_where(path, name)} holds other hooks"
             elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-                kx = traced_key(x)
+                kx = keys.get((name, None))
                 if kx is None or kx != traced_key(y):
-                    return f"{where} differs"
+                    return f"{_where(path, name)} differs"
             elif not equivalent(x, y):
-                return f"{where} differs"
+                return f"{_where(path, name)} differs"
     return None
+
+
+def _where(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name

@@ -54,16 +54,27 @@ _EXACT_KINDS = {
 }
 
 
-def _children(value: object) -> list[tuple[str, object]]:
+def _children(value: object) -> list[tuple[tuple, object]]:
+    """``((kind, key), child)`` for what ``value`` holds; its path is written out only
+    when reported (``_path``)."""
     if type(value).__name__ == "ndarray":
         return []
     if isinstance(value, (list, collections.deque)):
-        return [(f"[{i}]", v) for i, v in enumerate(value)]
+        return [(("[]", i), v) for i, v in enumerate(value)]
     if isinstance(value, dict):
-        return [(f"[{k!r}]", v) for k, v in value.items()]
+        return [(("[]", k), v) for k, v in value.items()]
     if isinstance(value, set):
         return []
-    return [(f".{k}", v) for k, v in object_state(value).items()]
+    return [((".", k), v) for k, v in object_state(value).items()]
+
+
+def _path(path) -> str:
+    """A path as text: a string, or ``(parent path, (kind, key))``."""
+    steps = []
+    while not isinstance(path, str):
+        path, (kind, key) = path
+        steps.append(f"[{key!r}]" if kind == "[]" else f".{key}")
+    return path + "".join(reversed(steps))
 
 
 def _same(a: tuple, b: tuple) -> bool:
@@ -89,9 +100,9 @@ class DataSnapshot:
     levels down, taken before a trace (see the module docstring)."""
 
     def __init__(self):
-        self._taken: dict[int, tuple[object, str, object]] = {}  # id -> (the value, its path, its state)
+        self._taken: dict[int, tuple] = {}  # id -> (the value, its path (``_path``), its state)
 
-    def add(self, value: object, path: str, depth: int = 3) -> None:
+    def add(self, value: object, path, depth: int = 3) -> None:
         """Record ``value`` (found at ``path``) and what it holds, ``depth`` levels down."""
         if depth < 0 or id(value) in self._taken or isinstance(value, (torch.Tensor, torch.nn.Module)):
             return
@@ -99,8 +110,9 @@ class DataSnapshot:
         if state is None:
             return
         self._taken[id(value)] = (value, path, state)
-        for suffix, child in _children(value):
-            self.add(child, path + suffix, depth - 1)
+        if depth:
+            for step, child in _children(value):
+                self.add(child, (path, step), depth - 1)
 
     def add_callable(self, fn: object, path: str) -> None:
         """Record the data a function can reach and change: what its closure cells hold,
@@ -137,7 +149,7 @@ class DataSnapshot:
         for value, path, state in self._taken.values():
             if _same(_state(value), state):
                 continue
-            changed.append(path)
+            changed.append(_path(path))
             kind, items = state
             if kind == "list":
                 value[:] = items
