@@ -205,11 +205,11 @@ class _Equivalence:
         self.modules = modules  # id of a module of the first block -> the module in the same place
 
     def __call__(self, a, b, depth: int = 0) -> bool:
+        if a is b:  # a module of the first block is not itself: it maps to one of the other's
+            return self.modules.get(id(a), a) is b
         if isinstance(a, torch.nn.Module) or isinstance(b, torch.nn.Module):
             mapped = self.modules.get(id(a))
-            return mapped is b if mapped is not None else a is b
-        if a is b:
-            return True
+            return mapped is not None and mapped is b
         if type(a) is not type(b):
             return False
         if type(a) in SCALARS:
@@ -223,6 +223,8 @@ class _Equivalence:
         if isinstance(a, (tuple, list)):
             return len(a) == len(b) and all(self(x, y, depth + 1) for x, y in zip(a, b))
         if isinstance(a, dict):
+            if not a and not b:  # a function's attributes, most often
+                return True
             return (
                 len(a) == len(b)
                 and all(self(k, j, depth + 1) for k, j in zip(a, b))

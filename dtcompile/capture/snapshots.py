@@ -54,6 +54,9 @@ _EXACT_KINDS = {
 }
 
 
+_PLAIN_DICTS = (dict, collections.OrderedDict)
+
+
 def _children(value: object) -> list[tuple[tuple, object]]:
     """``((kind, key), child)`` for what ``value`` holds; its path is written out only
     when reported (``_path``)."""
@@ -101,9 +104,15 @@ class DataSnapshot:
 
     def __init__(self):
         self._taken: dict[int, tuple] = {}  # id -> (the value, its path (``_path``), its state)
+        # Empty dicts (most of a module's hook tables), each with its path: they hold
+        # nothing to copy, and are put back by emptying them.
+        self._empty: list[tuple[dict, object]] = []
 
     def add(self, value: object, path, depth: int = 3) -> None:
         """Record ``value`` (found at ``path``) and what it holds, ``depth`` levels down."""
+        if type(value) in _PLAIN_DICTS and not value:
+            self._empty.append((value, path))
+            return
         if depth < 0 or id(value) in self._taken or isinstance(value, (torch.Tensor, torch.nn.Module)):
             return
         state = _state(value)
@@ -146,6 +155,10 @@ class DataSnapshot:
         """Put every value recorded back in the state it had; the paths of those that
         had changed."""
         changed = []
+        for value, path in self._empty:
+            if value:
+                changed.append(_path(path))
+                value.clear()
         for value, path, state in self._taken.values():
             if _same(_state(value), state):
                 continue
