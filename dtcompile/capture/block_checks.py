@@ -154,6 +154,23 @@ def contents(container) -> tuple:
     return ("items", list(container) if type(container) is list else list(container.items()))
 
 
+class Held:
+    """What some containers hold now, to tell later whether any changed: the dicts by
+    their versions, read in one pass; the others by :func:`contents`."""
+
+    def __init__(self, containers: list):
+        self.containers = containers
+        versioned = [dict_version is not None and type(c) is dict for c in containers]
+        self._dicts = [c for c, v in zip(containers, versioned) if v]
+        self._versions = list(map(dict_version, self._dicts)) if self._dicts else []
+        self._others = [(c, contents(c)) for c, v in zip(containers, versioned) if not v]
+
+    def changed(self) -> bool:
+        return list(map(dict_version, self._dicts)) != self._versions or any(
+            changed(c, before) for c, before in self._others
+        )
+
+
 def changed(container, before: tuple) -> bool:
     """Whether ``container`` changed since :func:`contents` gave ``before``: keys by
     value, values by identity."""

@@ -37,9 +37,8 @@ from ..core import TensorProxy
 from ..core.torch_internals import make_dtensor, storage_id
 from .block_calls import block_program, call_again, first_call
 from .block_checks import (
+    Held,
     arguments_changed,
-    changed,
-    contents,
     identity_read,
     inputs_depend,
     python_state,
@@ -69,7 +68,7 @@ class BlockTemplate:
         self.module = module
         self.key = key
         self.state = state  # the block as it was recorded (``equivalence.block_state``)
-        self.python_state: list = []  # (container, its contents) the block could read, as recorded
+        self.python_state: Held | None = None  # the containers the block could read, as recorded
         self.symbols: list = []
         self.sources: dict[str, list[tuple[str, object]]] = {}  # free proxy label -> where each block has it
         self.output = None  # (treespec, leaves described)
@@ -185,7 +184,7 @@ class RepeatedBlocks:
         recording = self.recording
         start = len(recording.bound_symbols)
         counts = recording_counts(recording)
-        template.python_state = tables = [(c, contents(c)) for c in python_state(module)]
+        template.python_state = held = Held(python_state(module))
         flat_args, treespec = tree_flatten((args, kwargs))
         specs = [(leaf, leaf._spec) for leaf in flat_args if isinstance(leaf, DTensor)]
         self.recording_depth += 1
@@ -198,12 +197,12 @@ class RepeatedBlocks:
             "it changed the recording's other state"
             if recording_counts(recording) != counts
             else "it changed Python state it can read"
-            if any(changed(c, before) for c, before in tables)
+            if held.changed()
             else "it changed an argument's placements"
             if any(leaf._spec is not spec for leaf, spec in specs)
             else "it changed a container it received"
             if arguments_changed(args, kwargs, flat_args, treespec)
-            else identity_read(module, [c for c, _ in tables], self.modules) or unreplayable(template.symbols)
+            else identity_read(module, held.containers, self.modules) or unreplayable(template.symbols)
         )
         if template.refused is None:
             template.refused = self._describe(template, module, flat_args, out)
@@ -317,7 +316,7 @@ class RepeatedBlocks:
 
     def _replay(self, template: BlockTemplate, module, args: tuple, kwargs: dict):
         recording = self.recording
-        if any(changed(c, before) for c, before in template.python_state):
+        if template.python_state.changed():
             return _FAILED  # the code changed Python state the first block read, since
         flat_args, _ = tree_flatten((args, kwargs))
         mapping = template.sources_in(module, flat_args)

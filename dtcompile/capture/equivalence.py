@@ -203,6 +203,7 @@ class _Equivalence:
 
     def __init__(self, modules: dict[int, torch.nn.Module]):
         self.modules = modules  # id of a module of the first block -> the module in the same place
+        self._alike: set[tuple[int, int]] = set()  # ids of plain objects found equivalent
 
     def __call__(self, a, b, depth: int = 0) -> bool:
         if a is b:  # a module of the first block is not itself: it maps to one of the other's
@@ -251,7 +252,13 @@ class _Equivalence:
             return False  # by identity only
         if type(a).__module__ == "builtins" or not hasattr(a, "__dict__") or _has_slots(type(a)):
             return False
-        return self(vars(a), vars(b), depth + 1)
+        pair = (id(a), id(b))  # a style object both hooks of a module hold, compared once
+        if pair in self._alike:
+            return True
+        alike = self(vars(a), vars(b), depth + 1)
+        if alike:
+            self._alike.add(pair)
+        return alike
 
     def _cells(self, a: tuple, b: tuple, depth: int) -> bool:
         if len(a) != len(b):
@@ -273,6 +280,7 @@ class _Equivalence:
 _EMPTY = object()
 
 
+@functools.lru_cache(maxsize=256)
 def _has_slots(cls: type) -> bool:
     """Whether instances of ``cls`` hold values outside their ``__dict__`` (``abc.ABC``'s
     empty ``__slots__`` holds none)."""
