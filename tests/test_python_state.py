@@ -1122,3 +1122,41 @@ def test_small_containers_held_in_a_dict_are_guarded_by_contents():
         assert counts(jf) == (4, 0)
     finally:
         TABLES.clear()
+
+
+PLAN = {}  # a nested table (a tuple of lists, as Hugging Face's ``_pp_plan``): the test fills it
+
+
+def reads_a_nested_plan(x):
+    inputs, outputs = PLAN["layer"]
+    return x * len(inputs) + float(outputs[0] is True) + PLAN["scale"][0] + len(PLAN["names"])
+
+
+def test_nested_containers_changed_in_place_or_replaced_by_equal_ones():
+    """Unchanged containers pass by the identity of what they hold; an item replaced by
+    an equal one passes by value; a change at any depth, or a value of another type,
+    compiles again."""
+    PLAN.update(layer=(["hidden"], [True]), scale=[2.0], names={"a": "b"})
+    try:
+        jf = dtcompile.jit(reads_a_nested_plan)
+        x = torch.ones(2)
+        assert_same_tensor(jf(x), reads_a_nested_plan(x))
+        assert_same_tensor(jf(x), reads_a_nested_plan(x))
+        assert counts(jf) == (1, 1)
+        PLAN["layer"][0][0] = "".join(["hid", "den"])  # an equal string: no new entry, at each call
+        PLAN["scale"][0] = float("2.0")
+        for _ in range(2):
+            assert_same_tensor(jf(x), reads_a_nested_plan(x))
+        assert counts(jf) == (1, 3)
+        for change in (
+            lambda: PLAN["layer"][0].append("extra"),
+            lambda: PLAN["layer"][1].__setitem__(0, 1),  # True to 1: equal, but another type
+            lambda: PLAN["scale"].__setitem__(0, 3.0),
+            lambda: PLAN["names"].__setitem__("c", "d"),
+        ):
+            change()
+            assert_same_tensor(jf(x), reads_a_nested_plan(x))
+            assert_same_tensor(jf(x), reads_a_nested_plan(x))
+        assert counts(jf) == (5, 7)
+    finally:
+        PLAN.clear()

@@ -10,6 +10,7 @@ unnecessary (:func:`unless_dicts_changed`). ``b`` is the prologue's builder
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import operator
@@ -239,5 +240,48 @@ def python_state_checks(b, guards: PythonGuards, tag: str) -> None:
     if guards.keyed:
         b.globals["VALUE_KEY"] = value_key
         keyed = f"{tag}_KEYED"
-        keys = " + ".join(f"list(map(VALUE_KEY, {v}))" for v in read(guards.keyed, keyed))
-        b.fail_if(f"{keys} != {keyed}")
+        values = read(guards.keyed, keyed)
+        compare = " + ".join(f"list(map(VALUE_KEY, {v}))" for v in values) + f" != {keyed}"
+        unchanged = _same_objects(b, guards.keyed, values, keyed)
+        b.fail_if(compare if unchanged is None else f"not ({unchanged}) and {compare}")
+
+
+def _same_objects(b, group: ReadGroup, values: list[str], prefix: str) -> str | None:
+    """For values compared by :func:`value_key` (containers, read at every call): an
+    expression true when each is still the object it is now, holding the very objects it
+    holds now, container by container (lengths, then items by identity). The same objects
+    have the same keys, so the keys need computing only when this fails: a few C-level
+    passes instead of a recursive key per value. None where a value now is not what was
+    traced (the forward changed it) or holds what identity does not pin (an array)."""
+    now = [dict.get(d, k, ABSENT) for d, k in zip(group.dicts, group.keys)]
+    now += [getattr(o, a, ABSENT) for o, a in zip(group.objects, group.attributes)]
+    if list(map(value_key, now)) != group.expected:
+        return None
+    containers: list = []
+    if not all(_containers(value, containers) for value in now):
+        return None
+    b.globals.update({f"{prefix}_NOW": now, f"{prefix}_CONTAINERS": containers})
+    b.globals[f"{prefix}_LENGTHS"] = list(map(len, containers))
+    b.globals[f"{prefix}_ITEMS"] = list(itertools.chain.from_iterable(containers))
+    same = f"all(map(is_, chain(({', '.join(values)},)), {prefix}_NOW))"
+    return (
+        f"{same} and list(map(len, {prefix}_CONTAINERS)) == {prefix}_LENGTHS"
+        f" and all(map(is_, chain({prefix}_CONTAINERS), {prefix}_ITEMS))"
+    )
+
+
+def _containers(value: object, found: list) -> bool:
+    """Add to ``found`` what can change in place under ``value`` (lists, sets, deques;
+    a dict's keys and values), recursively; False where something else can (an array)."""
+    kind = type(value)
+    if kind in (list, set, collections.deque):
+        found.append(value)
+        items = value
+    elif kind is dict:
+        found += (value.keys(), value.values())
+        items = value.values()
+    elif kind in (tuple, frozenset):
+        items = value
+    else:
+        return not hasattr(value, "__array__")
+    return all(_containers(item, found) for item in items)
