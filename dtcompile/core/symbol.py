@@ -112,9 +112,9 @@ class BoundSymbol:
 
     def with_inputs_renamed(self, mapping: dict[str, TensorProxy]) -> BoundSymbol:
         """A copy whose proxy arguments are swapped by name through ``mapping``."""
-        if self.note is None and not any(p.label in mapping for p in self.input_proxies()):
-            return self  # nothing to rename (the usual case in a pass that renames a few values)
         note = self.note.renamed(mapping) if self.note is not None else None
+        if note is self.note and not any(p.label in mapping for p in self.input_proxies()):
+            return self  # nothing to rename (the usual case in a pass that renames a few values)
         return replace(self, args=renamed(self.args, mapping), kwargs=renamed(self.kwargs, mapping), note=note)
 
 

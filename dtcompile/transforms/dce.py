@@ -9,10 +9,9 @@ earliest, and removes duplicate shape queries.
 
 from __future__ import annotations
 
-from torch.utils._pytree import tree_flatten
-
 from ..core import FromData, Trace, is_proxy, renamed
 from ..core.proxy import NumberProxy
+from ..core.symbol import leaves
 from ..core.symbolic import is_symbolic, symbolic_expr
 from .effects import has_side_effects
 
@@ -39,16 +38,16 @@ def _first_producers(trace: Trace) -> tuple[list, object]:
 
 def _symbols_used(values) -> set:
     """The size symbols in the symbolic numbers among ``values`` (not yet materialized)."""
-    return {s for x in tree_flatten(values)[0] if is_symbolic(x) for s in symbolic_expr(x).free_symbols}
+    return {s for x in leaves(values) if is_symbolic(x) for s in symbolic_expr(x).free_symbols}
 
 
 def dce(trace: Trace) -> Trace:
     """Keep a symbol when it has side effects or a kept symbol (or the output) reads it:
     by name, or, before sizes are materialized, a number read from data by its symbol."""
     symbols, output = _first_producers(trace)
-    leaves, _ = tree_flatten(output)
-    live = {x.label for x in leaves if is_proxy(x)}
-    live_symbols = _symbols_used(leaves)
+    outputs = leaves(output)
+    live = {x.label for x in outputs if is_proxy(x)}
+    live_symbols = _symbols_used(outputs)
     kept = []
     for bsym in reversed(symbols):
         number = bsym.output if isinstance(bsym.output, NumberProxy) else None

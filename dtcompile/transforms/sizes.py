@@ -15,11 +15,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from ..core import BoundSymbol, NoProvenance, TensorProxy, Trace
 from ..core.prims import SHAPE, STORAGE_OFFSET, STRIDE, size_expression
 from ..core.proxy import NumberProxy
+from ..core.symbol import leaves
 from ..core.symbolic import SYMBOLIC_TYPES, as_constant, is_symbolic, symbolic_expr
 
 
@@ -106,9 +107,8 @@ class _Materializer:
 
 
 def has_symbolic_sizes(trace: Trace) -> bool:
-    leaves = [x for b in trace.bound_symbols for x in tree_flatten((b.args, b.kwargs))[0]]
-    leaves += tree_flatten(trace.output)[0]
-    return any(is_symbolic(x) for x in leaves)
+    found = [x for b in trace.bound_symbols for x in leaves((b.args, b.kwargs))]
+    return any(map(is_symbolic, found)) or any(map(is_symbolic, leaves(trace.output)))
 
 
 def materialize_sizes(trace: Trace) -> Trace:
