@@ -20,12 +20,10 @@ where the later block and its arguments are equivalent to the first's:
 
 from __future__ import annotations
 
-import functools
-import types
+import collections
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_flatten
 
 from ..core import TensorProxy
@@ -36,10 +34,10 @@ from ..core.torch_internals import (
     mask_buffer,
     sdpa_backends,
 )
+from .alike import SCALARS, Equivalence
 from .python_reads import value_key
 from .tensor_attributes import attributes_key, user_attributes
 
-SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout)
 # nn.Module's hook tables: a handle's id is the key, so only the hooks are compared.
 _HOOK_TABLES = frozenset(
     {
@@ -66,7 +64,6 @@ GLOBAL_HOOKS = (
     "_global_forward_hooks_always_called",
     "_global_forward_hooks_with_kwargs",
 )
-_EQUIVALENCE_DEPTH = 8
 
 
 def _size_key(size) -> object:
@@ -195,111 +192,45 @@ def named_tensors(module: torch.nn.Module) -> list[tuple[str, object]]:
     return found
 
 
-class _Equivalence:
-    """Whether two values play the same part in two blocks: the same object, equal
-    scalars and placements, corresponding modules, functions of the same code over
-    equivalent closures, partials and bound methods of such, and plain objects whose
-    attributes are equivalent (a few levels down)."""
-
-    def __init__(self, modules: dict[int, torch.nn.Module]):
-        self.modules = modules  # id of a module of the first block -> the module in the same place
-        self._alike: set[tuple[int, int]] = set()  # ids of plain objects found equivalent
-
-    def __call__(self, a, b, depth: int = 0) -> bool:
-        if a is b:  # a module of the first block is not itself: it maps to one of the other's
-            return self.modules.get(id(a), a) is b
-        if isinstance(a, torch.nn.Module) or isinstance(b, torch.nn.Module):
-            mapped = self.modules.get(id(a))
-            return mapped is not None and mapped is b
-        if type(a) is not type(b):
-            return False
-        if type(a) in SCALARS:
-            return value_key(a) == value_key(b)
-        if isinstance(a, Placement):
-            return a == b
-        if depth > _EQUIVALENCE_DEPTH:
-            return False
-        if isinstance(a, (set, frozenset)):
-            return all(type(x) in SCALARS for x in (*a, *b)) and set(map(value_key, a)) == set(map(value_key, b))
-        if isinstance(a, (tuple, list)):
-            return len(a) == len(b) and all(self(x, y, depth + 1) for x, y in zip(a, b))
-        if isinstance(a, dict):
-            if not a and not b:  # a function's attributes, most often
-                return True
-            return (
-                len(a) == len(b)
-                and all(self(k, j, depth + 1) for k, j in zip(a, b))
-                and all(self(v, w, depth + 1) for v, w in zip(a.values(), b.values()))
-            )
-        if isinstance(a, types.FunctionType):
-            return (
-                a.__code__ is b.__code__
-                and a.__globals__ is b.__globals__
-                and self(a.__defaults__, b.__defaults__, depth + 1)
-                and self(a.__kwdefaults__, b.__kwdefaults__, depth + 1)
-                and self._cells(a.__closure__ or (), b.__closure__ or (), depth)
-                and self(vars(a), vars(b), depth + 1)  # its own attributes (``f.alpha``)
-            )
-        if isinstance(a, types.MethodType):
-            return a.__func__ is b.__func__ and self(a.__self__, b.__self__, depth + 1)
-        if isinstance(a, functools.partial):
-            return (
-                self(a.func, b.func, depth + 1)
-                and self(a.args, b.args, depth + 1)
-                and self(a.keywords, b.keywords, depth + 1)
-            )
-        if isinstance(a, (torch.Tensor, type, types.ModuleType, types.BuiltinFunctionType)):
-            return False  # by identity only
-        if type(a).__module__ == "builtins" or not hasattr(a, "__dict__") or _has_slots(type(a)):
-            return False
-        pair = (id(a), id(b))  # a style object both hooks of a module hold, compared once
-        if pair in self._alike:
-            return True
-        alike = self(vars(a), vars(b), depth + 1)
-        if alike:
-            self._alike.add(pair)
-        return alike
-
-    def _cells(self, a: tuple, b: tuple, depth: int) -> bool:
-        if len(a) != len(b):
-            return False
-        for x, y in zip(a, b):
-            try:
-                xv = x.cell_contents
-            except ValueError:
-                xv = _EMPTY
-            try:
-                yv = y.cell_contents
-            except ValueError:
-                yv = _EMPTY
-            if not self(xv, yv, depth + 1):
-                return False
-        return True
+# A module's attributes of these types (exact under ``==``: no NaN, no signed zero), and
+# its empty tables, are compared all at once (``_Plain``).
+_PLAIN = frozenset({type(None), bool, int, str})
+_EMPTY_CONTAINERS = frozenset({dict, collections.OrderedDict, set})
 
 
-_EMPTY = object()
+class _Plain:
+    """A module's attributes that are flags, sizes, names or empty tables (most of them):
+    their names, values and exact types, compared in a few C-level passes; ``rest``
+    names the others, compared one by one."""
+
+    __slots__ = ("names", "values", "types", "rest")
+
+    def __init__(self, attributes: dict):
+        self.names, self.values, self.types, self.rest = [], [], [], []
+        for name, value in attributes.items():
+            kind = type(value)
+            if kind in _PLAIN or (kind in _EMPTY_CONTAINERS and not value):
+                self.names.append(name)
+                self.values.append(value if kind in _PLAIN else kind())
+                self.types.append(kind)
+            else:
+                self.rest.append(name)
+
+    def differing(self, now: dict) -> str | None:
+        """The first attribute of ``now`` (a module's ``vars``, with the same names)
+        that differs; None where none does."""
+        values = list(map(now.__getitem__, self.names))
+        if list(map(type, values)) == self.types and values == self.values:
+            return None
+        return next(n for n, x, k, y in zip(self.names, self.values, self.types, values) if type(y) is not k or x != y)
 
 
-@functools.lru_cache(maxsize=256)
-def _has_slots(cls: type) -> bool:
-    """Whether instances of ``cls`` hold values outside their ``__dict__`` (``abc.ABC``'s
-    empty ``__slots__`` holds none)."""
-    return any(
-        name not in ("__dict__", "__weakref__")
-        for klass in cls.__mro__
-        for name in (
-            (vars(klass).get("__slots__") or ())
-            if not isinstance(vars(klass).get("__slots__"), str)
-            else (vars(klass)["__slots__"],)
-        )
-    )
-
-
-def block_state(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, dict, dict]]:
-    """``(path, submodule, its attributes, its tensors' keys)`` through the subtree, as
-    they are now: the tables (parameters, buffers, submodules, hooks) copied, so that a
-    later assignment or hook does not change what was recorded with; the key
-    (``traced_key``) of each tensor in a table or attribute, by ``(attribute, name)``."""
+def block_state(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, dict, dict, _Plain]]:
+    """``(path, submodule, its attributes, its tensors' keys, its plain attributes)``
+    through the subtree, as they are now: the tables (parameters, buffers, submodules,
+    hooks) copied, so that a later assignment or hook does not change what was recorded
+    with; the key (``traced_key``) of each tensor in a table or attribute, by
+    ``(attribute, name)``; the attributes compared all at once (:class:`_Plain`)."""
     state = []
     for path, sub in module.named_modules(remove_duplicate=False):
         attributes, keys = {}, {}
@@ -309,7 +240,7 @@ def block_state(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, dic
             elif isinstance(value, torch.Tensor):
                 keys[(name, None)] = traced_key(value)
             attributes[name] = dict(value) if name in _TABLES and isinstance(value, dict) else value
-        state.append((path, sub, attributes, keys))
+        state.append((path, sub, attributes, keys, _Plain(vars(sub))))
     return state
 
 
@@ -327,16 +258,19 @@ def why_different(first: list, other: torch.nn.Module) -> str | None:
     others = list(other.named_modules(remove_duplicate=False))
     if len(first) != len(others):
         return "their submodules differ"
-    for (pa, a, _, _), (pb, b) in zip(first, others):
+    for (pa, a, *_), (pb, b) in zip(first, others):
         if pa != pb or type(a) is not type(b):
             return f"their submodules differ ({pa!r}: {type(a).__name__}, {pb!r}: {type(b).__name__})"
-    equivalent = _Equivalence({id(a): b for (_, a, _, _), (_, b) in zip(first, others)})
-    for (path, _, va, keys), (_, b) in zip(first, others):
+    equivalent = Equivalence({id(a): b for (_, a, *_), (_, b) in zip(first, others)})
+    for (path, _, va, keys, plain), (_, b) in zip(first, others):
         vb = vars(b)
         if list(va) != list(vb):
             return f"{path or 'the block'} has other attributes"
-        for name, x in va.items():
-            y = vb[name]
+        name = plain.differing(vb)
+        if name is not None:
+            return f"{_where(path, name)} differs"
+        for name in plain.rest:
+            x, y = va[name], vb[name]
             if name in TENSOR_TABLES:
                 if list(x) != list(y):
                     return f"{_where(path, name)} holds other names"

@@ -1,0 +1,153 @@
+"""Whether two values play the same part in two blocks (``equivalence.py`` compares
+the blocks' modules attribute by attribute, and their hooks and other objects here): the
+same object, equal scalars and placements, corresponding modules, functions of the same
+code over equivalent closures, partials and bound methods of such, and plain objects
+whose attributes are equivalent, a few levels down. How two values of a class are
+compared is decided once per class (:func:`_category`).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+from torch.distributed.tensor.placement_types import Placement
+
+from .python_reads import value_key
+
+SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout)
+_EQUIVALENCE_DEPTH = 8
+
+
+class Equivalence:
+    """Whether two values play the same part in two blocks: the same object, equal
+    scalars and placements, corresponding modules, functions of the same code over
+    equivalent closures, partials and bound methods of such, and plain objects whose
+    attributes are equivalent (a few levels down)."""
+
+    def __init__(self, modules: dict[int, torch.nn.Module]):
+        self.modules = modules  # id of a module of the first block -> the module in the same place
+        self._alike: set[tuple[int, int]] = set()  # ids of plain objects found equivalent
+
+    def __call__(self, a, b, depth: int = 0) -> bool:
+        if a is b:  # a module of the first block is not itself: it maps to one of the other's
+            return self.modules.get(id(a), a) is b
+        kind = type(a)
+        if kind is not type(b):  # (modules map to modules of their own class)
+            return False
+        if kind in SCALARS:
+            return value_key(a) == value_key(b)
+        category = _category(kind)
+        if category is _MODULE:
+            mapped = self.modules.get(id(a))
+            return mapped is not None and mapped is b
+        if category is _PLACEMENT:
+            return a == b
+        if depth > _EQUIVALENCE_DEPTH:
+            return False
+        depth += 1
+        if category is _SET:
+            return all(type(x) in SCALARS for x in (*a, *b)) and set(map(value_key, a)) == set(map(value_key, b))
+        if category is _SEQUENCE:
+            return len(a) == len(b) and all(self(x, y, depth) for x, y in zip(a, b))
+        if category is _DICT:
+            if not a and not b:  # a function's attributes, most often
+                return True
+            return (
+                len(a) == len(b)
+                and all(self(k, j, depth) for k, j in zip(a, b))
+                and all(self(v, w, depth) for v, w in zip(a.values(), b.values()))
+            )
+        if category is _FUNCTION:
+            return (
+                a.__code__ is b.__code__
+                and a.__globals__ is b.__globals__
+                and self(a.__defaults__, b.__defaults__, depth)
+                and self(a.__kwdefaults__, b.__kwdefaults__, depth)
+                and self._cells(a.__closure__ or (), b.__closure__ or (), depth - 1)
+                and self(vars(a), vars(b), depth)  # its own attributes (``f.alpha``)
+            )
+        if category is _METHOD:
+            return a.__func__ is b.__func__ and self(a.__self__, b.__self__, depth)
+        if category is _PARTIAL:
+            return self(a.func, b.func, depth) and self(a.args, b.args, depth) and self(a.keywords, b.keywords, depth)
+        if category is _IDENTITY or not hasattr(a, "__dict__"):
+            return False  # by identity only
+        pair = (id(a), id(b))  # a style object both hooks of a module hold, compared once
+        if pair in self._alike:
+            return True
+        alike = self(vars(a), vars(b), depth)
+        if alike:
+            self._alike.add(pair)
+        return alike
+
+    def _cells(self, a: tuple, b: tuple, depth: int) -> bool:
+        if len(a) != len(b):
+            return False
+        for x, y in zip(a, b):
+            try:
+                xv = x.cell_contents
+            except ValueError:
+                xv = _EMPTY
+            try:
+                yv = y.cell_contents
+            except ValueError:
+                yv = _EMPTY
+            if not self(xv, yv, depth + 1):
+                return False
+        return True
+
+
+_EMPTY = object()
+
+
+_MODULE, _PLACEMENT, _SET, _SEQUENCE, _DICT, _FUNCTION, _METHOD, _PARTIAL, _IDENTITY, _OBJECT = (
+    "module",
+    "placement",
+    "set",
+    "sequence",
+    "dict",
+    "function",
+    "method",
+    "partial",
+    "identity",
+    "object",
+)
+
+
+@functools.lru_cache(maxsize=1024)
+def _category(kind: type) -> str:
+    """How :class:`Equivalence` compares two values of class ``kind`` (not a scalar's),
+    decided once per class."""
+    for category, bases in (
+        (_MODULE, torch.nn.Module),
+        (_PLACEMENT, Placement),
+        (_SET, (set, frozenset)),
+        (_SEQUENCE, (tuple, list)),
+        (_DICT, dict),
+        (_FUNCTION, types.FunctionType),
+        (_METHOD, types.MethodType),
+        (_PARTIAL, functools.partial),
+        (_IDENTITY, (torch.Tensor, type, types.ModuleType, types.BuiltinFunctionType)),
+    ):
+        if issubclass(kind, bases):
+            return category
+    if kind.__module__ == "builtins" or _has_slots(kind):
+        return _IDENTITY  # compared by identity only
+    return _OBJECT
+
+
+@functools.lru_cache(maxsize=256)
+def _has_slots(cls: type) -> bool:
+    """Whether instances of ``cls`` hold values outside their ``__dict__`` (``abc.ABC``'s
+    empty ``__slots__`` holds none)."""
+    return any(
+        name not in ("__dict__", "__weakref__")
+        for klass in cls.__mro__
+        for name in (
+            (vars(klass).get("__slots__") or ())
+            if not isinstance(vars(klass).get("__slots__"), str)
+            else (vars(klass)["__slots__"],)
+        )
+    )
