@@ -362,17 +362,19 @@ def _user_data(fn, module_state: ModuleState | None) -> DataSnapshot:
         return snapshot
     for module in module_state.modules:
         prefix = module_state.paths[id(module)]
+        owner = f"the module attribute {prefix}"  # the path of each attribute, written out if reported
         for name, value in vars(module).items():
-            if name not in ("_parameters", "_buffers"):
-                snapshot.add(
-                    value, f"the module attribute {prefix}.{name}" if prefix else f"the module attribute {name}"
-                )
+            if type(value) not in _NOT_SNAPSHOTTED and name not in ("_parameters", "_buffers"):
+                snapshot.add(value, (owner, (".", name)) if prefix else f"{owner}{name}")
         for table in _HOOK_TABLES:
             for hook in getattr(module, table).values():
                 kind = table.strip("_")[:-1].replace("_", " ")
                 owner = f"module {prefix!r}" if prefix else "the module"
                 snapshot.add_callable(hook, f"the {kind} {getattr(hook, '__qualname__', hook)} of {owner}")
     return snapshot
+
+
+_NOT_SNAPSHOTTED = frozenset({bool, int, float, str, type(None)})  # a module's flags and sizes: nothing held
 
 
 def _tensor_attributes(module: torch.nn.Module):

@@ -102,7 +102,7 @@ def check_batched(b) -> None:
         dynamic_dims_sizes=[list(t.shape) for t in b.batched],
         dynamic_dims_strides=[list(t.stride) for t in b.batched],
     )
-    batch = b.bind(f"({', '.join(t.var for t in b.batched)},)", "batch")
+    batch = b.bind(b.tuple_of([t.var for t in b.batched]), "batch")
     metas = b.constant([_expected(t) for t in b.batched], "METAS")
     b.globals["tensors_match"] = tensors_match
     b.fail_if(f"not {guards}.check(*{batch}) and not tensors_match({batch}, {metas})")
@@ -175,6 +175,7 @@ def module_tensors(b, module: torch.nn.Module, inputs: CallInputs, sources: dict
         # what follows reads their attributes.
         for e in batch:
             b.batched.append(Batched(f"HELD[{position[id(e[3])]}]", e[4], e[4].shape, e[4].stride(), None))
+        b.pickable = ("HELD", {"HELD": 0})
         check_batched(b)
         b.batched = []
     if dtensors:
@@ -189,6 +190,9 @@ def module_tensors(b, module: torch.nn.Module, inputs: CallInputs, sources: dict
         b.lines.append("    HELD_SPEC = list(map(SPEC, HELD_DT))")
         b.fail_if("not all(map(is_, HELD_SPEC, HELD_SPECS)) and not all(map(spec_matches, HELD_SPEC, HELD_SPECS))")
         b.lines.append("    HELD_LOCAL = list(map(LOCAL, HELD_DT))")
+    if batch:
+        b.lines.append(f"    HELD_ALL = HELD{' + HELD_LOCAL' if dtensors else ''}")
+        b.pickable = ("HELD_ALL", {"HELD": 0, "HELD_LOCAL": len(batch)})
     for source, _, leaf, node, example in entries:
         if id(node) not in position:
             b.node(node, f"{source}.get({leaf!r})", example)
@@ -261,7 +265,7 @@ def attribute_checks(b, roots: list) -> None:
             counted.append((b.tensor_vars[id(node)], node.held_attributes))
     if counted:
         counts = b.constant([n for _, n in counted], "ATTRIBUTE_COUNTS")
-        b.fail_if(f"list(map(len, map(vars, ({', '.join(v for v, _ in counted)},)))) != {counts}")
+        b.fail_if(f"list(map(len, map(vars, {b.tuple_of([v for v, _ in counted])}))) != {counts}")
 
 
 def _tensor_leaves(nodes: list, in_object: bool = False):

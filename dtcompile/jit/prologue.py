@@ -9,6 +9,7 @@ or ``None`` as soon as one assumption fails, so the next cache entry can be trie
 from __future__ import annotations
 
 import math
+import operator
 
 import sympy
 import torch
@@ -32,10 +33,6 @@ from ..core.printing import python_literal
 from ..core.symbolic import LARGEST_SYMBOLIC_SIZE, SOURCE_GLOBALS, is_symbolic, python_source, symbolic_expr
 from ..core.torch_internals import (
     TensorGuards,
-    dict_version,
-    dtensor_implicit_replication,
-    dtensor_op_handlers,
-    function_mode_count,
     shape_guards,
     symbol_range,
 )
@@ -49,7 +46,9 @@ from .batched_guards import (
     stand_in,
 )
 from .guards import meshes_match, spec_matches
-from .state_guards import state_checks
+from .state_guards import global_state_checks, state_checks
+
+_LONGEST_LITERAL = 16  # items of a list or tuple written out in the source; longer ones are globals
 
 
 class _Builder:
@@ -81,6 +80,9 @@ class _Builder:
         # Tensors of the module's state with static metadata: (variable, the tensor traced),
         # checked together by one TensorGuards call (C++) at the end.
         self.batched: list[tuple[str, torch.Tensor]] = []
+        # The module's tensors read in one pass (``batched_guards.module_tensors``): the
+        # list of them all, and where each list bound before starts in it.
+        self.pickable: tuple[str, dict[str, int]] | None = None
         self._count = 0
 
     def fresh(self, prefix: str) -> str:
@@ -88,7 +90,36 @@ class _Builder:
         return f"{prefix}{self._count}"
 
     def constant(self, obj: object, prefix: str) -> str:
+        if type(obj) in (list, tuple) and len(obj) > _LONGEST_LITERAL:
+            name = self.fresh(prefix)  # a global: the line stays readable, and quick to compile
+            self.globals[name] = obj
+            return name
         return literal_or_global(obj, self.globals, prefix)
+
+    def tuple_of(self, exprs: list[str]) -> str:
+        """Source of the tuple of ``exprs``, each run of items of the module's tensor
+        lists (``HELD[i]``, ``HELD_LOCAL[j]``: ``self.pickable``) written as one C-level
+        pick from them: a deep model's prologue would otherwise spell out hundreds."""
+        parts, run = [], []
+
+        def flush():
+            if len(run) > 1:
+                pick = self.fresh("PICK")
+                self.globals[pick] = operator.itemgetter(*(index for index, _ in run))
+                parts.append(f"*{pick}({self.pickable[0]})")
+            else:
+                parts.extend(expr for _, expr in run)
+            run.clear()
+
+        for expr in exprs:
+            base, _, rest = expr.partition("[")
+            if self.pickable is not None and base in self.pickable[1] and rest[:-1].isdigit():
+                run.append((self.pickable[1][base] + int(rest[:-1]), expr))
+                continue
+            flush()
+            parts.append(expr)
+        flush()
+        return f"({', '.join(parts)}{',' if len(parts) == 1 else ''})"
 
     def fail_if(self, condition: str) -> None:
         self.lines.append(f"    if {condition}: return None")
@@ -290,32 +321,6 @@ class _Builder:
             self.fail_if(f"type({expr}) is not {kind} or {expr} != {self.constant(value, 'CONST')}")
 
 
-def global_state_checks(b: _Builder, state: GlobalState) -> None:
-    """The state the call was traced under (:class:`GlobalState`): the default dtype, the
-    torch function modes and, with any, the default device; DTensor's implicit replication
-    and its op handlers (the same table at the same version, else the same items)."""
-    b.fail_if(f"torch.get_default_dtype() is not {python_literal(state.dtype)}")
-    b.globals.update(function_mode_count=function_mode_count, implicit_replication=dtensor_implicit_replication)
-    b.fail_if(f"function_mode_count() != {state.function_modes}")
-    if state.function_modes:  # a default device may be among them: the one traced
-        b.globals.update(DEFAULT_DEVICE=state.device, default_device=torch.get_default_device)
-        b.fail_if("default_device() != DEFAULT_DEVICE")
-    b.fail_if(f"implicit_replication() is not {state.implicit_replication}")
-    b.globals.update(op_handlers=dtensor_op_handlers, OP_HANDLER_ITEMS=state.op_handler_items)
-    # No variable bound: the prologue's other names stay as they were.
-    changed = "list(op_handlers().items()) != OP_HANDLER_ITEMS"
-    if dict_version is not None:  # the table traced, unchanged since: no items to compare
-        b.globals.update(
-            dict_version=dict_version,
-            OP_HANDLERS=state.op_handlers,
-            OP_HANDLERS_VERSION=dict_version(state.op_handlers),
-        )
-        changed = (
-            f"(op_handlers() is not OP_HANDLERS or dict_version(OP_HANDLERS) != OP_HANDLERS_VERSION) and {changed}"
-        )
-    b.fail_if(changed)
-
-
 def build_prologue(
     inputs: CallInputs,
     grad_enabled: bool,
@@ -388,10 +393,5 @@ def build_prologue(
         )
     # Input objects, and DTensors returned as the caller's own (bound as tensors).
     b.results += [b.object_vars.get(id(node)) or b.tensor_vars[id(node)] for node in objects]
-    returned = ", ".join(b.results)
-    lines = [
-        "def prologue(module, args, kwargs):",
-        *b.lines,
-        f"    return ({returned}{',' if len(b.results) == 1 else ''})",
-    ]
+    lines = ["def prologue(module, args, kwargs):", *b.lines, f"    return {b.tuple_of(b.results)}"]
     return GeneratedFunction("prologue", lines, b.globals, "prologue: guards the call and unpacks its inputs")

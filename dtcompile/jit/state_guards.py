@@ -1,5 +1,5 @@
 """Guards of the state a call reads besides its arguments, emitted into a prologue: the
-module tree (submodules, training flags, hooks, table sizes, empty slots) and the Python
+torch state it was traced under (grad mode aside), the module tree (submodules, training flags, hooks, table sizes, empty slots) and the Python
 values the program read (globals, closure cells, attributes). Each is a few C-level
 passes over lists prepared at build time, not a line of Python per value. Most of them
 read dicts only (module tables, instance dicts, globals): they run when one of those
@@ -19,9 +19,11 @@ from contextlib import contextmanager
 import torch
 
 from ..capture.equivalence import GLOBAL_HOOKS
+from ..capture.global_state import GlobalState
 from ..capture.python_reads import ABSENT, PythonGuards, ReadGroup, value_key
 from ..capture.python_state import PythonState
-from ..core.torch_internals import dict_version
+from ..core.printing import python_literal
+from ..core.torch_internals import dict_version, dtensor_implicit_replication, dtensor_op_handlers, function_mode_count
 
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
@@ -49,6 +51,32 @@ def state_checks(b, module: torch.nn.Module | None, python_state: PythonState) -
         global_hook_checks(b)
     python_state_checks(b, every_call, "PY_EACH")
     return sources
+
+
+def global_state_checks(b, state: GlobalState) -> None:
+    """The state the call was traced under (:class:`GlobalState`): the default dtype, the
+    torch function modes and, with any, the default device; DTensor's implicit replication
+    and its op handlers (the same table at the same version, else the same items)."""
+    b.fail_if(f"torch.get_default_dtype() is not {python_literal(state.dtype)}")
+    b.globals.update(function_mode_count=function_mode_count, implicit_replication=dtensor_implicit_replication)
+    b.fail_if(f"function_mode_count() != {state.function_modes}")
+    if state.function_modes:  # a default device may be among them: the one traced
+        b.globals.update(DEFAULT_DEVICE=state.device, default_device=torch.get_default_device)
+        b.fail_if("default_device() != DEFAULT_DEVICE")
+    b.fail_if(f"implicit_replication() is not {state.implicit_replication}")
+    b.globals.update(op_handlers=dtensor_op_handlers, OP_HANDLER_ITEMS=state.op_handler_items)
+    # No variable bound: the prologue's other names stay as they were.
+    changed = "list(op_handlers().items()) != OP_HANDLER_ITEMS"
+    if dict_version is not None:  # the table traced, unchanged since: no items to compare
+        b.globals.update(
+            dict_version=dict_version,
+            OP_HANDLERS=state.op_handlers,
+            OP_HANDLERS_VERSION=dict_version(state.op_handlers),
+        )
+        changed = (
+            f"(op_handlers() is not OP_HANDLERS or dict_version(OP_HANDLERS) != OP_HANDLERS_VERSION) and {changed}"
+        )
+    b.fail_if(changed)
 
 
 def global_hook_checks(b) -> None:
@@ -263,7 +291,8 @@ def _same_objects(b, group: ReadGroup, values: list[str], prefix: str) -> str | 
     b.globals.update({f"{prefix}_NOW": now, f"{prefix}_CONTAINERS": containers})
     b.globals[f"{prefix}_LENGTHS"] = list(map(len, containers))
     b.globals[f"{prefix}_ITEMS"] = list(itertools.chain.from_iterable(containers))
-    same = f"all(map(is_, chain(({', '.join(values)},)), {prefix}_NOW))"
+    read = values[0] if len(values) == 1 else f"chain(({', '.join(values)},))"
+    same = f"all(map(is_, {read}, {prefix}_NOW))"
     return (
         f"{same} and list(map(len, {prefix}_CONTAINERS)) == {prefix}_LENGTHS"
         f" and all(map(is_, chain({prefix}_CONTAINERS), {prefix}_ITEMS))"
