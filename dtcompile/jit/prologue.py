@@ -353,7 +353,7 @@ def build_prologue(
     # the modules traced. Global module hooks (debugging tools such as CommDebugMode
     # install them) are not guarded: they ran while tracing, and run again only when a
     # call compiles.
-    sources = state_checks(b, module, inputs.python_state, grad_enabled)
+    sources = state_checks(b, module, inputs.python_state)
     if module is not None:
         module_tensors(b, module, inputs, sources)
     for i, (held, proxy) in enumerate(captured):

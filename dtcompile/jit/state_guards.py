@@ -25,21 +25,17 @@ from ..capture.python_state import PythonState
 from ..core.printing import python_literal
 from ..core.torch_internals import dict_version, dtensor_implicit_replication, dtensor_op_handlers, function_mode_count
 
-_FORWARD_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks")
-_HOOK_TABLES = (*_FORWARD_HOOK_TABLES, "_backward_pre_hooks", "_backward_hooks")
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
-def state_checks(
-    b, module: torch.nn.Module | None, python_state: PythonState, grad_enabled: bool = True
-) -> dict[str, str]:
+def state_checks(b, module: torch.nn.Module | None, python_state: PythonState) -> dict[str, str]:
     """The module tree and the Python values the program read. The checks that read only
     dicts, whose values cost more to compare than a dict's version to read (submodules,
     training flags, hooks, scalars read from instance dicts and globals), run when one of
     those dicts has changed (:func:`unless_dicts_changed`); the others at every call:
     tables' lengths and empty slots (a ``len`` is cheaper than a version), the order of
     several hooks, attributes outside dicts, containers' contents, dicts the epilogue
-    writes to. Returns the source of each submodule by path. ``grad_enabled``: the grad
-    mode the call was traced under, which the prologue checks first."""
+    writes to. Returns the source of each submodule by path."""
     versioned, every_call = python_state.guards()
     modules = [] if module is None else list(module.named_modules(remove_duplicate=False))
     unique = list({id(m): m for _, m in modules}.values())
@@ -50,7 +46,7 @@ def state_checks(
             sources = module_tree_checks(b, module, modules, unique, watched)
         python_state_checks(b, versioned, "PY")
         watched += versioned.dicts_read()
-    module_table_checks(b, unique, grad_enabled)
+    module_table_checks(b, unique)
     if module is not None or python_state.modules:
         global_hook_checks(b)
     python_state_checks(b, every_call, "PY_EACH")
@@ -166,17 +162,14 @@ def module_tree_checks(b, module: torch.nn.Module, modules: list, unique: list, 
     return sources
 
 
-def module_table_checks(b, modules: list[torch.nn.Module], grad_enabled: bool = True) -> None:
+def module_table_checks(b, modules: list[torch.nn.Module]) -> None:
     """At every call (a ``len`` costs less than a dict's version): each module's parameter,
     buffer and submodule tables hold as many entries as traced (none added or removed),
     the empty slots (``Linear(bias=False)``'s ``bias``) are still empty, a parameter
     assigned there later must be used; the empty hook tables are still empty, and those
     with several hooks hold them in the order traced (an OrderedDict's order changes
     without a new version: ``move_to_end``). The tensors in the other slots are read and
-    guarded one by one (``batched_guards.py``). Without grad mode, the empty backward hook
-    tables are not read: a backward hook added later changes nothing such a call computes
-    (``BackwardHook`` leaves the tensors as they are without grad mode, and a hook of
-    ``register_backward_hook`` goes on a ``grad_fn`` there is none of), half the tables."""
+    guarded one by one (``batched_guards.py``)."""
     if not modules:
         return
     tables, lengths, empty_tables, empty_keys = [], [], [], []
@@ -194,12 +187,7 @@ def module_table_checks(b, modules: list[torch.nn.Module], grad_enabled: bool = 
         b.globals.update(EMPTY_TABLES=empty_tables, EMPTY_KEYS=empty_keys, NONES=[None] * len(empty_keys))
         b.fail_if("list(map(dict.get, EMPTY_TABLES, EMPTY_KEYS)) != NONES")
     hook_tables = [hooks for m in modules for hooks in map(vars(m).get, _HOOK_TABLES)]
-    b.globals["EMPTY_HOOK_TABLES"] = [
-        hooks
-        for m in modules
-        for hooks in map(vars(m).get, _HOOK_TABLES if grad_enabled else _FORWARD_HOOK_TABLES)
-        if not hooks
-    ]
+    b.globals["EMPTY_HOOK_TABLES"] = [hooks for hooks in hook_tables if not hooks]
     b.fail_if("any(map(len, EMPTY_HOOK_TABLES))")
     ordered = [hooks for hooks in hook_tables if len(hooks) > 1]
     if ordered:
