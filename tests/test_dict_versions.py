@@ -209,3 +209,29 @@ def test_a_module_whose_forward_assigns_is_checked_at_every_call():
     model.proj.train()
     torch.testing.assert_close(jitted(x), model(x))
     assert counts(jitted) == (3, 2)
+
+
+class GradInside(nn.Module):
+    """A forward that turns grad mode on and runs a backward (a force from an energy)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x):
+        with torch.enable_grad():
+            y = self.lin(x)
+            (g,) = torch.autograd.grad(y.sum(), self.lin.weight)
+        return g.detach() + 0
+
+
+def test_a_backward_hook_added_after_compiling_a_call_without_grad_mode():
+    """Called without grad mode, the forward may still run a backward inside: a backward
+    hook added later changes what it computes, so the next call must see it."""
+    model = GradInside()
+    jitted = dtcompile.jit(model)
+    x = torch.ones(1, 2)
+    settle(jitted, model, x)
+    model.lin.register_full_backward_pre_hook(lambda module, grad_output: (grad_output[0] * 10,))
+    torch.testing.assert_close(jitted(x), model(x))
+    assert counts(jitted) == (2, 2)

@@ -1160,3 +1160,27 @@ def test_nested_containers_changed_in_place_or_replaced_by_equal_ones():
         assert counts(jf) == (5, 7)
     finally:
         PLAN.clear()
+
+
+class _Bag:
+    def __init__(self, tensors, names):
+        self.tensors, self.names = tensors, names
+
+
+torch.utils._pytree.register_pytree_node(_Bag, lambda b: (b.tensors, b.names), lambda ch, ctx: _Bag(list(ch), ctx))
+
+
+def reads_a_bag(x, bag):
+    return x * (2.0 if bag.names[0] == "a" else 3.0) + bag.tensors[0]
+
+
+@pytest.mark.parametrize("names", [3, 17])
+def test_a_pytree_context_changed_in_place(names):
+    """A pytree node's context (here a live list, short or long) is compared with a copy
+    taken when compiling: a change in place compiles again."""
+    bag = _Bag([torch.ones(2)], ["a"] + [f"n{i}" for i in range(names - 1)])
+    jf, x = dtcompile.jit(reads_a_bag), torch.ones(2)
+    assert_same_tensor(jf(x, bag), reads_a_bag(x, bag))
+    bag.names[0] = "b"
+    assert_same_tensor(jf(x, bag), reads_a_bag(x, bag))
+    assert counts(jf) == (2, 0)

@@ -48,8 +48,6 @@ from .batched_guards import (
 from .guards import meshes_match, spec_matches
 from .state_guards import global_state_checks, state_checks
 
-_LONGEST_LITERAL = 16  # items of a list or tuple written out in the source; longer ones are globals
-
 
 class _Builder:
     def __init__(self, unwrap_differentiable: bool):
@@ -90,10 +88,6 @@ class _Builder:
         return f"{prefix}{self._count}"
 
     def constant(self, obj: object, prefix: str) -> str:
-        if type(obj) in (list, tuple) and len(obj) > _LONGEST_LITERAL:
-            name = self.fresh(prefix)  # a global: the line stays readable, and quick to compile
-            self.globals[name] = obj
-            return name
         return literal_or_global(obj, self.globals, prefix)
 
     def tuple_of(self, exprs: list[str]) -> str:
