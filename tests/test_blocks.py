@@ -740,3 +740,28 @@ def test_a_first_block_whose_inputs_depend_on_each_other_is_not_replayed_with_gr
     torch.testing.assert_close(got_x.grad, expected_x.grad, rtol=0, atol=0)
     for got, expected in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(got.grad, expected.grad, rtol=0, atol=0)
+
+
+class _Mode(str):
+    pass
+
+
+class _ModeBlock(torch.nn.Module):
+    def __init__(self, mode):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.mode = mode
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y.relu() if self.mode == "relu" else -y
+
+
+def test_blocks_differing_only_in_a_str_subclass_attribute():
+    """A value of a subclass of str (or int) is compared by its value: the second block
+    is not replayed from the first."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_ModeBlock(_Mode("relu")), _ModeBlock(_Mode("neg")))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(dtcompile.jit(model)(x), model(x), rtol=0, atol=0)

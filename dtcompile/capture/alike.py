@@ -44,6 +44,11 @@ class Equivalence:
             return mapped is not None and mapped is b
         if category is _PLACEMENT:
             return a == b
+        if category is _NUMBER:  # a subclass of int, float, str or bytes: its value, then its attributes
+            base = next(t for t in kind.__mro__ if t in _NUMBER_BASES)
+            return value_key(base(a)) == value_key(base(b)) and (
+                not hasattr(a, "__dict__") or self(vars(a), vars(b), depth + 1)
+            )
         if depth > _EQUIVALENCE_DEPTH:
             return False
         depth += 1
@@ -114,6 +119,8 @@ _MODULE, _PLACEMENT, _SET, _SEQUENCE, _DICT, _FUNCTION, _METHOD, _PARTIAL, _IDEN
     "identity",
     "object",
 )
+_NUMBER = "number"  # a subclass of int, float, complex, str or bytes
+_NUMBER_BASES = (int, float, complex, str, bytes)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -123,6 +130,7 @@ def _category(kind: type) -> str:
     for category, bases in (
         (_MODULE, torch.nn.Module),
         (_PLACEMENT, Placement),
+        (_NUMBER, _NUMBER_BASES),
         (_SET, (set, frozenset)),
         (_SEQUENCE, (tuple, list)),
         (_DICT, dict),
