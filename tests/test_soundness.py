@@ -7,6 +7,7 @@ import contextlib
 import copy
 import dataclasses
 import random
+import types
 
 import numpy
 import pytest
@@ -378,10 +379,12 @@ def test_check_eager_names_the_first_line_that_differs():
 
 
 def test_check_eager_tells_a_tracing_difference_and_passes_otherwise(monkeypatch):
-    scale = [[2.0] for _ in range(40)]  # contents not guarded: more than 32 values (fewer are)
-    jitted = dtcompile.jit(lambda x: x * scale[0][0], check="eager")
+    # A Python module's attribute reached through a name made at run time is not guarded.
+    settings, name = types.ModuleType("settings"), "".join(["sca", "le"])
+    settings.scale = 2.0
+    jitted = dtcompile.jit(lambda x: x * getattr(settings, name), check="eager")
     assert_same_result(jitted(torch.ones(2)), torch.full((2,), 2.0))
-    scale[0][0] = 3.0
+    settings.scale = 3.0
     with pytest.raises(dtcompile.EagerMismatchError, match="difference is in what tracing saw"):
         jitted(torch.ones(2))
 

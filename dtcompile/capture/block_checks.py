@@ -124,7 +124,7 @@ def _one(value, ids: set[int]) -> bool:
 
 
 _SMALL = 64  # the largest list whose items are compared (a dict, by its version, at any size)
-_OBJECT_LEVELS = 4  # objects followed down from a module's attributes (the prologue guards 3)
+_OBJECT_LEVELS = 4  # objects followed down from a module's attributes
 
 
 def _reachable(values, found: dict[int, object], tree: set[int], levels: int) -> None:

@@ -16,6 +16,7 @@ or dict of the call changed in place, a new object holding traced tensors) are e
 from __future__ import annotations
 
 import enum
+import functools
 import types
 from dataclasses import dataclass
 
@@ -36,11 +37,23 @@ def is_state_object(value: object) -> bool:
 def object_state(value: object) -> dict:
     """An object's attributes: its ``__dict__`` and the values in its ``__slots__``."""
     state = dict(getattr(value, "__dict__", None) or {})
-    for cls in type(value).__mro__:
-        for name in getattr(cls, "__slots__", ()):
-            if name not in ("__dict__", "__weakref__") and hasattr(value, name):
-                state.setdefault(name, getattr(value, name))
+    for name in slot_names(type(value)):
+        if hasattr(value, name):
+            state.setdefault(name, getattr(value, name))
     return state
+
+
+@functools.lru_cache(maxsize=256)
+def slot_names(cls: type) -> tuple[str, ...]:
+    """The names of the values instances of ``cls`` hold outside their ``__dict__`` (its
+    ``__slots__`` and its bases'; ``abc.ABC``'s empty ``__slots__`` holds none)."""
+    names = []
+    for klass in cls.__mro__:
+        slots = vars(klass).get("__slots__") or ()
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and name not in names:
+                names.append(name)
+    return tuple(names)
 
 
 def is_rebuildable_object(value: object) -> bool:

@@ -6,16 +6,17 @@ the prologue checks in C-level passes (:class:`PythonGuards`). What is read is f
 
 from __future__ import annotations
 
+import array
 import collections
 import math
 import sys
+import types
 from dataclasses import dataclass, field
 
 from ..core.torch_internals import dict_version
 
 ABSENT = object()  # what a read of a missing name gives
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
-_CONTAINER_ITEMS = 32  # the largest list or dict whose contents are guarded
 
 
 def by_value(value: object) -> bool:
@@ -28,80 +29,80 @@ def by_value(value: object) -> bool:
 def value_key(value: object) -> object:
     """What a value guarded by value must stay equal to: its exact type and value, floats
     by ``repr`` (so NaN equals itself and ``-0.0`` differs from ``0.0``), tuples item by
-    item (``(1,)`` differs from ``(1.0,)``)."""
+    item (``(1,)`` differs from ``(1.0,)``), containers by what they hold now (a copy, so
+    that a change in place shows)."""
     kind = type(value)
     if kind is tuple or kind is list:
         return (kind, tuple(map(value_key, value)))
-    if kind is set:
-        return (kind, frozenset(map(value_key, value)))
-    if kind is collections.deque:
-        return (kind, tuple(map(value_key, value)), value.maxlen)
-    if _small_array(value):
-        return (kind, str(value.dtype), value.shape, value.tobytes())
-    if kind is dict:
-        return (dict, tuple((k, value_key(v)) for k, v in value.items()))
     if kind is float or kind is complex:
         return (kind, repr(value))
-    return (kind, value)
-
-
-def _small_array(value: object) -> bool:
-    """A NumPy array of up to 32 numbers (``np.ones(3)``, a global table of scales)."""
-    numpy = sys.modules.get("numpy")
-    return (
-        numpy is not None
-        and type(value) is numpy.ndarray
-        and value.size <= _CONTAINER_ITEMS
-        and value.dtype.kind in "biufc"
-    )
-
-
-def scalar_container(value: object) -> bool:
-    """Whether ``value`` is a small list, dict (string keys), set or deque, or a tuple
-    holding such, of values guarded by value, nested or not (up to 32 in all), or a small
-    NumPy array: its contents are guarded too, beside its identity."""
-    kind = type(value)
-    if _small_array(value):
-        return True
-    if kind not in (list, dict, set, collections.deque) and not (kind is tuple and not by_value(value)):
-        return False
-    return _scalar_leaves(value, _CONTAINER_ITEMS) >= 0
-
-
-def object_container(value: object) -> bool:
-    """Whether ``value`` is a small list, tuple or dict (scalar keys) that is not a
-    :func:`scalar_container` and holds no tensors or arrays (a table of activation
-    functions, a list of config objects): its contents are guarded by :func:`value_key`
-    (items by ``==``, identity for functions and most objects), so an item replaced in
-    place is seen."""
-    kind = type(value)
-    if kind not in (list, dict, tuple) or by_value(value) or scalar_container(value):
-        return False
-    if kind is dict and not all(type(k) in _SCALARS for k in value):
-        return False
-    items = list(value.values()) if kind is dict else value
-    return len(items) <= _CONTAINER_ITEMS and not any(
-        type(i).__module__.partition(".")[0] in ("torch", "numpy") and hasattr(i, "__array__") for i in items
-    )
-
-
-def _scalar_leaves(value: object, budget: int) -> int:
-    """``budget`` less the scalars in a tree of lists, tuples and dicts (string keys), or
-    -1 where the tree holds anything else or more than ``budget`` scalars."""
-    kind = type(value)
     if kind in _SCALARS:
-        return budget - 1
+        return (kind, value)
     if kind is dict:
-        if not all(type(k) is str for k in value):
-            return -1
-        value = value.values()
-    elif kind not in (list, tuple, set, collections.deque):
-        return -1
-    for item in value:
-        budget = _scalar_leaves(item, budget)
-        if budget < 0:
-            return -1
-    return budget
+        return (dict, tuple((value_key(k), value_key(v)) for k, v in value.items()))
+    return _container_key(value)
+
+
+def _container_key(value: object) -> object:
+    """:func:`value_key` of sets, deques, NumPy arrays, bytearrays and arrays, and of
+    subclasses of the built-in containers (an ``OrderedDict``, a ``defaultdict`` with its
+    factory, a namedtuple), with a subclass's own attributes; tensors and other arrays by
+    identity (their contents are read at run time, not baked in); anything else as itself
+    (compared by ``==``: identity for most objects, whose attributes are guarded apart)."""
+    kind = type(value)
+    if isinstance(value, (set, frozenset)):
+        key = (kind, frozenset(map(value_key, value)))
+    elif isinstance(value, collections.deque):
+        key = (kind, tuple(map(value_key, value)), value.maxlen)
+    elif isinstance(value, (list, tuple)):
+        key = (kind, tuple(map(value_key, value)))
+    elif isinstance(value, (dict, types.MappingProxyType)):  # (a proxy shows its dict's changes)
+        items = tuple((value_key(k), value_key(v)) for k, v in value.items())
+        key = (kind, items, _Same(getattr(value, "default_factory", None)))
+    elif isinstance(value, (bytearray, array.array)):
+        return (kind, getattr(value, "typecode", None), bytes(value))
+    elif _numeric_array(value):
+        return (kind, str(value.dtype), value.shape, value.tobytes())
+    elif hasattr(value, "__array__"):  # a tensor (``==`` would compare its elements)
+        return (kind, _Same(value))
+    else:
+        return (kind, value)
+    own = getattr(value, "__dict__", None)  # a subclass's attributes (a list with a ``.scale``)
+    return key + (value_key(dict(own)),) if own else key
+
+
+class _Same:
+    """A key equal only to one for the very same object."""
+
+    __slots__ = ("held",)
+
+    def __init__(self, held: object):
+        self.held = held
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Same and other.held is self.held
+
+    def __hash__(self) -> int:
+        return id(self.held)
+
+
+def _numeric_array(value: object) -> bool:
+    """A NumPy array of numbers (``np.ones(3)``, a global table of scales)."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and type(value) is numpy.ndarray and value.dtype.kind in "biufc"
+
+
+def contents_guarded(value: object) -> bool:
+    """Whether the contents of ``value`` are guarded beside its identity: anything that can
+    change in place without becoming another object, by :func:`value_key`. Lists, dicts,
+    sets and deques of any class and size (a table of activation functions, a list of
+    config objects, an ``OrderedDict`` of settings), tuples holding such or objects,
+    bytearrays, arrays and NumPy arrays of numbers: an item replaced in place is seen."""
+    if _numeric_array(value) or isinstance(value, (bytearray, array.array)):
+        return True
+    if type(value) is tuple:
+        return not by_value(value)
+    return isinstance(value, (list, tuple, dict, set, frozenset, collections.deque, types.MappingProxyType))
 
 
 def needs_value_key(value: object) -> bool:
@@ -134,7 +135,7 @@ class Read:
     def current(self) -> object:
         if self.key is None:
             try:
-                return getattr(self.holder, self.attribute)
+                return getattr(self.holder, self.attribute, ABSENT)  # a slot not set: absent
             except ValueError:  # the cell was emptied
                 return ABSENT
         return self.holder.get(self.key, ABSENT)
@@ -215,7 +216,11 @@ class PythonGuards:
             value = read.value
             if read.contents:
                 items = list(value.values()) if type(value) is dict else list(value)
-                if type(value) not in (list, dict) or not all(map(_plain_scalar, items)):
+                if (
+                    type(value) not in (list, dict)
+                    or not all(map(_plain_scalar, items))
+                    or (type(value) is dict and not all(type(k) is str for k in value))  # 1 == 1.0
+                ):
                     g.keyed.add(read, read.contents_key)
                 elif type(value) is dict:
                     g.dicts.add(read, dict(value))

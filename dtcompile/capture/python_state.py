@@ -28,10 +28,10 @@ hook), so what is guarded is what the code *can* read, found before tracing:
   An attribute the forward assigns stays guarded (``if self.cache is None``, then
   ``self.cache = ...``; ``self.calls + 1`` baked in; its absence, for ``hasattr``), but
   for one no user code loads by name (guarding it would miss at every call).
-- **Plain objects, three levels deep**: the attributes of a plain object (a config) held
-  in such an attribute, global or cell (``self.config.scale``, ``self.config.act``), and
-  of the plain objects it holds, down to ``self.config.attention.rope.theta``; what
-  those hold is guarded by identity.
+- **Plain objects and containers, all the way down**: the attributes of a plain object
+  (a config; those in its ``__slots__`` too) held in such an attribute, global or cell
+  (``self.config.scale``), the items of a container, and what those hold in turn
+  (``self.config.attention.rope.theta``, ``TABLE[0]["act"]``), each object once.
 - **Classes**: every attribute a user class (a module's, a config's, one the code names)
   and its user bases define (methods by identity, constants by value); of a library
   module class and its bases up to ``nn.Module``, the ``forward`` (patching a library's
@@ -42,20 +42,19 @@ hook), so what is guarded is what the code *can* read, found before tracing:
 
 How: ``None``/``bool``/``int``/``float``/``complex``/``str``/``bytes`` and tuples of them
 by exact type and value (``1``, ``1.0`` and ``True`` are three values; so are ``0.0`` and
-``-0.0``); small lists, dicts (string keys), sets, deques and tuples of such values,
-nested or not (up to 32 values in all), and NumPy arrays of up to 32 numbers, by identity
-and by their contents; those of up to 32 other things
-but tensors (functions, configs) by identity and their items (``==``), which are followed;
+``-0.0``); anything that can change in place without becoming another object by identity
+and by its contents (``python_reads.value_key``), whatever its size: lists, dicts, sets
+and deques of any class (an ``OrderedDict``, a ``defaultdict`` and its factory, a list
+subclass and its attributes), tuples holding such or objects, bytearrays, arrays and
+NumPy arrays of numbers; the tensors in a container by identity (read at run time);
 anything else (functions, classes, tensors, modules, objects) by identity.
 
-Not guarded: attributes of plain objects four levels down, the contents of larger lists
-and dicts or of those holding tensors (only which list or dict it is), containers held
-in a list, or in a dict under other keys than strings, iterators, a library
-class's attributes other than a module's ``forward`` (and ``nn.Module``'s own), a class's
-bases, values read inside library code (a global of ``transformers`` changed), names
-reached only through strings (``getattr(cfg, name)``), a ``functools.partial``'s
-positional arguments (a tuple: they cannot change, but the objects in it can). A global,
-class attribute or closure variable the traced code rebinds is refused and put back: the
+Not guarded: iterators, a library class's attributes other than a module's ``forward``
+(and ``nn.Module``'s own), a class's bases, values read inside library code (a global of
+``transformers`` changed), names reached only through strings (``getattr(cfg, name)``),
+the contents of NumPy arrays of objects, objects of C types other than the containers
+above (their state is not in Python attributes). A global, class
+attribute or closure variable the traced code rebinds is refused and put back: the
 rebinding would happen once, while tracing.
 """
 
@@ -68,8 +67,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .objects import attribute_or_none, plain_object
-from .python_reads import ABSENT, PythonGuards, Read, by_value, object_container, scalar_container, value_key
+from .objects import attribute_or_none, is_rebuildable_object, plain_object, slot_names
+from .python_reads import ABSENT, PythonGuards, Read, by_value, contents_guarded, value_key
 from .user_code import class_namespace, code_names, is_library
 
 # nn.Module's own entries of a module's __dict__ (tables, hooks, the training flag):
@@ -78,15 +77,15 @@ _MODULE_TABLES = frozenset(vars(torch.nn.Module()))
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
+def _slotted(value: object) -> bool:
+    """A user object holding values in ``__slots__`` (a ``dataclass(slots=True)`` config)."""
+    return bool(slot_names(type(value))) and is_rebuildable_object(value)
+
+
 def _own(value: object) -> bool:
     """Whether ``value`` is one of dtcompile's own objects (a compiled function's state)."""
     module = type(value).__module__
     return module.startswith("dtcompile.") and not module.startswith("dtcompile.testing")
-
-
-# How deep plain objects (configs) are followed: ``self.config.attention.window``; the
-# objects held further down are guarded by identity only.
-_OBJECT_LEVELS = 3
 
 
 @dataclass
@@ -131,7 +130,7 @@ class PythonState:
             return
         self._seen_reads.add(seen)
         self.reads.append(Read(holder, key, value, where, attribute=attribute))
-        if scalar_container(value) or object_container(value):
+        if contents_guarded(value):
             self.reads.append(
                 Read(holder, key, value, f"the contents of {where}", True, value_key(value), attribute=attribute)
             )
@@ -165,20 +164,18 @@ class PythonState:
                 for hook in getattr(module, table).values():
                     self.follow(hook, f"a hook of {owner}")
 
-    def follow(self, value: object, where: str, names: set[str] = frozenset(), depth: int = 0) -> None:
+    def follow(self, value: object, where: str, names: set[str] = frozenset()) -> None:
         """What reading ``value`` lets the code read further: a user function's globals and
-        cells, a user class's methods, a plain object's attributes (and those of the plain
-        objects it holds, ``depth`` levels down), the ``names`` of a user Python module."""
+        cells, a user class's methods, a plain object's attributes and the items of a
+        container, and what those hold in turn (``self.config.attention.rope.theta``), the
+        ``names`` of a user Python module."""
         if id(value) in self._walked or by_value(value):
             return
-        if type(value) is dict and len(value) <= 32:  # small containers in it, by contents
-            for key, item in value.items():
-                if type(key) is str and scalar_container(item):
-                    self._read(value, key, item, f"{where}[{key!r}]")
-        if object_container(value):  # its items' own state: a config in a list
-            if depth + 1 < _OBJECT_LEVELS:
-                for key, item in value.items() if type(value) is dict else enumerate(value):
-                    self.follow(item, f"{where}[{key!r}]", depth=depth + 1)
+        if contents_guarded(value):  # what its items hold: a config in a list
+            self._walked.add(id(value))
+            if not isinstance(value, bytearray) and not hasattr(value, "__array__"):
+                for key, item in value.items() if hasattr(value, "items") else enumerate(value):
+                    self.follow(item, f"{where}[{key!r}]")
             return
         if isinstance(value, functools.partial):
             self._walked.add(id(value))
@@ -205,14 +202,18 @@ class PythonState:
             self._class(value)
         elif isinstance(value, types.ModuleType):
             self._python_module(value, names)
-        elif plain_object(value) and not _own(value):
+        elif (plain_object(value) or _slotted(value)) and not _own(value):
             self._walked.add(id(value))
             self._class(type(value))
-            self._namespace(vars(value))
-            for name, item in vars(value).items():
-                self._read(vars(value), name, item, f"{where}.{name}")
-                if depth + 1 < _OBJECT_LEVELS and plain_object(item):
-                    self.follow(item, f"{where}.{name}", depth=depth + 1)
+            if plain_object(value):
+                self._namespace(vars(value))
+                for name, item in vars(value).items():
+                    self._read(vars(value), name, item, f"{where}.{name}")
+                    self.follow(item, f"{where}.{name}")
+            for name in slot_names(type(value)):  # read as attributes; one not set, as absent
+                item = getattr(value, name, ABSENT)
+                self._read(value, None, item, f"{where}.{name}", attribute=name)
+                self.follow(item, f"{where}.{name}")
 
     def _function(self, fn: types.FunctionType) -> None:
         if id(fn) in self._walked or is_library(fn):

@@ -10,6 +10,7 @@ was, so that no proxy is left in user data and a failed compile changes nothing.
 
 from __future__ import annotations
 
+import array
 import collections
 import functools
 import sys
@@ -17,6 +18,8 @@ import sys
 import torch
 
 from .objects import is_rebuildable_object, object_state
+
+ALL_LEVELS = 1 << 30  # a depth for :meth:`DataSnapshot.add`: everything reachable (each object once)
 
 
 def _state(value: object) -> tuple | None:
@@ -36,6 +39,8 @@ def _state(value: object) -> tuple | None:
         return ("dict", list(value.items()))
     if isinstance(value, set):
         return ("set", set(value))
+    if isinstance(value, (bytearray, array.array)):
+        return ("buffer", value[:])
     if is_rebuildable_object(value):
         return ("object", list(object_state(value).items()))
     return None
@@ -66,7 +71,7 @@ def _children(value: object) -> list[tuple[tuple, object]]:
         return [(("[]", i), v) for i, v in enumerate(value)]
     if isinstance(value, dict):
         return [(("[]", k), v) for k, v in value.items()]
-    if isinstance(value, set):
+    if isinstance(value, (set, bytearray, array.array)):
         return []
     return [((".", k), v) for k, v in object_state(value).items()]
 
@@ -87,6 +92,8 @@ def _same(a: tuple, b: tuple) -> bool:
         return False
     if kind == "set":
         return items == other_items
+    if kind == "buffer":  # the same bytes
+        return bytes(items) == bytes(other_items)
     if kind == "array":  # the same numbers, bit for bit
         return (
             items.shape == other_items.shape
@@ -107,18 +114,23 @@ class DataSnapshot:
         # Empty dicts (most of a module's hook tables), each with its path: they hold
         # nothing to copy, and are put back by emptying them.
         self._empty: list[tuple[dict, object]] = []
+        self._depths: dict[int, int] = {}  # id -> how many levels down it was recorded
 
     def add(self, value: object, path, depth: int = 3) -> None:
         """Record ``value`` (found at ``path``) and what it holds, ``depth`` levels down."""
         if type(value) in _PLAIN_DICTS and not value:
             self._empty.append((value, path))
             return
-        if depth < 0 or id(value) in self._taken or isinstance(value, (torch.Tensor, torch.nn.Module)):
+        if depth < 0 or self._depths.get(id(value), -1) >= depth:
             return
-        state = _state(value)
-        if state is None:
+        if isinstance(value, (torch.Tensor, torch.nn.Module)):
             return
-        self._taken[id(value)] = (value, path, state)
+        if id(value) not in self._taken:  # (met again from higher up: only what it holds is new)
+            state = _state(value)
+            if state is None:
+                return
+            self._taken[id(value)] = (value, path, state)
+        self._depths[id(value)] = depth
         if depth:
             for step, child in _children(value):
                 self.add(child, (path, step), depth - 1)
@@ -164,7 +176,7 @@ class DataSnapshot:
                 continue
             changed.append(_path(path))
             kind, items = state
-            if kind == "list":
+            if kind in ("list", "buffer"):
                 value[:] = items
             elif kind == "deque":
                 value.clear()

@@ -46,7 +46,7 @@ from .placements import describe_placements
 from .python_state import PythonState
 from .recorder import OpRecorder, Recording
 from .size_text import sizes_as_values_in_user_text
-from .snapshots import DataSnapshot
+from .snapshots import ALL_LEVELS, DataSnapshot
 
 
 @dataclass
@@ -196,7 +196,7 @@ def _capture(
     proxifier.objects.refuse_other_paths(inputs.python_state.reads)
     for read in inputs.python_state.reads:
         if read.contents:  # a global dict of settings: its items changed in place are seen, and put back
-            snapshot.add(read.value, read.where)
+            snapshot.add(read.value, read.where, depth=ALL_LEVELS)  # as deep as it is guarded
     for path, reached in inputs.python_state.modules:
         if module_state is None or id(reached) not in module_state.paths:
             # A module the code reaches (a global model a loss function calls) is not an

@@ -10,11 +10,13 @@ unnecessary (:func:`unless_dicts_changed`). ``b`` is the prologue's builder
 
 from __future__ import annotations
 
+import array
 import collections
 import itertools
 import math
 import operator
 from contextlib import contextmanager
+from types import MappingProxyType
 
 import torch
 
@@ -221,7 +223,7 @@ def python_state_checks(b, guards: PythonGuards, tag: str) -> None:
         b.globals.update({f"{prefix}_OBJECTS": group.objects, f"{prefix}_ATTRIBUTES": group.attributes})
         b.globals[prefix] = group.expected
         return [f"map(dict.get, {prefix}_DICTS, {prefix}_KEYS, ABSENT)"] * bool(group.dicts) + [
-            f"map(getattr, {prefix}_OBJECTS, {prefix}_ATTRIBUTES)"
+            f"map(getattr, {prefix}_OBJECTS, {prefix}_ATTRIBUTES, ABSENT)"
         ] * bool(group.objects)
 
     if guards.same:
@@ -301,16 +303,21 @@ def _same_objects(b, group: ReadGroup, values: list[str], prefix: str) -> str | 
 
 def _containers(value: object, found: list) -> bool:
     """Add to ``found`` what can change in place under ``value`` (lists, sets, deques;
-    a dict's keys and values), recursively; False where something else can (an array)."""
+    a dict's keys and values), recursively; False where something else can (an array, a
+    bytearray, a ``defaultdict``'s factory, a list subclass's attributes). Tensors, and
+    objects whose attributes are guarded apart, are pinned by their identity."""
     kind = type(value)
-    if kind in (list, set, collections.deque):
-        found.append(value)
-        items = value
-    elif kind is dict:
+    if kind is dict or kind is collections.OrderedDict:
         found += (value.keys(), value.values())
         items = value.values()
+    elif kind in (list, set, collections.deque):
+        found.append(value)
+        items = value
     elif kind in (tuple, frozenset):
         items = value
     else:
-        return not hasattr(value, "__array__")
+        return isinstance(value, torch.Tensor) or not (
+            hasattr(value, "__array__")
+            or isinstance(value, (list, tuple, dict, set, collections.deque, bytearray, array.array, MappingProxyType))
+        )
     return all(_containers(item, found) for item in items)

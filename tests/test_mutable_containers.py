@@ -1,0 +1,286 @@
+"""Single process: a Python container the program reads can change in place without
+becoming another object, whatever its class, size or depth: an ``OrderedDict`` or a
+``defaultdict`` of settings, a list subclass, a bytearray, an ``array.array``, a list of
+a hundred scales, a config five objects down, a namedtuple holding a list, a list of
+tensors one of which is replaced. Each is guarded by its contents: a change compiles a
+new entry and gives eager's result, read from a global, a closure cell or a module
+attribute. A traced call that changes one is refused (the change is undone)."""
+
+import array
+import collections
+import dataclasses
+import types
+
+import pytest
+import torch
+
+import dtcompile
+
+
+class Scales(list):
+    pass
+
+
+class Settings(dict):
+    pass
+
+
+class Window(collections.deque):
+    pass
+
+
+Pair = collections.namedtuple("Pair", "scales name")
+
+
+def _deep(value):
+    return types.SimpleNamespace(a=types.SimpleNamespace(b=types.SimpleNamespace(c=types.SimpleNamespace(d=value))))
+
+
+_BACKING = {}
+
+
+def _proxy():
+    _BACKING.clear()
+    _BACKING["a"] = 2.0
+    return types.MappingProxyType(_BACKING)
+
+
+def _set(key, value):
+    return lambda c: c.__setitem__(key, value)
+
+
+def _set_attr(name, value):
+    return lambda c: setattr(c, name, value)
+
+
+# name: (make the container, read a scale from it, change it in place)
+CASES = {
+    "OrderedDict in a list": (
+        lambda: [collections.OrderedDict(a=2.0)],
+        lambda c: c[0]["a"],
+        lambda c: c[0].__setitem__("a", 3.0),
+    ),
+    "OrderedDict": (lambda: collections.OrderedDict(a=2.0, b=1.0), lambda c: c["a"], _set("a", 3.0)),
+    "OrderedDict reordered": (
+        lambda: collections.OrderedDict(a=2.0, b=5.0),
+        lambda c: next(iter(c.values())),
+        lambda c: c.move_to_end("a"),
+    ),
+    "defaultdict": (lambda: collections.defaultdict(float, a=2.0), lambda c: c["a"], _set("a", 3.0)),
+    "defaultdict factory": (
+        lambda: collections.defaultdict(lambda: 2.0),
+        lambda c: c.copy()["missing"],
+        lambda c: setattr(c, "default_factory", lambda: 3.0),
+    ),
+    "a mapping proxy": (_proxy, lambda c: c["a"], lambda c: _BACKING.__setitem__("a", 3.0)),
+    "Counter": (lambda: collections.Counter(a=2), lambda c: c["a"], _set("a", 3)),
+    "list subclass": (lambda: Scales([2.0]), lambda c: c[0], _set(0, 3.0)),
+    "list subclass attribute": (
+        lambda: Scales([2.0]),
+        lambda c: getattr(c, "factor", 1.0) * c[0],
+        lambda c: setattr(c, "factor", 1.5),
+    ),
+    "dict subclass": (lambda: Settings(a=2.0), lambda c: c["a"], _set("a", 3.0)),
+    "deque subclass": (lambda: Window([2.0]), lambda c: c[0], _set(0, 3.0)),
+    "bytearray": (lambda: bytearray(b"\x02"), lambda c: c[0], _set(0, 3)),
+    "array.array": (lambda: array.array("d", [2.0]), lambda c: c[0], _set(0, 3.0)),
+    "a list of 100": (lambda: [2.0] * 100, lambda c: c[50], _set(50, 3.0)),
+    "a dict of 100": (lambda: {f"k{i}": 2.0 for i in range(100)}, lambda c: c["k50"], _set("k50", 3.0)),
+    "a list in a list of 100": (
+        lambda: [[2.0] for _ in range(100)],
+        lambda c: c[50][0],
+        lambda c: c[50].__setitem__(0, 3.0),
+    ),
+    "an object in a list of 40": (
+        lambda: [types.SimpleNamespace(a=2.0) for _ in range(40)],
+        lambda c: c[39].a,
+        lambda c: setattr(c[39], "a", 3.0),
+    ),
+    "an attribute five objects down": (lambda: _deep(2.0), lambda c: c.a.b.c.d, lambda c: setattr(c.a.b.c, "d", 3.0)),
+    "a namedtuple holding a list": (
+        lambda: Pair([2.0], "s"),
+        lambda c: c.scales[0],
+        lambda c: c.scales.__setitem__(0, 3.0),
+    ),
+    "a dict with tuple keys": (lambda: {(1, 2): 2.0}, lambda c: c[(1, 2)], _set((1, 2), 3.0)),
+    "a dict with class keys": (lambda: {int: 2.0}, lambda c: c[int], _set(int, 3.0)),
+}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: [torch.full((3,), 2.0)],
+        lambda: {"w": torch.full((3,), 2.0)},
+        lambda: collections.OrderedDict(w=torch.full((3,), 2.0)),
+        lambda: Pair([torch.full((3,), 2.0)], "w"),
+    ],
+    ids=["list", "dict", "OrderedDict", "namedtuple"],
+)
+def test_a_tensor_replaced_in_a_global_container_is_seen(make):
+    container = make()
+    ns = {"TABLE": container, "next": next, "iter": iter, "hasattr": hasattr, "isinstance": isinstance, "list": list}
+    exec(
+        "def scaled(x):\n"
+        "    held = TABLE.scales if hasattr(TABLE, 'scales') else TABLE\n"
+        "    return x * (held[0] if isinstance(held, list) else next(iter(held.values())))\n",
+        ns,
+    )
+    fn = ns["scaled"]
+    jitted = dtcompile.jit(fn)
+    x = torch.ones(3)
+    torch.testing.assert_close(jitted(x), fn(x))
+    held = container.scales if isinstance(container, Pair) else container
+    held[0 if isinstance(held, list) else next(iter(held))] = torch.full((3,), 3.0)
+    torch.testing.assert_close(jitted(x), fn(x), rtol=0, atol=0)
+    assert jitted(x)[0].item() == 3.0
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: bytearray(b"\x02"),
+        lambda: array.array("d", [2.0]),
+        lambda: collections.OrderedDict(a=2.0),
+        lambda: Scales([2.0]),
+    ],
+    ids=["bytearray", "array.array", "OrderedDict", "list subclass"],
+)
+def test_a_call_that_changes_a_container_is_refused_and_the_change_undone(make):
+    container = make()
+    before = repr(container)
+
+    def bump(c):
+        key = "a" if isinstance(c, dict) else 0
+        c[key] = c[key] + 1
+
+    def scaled(x):
+        bump(container)
+        return x
+
+    with pytest.raises(dtcompile.TracingError, match="changed 'container'"):
+        dtcompile.jit(scaled)(torch.ones(2))
+    assert repr(container) == before
+
+
+@pytest.mark.parametrize("levels", [1, 3, 6])
+def test_a_call_that_changes_a_list_levels_down_is_refused(levels):
+    nested = [0.0]
+    for _ in range(levels):
+        nested = [nested]
+
+    def counts_calls(x):
+        innermost = nested
+        while isinstance(innermost[0], list):
+            innermost = innermost[0]
+        innermost[0] += 1.0
+        return x * innermost[0]
+
+    with pytest.raises(dtcompile.TracingError, match=r"changed .*nested.*\[0\]"):
+        dtcompile.jit(counts_calls)(torch.ones(2))
+    innermost = nested
+    for _ in range(levels):
+        innermost = innermost[0]
+    assert innermost == [0.0]  # put back
+
+
+@pytest.mark.parametrize(
+    "make", [dict, collections.OrderedDict, lambda **kw: Settings(kw)], ids=["dict", "OrderedDict", "subclass"]
+)
+def test_a_key_replaced_by_an_equal_key_of_another_type_is_seen(make):
+    table = make()
+    table[1] = "scale"
+
+    def by_key(x):
+        return x * next(iter(table))  # an int key keeps an int tensor; a float key does not
+
+    jitted = dtcompile.jit(by_key)
+    x = torch.ones(2, dtype=torch.int64)
+    assert jitted(x).dtype == torch.int64
+    del table[1]
+    table[1.0] = "scale"
+    assert jitted(x).dtype == by_key(x).dtype == torch.float32
+
+
+class SlottedConfig:
+    __slots__ = ("scale", "inner")
+
+
+@dataclasses.dataclass(slots=True)
+class SlotsDataclass:
+    scale: float
+    extra: list
+
+
+def _slotted(inner=None):
+    config = SlottedConfig()
+    config.scale = 2.0
+    if inner is not None:
+        config.inner = inner
+    return config
+
+
+CASES.update(
+    {
+        "a slot": (_slotted, lambda c: c.scale, lambda c: setattr(c, "scale", 3.0)),
+        "a slot set later": (
+            _slotted,
+            lambda c: getattr(c, "inner", 1.0) * c.scale,
+            lambda c: setattr(c, "inner", 1.5),
+        ),
+        "a list in a slot": (lambda: _slotted([2.0]), lambda c: c.inner[0], lambda c: c.inner.__setitem__(0, 3.0)),
+        "a slots dataclass": (
+            lambda: SlotsDataclass(2.0, [1.0]),
+            lambda c: c.scale * c.extra[0],
+            _set_attr("scale", 3.0),
+        ),
+        "a list in a slots dataclass": (
+            lambda: SlotsDataclass(2.0, [1.0]),
+            lambda c: c.scale * c.extra[0],
+            lambda c: c.extra.__setitem__(0, 3.0),
+        ),
+    }
+)
+
+
+def _reader(holder, container, read):
+    """A program reading ``container`` from a global, a closure cell or a module attribute."""
+    if holder == "module attribute":
+
+        class Scaled(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.table = container
+
+            def forward(self, x):
+                return x * float(read(self.table))
+
+        return Scaled()
+    if holder == "closure":
+
+        def scaled(x):
+            return x * float(read(container))
+
+        return scaled
+    names = {"TABLE": container, "read": read, "float": float}
+    exec("def scaled(x):\n    return x * float(read(TABLE))\n", names)
+    return names["scaled"]
+
+
+@pytest.mark.parametrize("holder", ["global", "closure", "module attribute"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_container_changed_in_place_is_seen(case, holder):
+    make, read, change = CASES[case]
+    container = make()
+    fn = _reader(holder, container, read)
+    jitted = dtcompile.jit(fn)
+    x = torch.ones(3)
+    torch.testing.assert_close(jitted(x), fn(x), rtol=0, atol=0)
+    torch.testing.assert_close(jitted(x), fn(x), rtol=0, atol=0)
+    assert dtcompile.cache_misses(jitted) == 1
+    change(container)
+    expected = fn(x)
+    torch.testing.assert_close(jitted(x), expected, rtol=0, atol=0)
+    assert dtcompile.cache_misses(jitted) == 2
+    torch.testing.assert_close(jitted(x), expected, rtol=0, atol=0)
+    assert dtcompile.cache_misses(jitted) == 2  # the new contents hit
