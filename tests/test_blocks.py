@@ -5,6 +5,8 @@ compared), a block that differs in any way its code can see must be traced on it
 and every result must be eager's.
 """
 
+import array
+import collections
 import types
 
 import pytest
@@ -765,3 +767,74 @@ def test_blocks_differing_only_in_a_str_subclass_attribute():
     x = torch.randn(2, 4)
     with torch.no_grad():
         torch.testing.assert_close(dtcompile.jit(model)(x), model(x), rtol=0, atol=0)
+
+
+class _Slotted:
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+class _Scales(list):
+    pass
+
+
+def _nested(value, levels):
+    for _ in range(levels):
+        value = types.SimpleNamespace(inner=value)
+    return value
+
+
+def _innermost(value):
+    while isinstance(value, types.SimpleNamespace):
+        value = value.inner
+    return value
+
+
+# How the third of four blocks' settings differ from the others': (make the settings of
+# block i, read a scale from them).
+SETTINGS = {
+    "defaultdict factory": (
+        lambda i: collections.defaultdict((lambda: 2.0) if i == 2 else (lambda: 1.0)),
+        lambda s: s.copy()["missing"],
+    ),
+    "list subclass attribute": (
+        lambda i: _Scales([1.0]) if i != 2 else _with(_Scales([1.0]), factor=2.0),
+        lambda s: getattr(s, "factor", 1.0) * s[0],
+    ),
+    "OrderedDict": (lambda i: collections.OrderedDict(a=1.0 + (i == 2)), lambda s: s["a"]),
+    "int or float key": (lambda i: {(1.0 if i == 2 else 1): 0}, lambda s: next(iter(s))),
+    "bytearray": (lambda i: bytearray([1 + (i == 2)]), lambda s: float(s[0])),
+    "array.array": (lambda i: array.array("d", [1.0 + (i == 2)]), lambda s: s[0]),
+    "a slot": (lambda i: _Slotted(1.0 + (i == 2)), lambda s: s.value),
+    "ten objects down": (lambda i: _nested(1.0 + (i == 2), 10), _innermost),
+    "an item of a list of 60": (lambda i: [1.0] * 59 + [1.0 + (i == 2)], lambda s: s[59]),
+}
+
+
+def _with(value, **attributes):
+    for name, item in attributes.items():
+        setattr(value, name, item)
+    return value
+
+
+@pytest.mark.parametrize("kind", list(SETTINGS))
+def test_blocks_differing_in_settings_of_any_class_or_depth(kind):
+    make, read = SETTINGS[kind]
+
+    class Configured(nn.Module):
+        def __init__(self, i):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.settings = make(i)
+
+        def forward(self, x):
+            return self.lin(x) * read(self.settings)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Configured(i) for i in range(4)])
+    x = torch.randn(3, 8)
+    out, trace = compiled(model, x)
+    assert_eager(model, (x,), out)
+    assert not any("(1, 2, 3)" in line for line in replay_lines(trace))

@@ -14,6 +14,7 @@ import types
 import torch
 from torch.distributed.tensor.placement_types import Placement
 
+from .objects import slot_names
 from .python_reads import value_key
 
 SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout)
@@ -52,6 +53,12 @@ class Equivalence:
         if depth > _EQUIVALENCE_DEPTH:
             return False
         depth += 1
+        if (
+            category in _CONTAINERS
+            and kind not in _BUILTIN_CONTAINERS
+            and not self(_own_state(a), _own_state(b), depth)
+        ):
+            return False  # a subclass's own state differs (a defaultdict's factory, a list's attributes)
         if category is _SET:
             return all(type(x) in SCALARS for x in (*a, *b)) and set(map(value_key, a)) == set(map(value_key, b))
         if category is _SEQUENCE:
@@ -107,6 +114,11 @@ class Equivalence:
 _EMPTY = object()
 
 
+def _own_state(container) -> tuple:
+    """What a subclass of a built-in container holds beside its items."""
+    return (getattr(container, "default_factory", None), dict(getattr(container, "__dict__", None) or {}))
+
+
 _MODULE, _PLACEMENT, _SET, _SEQUENCE, _DICT, _FUNCTION, _METHOD, _PARTIAL, _IDENTITY, _OBJECT = (
     "module",
     "placement",
@@ -120,6 +132,8 @@ _MODULE, _PLACEMENT, _SET, _SEQUENCE, _DICT, _FUNCTION, _METHOD, _PARTIAL, _IDEN
     "object",
 )
 _NUMBER = "number"  # a subclass of int, float, complex, str or bytes
+_CONTAINERS = (_SET, _SEQUENCE, _DICT)
+_BUILTIN_CONTAINERS = (set, frozenset, tuple, list, dict)
 _NUMBER_BASES = (int, float, complex, str, bytes)
 
 
@@ -141,21 +155,6 @@ def _category(kind: type) -> str:
     ):
         if issubclass(kind, bases):
             return category
-    if kind.__module__ == "builtins" or _has_slots(kind):
+    if kind.__module__ == "builtins" or slot_names(kind):
         return _IDENTITY  # compared by identity only
     return _OBJECT
-
-
-@functools.lru_cache(maxsize=256)
-def _has_slots(cls: type) -> bool:
-    """Whether instances of ``cls`` hold values outside their ``__dict__`` (``abc.ABC``'s
-    empty ``__slots__`` holds none)."""
-    return any(
-        name not in ("__dict__", "__weakref__")
-        for klass in cls.__mro__
-        for name in (
-            (vars(klass).get("__slots__") or ())
-            if not isinstance(vars(klass).get("__slots__"), str)
-            else (vars(klass)["__slots__"],)
-        )
-    )
