@@ -9,6 +9,7 @@ attribute. A traced call that changes one is refused (the change is undone)."""
 import array
 import collections
 import dataclasses
+import functools
 import types
 
 import pytest
@@ -220,8 +221,32 @@ def _slotted(inner=None):
     return config
 
 
+class Config:
+    def __init__(self, scale):
+        self.scale = scale
+
+
+class AttrDict(dict):
+    def __init__(self, **items):
+        super().__init__(**items)
+        self.__dict__ = self  # its items are its attributes
+
+
 CASES.update(
     {
+        "an attribute dict replaced": (lambda: Config(2.0), lambda c: c.scale, _set_attr("__dict__", {"scale": 3.0})),
+        "an attribute dict replaced, a list inside": (
+            lambda: [Config(2.0)],
+            lambda c: c[0].scale,
+            lambda c: setattr(c[0], "__dict__", {"scale": 3.0}),
+        ),
+        "a list a partial holds as an argument": (
+            lambda: functools.partial(lambda table: table[0], [2.0]),
+            lambda c: c(),
+            lambda c: c.args[0].__setitem__(0, 3.0),
+        ),
+        "an AttrDict's attribute": (lambda: AttrDict(scale=2.0), lambda c: c.scale, _set_attr("scale", 3.0)),
+        "an AttrDict's item": (lambda: AttrDict(scale=2.0), lambda c: c.scale, _set("scale", 3.0)),
         "a slot": (_slotted, lambda c: c.scale, lambda c: setattr(c, "scale", 3.0)),
         "a slot set later": (
             _slotted,
@@ -284,3 +309,22 @@ def test_a_container_changed_in_place_is_seen(case, holder):
     assert dtcompile.cache_misses(jitted) == 2
     torch.testing.assert_close(jitted(x), expected, rtol=0, atol=0)
     assert dtcompile.cache_misses(jitted) == 2  # the new contents hit
+
+
+def test_a_list_the_module_holds_growing_at_every_call_is_named_when_entries_pile_up():
+    from dtcompile.jit.compiled import ENTRIES_WARNING
+
+    model = torch.nn.Linear(4, 4)
+    model.history = []  # appended to by the loop, read by no code the call runs
+    jitted = dtcompile.jit(model)
+    x = torch.ones(4)
+    with (
+        torch.no_grad(),
+        pytest.warns(
+            UserWarning, match=r"Python values its code can read keep changing \(the contents of attribute 'history'"
+        ),
+    ):
+        for step in range(ENTRIES_WARNING):
+            torch.testing.assert_close(jitted(x), model(x), rtol=0, atol=0)
+            model.history.append(float(step))
+    assert dtcompile.cache_misses(jitted) == ENTRIES_WARNING

@@ -17,7 +17,7 @@ hook), so what is guarded is what the code *can* read, found before tracing:
   functions and lambdas included), from its ``__globals__`` (one absent there, a builtin
   or a name not defined yet, is guarded as absent); the **closure cells**
   it holds; its **default arguments** (``__defaults__``, ``__kwdefaults__``); a
-  ``functools.partial``'s keyword arguments; the attributes a Python module holds
+  ``functools.partial``'s arguments and keywords; the attributes a Python module holds
   (imported at the top or inside the function) under the other names its code uses
   (``cfg.SCALE``; of a library module, by identity: ``F.relu`` patched is seen).
 - **Module attributes** of the jitted module's tree, and of any module the code reaches
@@ -180,8 +180,10 @@ class PythonState:
         if isinstance(value, functools.partial):
             self._walked.add(id(value))
             self.follow(value.func, where)
-            # Its keywords dict can change in place; its arguments are fixed (a tuple).
+            # Its keywords dict can change in place; its arguments are a tuple, but what they
+            # hold can (a list).
             self._read(value, None, value.keywords, f"the keyword arguments of {where}", attribute="keywords")
+            self._read(value, None, value.args, f"the arguments of {where}", attribute="args")
             for item in (*value.args, *value.keywords.values()):
                 self.follow(item, where)
             return
@@ -206,6 +208,11 @@ class PythonState:
             self._walked.add(id(value))
             self._class(type(value))
             if plain_object(value):
+                # Its attributes are read from this dict: one put in its place (``cfg.__dict__ =
+                # loaded``) is another object, seen though neither dict's version changed.
+                self.reads.append(
+                    Read(value, None, vars(value), f"the attribute dict of {where}", attribute="__dict__")
+                )
                 self._namespace(vars(value))
                 for name, item in vars(value).items():
                     self._read(vars(value), name, item, f"{where}.{name}")

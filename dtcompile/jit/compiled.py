@@ -60,6 +60,7 @@ class CacheEntry:
     ranks: tuple[int, ...] = ()  # the ranks that checked they agree on this entry's program
     digest: str = ""  # the digest of what they agreed on
     group_labels: dict[str, str] = field(default_factory=dict)  # process group name -> mesh dim
+    python_reads: list = field(default_factory=list)  # the Python values its code could read (``Read``)
 
 
 class InferenceProgram:
@@ -236,6 +237,7 @@ class CompiledFunction:
             compile_seconds=time.perf_counter() - start,
             reference=reference,
             group_labels=labels,
+            python_reads=captured.python_state.reads,
         )
         # Last, so that every way this rank can fail comes before the ranks meet.
         entry.ranks, entry.digest = agreement.check(to_check, captured.meshes, labels)
@@ -245,12 +247,22 @@ class CompiledFunction:
         if self.cache != "no caching":
             self.entries.append(entry)
             if len(self.entries) == ENTRIES_WARNING:
-                warnings.warn(
-                    f"dtcompile: {self.name} has compiled {ENTRIES_WARNING} entries: the metadata of its inputs "
-                    'keeps changing (new sizes? try cache="symbolic values"); each call tries every entry\'s guards',
-                    stacklevel=3,
-                )
+                warnings.warn(self._many_entries(), stacklevel=3)
         return entry
+
+    def _many_entries(self) -> str:
+        """Why a function keeps compiling: the Python values its first entry read that have
+        changed since (a list the module holds that grows at every call), or else its inputs'
+        metadata."""
+        changed = [read.where for read in self.entries[0].python_reads if not read.unchanged()]
+        cause = (
+            f"Python values its code can read keep changing ({', '.join(changed[:3])}"
+            f"{', ...' if len(changed) > 3 else ''}): keep state that changes at every call off the module and "
+            "out of the globals its code reads"
+            if changed
+            else 'the metadata of its inputs keeps changing (new sizes? try cache="symbolic values")'
+        )
+        return f"dtcompile: {self.name} has compiled {ENTRIES_WARNING} entries: {cause}; each call tries every entry's guards"
 
     def executors_for(self, captured: CapturedCall) -> list:
         """The executors given to ``jit``; by default, those for the devices of the call
