@@ -129,3 +129,50 @@ def module_attributes_with_dtensors():
 
 def test_module_attributes_with_dtensors(ranks2):
     assert ranks2.run(module_attributes_with_dtensors) == [(5, 5)] * 2
+
+
+PLACEMENTS = None  # an OrderedDict of placement lists, set on each rank
+WEIGHTS = None  # a list subclass holding a DTensor, set on each rank
+
+
+class _Weights(list):
+    pass
+
+
+def redistributed_by_a_global_table(x):
+    y = (x * WEIGHTS[0]).sum(0)  # a Partial sum
+    return y.redistribute(WEIGHTS[0].device_mesh, PLACEMENTS["out"])
+
+
+def containers_with_dtensors_changed_in_place():
+    """An OrderedDict of placements and a list subclass holding a DTensor, both globals,
+    changed in place (the objects themselves stay): each change is a new entry on every
+    rank, with eager DTensor's result."""
+    global PLACEMENTS, WEIGHTS
+    import collections
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    PLACEMENTS = collections.OrderedDict(out=[Replicate()])
+    WEIGHTS = _Weights([distribute_tensor(torch.full((4, 4), 2.0), mesh, [Shard(0)])])
+    jitted = dtcompile.jit(redistributed_by_a_global_table)
+    x = distribute_tensor(torch.arange(16.0).reshape(4, 4), mesh, [Shard(0)])
+    changes = [
+        lambda: None,
+        lambda: PLACEMENTS["out"].__setitem__(0, Shard(0)),
+        lambda: WEIGHTS.__setitem__(0, distribute_tensor(torch.full((4, 4), -1.0), mesh, [Shard(0)])),
+    ]
+    try:
+        with torch.no_grad():
+            for i, change in enumerate(changes):
+                change()
+                for _ in range(2):
+                    got, expected = jitted(x), redistributed_by_a_global_table(x)
+                    assert got.placements == expected.placements, f"change {i}"
+                    assert_same(got, expected, f"change {i}")
+    finally:
+        PLACEMENTS = WEIGHTS = None
+    return _counts(jitted)
+
+
+def test_containers_with_dtensors_changed_in_place(ranks2):
+    assert ranks2.run(containers_with_dtensors_changed_in_place) == [(3, 3)] * 2
