@@ -15,6 +15,7 @@ or dict of the call changed in place, a new object holding traced tensors) are e
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 import types
@@ -86,7 +87,7 @@ def plain_object(value: object) -> bool:
 def new_object(cls: type, names: tuple, values: tuple) -> object:
     """An object of ``cls`` with these attributes, made without ``__init__`` (``__setattr__``
     bypassed too, so frozen dataclasses and ``__slots__`` work)."""
-    obj = object.__new__(cls)
+    obj = cls() if cls is types.SimpleNamespace else object.__new__(cls)
     for name, value in zip(names, values):
         object.__setattr__(obj, name, value)
     return obj
@@ -98,21 +99,47 @@ def new_stand_in(value: object) -> object:
     return cls.__new__(cls) if cls is types.SimpleNamespace else object.__new__(cls)
 
 
-def holds_proxies(value: object, depth: int = 4) -> bool:
-    """Whether a new object made by the call holds traced tensors (a few levels down)."""
+def holds_proxies(value: object, seen: set | None = None) -> bool:
+    """Whether a new object made by the call holds traced tensors, however deep: in a
+    container of any class, an object's attributes or slots, a function's closure."""
     if isinstance(value, TensorProxy):
         return True
-    if depth == 0:
-        return False
     if isinstance(value, torch.Tensor):
         return isinstance(getattr(value, "_local_tensor", None), TensorProxy)
-    if isinstance(value, (list, tuple)):
-        return any(holds_proxies(v, depth - 1) for v in value)
+    if type(value) in _LEAVES or isinstance(value, (type, types.ModuleType, torch.nn.Module)):
+        return False
+    seen = set() if seen is None else seen
+    if id(value) in seen:
+        return False
+    seen.add(id(value))
     if isinstance(value, dict):
-        return any(holds_proxies(v, depth - 1) for v in value.values())
-    if is_rebuildable_object(value):
-        return any(holds_proxies(v, depth - 1) for v in object_state(value).values())
-    return False
+        items = value.values()
+    elif isinstance(value, (list, tuple, set, frozenset, collections.deque)):
+        items = value
+    elif isinstance(value, types.FunctionType):  # a closure over a traced tensor
+        items = [*_cell_values(value), *(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values()]
+    elif isinstance(value, (types.MethodType, functools.partial)):
+        items = (
+            (value.__self__, value.__func__)
+            if isinstance(value, types.MethodType)
+            else (value.func, value.args, value.keywords)
+        )
+    else:  # (a method-wrapper's object too)
+        items = [*object_state(value).values(), getattr(value, "__self__", None)]
+    return any(holds_proxies(item, seen) for item in items)
+
+
+_LEAVES = frozenset((type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device))
+
+
+def _cell_values(fn: types.FunctionType) -> list:
+    values = []
+    for cell in fn.__closure__ or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # not assigned yet
+            continue
+    return values
 
 
 @dataclass

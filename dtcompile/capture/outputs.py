@@ -9,6 +9,7 @@ constants, and the containers around them.
 from __future__ import annotations
 
 import dataclasses
+import types
 from dataclasses import dataclass
 
 import torch
@@ -164,11 +165,11 @@ class OutputCollector:
         if index is not None:
             return ObjectOutput(index)
         if holds_proxies(value):
-            if not is_rebuildable_object(value):
+            if not (is_rebuildable_object(value) or type(value) is types.SimpleNamespace):
                 raise TracingError(
                     f"dtcompile.jit: {where} holds traced tensors inside a {type(value).__name__}, which "
-                    "dtcompile cannot make anew after each call (a container subclass or a class with its "
-                    "own __new__); return a tuple, list, dict, namedtuple, dataclass or plain object instead"
+                    "dtcompile cannot make anew after each call (a set, a function, a container subclass or a "
+                    "class with its own __new__); return a tuple, list, dict, namedtuple, dataclass or plain object instead"
                 )
             return self._new_object(value, where)
         return ConstantOutput(value)
