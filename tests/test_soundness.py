@@ -228,12 +228,65 @@ def test_frozen_slotted_dataclass_outputs_are_made_anew_each_call():
     assert_same_result(second.rest, [x, 3])
 
 
-def test_outputs_that_cannot_be_rebuilt_are_an_error():
-    class Bag(list):
-        pass
+class _OwnNew:
+    def __new__(cls, held):
+        obj = super().__new__(cls)
+        obj.held = held
+        return obj
 
-    with pytest.raises(dtcompile.TracingError, match="inside a Bag"):
-        dtcompile.jit(lambda x: [Bag([x * 2])])(torch.randn(3))
+
+class _Bag(list):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("make", "kind"),
+    [
+        (lambda y: [_Bag([y])], "_Bag"),
+        (lambda y: {y}, "set"),
+        (lambda y: lambda: y, "function"),
+        (lambda y: _OwnNew({"k": [y]}), "_OwnNew"),
+        (lambda y: types.SimpleNamespace(t=y).__repr__, "method-wrapper"),
+    ],
+    ids=["list subclass", "set", "closure", "own __new__", "method-wrapper"],
+)
+def test_outputs_that_cannot_be_rebuilt_are_an_error(make, kind):
+    """A result holding traced tensors where they cannot be put back after each call is
+    refused, however deep they are (never a proxy handed back)."""
+    with pytest.raises(dtcompile.TracingError, match=f"inside a {kind}"):
+        dtcompile.jit(lambda x: make(x * 2))(torch.randn(3))
+
+
+@pytest.mark.parametrize("levels", [1, 3, 7])
+def test_simple_namespace_outputs_at_any_depth_are_rebuilt(levels):
+    def nested(x):
+        out = x * 2
+        for _ in range(levels):
+            out = types.SimpleNamespace(inner=[out])
+        return out
+
+    jitted = dtcompile.jit(nested)
+    x = torch.randn(3)
+    for _ in range(2):
+        got = jitted(x)
+        for _ in range(levels):
+            assert type(got) is types.SimpleNamespace
+            (got,) = got.inner
+        assert_same_result(got, x * 2)
+
+
+@pytest.mark.parametrize("container", [dict, collections.OrderedDict], ids=["dict", "OrderedDict"])
+def test_input_dict_keys_equal_but_of_another_type(container):
+    """1, 1.0 and True are one key to ``==``; code iterating the dict sees which."""
+
+    def filled(table, t):
+        return torch.full((2,), next(iter(table))) + t
+
+    jitted = dtcompile.jit(filled)
+    t = torch.ones(2, dtype=torch.int64)
+    for key in (1, 1.0, True, 1, -0.0, 0.0):
+        table = container({key: None})
+        assert_same_result(jitted(table, t), filled(table, t))
 
 
 def test_namedtuple_inputs():

@@ -28,6 +28,7 @@ from ..capture import (
     SequenceInput,
     TensorInput,
 )
+from ..capture.python_reads import value_key
 from ..core.codegen import GeneratedFunction, literal_or_global
 from ..core.printing import python_literal
 from ..core.symbolic import LARGEST_SYMBOLIC_SIZE, SOURCE_GLOBALS, is_symbolic, python_source, symbolic_expr
@@ -89,6 +90,11 @@ class _Builder:
 
     def constant(self, obj: object, prefix: str) -> str:
         return literal_or_global(obj, self.globals, prefix)
+
+    @property
+    def value_key(self) -> str:
+        self.globals["VALUE_KEY"] = value_key
+        return "VALUE_KEY"
 
     def tuple_of(self, exprs: list[str]) -> str:
         """Source of the tuple of ``exprs``, each run of items of the module's tensor
@@ -260,9 +266,15 @@ class _Builder:
             if not node.keys and expr == "kwargs":
                 self.fail_if("kwargs")
             else:
-                # In order: a function may iterate the dict (``d.values()``).
-                keys = self.constant(tuple(node.keys), "KEYS")
-                self.fail_if(f"type({var}) is not dict or tuple({var}) != {keys}")
+                # In order: a function may iterate the dict (``d.values()``). Keys other
+                # than strings by their value_key: 1, 1.0 and True are one key to ``==``,
+                # but code iterating the dict sees which.
+                if all(type(key) is str for key in node.keys):
+                    keys = self.constant(tuple(node.keys), "KEYS")
+                    self.fail_if(f"type({var}) is not dict or tuple({var}) != {keys}")
+                else:
+                    keys = self.constant(value_key(tuple(node.keys)), "KEYS")
+                    self.fail_if(f"type({var}) is not dict or {self.value_key}(tuple({var})) != {keys}")
             for key, child in zip(node.keys, node.children):
                 self.node(child, f"{var}[{key!r}]")
         elif isinstance(node, PytreeInput):
@@ -271,8 +283,9 @@ class _Builder:
             flatten = self.constant(torch.utils._pytree.SUPPORTED_NODES[node.type].flatten_fn, "FLATTEN")
             children, context = self.fresh("children"), self.fresh("context")
             self.lines.append(f"    {children}, {context} = {flatten}({var})")
-            self.fail_if(
-                f"len({children}) != {len(node.children)} or {context} != {self.constant(node.context, 'CONTEXT')}"
+            self.fail_if(  # (an OrderedDict's keys, a defaultdict's factory: by value_key, as above)
+                f"len({children}) != {len(node.children)}"
+                f" or {self.value_key}({context}) != {self.constant(value_key(node.context), 'CONTEXT')}"
             )
             for i, child in enumerate(node.children):
                 self.node(child, f"{children}[{i}]")
