@@ -65,6 +65,7 @@ class _Builder:
             "DTensor": DTensor,
             "spec_matches": spec_matches,
             "meshes_match": meshes_match,
+            "VALUE_KEY": value_key,
         }
         self.results: list[str] = []
         self.result_labels: list[str] = []  # the trace input each result binds, in order
@@ -90,11 +91,6 @@ class _Builder:
 
     def constant(self, obj: object, prefix: str) -> str:
         return literal_or_global(obj, self.globals, prefix)
-
-    @property
-    def value_key(self) -> str:
-        self.globals["VALUE_KEY"] = value_key
-        return "VALUE_KEY"
 
     def tuple_of(self, exprs: list[str]) -> str:
         """Source of the tuple of ``exprs``, each run of items of the module's tensor
@@ -266,15 +262,12 @@ class _Builder:
             if not node.keys and expr == "kwargs":
                 self.fail_if("kwargs")
             else:
-                # In order: a function may iterate the dict (``d.values()``). Keys other
-                # than strings by their value_key: 1, 1.0 and True are one key to ``==``,
-                # but code iterating the dict sees which.
-                if all(type(key) is str for key in node.keys):
-                    keys = self.constant(tuple(node.keys), "KEYS")
-                    self.fail_if(f"type({var}) is not dict or tuple({var}) != {keys}")
-                else:
-                    keys = self.constant(value_key(tuple(node.keys)), "KEYS")
-                    self.fail_if(f"type({var}) is not dict or {self.value_key}(tuple({var})) != {keys}")
+                # In order: a function may iterate the dict (``d.values()``). Keys other than
+                # strings by value_key: 1, 1.0 and True are one key to ``==``, not to the code.
+                plain = all(type(key) is str for key in node.keys)
+                keys = self.constant(tuple(node.keys) if plain else value_key(tuple(node.keys)), "KEYS")
+                found = f"tuple({var})" if plain else f"VALUE_KEY(tuple({var}))"
+                self.fail_if(f"type({var}) is not dict or {found} != {keys}")
             for key, child in zip(node.keys, node.children):
                 self.node(child, f"{var}[{key!r}]")
         elif isinstance(node, PytreeInput):
@@ -285,7 +278,7 @@ class _Builder:
             self.lines.append(f"    {children}, {context} = {flatten}({var})")
             self.fail_if(  # (an OrderedDict's keys, a defaultdict's factory: by value_key, as above)
                 f"len({children}) != {len(node.children)}"
-                f" or {self.value_key}({context}) != {self.constant(value_key(node.context), 'CONTEXT')}"
+                f" or VALUE_KEY({context}) != {self.constant(value_key(node.context), 'CONTEXT')}"
             )
             for i, child in enumerate(node.children):
                 self.node(child, f"{children}[{i}]")
