@@ -10,6 +10,7 @@ import array
 import collections
 import dataclasses
 import functools
+import os
 import types
 
 import pytest
@@ -328,3 +329,23 @@ def test_a_list_the_module_holds_growing_at_every_call_is_named_when_entries_pil
             torch.testing.assert_close(jitted(x), model(x), rtol=0, atol=0)
             model.history.append(float(step))
     assert dtcompile.cache_misses(jitted) == ENTRIES_WARNING
+
+
+def _scale_from_getenv(x):
+    return x * float(os.getenv("DTCOMPILE_TEST_SCALE", "1"))
+
+
+def _scale_from_environ(x):
+    return x * float(os.environ.get("DTCOMPILE_TEST_SCALE", "1"))
+
+
+@pytest.mark.parametrize("fn", [_scale_from_getenv, _scale_from_environ], ids=["os.getenv", "os.environ"])
+def test_the_environment_read_is_guarded(fn, monkeypatch):
+    jitted = dtcompile.jit(fn)
+    x = torch.ones(2)
+    for value in ("2", "2", "3", None, "2"):
+        if value is None:
+            monkeypatch.delenv("DTCOMPILE_TEST_SCALE", raising=False)
+        else:
+            monkeypatch.setenv("DTCOMPILE_TEST_SCALE", value)
+        torch.testing.assert_close(jitted(x), fn(x), rtol=0, atol=0)

@@ -19,7 +19,8 @@ hook), so what is guarded is what the code *can* read, found before tracing:
   it holds; its **default arguments** (``__defaults__``, ``__kwdefaults__``); a
   ``functools.partial``'s arguments and keywords; the attributes a Python module holds
   (imported at the top or inside the function) under the other names its code uses
-  (``cfg.SCALE``; of a library module, by identity: ``F.relu`` patched is seen).
+  (``cfg.SCALE``; of a library module, by identity: ``F.relu`` patched is seen); where
+  the code names ``os``, the environment's contents (``os.environ``, ``os.getenv``).
 - **Module attributes** of the jitted module's tree, and of any module the code reaches
   (a global model a loss function calls; for those also the training flag and which
   parameters, buffers, submodules and tensor attributes they hold): every entry of each
@@ -61,6 +62,7 @@ rebinding would happen once, while tracing.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import types
 from dataclasses import dataclass, field
@@ -301,6 +303,8 @@ class PythonState:
         self._walked.add(key)
         library = is_library(module)
         contents = vars(module)
+        if module is os:  # ``os.environ[...]``, ``os.getenv``: the environment, by its contents
+            self._read(vars(os.environ), "_data", os.environ._data, "the environment (os.environ)")
         for name in sorted(names):
             if name in contents:
                 value = contents[name]
