@@ -10,6 +10,7 @@ import array
 import collections
 import dataclasses
 import functools
+import itertools
 import os
 import types
 
@@ -349,3 +350,44 @@ def test_the_environment_read_is_guarded(fn, monkeypatch):
         else:
             monkeypatch.setenv("DTCOMPILE_TEST_SCALE", value)
         torch.testing.assert_close(jitted(x), fn(x), rtol=0, atol=0)
+
+
+def _counting():
+    step = 0
+    while True:
+        yield step
+        step += 1
+
+
+ITERATORS = {
+    "itertools.count": itertools.count,
+    "a generator": _counting,
+    "a list's iterator": lambda: iter([0.0, 1.0, 2.0]),
+    "a range's iterator": lambda: iter(range(5)),
+    "zip": lambda: zip(range(5), range(5)),
+}
+
+
+@pytest.mark.parametrize("holder", ["global", "closure", "module attribute"])
+@pytest.mark.parametrize("kind", list(ITERATORS))
+def test_an_iterator_the_trace_advances_is_refused(kind, holder):
+    """``next(counter)`` would run once, while tracing: refused, not a constant."""
+    iterator = ITERATORS[kind]()
+
+    def read(it):
+        item = next(it)
+        return float(item[0] if isinstance(item, tuple) else item)
+
+    fn = _reader(holder, iterator, read)
+    with pytest.raises(dtcompile.TracingError, match="an iterator it advanced"):
+        dtcompile.jit(fn)(torch.ones(2))
+
+
+def test_an_iterator_the_code_holds_but_does_not_advance_is_fine():
+    numbers = iter(range(3))
+
+    def scaled(x, unused=numbers):
+        return x * 2
+
+    torch.testing.assert_close(dtcompile.jit(scaled)(torch.ones(2)), torch.full((2,), 2.0))
+    assert next(numbers) == 0

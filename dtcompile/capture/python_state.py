@@ -50,8 +50,9 @@ subclass and its attributes), tuples holding such or objects, bytearrays, arrays
 NumPy arrays of numbers; the tensors in a container by identity (read at run time);
 anything else (functions, classes, tensors, modules, objects) by identity.
 
-Not guarded: iterators, a library class's attributes other than a module's ``forward``
-(and ``nn.Module``'s own), a class's bases, values read inside library code (a global of
+Not guarded: iterators (one the traced code advances is refused: ``snapshots.py``), a
+library class's attributes other than a module's ``forward`` (and ``nn.Module``'s own),
+a class's bases, values read inside library code (a global of
 ``transformers`` changed), names reached only through strings (``getattr(cfg, name)``),
 the contents of NumPy arrays of objects, objects of C types other than the containers
 above (their state is not in Python attributes). A global, class

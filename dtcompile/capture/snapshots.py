@@ -14,10 +14,12 @@ import array
 import collections
 import functools
 import sys
+import types
 
 import torch
 
 from .objects import is_rebuildable_object, object_state
+from .python_reads import value_key
 
 ALL_LEVELS = 1 << 30  # a depth for :meth:`DataSnapshot.add`: everything reachable (each object once)
 
@@ -41,9 +43,36 @@ def _state(value: object) -> tuple | None:
         return ("set", set(value))
     if isinstance(value, (bytearray, array.array)):
         return ("buffer", value[:])
+    if hasattr(type(value), "__next__") and not hasattr(value, "__dict__"):
+        position = _position(value)  # a generator, a list's iterator: where it stands, to tell whether it moved
+        return None if position is None else ("iterator", position)
     if is_rebuildable_object(value):
         return ("object", list(object_state(value).items()))
     return None
+
+
+def _position(iterator: object, depth: int = 3) -> object:
+    """What tells where an iterator stands: a generator's instruction and locals, or what
+    the iterator's ``__reduce__`` gives (``count(5)``, a list iterator's index), with the
+    iterators it holds (``zip``'s) in turn; None where it tells nothing."""
+    if isinstance(iterator, types.GeneratorType):
+        frame = iterator.gi_frame
+        return None if frame is None else (frame.f_lasti, value_key(dict(frame.f_locals)))
+    try:
+        reduced = iterator.__reduce__()
+    except Exception:  # noqa: BLE001 (what cannot be reduced is not followed)
+        return None
+    if not isinstance(reduced, tuple) or depth == 0:
+        return None
+    return tuple(_part(part, depth) for part in reduced)
+
+
+def _part(part: object, depth: int) -> object:
+    if isinstance(part, tuple):
+        return tuple(_part(p, depth) for p in part)
+    if hasattr(type(part), "__next__"):
+        return _position(part, depth - 1)
+    return value_key(part)
 
 
 def _not_kept(value: object) -> None:
@@ -90,7 +119,7 @@ def _same(a: tuple, b: tuple) -> bool:
     (kind, items), (other_kind, other_items) = a, b
     if kind != other_kind or len(items) != len(other_items):
         return False
-    if kind == "set":
+    if kind in ("set", "iterator"):
         return items == other_items
     if kind == "buffer":  # the same bytes
         return bytes(items) == bytes(other_items)
@@ -174,8 +203,11 @@ class DataSnapshot:
         for value, path, state in self._taken.values():
             if _same(_state(value), state):
                 continue
-            changed.append(_path(path))
             kind, items = state
+            if kind == "iterator":  # moved on by the trace: it cannot be moved back
+                changed.append(f"{_path(path)}, an iterator it advanced (not put back)")
+                continue
+            changed.append(_path(path))
             if kind in ("list", "buffer"):
                 value[:] = items
             elif kind == "deque":

@@ -286,8 +286,8 @@ def _capture(
         raise TracingError(
             f"dtcompile.jit: the traced code changed {changed[0]}, a Python value outside its inputs. A compiled "
             "program runs the Python code once, while tracing, so such side effects would not happen at each "
-            "call (the change was undone). Return the values instead, or pass the object in the call (its "
-            "attribute assignments are then replayed after each call)"
+            f"call{'' if 'not put back' in changed[0] else ' (the change was undone)'}. Return the values "
+            "instead, or pass the object in the call (its attribute assignments are then replayed after each call)"
         )
     inputs.python_state.forget_assigned(module_updates)
 
