@@ -228,6 +228,14 @@ class Config:
         self.scale = scale
 
 
+class Scaler:
+    def __init__(self, factor):
+        self.factor = factor
+
+    def __call__(self, value):
+        return value * self.factor
+
+
 class AttrDict(dict):
     def __init__(self, **items):
         super().__init__(**items)
@@ -247,6 +255,7 @@ CASES.update(
             lambda c: c(),
             lambda c: c.args[0].__setitem__(0, 3.0),
         ),
+        "an object the code calls": (lambda: Scaler(2.0), lambda c: c(1.0), _set_attr("factor", 3.0)),
         "an AttrDict's attribute": (lambda: AttrDict(scale=2.0), lambda c: c.scale, _set_attr("scale", 3.0)),
         "an AttrDict's item": (lambda: AttrDict(scale=2.0), lambda c: c.scale, _set("scale", 3.0)),
         "a slot": (_slotted, lambda c: c.scale, lambda c: setattr(c, "scale", 3.0)),
@@ -391,3 +400,29 @@ def test_an_iterator_the_code_holds_but_does_not_advance_is_fine():
 
     torch.testing.assert_close(dtcompile.jit(scaled)(torch.ones(2)), torch.full((2,), 2.0))
     assert next(numbers) == 0
+
+
+LRU_SCALES = [2.0]
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_scales():
+    return LRU_SCALES
+
+
+def _scaled_by_a_cached_helper(x):
+    return x * _cached_scales()[0]
+
+
+def test_what_an_lru_cached_helper_reads_is_guarded():
+    """The function an ``lru_cache`` wraps is followed: the list it returns (a global of
+    it) changed in place, as eager sees it through the cache."""
+    jitted = dtcompile.jit(_scaled_by_a_cached_helper)
+    x = torch.ones(2)
+    try:
+        torch.testing.assert_close(jitted(x), torch.full((2,), 2.0))
+        LRU_SCALES[0] = 3.0
+        torch.testing.assert_close(jitted(x), _scaled_by_a_cached_helper(x), rtol=0, atol=0)
+        assert jitted(x)[0].item() == 3.0
+    finally:
+        LRU_SCALES[0] = 2.0

@@ -30,7 +30,8 @@ hook), so what is guarded is what the code *can* read, found before tracing:
   ``self.cache = ...``; ``self.calls + 1`` baked in; its absence, for ``hasattr``), but
   for one no user code loads by name (guarding it would miss at every call).
 - **Plain objects and containers, all the way down**: the attributes of a plain object
-  (a config; those in its ``__slots__`` too) held in such an attribute, global or cell
+  (a config; those in its ``__slots__`` too; an object the code calls, and an
+  ``lru_cache``'s wrapped function) held in such an attribute, global or cell
   (``self.config.scale``), the items of a container, and what those hold in turn
   (``self.config.attention.rope.theta``, ``TABLE[0]["act"]``), each object once.
 - **Classes**: every attribute a user class (a module's, a config's, one the code names)
@@ -83,6 +84,17 @@ _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "
 def _slotted(value: object) -> bool:
     """A user object holding values in ``__slots__`` (a ``dataclass(slots=True)`` config)."""
     return bool(slot_names(type(value))) and is_rebuildable_object(value)
+
+
+def _callable_object(value: object) -> bool:
+    """An object of a class with ``__call__`` (a scaler the code calls, an ``lru_cache``
+    wrapper and the function it wraps): its attributes are read like a plain object's."""
+    return (
+        callable(value)
+        and not isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType))
+        and isinstance(attribute_or_none(value, "__dict__"), dict)
+        and not type(value).__module__.startswith("torch")
+    )
 
 
 def _own(value: object) -> bool:
@@ -207,10 +219,10 @@ class PythonState:
             self._class(value)
         elif isinstance(value, types.ModuleType):
             self._python_module(value, names)
-        elif (plain_object(value) or _slotted(value)) and not _own(value):
+        elif (plain_object(value) or _slotted(value) or _callable_object(value)) and not _own(value):
             self._walked.add(id(value))
             self._class(type(value))
-            if plain_object(value):
+            if isinstance(attribute_or_none(value, "__dict__"), dict):
                 # Its attributes are read from this dict: one put in its place (``cfg.__dict__ =
                 # loaded``) is another object, seen though neither dict's version changed.
                 self.reads.append(
