@@ -426,3 +426,51 @@ def test_what_an_lru_cached_helper_reads_is_guarded():
         assert jitted(x)[0].item() == 3.0
     finally:
         LRU_SCALES[0] = 2.0
+
+
+class _Descriptor:
+    def __init__(self, value):
+        self.value = value
+
+    def __get__(self, obj, owner):
+        return self.value
+
+
+class _Settings:
+    scale = _Descriptor(2.0)
+
+    class Inner:
+        scale = 2.0
+
+
+@pytest.mark.parametrize(
+    ("read", "change", "undo"),
+    [
+        (
+            lambda s: s.scale,
+            lambda: setattr(vars(_Settings)["scale"], "value", 3.0),
+            lambda: setattr(vars(_Settings)["scale"], "value", 2.0),
+        ),
+        (
+            lambda s: s.Inner.scale,
+            lambda: setattr(_Settings.Inner, "scale", 3.0),
+            lambda: setattr(_Settings.Inner, "scale", 2.0),
+        ),
+    ],
+    ids=["a descriptor's state", "a nested class's attribute"],
+)
+def test_what_a_class_holds_is_followed(read, change, undo):
+    settings = _Settings()
+
+    def scaled(x):
+        return x * read(settings)
+
+    jitted = dtcompile.jit(scaled)
+    x = torch.ones(2)
+    try:
+        torch.testing.assert_close(jitted(x), torch.full((2,), 2.0))
+        change()
+        torch.testing.assert_close(jitted(x), scaled(x), rtol=0, atol=0)
+        assert jitted(x)[0].item() == 3.0
+    finally:
+        undo()

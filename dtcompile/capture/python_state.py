@@ -35,7 +35,8 @@ hook), so what is guarded is what the code *can* read, found before tracing:
   (``self.config.scale``), the items of a container, and what those hold in turn
   (``self.config.attention.rope.theta``, ``TABLE[0]["act"]``), each object once.
 - **Classes**: every attribute a user class (a module's, a config's, one the code names)
-  and its user bases define (methods by identity, constants by value); of a library
+  and its user bases define (methods by identity, constants by value, and what each holds
+  followed: a descriptor's state, a nested class, a class-level table); of a library
   module class and its bases up to ``nn.Module``, the ``forward`` (patching a library's
   layer). So a method or class constant replaced after compiling is seen.
 - **Which names** each of those instance and class dicts holds (by their number; the names
@@ -303,8 +304,9 @@ class PythonState:
                     attr = attr.__func__
                 elif isinstance(attr, property):
                     attr = attr.fget
-                if isinstance(attr, types.FunctionType):
-                    self._function(attr)
+                # Its methods' code, and what other attributes hold: a descriptor's state, a
+                # nested class's attributes, the configs in a class-level table.
+                self.follow(attr, f"{name!r} of {owner}")
 
     def _python_module(self, module: types.ModuleType, names: set[str]) -> None:
         """The attributes a Python module holds under names the code uses (``cfg.SCALE``). Of
