@@ -474,3 +474,24 @@ def test_what_a_class_holds_is_followed(read, change, undo):
         assert jitted(x)[0].item() == 3.0
     finally:
         undo()
+
+
+def _helper(x):
+    return x * 2
+
+
+def _calls_helper(x):
+    return _helper(x) + 1
+
+
+def test_a_function_whose_code_is_replaced():
+    jitted = dtcompile.jit(_calls_helper)
+    x = torch.ones(2)
+    original = _helper.__code__
+    try:
+        torch.testing.assert_close(jitted(x), torch.full((2,), 3.0))
+        _helper.__code__ = (lambda x: x * 3).__code__
+        torch.testing.assert_close(jitted(x), _calls_helper(x), rtol=0, atol=0)
+        assert jitted(x)[0].item() == 4.0
+    finally:
+        _helper.__code__ = original

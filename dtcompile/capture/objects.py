@@ -84,6 +84,24 @@ def plain_object(value: object) -> bool:
     return plain and isinstance(attribute_or_none(value, "__dict__"), dict)
 
 
+def attribute_holder(value: object) -> bool:
+    """An object whose state code reads through its attributes, which the guards follow
+    (``python_state.py``): a plain object (a config), one holding values in ``__slots__``
+    (a ``dataclass(slots=True)``), or one of a class with ``__call__`` (a scaler, an
+    ``lru_cache`` wrapper and the function it wraps); not one of dtcompile's own."""
+    module = type(value).__module__
+    if module.startswith("dtcompile.") and not module.startswith("dtcompile.testing"):
+        return False  # a compiled function's state
+    if plain_object(value) or (slot_names(type(value)) and is_rebuildable_object(value)):
+        return True
+    return (
+        callable(value)
+        and not isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType))
+        and isinstance(attribute_or_none(value, "__dict__"), dict)
+        and not module.startswith("torch")
+    )
+
+
 def new_object(cls: type, names: tuple, values: tuple) -> object:
     """An object of ``cls`` with these attributes, made without ``__init__`` (``__setattr__``
     bypassed too, so frozen dataclasses and ``__slots__`` work)."""

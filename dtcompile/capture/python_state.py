@@ -72,7 +72,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .objects import attribute_or_none, is_rebuildable_object, plain_object, slot_names
+from .objects import attribute_holder, attribute_or_none, slot_names
 from .python_reads import ABSENT, PythonGuards, Read, by_value, contents_guarded, value_key
 from .user_code import class_namespace, code_names, is_library
 
@@ -80,28 +80,6 @@ from .user_code import class_namespace, code_names, is_library
 # guarded by the prologue's module checks, or never read by the program.
 _MODULE_TABLES = frozenset(vars(torch.nn.Module()))
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-
-
-def _slotted(value: object) -> bool:
-    """A user object holding values in ``__slots__`` (a ``dataclass(slots=True)`` config)."""
-    return bool(slot_names(type(value))) and is_rebuildable_object(value)
-
-
-def _callable_object(value: object) -> bool:
-    """An object of a class with ``__call__`` (a scaler the code calls, an ``lru_cache``
-    wrapper and the function it wraps): its attributes are read like a plain object's."""
-    return (
-        callable(value)
-        and not isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType))
-        and isinstance(attribute_or_none(value, "__dict__"), dict)
-        and not type(value).__module__.startswith("torch")
-    )
-
-
-def _own(value: object) -> bool:
-    """Whether ``value`` is one of dtcompile's own objects (a compiled function's state)."""
-    module = type(value).__module__
-    return module.startswith("dtcompile.") and not module.startswith("dtcompile.testing")
 
 
 @dataclass
@@ -220,7 +198,7 @@ class PythonState:
             self._class(value)
         elif isinstance(value, types.ModuleType):
             self._python_module(value, names)
-        elif (plain_object(value) or _slotted(value) or _callable_object(value)) and not _own(value):
+        elif attribute_holder(value):
             self._walked.add(id(value))
             self._class(type(value))
             if isinstance(attribute_or_none(value, "__dict__"), dict):
@@ -253,6 +231,7 @@ class PythonState:
             where = f"closure variable {name!r} of {fn.__qualname__}"
             self._read(cell, None, value, where)
             self.follow(value, where, attributes)
+        self._read(fn, None, code, f"the code of {fn.__qualname__}", attribute="__code__")  # assignable too
         for attribute in ("__defaults__", "__kwdefaults__"):  # assignable, and read at each call
             defaults = getattr(fn, attribute)
             where = f"the default arguments of {fn.__qualname__}"
