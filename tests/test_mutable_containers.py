@@ -13,6 +13,7 @@ import functools
 import itertools
 import os
 import types
+import weakref
 
 import pytest
 import torch
@@ -228,6 +229,14 @@ class Config:
         self.scale = scale
 
 
+_KEPT = [None]  # what the WeakValueDictionary case refers to, kept alive
+
+
+def _weakly_held_config():
+    _KEPT[0] = Config(2.0)
+    return weakref.WeakValueDictionary(a=_KEPT[0])
+
+
 class Scaler:
     def __init__(self, factor):
         self.factor = factor
@@ -254,6 +263,11 @@ CASES.update(
             lambda: functools.partial(lambda table: table[0], [2.0]),
             lambda c: c(),
             lambda c: c.args[0].__setitem__(0, 3.0),
+        ),
+        "an object in a WeakValueDictionary": (
+            _weakly_held_config,
+            lambda c: c["a"].scale,
+            lambda c: setattr(c["a"], "scale", 3.0),
         ),
         "an object the code calls": (lambda: Scaler(2.0), lambda c: c(1.0), _set_attr("factor", 3.0)),
         "an AttrDict's attribute": (lambda: AttrDict(scale=2.0), lambda c: c.scale, _set_attr("scale", 3.0)),

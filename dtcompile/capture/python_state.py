@@ -32,7 +32,8 @@ hook), so what is guarded is what the code *can* read, found before tracing:
 - **Plain objects and containers, all the way down**: the attributes of a plain object
   (a config; those in its ``__slots__`` too; an object the code calls, and an
   ``lru_cache``'s wrapped function) held in such an attribute, global or cell
-  (``self.config.scale``), the items of a container, and what those hold in turn
+  (``self.config.scale``), the items of a container (and what a weak reference in one
+  refers to), and what those hold in turn
   (``self.config.attention.rope.theta``, ``TABLE[0]["act"]``), each object once.
 - **Classes**: every attribute a user class (a module's, a config's, one the code names)
   and its user bases define (methods by identity, constants by value, and what each holds
@@ -68,6 +69,7 @@ import functools
 import os
 import sys
 import types
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -170,6 +172,10 @@ class PythonState:
             if not isinstance(value, bytearray) and not hasattr(value, "__array__"):
                 for key, item in value.items() if hasattr(value, "items") else enumerate(value):
                     self.follow(item, f"{where}[{key!r}]")
+            return
+        if isinstance(value, weakref.ref):  # (a WeakValueDictionary's): what it refers to, while alive
+            self._walked.add(id(value))
+            self.follow(value(), where)
             return
         if isinstance(value, functools.partial):
             self._walked.add(id(value))
