@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..core import TensorProxy
-from ..core.torch_internals import make_dtensor, storage_id
+from ..core.torch_internals import make_dtensor
 from .block_checks import recording_counts, unreplayable
 from .equivalence import SCALARS, arguments_key, holds_data, local_proxy
 from .replay import ReplayDiverged, output_aliases, record_again
@@ -144,7 +144,7 @@ def call_key(func, args: tuple, kwargs: dict, flat: list) -> tuple | None:
         return None
     proxies, storages = {}, {}
     shared = tuple(
-        (proxies.setdefault(id(local), i), storages.setdefault(storage_id(local.fake), i))
+        (proxies.setdefault(id(local), i), storages.setdefault(local.memory, i))
         for i, local in enumerate(map(local_proxy, tensors))
     )
     return (func, arguments, shared)

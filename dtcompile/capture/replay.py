@@ -14,10 +14,11 @@ give the same metadata.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 from ..core import NoProvenance, TensorProxy
 from ..core.symbol import leaves, map_leaves
-from ..core.torch_internals import dispatch_modes_off, fake_like, storage_id
+from ..core.torch_internals import dispatch_modes_off, fake_like
 from .equivalence import tensor_key
 
 
@@ -67,20 +68,20 @@ def output_aliases(bsym) -> list[int | None] | None:
         or not inputs
         or not outputs
         or not all(isinstance(o, TensorProxy) and o.value is None for o in outputs)
-        or any(o.fake.is_conj() or o.fake.is_neg() for o in outputs)  # bits ``fake_like`` does not make
+        or any(o.meta.is_conj() or o.meta.is_neg() for o in outputs)  # bits ``fake_like`` does not make
         or any(i.value is not None for i in inputs)
     ):
         return None
-    storages = {storage_id(i.fake): index for index, i in reversed(list(enumerate(inputs)))}
+    storages = {i.memory: index for index, i in reversed(list(enumerate(inputs)))}
     aliases, fresh = [], set()
     for o in outputs:
-        storage = storage_id(o.fake)
+        storage = o.memory
         index = storages.get(storage)
         if index is None:
-            if storage in fresh or o.fake.storage_offset() != 0:
+            if storage in fresh or o.meta.storage_offset() != 0:
                 return None
             fresh.add(storage)
-        elif o.fake.dtype != inputs[index].fake.dtype:
+        elif o.meta.dtype != inputs[index].meta.dtype:
             return None  # a view as another dtype (``x.view(torch.int32)``): ``fake_like`` keeps the input's
         aliases.append(index)
     return aliases
@@ -93,8 +94,11 @@ def _outputs_like(recording, bsym, aliases: list[int | None], args: tuple, kwarg
     made_by = NoProvenance(str(bsym.op))
 
     def again(old, alias):
-        base = None if alias is None else inputs[alias].fake
-        fake = fake_like(recording.fake_mode, old.fake, base, old.fake.requires_grad)
+        like, mode = old.fake, recording.fake_mode
+        if alias is None:  # memory of its own: its fake is made only if something reads it
+            make = partial(fake_like, mode, like, None, like.requires_grad)
+            return TensorProxy.deferred(like, make, recording.new_name(), made_by, old.requires_grad)
+        fake = fake_like(mode, like, inputs[alias].fake, like.requires_grad)
         return TensorProxy(fake, recording.new_name(), made_by, requires_grad=old.requires_grad)
 
     olds = iter(zip(leaves(bsym.output), aliases))

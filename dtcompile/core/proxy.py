@@ -18,6 +18,7 @@ import torch
 
 from .provenance import Provenance
 from .symbolic import known_equal
+from .torch_internals import storage_id
 
 DTYPE_ABBREVIATIONS = {
     torch.float32: "f32",
@@ -80,11 +81,16 @@ class TensorProxy(torch.Tensor):
         return proxy
 
     @classmethod
-    def deferred(cls, like: torch.Tensor, make_fake, name: str, provenance: Provenance) -> TensorProxy:
+    def deferred(
+        cls, like: torch.Tensor, make_fake, name: str, provenance: Provenance, requires_grad: bool | None = None
+    ) -> TensorProxy:
         """A proxy with the metadata of ``like`` (a plain tensor: no conjugate or negative
-        bit), whose fake ``make_fake()`` makes when first asked for. Most of a deep model's
-        parameters only pass through to a block's call, and never need one."""
-        proxy = _wrapping(cls, like, like.requires_grad)
+        bit), whose fake ``make_fake()`` makes when first asked for: a tensor with memory
+        of its own, which no other tensor of the trace views until the fake is made. Most
+        of a deep model's parameters only pass through to a block's call, and never need
+        one; nor do most outputs of a call recorded again (``capture/replay.py``)."""
+        requires_grad = like.requires_grad if requires_grad is None else requires_grad
+        proxy = _wrapping(cls, like, requires_grad)
         proxy._fake, proxy._make_fake = None, make_fake
         proxy.label = name
         proxy.provenance = provenance
@@ -96,6 +102,12 @@ class TensorProxy(torch.Tensor):
         """Whether the fake is still to be made: until then no op has read the proxy, and
         no other tensor of the trace shares its storage (``capture/input_fakes.py``)."""
         return self._fake is None
+
+    @property
+    def memory(self) -> object:
+        """Which memory its data lives in, equal for tensors sharing it: its fake's storage,
+        or, while its fake is deferred, memory of its own (the fake is not made for this)."""
+        return ("own", id(self)) if self._fake is None else storage_id(self._fake)
 
     @property
     def meta(self) -> torch.Tensor:
@@ -140,8 +152,21 @@ class TensorProxy(torch.Tensor):
         identity."""
         return self
 
-    def type_string(self) -> str:
-        """``f32[4, 16]``, with the strides added when they are not row-major."""
+    def type_string(self, memo: dict | None = None) -> str:
+        """``f32[4, 16]``, with the strides added when they are not row-major. ``memo``:
+        the strings already made by one printing of a trace, by metadata (the deep layers'
+        tensors repeat the first's, and asking whether symbolic strides are row-major costs
+        a few sympy operations)."""
+        if memo is None:
+            return self._type_string()
+        key = (self.dtype, *map(_expression, self.shape), None, *map(_expression, self.stride()))
+        key += (self.is_conj(), self.is_neg())
+        text = memo.get(key)
+        if text is None:
+            text = memo[key] = self._type_string()
+        return text
+
+    def _type_string(self) -> str:
         dtype = DTYPE_ABBREVIATIONS.get(self.dtype, str(self.dtype).removeprefix("torch."))
         text = f"{dtype}[{', '.join(str(s) for s in self.shape)}]"
         if not is_contiguous_stride(self.shape, self.stride()):
@@ -152,7 +177,14 @@ class TensorProxy(torch.Tensor):
         return f"TensorProxy({self.label}: {self.type_string()}, {self.provenance})"
 
 
+def _expression(size):
+    """A size as a key: an int, or a SymInt's expression (equal expressions print alike)."""
+    return size.node.expr if isinstance(size, torch.SymInt) else size
+
+
 def _wrapping(cls, like: torch.Tensor, requires_grad: bool) -> TensorProxy:
+    # A proxy holds no data, so the size of its storage is given, not computed: with
+    # symbolic sizes, computing it is a dozen sympy operations (most of a proxy's cost).
     return torch.Tensor._make_wrapper_subclass(
         cls,
         like.shape,
@@ -162,6 +194,7 @@ def _wrapping(cls, like: torch.Tensor, requires_grad: bool) -> TensorProxy:
         device=like.device,
         layout=like.layout,
         requires_grad=requires_grad,
+        storage_size=like.untyped_storage().nbytes(),
     )
 
 

@@ -44,7 +44,16 @@ def known_equal(a, b) -> bool:
     """True when ``a == b`` holds for every value of the symbols (no guard is recorded)."""
     if not isinstance(a, SYMBOLIC_TYPES) and not isinstance(b, SYMBOLIC_TYPES):
         return a == b
+    if isinstance(a, _SIZES) and isinstance(b, _SIZES) and _expression(a) == _expression(b):
+        return True  # the same expression (the usual answer, without a symbolic comparison)
     return statically_known_true(a == b)
+
+
+_SIZES = (int, torch.SymInt)
+
+
+def _expression(size):
+    return size.node.expr if isinstance(size, torch.SymInt) else size
 
 
 def known_shape_equal(a, b) -> bool:

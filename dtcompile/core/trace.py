@@ -90,9 +90,11 @@ class Trace:
     def body_lines(self) -> list[str]:
         names = ", ".join(p.label for p in self.inputs)
         lines = [f"def {self.fn_name}({'inputs' if self.steals_inputs else names}):"]
+        types_made: dict = {}  # no guard is added while printing: each answer holds throughout
         for proxy in self.inputs:
             note = self.input_notes.get(proxy.label, str(proxy.provenance))
-            lines.append(f"    # {proxy.label}: {proxy.type_string()}  {note}")
+            text = proxy.type_string(types_made) if isinstance(proxy, TensorProxy) else proxy.type_string()
+            lines.append(f"    # {proxy.label}: {text}  {note}")
         if self.steals_inputs:
             if self.inputs:
                 lines.append(f"    {names}{',' if len(self.inputs) == 1 else ''} = inputs")
@@ -111,7 +113,7 @@ class Trace:
                 lines.append(f"    # {note}")
             last_note = note
             statements = bsym.lines()
-            types = ", ".join(p.type_string() for p in bsym.output_tensors())
+            types = ", ".join(p.type_string(types_made) for p in bsym.output_tensors())
             if isinstance(bsym.output, NumberProxy) and isinstance(bsym.output.provenance, FromData):
                 types = f"{bsym.output.type_string()}, read from data at run time"
             for i, statement in enumerate(statements):
