@@ -20,7 +20,7 @@ from ..core import BoundSymbol, NoProvenance, TensorProxy, Trace
 from ..core.block_call import BlockProgram, block_call
 from ..core.symbol import leaves
 from ..core.symbolic import is_symbolic, symbolic_expr
-from ..core.torch_internals import fake_like, storage_id
+from ..core.torch_internals import fake_like
 
 BLOCK_CALLS = True  # False records every replayed block's symbols again (tests compare the two)
 SMALLEST_CALLED_BLOCK = 8  # symbols
@@ -83,8 +83,8 @@ def _outputs(template, free: dict[str, TensorProxy]) -> list[TensorProxy] | None
     for entry in template.output[1]:
         if entry[0] in ("dtensor", "tensor") and entry[1].label not in free:
             outputs.setdefault(entry[1].label, entry[1])
-    storages = [storage_id(p.fake) for p in outputs.values()]
-    inputs = {storage_id(p.fake) for p in free.values()}
+    storages = [p.memory for p in outputs.values()]
+    inputs = {p.memory for p in free.values()}
     if len(set(storages)) != len(storages) or inputs & set(storages):
         return None
     if any(p.fake.storage_offset() != 0 or p.value is not None for p in outputs.values()):
@@ -95,11 +95,11 @@ def _outputs(template, free: dict[str, TensorProxy]) -> list[TensorProxy] | None
 def _pure(symbols: list, inputs: list[TensorProxy], outputs: list[TensorProxy]) -> bool:
     """No op writes to memory of the block's inputs (conservatively: no in-place or
     ``out=`` op reads a tensor in an input's storage), and every op is an aten op."""
-    storages = {storage_id(p.fake) for p in inputs}
+    storages = {p.memory for p in inputs}
     for bsym in symbols:
         if bsym.op is None:
             return False
-        if bsym.op._schema.is_mutable and any(storage_id(p.fake) in storages for p in bsym.input_tensors()):
+        if bsym.op._schema.is_mutable and any(p.memory in storages for p in bsym.input_tensors()):
             return False
     return bool(outputs)
 

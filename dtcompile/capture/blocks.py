@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..core import TensorProxy
-from ..core.torch_internals import make_dtensor, storage_id
+from ..core.torch_internals import make_dtensor
 from .block_calls import block_program, call_again, first_call
 from .block_checks import (
     Held,
@@ -285,8 +285,8 @@ class RepeatedBlocks:
         # Outputs that share memory with each other or with the block's inputs: an in-place
         # change of one after the block reaches the others' gradients in eager, through
         # views autograd tracks; the Function's outputs are not such views.
-        storages = [storage_id(local_proxy(x).fake) for x in flat_out if isinstance(x, torch.Tensor)]
-        inputs = {storage_id(p.fake) for p in free.values()}
+        storages = [local_proxy(x).memory for x in flat_out if isinstance(x, torch.Tensor)]
+        inputs = {p.memory for p in free.values()}
         if len(set(storages)) != len(storages) or inputs & set(storages):
             return "its outputs share memory with each other or its inputs, in a call that needs gradients"
         seen: set[int] = set()
@@ -307,10 +307,10 @@ class RepeatedBlocks:
         # The block's inputs and outputs its backward reads: a later block's are checked to
         # be unchanged when its backward runs, as autograd checks the tensors it saved.
         # (By storage: autograd saves an output as a detached alias of it.)
-        read = {storage_id(p.fake) for bsym in backward.symbols for p in bsym.input_tensors()}
-        template.saved_sources = [s for label, s in template.sources.items() if storage_id(free[label].fake) in read]
+        read = {p.memory for bsym in backward.symbols for p in bsym.input_tensors()}
+        template.saved_sources = [s for label, s in template.sources.items() if free[label].memory in read]
         template.saved_outputs = [
-            i for i, x in enumerate(flat_out) if isinstance(x, torch.Tensor) and storage_id(local_proxy(x).fake) in read
+            i for i, x in enumerate(flat_out) if isinstance(x, torch.Tensor) and local_proxy(x).memory in read
         ]
         return None
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 import torch
 
 from ..core import TracingError
+from ..core.proxy import PROXY_ATTRIBUTES
 from .python_reads import by_value, value_key
 
 # Set once, by torch, when a Parameter or Buffer is made.
 TORCH_MARKS = frozenset({"_is_param", "_is_buffer", "persistent"})
 # What a traced tensor holds in its ``__dict__`` (a proxy's own; a DTensor holds none).
-TRACED_ATTRIBUTES = frozenset({"fake", "_fake", "_make_fake", "label", "provenance", "value"})
+TRACED_ATTRIBUTES = PROXY_ATTRIBUTES | {"fake"}
 
 
 def carry_attributes(real: torch.Tensor, traced: torch.Tensor, path) -> dict:

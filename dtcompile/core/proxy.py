@@ -56,6 +56,10 @@ def is_contiguous_stride(shape, stride) -> bool:
     return True
 
 
+# What a proxy holds in its ``__dict__`` (a user's attributes on a traced tensor are the rest).
+PROXY_ATTRIBUTES = frozenset({"_fake", "_make_fake", "label", "provenance", "value"})
+
+
 class TensorProxy(torch.Tensor):
     """A named, metadata-only tensor whose operations become bound symbols of a trace."""
 
@@ -82,13 +86,18 @@ class TensorProxy(torch.Tensor):
 
     @classmethod
     def deferred(
-        cls, like: torch.Tensor, make_fake, name: str, provenance: Provenance, requires_grad: bool | None = None
+        cls,
+        like: torch.Tensor,
+        make_fake,
+        name: str,
+        provenance: Provenance,
+        requires_grad: bool | None = None,
     ) -> TensorProxy:
         """A proxy with the metadata of ``like`` (a plain tensor: no conjugate or negative
         bit), whose fake ``make_fake()`` makes when first asked for: a tensor with memory
         of its own, which no other tensor of the trace views until the fake is made. Most
         of a deep model's parameters only pass through to a block's call, and never need
-        one; nor do most outputs of a call recorded again (``capture/replay.py``)."""
+        one; nor do most fresh outputs of a call recorded again (``capture/replay.py``)."""
         requires_grad = like.requires_grad if requires_grad is None else requires_grad
         proxy = _wrapping(cls, like, requires_grad)
         proxy._fake, proxy._make_fake = None, make_fake
@@ -98,15 +107,11 @@ class TensorProxy(torch.Tensor):
         return proxy
 
     @property
-    def fake_deferred(self) -> bool:
-        """Whether the fake is still to be made: until then no op has read the proxy, and
-        no other tensor of the trace shares its storage (``capture/input_fakes.py``)."""
-        return self._fake is None
-
-    @property
     def memory(self) -> object:
-        """Which memory its data lives in, equal for tensors sharing it: its fake's storage,
-        or, while its fake is deferred, memory of its own (the fake is not made for this)."""
+        """Which memory its data lives in, equal for tensors sharing it (the fake is not
+        made for this): its fake's storage, or, while its fake is deferred, memory of its
+        own. Compare keys taken together: one taken before a deferred fake is made differs
+        from one taken after."""
         return ("own", id(self)) if self._fake is None else storage_id(self._fake)
 
     @property

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..core import BoundSymbol, TensorProxy
 
@@ -49,16 +48,12 @@ def storage_bases(trace, inputs_may_alias: bool = False) -> dict[str, str]:
     DTensors around one local tensor), so a pass that reasons about writes treats a write to
     one input as a write to all of them. The traced program runs its ops in eager's order,
     so with passes that do this, it computes eager's values whatever the inputs share."""
-    first: dict[StorageWeakRef, str] = {}
+    first: dict[object, str] = {}  # memory (``TensorProxy.memory``) -> first tensor in it
     base: dict[str, str] = {}
     inputs = [p for p in trace.inputs if isinstance(p, TensorProxy)]
     tensors = inputs + [p for bsym in trace.bound_symbols for p in bsym.output_tensors()]
     for proxy in tensors:
-        if proxy.fake_deferred:  # memory of its own
-            base[proxy.label] = proxy.label
-            continue
-        key = StorageWeakRef(proxy.fake.untyped_storage())
-        base[proxy.label] = first.setdefault(key, proxy.label)
+        base[proxy.label] = first.setdefault(proxy.memory, proxy.label)
     if inputs_may_alias and inputs:
         shared = {base[p.label] for p in inputs}
         merged = base[inputs[0].label]
