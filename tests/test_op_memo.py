@@ -98,6 +98,20 @@ def test_the_program_is_the_one_dispatched_and_eagers(cache, replays):
 
 
 @pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_every_later_layers_calls_are_recorded_again(cache, replays):
+    """Each layer after the first records every call again: no call of theirs is
+    dispatched (a proxy's own state taken for a user's attribute once made calls with
+    replayed outputs unkeyed, silently: the programs stayed the same, only slower)."""
+    counts = []
+    for n in (2, 4):
+        replays.clear()
+        model = Model(n=n)
+        out, _ = _compiled_traces(model, (torch.randn(2, 3, 8), Cache(n), torch.tensor([0, 1, 2])), True, cache)
+        counts.append(len(replays))
+    assert counts[0] > 0 and counts[1] == 3 * counts[0]
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
 def test_later_calls_of_a_compiled_model_are_eagers(cache):
     model = Model()
     compiled_cache, eager_cache = Cache(4, length=8), Cache(4, length=8)
