@@ -3,7 +3,7 @@ repeats is one program, passed and lowered once, that the trace calls once per b
 
 Every result must be eager's, bit for bit; a block whose program is not a pure function
 of the tensors it reads (it writes to its input, returns a view of it) is recorded again
-instead, as is every block of a call that needs gradients.
+instead. With gradients, a block is a forward program and a backward program.
 """
 
 import re
@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-from test_blocks import Block, assert_eager, blocks, compiled
+from test_blocks import Block, Transposing, _train, assert_eager, blocks, compiled
 
 import dtcompile
 from dtcompile.jit.api import _last_entry
@@ -87,16 +87,31 @@ def test_a_block_that_is_not_a_pure_function_is_recorded_again(kind):
     assert_eager(model, (x.clone(),), out)
 
 
-def test_blocks_of_a_call_that_needs_gradients_are_recorded_again():
-    model = blocks(4)
-    x = torch.randn(3, 8)
-    jitted = dtcompile.jit(model)
-    jitted(x).sum().backward()
-    assert not calls_in(str(dtcompile.last_traces(jitted)[0]))
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    model(x).sum().backward()
-    for got, want in zip(grads, (p.grad for p in model.parameters())):
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("model_fn", [blocks, Transposing], ids=["stack", "transposed gradients"])
+def test_training_blocks_call_a_forward_and_a_backward_program(model_fn, cache):
+    """With gradients, a later block calls the first block's forward program (which also
+    returns what the backward reads) and, in the backward, its backward program: one for
+    contiguous incoming gradients, another made when transposed ones arrive. Results are
+    those of every block traced, bit for bit, and eager's."""
+    x = torch.randn(8, 8)
+    loss, grads, x_grad, program, _ = _train(model_fn, x, True, calls=True, cache=cache)
+    traced_loss, traced_grads, traced_x_grad, _, _ = _train(model_fn, x, False, cache=cache)
+    called = calls_in(program)
+    forwards = {name for name in called if not name.endswith(("_backward", "_backward_2"))}
+    backwards = set(called) - forwards
+    assert forwards and backwards, program
+    # Passed and lowered once each: as recorded, after each pass, lowered.
+    stages = 1 + len(pipelines.block_training_passes(cache == "symbolic values")) + 1
+    for name in set(called):
+        assert len(re.findall(rf"^def {name}\(", program, re.M)) == stages, name
+    assert torch.equal(loss, traced_loss)
+    for got, traced in zip([*grads, x_grad], [*traced_grads, traced_x_grad]):
+        assert torch.equal(got, traced)
+    reference = model_fn()
+    x_ref = x.clone().requires_grad_()
+    reference(x_ref).pow(2).sum().backward()
+    for got, want in zip([*grads, x_grad], [*(p.grad for p in reference.parameters()), x_ref.grad]):
         torch.testing.assert_close(got, want)
 
 

@@ -302,18 +302,20 @@ def test_an_argument_changed_in_place_and_returned():
         torch.testing.assert_close(g, e, rtol=0, atol=0)
 
 
-def _train(model_fn, x, replay: bool):
+def _train(model_fn, x, replay: bool, calls: bool = False, cache: str = "constant values"):
     """(loss, parameter grads, input grad, every stage's program, replay lines) of one
-    compiled training call."""
-    saved, tracer.REPLAY_BLOCKS = tracer.REPLAY_BLOCKS, replay
+    compiled training call. Replayed blocks are recorded again, not called, unless
+    ``calls`` (``test_block_calls.py``)."""
+    saved = tracer.REPLAY_BLOCKS, block_calls.BLOCK_CALLS
+    tracer.REPLAY_BLOCKS, block_calls.BLOCK_CALLS = replay, calls
     try:
         model = model_fn()
         x = x.clone().requires_grad_()
-        jitted = dtcompile.jit(model)
+        jitted = dtcompile.jit(model, cache=cache)
         loss = jitted(x).pow(2).sum()
         loss.backward()
     finally:
-        tracer.REPLAY_BLOCKS = saved
+        tracer.REPLAY_BLOCKS, block_calls.BLOCK_CALLS = saved
     traces = dtcompile.last_traces(jitted)
     # Without comments: the notes on the backward's symbols name the forward calls through
     # autograd nodes' metadata, which torch 2.10 does not keep on every node.

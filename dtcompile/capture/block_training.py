@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from ..core import NoProvenance, TensorProxy
 from ..core.proxy import contiguous_strides
 from ..core.torch_internals import DTensorSpec, TensorMeta, fake_like, make_dtensor
+from .block_calls import backward_program, call_again
 from .equivalence import local_proxy, traced_key
 from .replay import ReplayDiverged, output_aliases, record_again
 
@@ -115,8 +116,9 @@ class GradReplay:
     """One later block's call replayed with gradients: its forward mapping, kept for its
     backward."""
 
-    def __init__(self, recording, template, forward, inputs: list, saved: list):
+    def __init__(self, recording, template, forward, inputs: list, saved: list, program_names: set[str]):
         self.recording = recording
+        self.program_names = program_names  # the block programs' names taken so far
         self.template = template
         self.forward = forward  # records the forward again; returns (mapping, the output leaves)
         self.inputs = inputs  # the later block's values that require grad, as the template's
@@ -158,9 +160,13 @@ class GradReplay:
         for cotangent, grad in zip(backward.cotangents, grads):
             if cotangent is not None:
                 mapping[cotangent.label] = local_proxy(grad)
+        program = self._program(key, backward)
         try:
-            with torch._C.DisableTorchFunction():
-                record_again(recording, backward.symbols, backward.aliases, mapping)
+            if program is not None:
+                call_again(recording, program, mapping)
+            else:  # (a forward called reads through its program's outputs only: a KeyError here)
+                with torch._C.DisableTorchFunction():
+                    record_again(recording, backward.symbols, backward.aliases, mapping)
         except (KeyError, ReplayDiverged, ValueError) as error:
             raise BlockReplayFailed(f"a replayed block's backward: {error!r}") from error
         made = []
@@ -172,6 +178,18 @@ class GradReplay:
             else:
                 made.append(mapping[grad.label])
         return made
+
+    def _program(self, key: tuple, backward: BackwardTemplate):
+        """The program later blocks' backwards call for these gradients, made once; None
+        where the forward is recorded again, or the backward cannot be called."""
+        template = self.template
+        if template.forward_program is None:
+            return None
+        if key not in template.backward_programs:
+            template.backward_programs[key] = backward_program(
+                template, template.forward_program, backward, self.program_names
+            )
+        return template.backward_programs[key]
 
 
 class _ReplayedBlock(torch.autograd.Function):

@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..core import TensorProxy
 from ..core.torch_internals import make_dtensor
-from .block_calls import block_program, call_again, first_call
+from .block_calls import block_program, call_again, first_call, training_programs
 from .block_checks import (
     Held,
     arguments_changed,
@@ -86,6 +86,10 @@ class BlockTemplate:
         self.free: dict[str, TensorProxy] = {}  # the tensors it reads from outside, by label
         self.replayed = False
         self.program = None  # without gradients, the program each equivalent block calls (``block_calls.py``)
+        # With gradients, the forward program later blocks call, and the backward programs
+        # by incoming gradients' key (``block_calls.training_programs``); None: recorded again.
+        self.forward_program = None
+        self.backward_programs: dict = {}
 
     def sources_in(self, module: torch.nn.Module, flat_args: list) -> dict[str, TensorProxy] | None:
         """The later block's proxy for each free proxy of the template; None where one has
@@ -175,9 +179,19 @@ class RepeatedBlocks:
             shown = ", ".join(later[:3]) + (", ..." if len(later) > 3 else "")
             lines.append(f"{first} recorded once, replayed for {len(later)} more ({shown})")
         for template in (t for templates in self.templates.values() for t in templates):
-            if template.program is not None and template.replayed:
+            if not template.replayed:
+                continue
+            if template.program is not None:
                 program = template.program
                 lines.append(f"{program.name}: one program for {program.source} and the blocks replayed from it")
+            if template.forward_program is not None:
+                program = template.forward_program
+                lines.append(f"{program.name}: one forward program for the blocks replayed from {program.source}")
+                lines += [
+                    f"{backward.name}: their backward, one program"
+                    for backward in template.backward_programs.values()
+                    if backward is not None
+                ]
         return lines
 
     def _record(self, template: BlockTemplate, original, module, args: tuple, kwargs: dict):
@@ -209,6 +223,11 @@ class RepeatedBlocks:
         if template.refused is None:
             path = self.paths[id(module)]
             template.program = block_program(template, template.free, path, self.program_names)
+            if template.grad_outputs:
+                programs = training_programs(template, path, self.program_names)
+                if programs is not None:
+                    template.forward_program = programs[0]
+                    template.backward_programs[next(iter(template.backwards))] = programs[1]
         return out
 
     def _describe(self, template: BlockTemplate, module, flat_args: list, out) -> str | None:
@@ -332,8 +351,12 @@ class RepeatedBlocks:
         base, names = len(recording.bound_symbols), recording.names_given()
 
         def forward():
-            with torch._C.DisableTorchFunction():  # no torch-level call runs: nothing for the annotator
-                record_again(recording, template.symbols, template.aliases, mapping)
+            if template.forward_program is not None:
+                template.replayed = True
+                call_again(recording, template.forward_program, mapping)
+            else:
+                with torch._C.DisableTorchFunction():  # no torch-level call runs: nothing for the annotator
+                    record_again(recording, template.symbols, template.aliases, mapping)
             return mapping, self._outputs(template, mapping, flat_args)
 
         try:
@@ -348,7 +371,9 @@ class RepeatedBlocks:
                 for kind, where in sources[:1]
                 for named in [dict(named_tensors(module))]
             ]
-            return tree_unflatten(GradReplay(recording, template, forward, inputs, saved).apply(), spec)
+            return tree_unflatten(
+                GradReplay(recording, template, forward, inputs, saved, self.program_names).apply(), spec
+            )
         except (ReplayDiverged, ValueError):
             del recording.bound_symbols[base:]
             recording.forget_names_since(names)

@@ -281,12 +281,12 @@ class CompiledFunction:
         ]
         return execution
 
-    def _blocks(self, trace: Trace, labels, executors, sized: bool) -> list[Trace]:
+    def _blocks(self, trace: Trace, labels, executors, passes: tuple) -> list[Trace]:
         """Each block program ``trace`` calls, passed, lowered and compiled once, before
         the trace that calls it is lowered (``core/block_call.py``); their traces."""
         traces = []
         for block in block_programs(trace):
-            passed = pipelines.run_passes(block.trace, pipelines.inference_passes(sized))
+            passed = pipelines.run_passes(block.trace, passes)
             block.checked = pipelines.before_finish(passed)
             execution = self._lowered(passed[-1], labels, executors)
             execution.title = f"block program {block.name}, {execution.title}"
@@ -297,7 +297,7 @@ class CompiledFunction:
 
     def _inference(self, captured: CapturedCall, labels, executors, sized: bool):
         traces = pipelines.run_passes(captured.trace, pipelines.inference_passes(sized))
-        blocks = self._blocks(traces[-1], labels, executors, sized)
+        blocks = self._blocks(traces[-1], labels, executors, pipelines.inference_passes(sized))
         execution = self._lowered(traces[-1], labels, executors)
         epilogue = build_epilogue(captured.output, updates=captured.updates, module_updates=captured.module_updates)
         inputs = len(captured.trace.inputs) if captured.objects else None
@@ -311,8 +311,11 @@ class CompiledFunction:
         split = split_forward_backward(joint_traces[-1], backward.cotangents, slots, backward.recompute_from)
         forward_traces = pipelines.run_passes(split.forward, pipelines.half_passes(sized))
         backward_traces = pipelines.run_passes(split.backward, pipelines.half_passes(sized))
+        block_passes = pipelines.block_training_passes(sized)
+        forward_blocks = self._blocks(forward_traces[-1], labels, executors, block_passes)
         forward_execution = self._lowered(forward_traces[-1], labels, executors)
         forward_execution.header_notes.append(saved_note(forward_traces[-1], slots))
+        backward_blocks = self._blocks(backward_traces[-1], labels, executors, block_passes)
         backward_execution = self._lowered(backward_traces[-1], labels, executors)
         backward_execution.steals_inputs = True  # saved values freed as the backward goes (training.py)
         # A gradient autograd computed none for comes as Zeros, made where first read.
@@ -327,7 +330,8 @@ class CompiledFunction:
             slots,
             captured.trace.output,
         )
-        traces = [*joint_traces, *forward_traces, forward_execution, *backward_traces, backward_execution]
+        traces = [*joint_traces, *forward_traces, *forward_blocks, forward_execution]
+        traces += [*backward_traces, *backward_blocks, backward_execution]
         to_check = [pipelines.before_finish(forward_traces), pipelines.before_finish(backward_traces)]
         return program, program.rebuild, traces, to_check
 

@@ -18,6 +18,8 @@ which order, and why.
   Not yet redundant-copy removal: on the backward of ``torch.max(x, dim=1)`` over 2 ranks
   it removed a copy on one rank and not the other (the op-info gradient table with the
   fusion executor shows it), which is not understood yet.
+- **Block programs** of a training call (a repeated block's forward, or its backward)
+  take the joint trace's passes and then a half's, each program on its own.
 - **Finish**: collectives are scheduled last (next to their inputs). Uneven shards make
   those differ between ranks (a pad on some ranks only), so the ranks' programs are
   compared before it; it keeps the collectives' order, so programs that agree before it
@@ -64,6 +66,12 @@ def inference_passes(symbolic: bool) -> tuple:
 def half_passes(symbolic: bool) -> tuple:
     """What each half of a split training trace runs, the finish included."""
     return (*sizes(symbolic), *HALF, *FINISH)
+
+
+def block_training_passes(symbolic: bool) -> tuple:
+    """What a block program of a training call runs (``capture/block_calls.py``): a forward
+    or a backward on its own, so the joint trace's renaming passes and then a half's."""
+    return (*sizes(symbolic), *JOINT, *HALF, *FINISH)
 
 
 def run_passes(trace: Trace, passes) -> list[Trace]:

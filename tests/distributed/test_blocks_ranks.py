@@ -139,15 +139,18 @@ def test_hugging_face_layers_parts_are_replayed(ranks2):
     assert not any(line.startswith("# model.layers.0 recorded") for line in lines)
 
 
-def _train(make, x, replay: bool, cache: str):
-    saved, tracer.REPLAY_BLOCKS = tracer.REPLAY_BLOCKS, replay
+def _train(make, x, replay: bool, cache: str, calls: bool = False):
+    """Replayed blocks recorded again, unless ``calls``: a forward and a backward program
+    called per block."""
+    saved = tracer.REPLAY_BLOCKS, block_calls.BLOCK_CALLS
+    tracer.REPLAY_BLOCKS, block_calls.BLOCK_CALLS = replay, calls
     try:
         model = make()
         jitted = dtcompile.jit(model, cache=cache)
         loss = _local(jitted(x)).pow(2).mean()
         loss.backward()
     finally:
-        tracer.REPLAY_BLOCKS = saved
+        tracer.REPLAY_BLOCKS, block_calls.BLOCK_CALLS = saved
     program = "\n".join(map(str, dtcompile.last_traces(jitted)))
     return loss, [_local(p.grad) for p in model.parameters()], program
 
@@ -173,12 +176,15 @@ def training_case(kind, cache):
     loss, grads, program = _train(make, x, True, cache)
     traced_loss, traced_grads, traced_program = _train(make, x, False, cache)
     assert _without_replays(program) == _without_replays(traced_program)  # forward and backward, every stage
-    assert torch.equal(loss, traced_loss)
+    called_loss, called_grads, called_program = _train(make, x, True, cache, calls=True)
+    called = set(re.findall(r"= (block_\w+)\(", called_program))
+    assert any(name.endswith("_backward") for name in called) and len(called) >= 2, called
     reference = make()
     _local(reference(x)).pow(2).mean().backward()
-    for got, traced, param in zip(grads, traced_grads, reference.parameters()):
+    for got, traced, param in zip(grads + called_grads, traced_grads * 2, [*reference.parameters()] * 2):
         assert torch.equal(got, traced)
         torch.testing.assert_close(got, _local(param.grad))
+    assert torch.equal(loss, traced_loss) and torch.equal(called_loss, traced_loss)
     return _replays(program)
 
 
