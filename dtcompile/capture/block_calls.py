@@ -96,17 +96,21 @@ def backward_program(template, forward: BlockProgram, backward, taken: set[str])
     if not _callable(symbols, inputs, outputs):
         return None
     name = _name(f"{forward.source}_backward", taken)
-    notes = {p.label: "a value the forward program returns" for p in bases}
+    given = forward.trace.input_notes  # the block's own tensors and the call's arguments
+    notes = {p.label: given.get(p.label, f"a value {forward.name} returns") for p in bases}
     notes.update({c.label: "the incoming gradient" for c in inputs[len(bases) :]})
     title = f"block program {name}: the backward of {forward.name}, called for every block like it"
-    return _program(name, inputs, symbols, outputs, title, notes, forward.source)
+    # It frees what the forward saved as it goes, as a backward does (``BlockProgram.steals``).
+    return _program(name, inputs, symbols, outputs, title, notes, forward.source, steals=True)
 
 
-def _program(name: str, inputs: list, symbols: list, outputs: list, title: str, notes: dict, path: str) -> BlockProgram:
+def _program(
+    name: str, inputs: list, symbols: list, outputs: list, title: str, notes: dict, path: str, steals: bool = False
+) -> BlockProgram:
     trace = Trace(
         fn_name=name, inputs=inputs, bound_symbols=symbols, output=tuple(outputs), title=title, input_notes=notes
     )
-    return BlockProgram(name, trace, path)
+    return BlockProgram(name, trace, path, steals)
 
 
 def _saved_bases(template, backward_symbols: list) -> tuple[list[int], list[TensorProxy]]:

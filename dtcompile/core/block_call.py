@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from .printing import output_target, python_literal
 from .symbol import BoundSymbol, Symbol
 from .trace import Trace
 
@@ -22,10 +23,13 @@ class BlockProgram:
     """One block's program and what the compilation made of it: the traces of its passes
     and its execution trace (``traces``), and the function that runs it (``function``)."""
 
-    def __init__(self, name: str, trace: Trace, source: str):
+    def __init__(self, name: str, trace: Trace, source: str, steals: bool = False):
         self.name = name
         self.trace = trace  # as recorded
         self.source = source  # the path of the block it was recorded from
+        # Takes its arguments as one list, which it empties (``Trace.steals_inputs``): a
+        # backward's saved values are then freed as it goes, not when it returns.
+        self.steals = steals
         self.traces: list[Trace] = []
         self.checked: Trace | None = None  # what the ranks compare (the last before the finishing passes)
         self.function = None
@@ -47,7 +51,12 @@ class _Run:
             return self.block.function(*args)
         from .interpret import interpret
 
-        return interpret(self.block.trace, *args)
+        if not self.block.steals:
+            return interpret(self.block.trace, *args)
+        (stolen,) = args
+        inputs = list(stolen)
+        stolen.clear()
+        return interpret(self.block.trace, *inputs)
 
     def __repr__(self) -> str:
         return f"the program of block {self.block.name}"
@@ -59,13 +68,29 @@ class BlockCall(Symbol):
 
     block: BlockProgram | None = field(default=None, compare=False)
     pure: bool = True
+    steals: bool = False  # the call takes its arguments as one list (``BlockProgram.steals``)
+
+    def lines(self, bsym: BoundSymbol) -> list[str]:
+        if not self.steals:
+            return super().lines(bsym)
+        return self.stealing_lines(bsym, [])
+
+    def stealing_lines(self, bsym: BoundSymbol, let_go: list[str]) -> list[str]:
+        """The call, its arguments put in a list first and the names ``let_go`` deleted
+        before it runs: the block then holds the only references, and frees each value
+        after its last use."""
+        lines = [f"stolen = {python_literal(list(bsym.args))}"]
+        if let_go:
+            lines.append(f"del {', '.join(let_go)}")
+        return lines + [f"{output_target(bsym.output)} = {self.name}(stolen)"]
 
     def __repr__(self) -> str:
         return f"BlockCall({self.name})"
 
 
 def block_call(block: BlockProgram) -> BlockCall:
-    return BlockCall(name=block.name, block=block, globals=((block.name, _Run(block), None),))
+    globals_ = ((block.name, _Run(block), None),)
+    return BlockCall(name=block.name, block=block, globals=globals_, steals=block.steals)
 
 
 def with_block_symbols(symbols, lowered: bool = False) -> Iterator[BoundSymbol]:

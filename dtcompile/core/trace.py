@@ -113,13 +113,18 @@ class Trace:
                 lines.append(f"    # {note}")
             last_note = note
             statements = bsym.lines()
+            if index in freed and getattr(bsym.symbol, "steals", False):
+                # A call that takes its arguments as a list: those read last here are let go before it runs.
+                read = {p.label for p in bsym.input_proxies()}
+                statements = bsym.symbol.stealing_lines(bsym, [label for label in freed[index] if label in read])
+                freed[index] = [label for label in freed[index] if label not in read]
             types = ", ".join(p.type_string(types_made) for p in bsym.output_tensors())
             if isinstance(bsym.output, NumberProxy) and isinstance(bsym.output.provenance, FromData):
                 types = f"{bsym.output.type_string()}, read from data at run time"
             for i, statement in enumerate(statements):
                 suffix = f"  # {types}" if types and i == len(statements) - 1 else ""
                 lines.append(f"    {statement}{suffix}")
-            if index in freed:
+            if freed.get(index):
                 lines.append(f"    del {', '.join(freed[index])}")
         for label in sorted(deferred & {p.label for p in proxies_in(self.output)}):
             lines.append(f"    {label} = made({label})")

@@ -289,6 +289,7 @@ class CompiledFunction:
             passed = pipelines.run_passes(block.trace, passes)
             block.checked = pipelines.before_finish(passed)
             execution = self._lowered(passed[-1], labels, executors)
+            execution.steals_inputs = block.steals
             execution.title = f"block program {block.name}, {execution.title}"
             block.function = execution.compile()
             block.traces = passed + [execution]
