@@ -19,6 +19,7 @@ a reshape) is not returned: the backward takes what it views and makes the view 
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import torch
 
@@ -178,11 +179,15 @@ def call_again(recording, program: BlockProgram, mapping: dict[str, TensorProxy]
     """Record a call of ``program`` for a later block: ``mapping`` gives the block's tensor
     for each of the program's inputs, and learns its new outputs (fresh tensors like the
     first call's)."""
-    made_by = NoProvenance(program.name)
+    made_by, mode = NoProvenance(program.name), recording.fake_mode
     outputs = []
     for old in program.trace.output:
-        fake = fake_like(recording.fake_mode, old.fake, None, False)
-        outputs.append(mapping.setdefault(old.label, TensorProxy(fake, recording.new_name(), made_by)))
+        # Its fake is made only if something reads it: most are only passed to another call.
+        like = old.fake
+        make = partial(fake_like, mode, like, None, False)
+        outputs.append(
+            mapping.setdefault(old.label, TensorProxy.deferred(like, make, recording.new_name(), made_by, False))
+        )
     args = tuple(mapping[p.label] for p in program.trace.inputs)
     recording.bound_symbols.append(BoundSymbol(block_call(program), args, {}, tuple(outputs)))
 

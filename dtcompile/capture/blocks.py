@@ -91,10 +91,9 @@ class BlockTemplate:
         self.forward_program = None
         self.backward_programs: dict = {}
 
-    def sources_in(self, module: torch.nn.Module, flat_args: list) -> dict[str, TensorProxy] | None:
+    def sources_in(self, held: dict, flat_args: list) -> dict[str, TensorProxy] | None:
         """The later block's proxy for each free proxy of the template; None where one has
-        none, or two sources disagree."""
-        held = dict(named_tensors(module))
+        none, or two sources disagree. ``held``: the block's ``named_tensors``."""
         found: dict[str, TensorProxy] = {}
         for label, sources in self.sources.items():
             for kind, where in sources:
@@ -103,10 +102,9 @@ class BlockTemplate:
                     return None
         return found
 
-    def grad_inputs_in(self, module: torch.nn.Module, flat_args: list) -> list | None:
+    def grad_inputs_in(self, held: dict, flat_args: list) -> list | None:
         """The later block's values that require grad, as the first block's; None where
-        one does not."""
-        held = dict(named_tensors(module))
+        one does not. ``held``: the block's ``named_tensors``."""
         found = [held.get(where) if kind == "module" else flat_args[where] for kind, where in self.grad_input_sources]
         if not all(isinstance(v, torch.Tensor) and v.requires_grad for v in found):
             return None
@@ -338,7 +336,8 @@ class RepeatedBlocks:
         if template.python_state.changed():
             return _FAILED  # the code changed Python state the first block read, since
         flat_args, _ = tree_flatten((args, kwargs))
-        mapping = template.sources_in(module, flat_args)
+        held = dict(named_tensors(module))
+        mapping = template.sources_in(held, flat_args)
         if mapping is None:
             return _FAILED
         spec = template.output[0]
@@ -362,14 +361,13 @@ class RepeatedBlocks:
         try:
             if not template.grad_outputs:
                 return tree_unflatten(forward()[1], spec)
-            inputs = template.grad_inputs_in(module, flat_args)
+            inputs = template.grad_inputs_in(held, flat_args)
             if inputs is None:
                 return _FAILED
             saved = [
-                named[where] if kind == "module" else flat_args[where]
+                held[where] if kind == "module" else flat_args[where]
                 for sources in template.saved_sources
                 for kind, where in sources[:1]
-                for named in [dict(named_tensors(module))]
             ]
             return tree_unflatten(
                 GradReplay(recording, template, forward, inputs, saved, self.program_names).apply(), spec
