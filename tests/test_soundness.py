@@ -863,3 +863,42 @@ def test_sizes_of_an_argument_changed_in_place_under_symbolic_values(fn):
     assert_same_result(got, expected)
     with pytest.raises(dtcompile.TracingError, match=r"Tensor\.\w+_ changes the sizes or strides of an argument"):
         dtcompile.jit(fn, cache="symbolic values")(x.clone())
+
+
+class NamedLike(torch.nn.Module):
+    """A parameter and an argument named like something the compiled programs define."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+        torch.manual_seed(0)
+        setattr(self, name, torch.nn.Parameter(torch.randn(4, 4)))
+        self.b = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x, **kwargs):
+        w = getattr(self, self.name)
+        return (x @ w).relu() @ self.b + x.shape[0] + torch.tensor(2.0) + sum(kwargs.values())
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize(
+    "name", ["inputs", "made", "stolen", "cotangent0", "captured0", "t3", "abs", "max", "math", "block_x", "fusion0"]
+)
+def test_inputs_named_like_the_programs_own_names(name, cache):
+    """A backward takes its saved values as a list called ``inputs``, a gradient that did
+    not come is ``made``, the recorder names cotangents and captured tensors: an input of
+    the same name is renamed, not shadowing them (it crashed, or was defined twice)."""
+    x = torch.randn(3, 4)
+    kwargs = {name: torch.randn(3, 4)}
+    model, reference = NamedLike(name), NamedLike(name)
+    xs, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    jitted = dtcompile.jit(model, cache=cache)
+    out = jitted(xs, **kwargs)
+    out.sum().backward()
+    expected = reference(x_ref, **kwargs)
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected)
+    for got, want in zip([*model.parameters(), xs], [*reference.parameters(), x_ref]):
+        torch.testing.assert_close(got.grad, want.grad)
+    with torch.no_grad():
+        torch.testing.assert_close(jitted(x, **kwargs), reference(x, **kwargs))

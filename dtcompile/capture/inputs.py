@@ -161,10 +161,22 @@ def brings_proxy(node: InputNode) -> bool:
     return isinstance(node, TensorInput)
 
 
+# Names the programs give to their own values and helpers: the values the recorder makes
+# (``t3``, ``cotangent0``, ``captured0``), the block programs, fusions, collectives' and
+# checks' helpers, the list a function that steals its inputs takes (``inputs``, ``stolen``)
+# and the builtins printed sizes and constants call. An input named so would shadow one.
+_GENERATED_NAMES = re.compile(r"(t|cotangent|captured|block_grad|block_cotangent|fusion)\d+|block_\w*")
+_RESERVED_NAMES = frozenset(
+    {"torch", "aten", "prims", "math", "dist", "made", "inputs", "stolen", "process_group", "allreduce_options"}
+    | {"allgather_into", "DataCheckFailed", "float", "complex", "int", "bool", "max", "min", "abs", "round", "len"}
+)
+
+
 def identifier(text: str, taken: set[str]) -> str:
-    """A fresh Python identifier that reads like ``text``."""
+    """A fresh Python identifier that reads like ``text``, none of the programs' own
+    names (``_RESERVED_NAMES``)."""
     name = re.sub(r"\W+", "_", text).strip("_") or "x"
-    if name[0].isdigit() or keyword.iskeyword(name) or re.fullmatch(r"t\d+", name) or name in {"torch", "aten"}:
+    if name[0].isdigit() or keyword.iskeyword(name) or name in _RESERVED_NAMES or _GENERATED_NAMES.fullmatch(name):
         name = "in_" + name
     candidate, n = name, 1
     while candidate in taken:
