@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
@@ -81,10 +83,12 @@ def test_inference_benchmark_generates_eager_tokens_and_its_results_plot(tmp_pat
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_compile_depth_benchmark_replays_the_traced_program():
+@pytest.mark.parametrize("training", [False, True], ids=["without gradients", "training"])
+def test_compile_depth_benchmark_replays_the_traced_program(training):
     """scripts/bench_compile_depth.py exits non-zero where replayed blocks record another
-    program than tracing every block, or a result differs from eager's."""
-    out = _torchrun("bench_compile_depth.py", "--layers", "1", "3", "--cache", "constant values", "--repeat", "1")
+    program than tracing every block, or a result (a gradient) differs from eager's."""
+    args = ["--layers", "1", "3", "--cache", "constant values", "--repeat", "1"] + ["--training"] * training
+    out = _torchrun("bench_compile_depth.py", *args)
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert [row[0] for row in rows] == ["1", "3"]
     assert "blocks called" in out and "blocks replayed" in out and "every block traced" in out
