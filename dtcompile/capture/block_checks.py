@@ -220,17 +220,20 @@ def inputs_depend(values: list) -> bool:
     argument ``x + 1`` beside ``x``, an argument made from the block's own parameter), or
     that cannot be told in a bounded walk of their autograd graphs: a block's recorded
     backward gives each input's gradient as if the others were independent."""
+    # Nodes are held while compared by id: a node's Python object lives only while held
+    # (torch 2.10 makes a new one at each access), and a freed one's id is given to the
+    # next, which read as a dependency that is not there, or hid one that is.
     leaves = {id(v): v for v in values if v.grad_fn is None}
-    computed = {id(v.grad_fn) for v in values if v.grad_fn is not None}
+    computed = {id(node): node for node in (v.grad_fn for v in values) if node is not None}
     for value in values:
         if value.grad_fn is None:
             continue
-        stack, seen = [n for n, _ in value.grad_fn.next_functions if n is not None], set()
+        stack, seen = [n for n, _ in value.grad_fn.next_functions if n is not None], {}
         while stack:
             node = stack.pop()
             if id(node) in seen:
                 continue
-            seen.add(id(node))
+            seen[id(node)] = node
             variable = getattr(node, "variable", None)
             if id(node) in computed or (variable is not None and id(variable) in leaves):
                 return True
