@@ -392,3 +392,30 @@ def test_a_sharded_parameter_assigned_in_the_forward_is_the_parameter_itself(fak
             out = jitted(torch.randn(2, 8))
             assert model.b.weight is model.a.weight  # tied as eager ties them, not a copy
             assert type(out) is torch.Tensor and out.shape == (2, 4)  # the local shard, as eager returns it
+
+
+class _WritesHeldDTensors(torch.nn.Module):
+    def __init__(self, mesh, closed_over):
+        super().__init__()
+        self.closed_over = [closed_over]  # a list: not a module attribute, so closed over when read
+        self.register_buffer("total", distribute_tensor(torch.zeros(4), mesh, [Replicate()]))
+
+    def forward(self, x, into_buffer: bool):
+        (self.total if into_buffer else self.closed_over[0]).add_(x.sum(0))
+        return x * 2
+
+
+@pytest.mark.parametrize("into_buffer", [True, False], ids=["buffer", "closed over"])
+def test_a_held_dtensor_given_the_call_s_graph_is_refused(fake_world, into_buffer):
+    """An in-place write of a DTensor that requires grad into a DTensor the call holds gives
+    it the call's graph in eager; the compiled call would not (``test_requires_grad.py``
+    for plain tensors): refused, the DTensor left as it was."""
+    fake_world(2)
+    mesh = init_device_mesh("cpu", (2,))
+    closed_over = distribute_tensor(torch.zeros(4), mesh, [Replicate()])
+    model = _WritesHeldDTensors(mesh, closed_over)
+    x = distribute_tensor(torch.ones(2, 4), mesh, [Replicate()]).requires_grad_()
+    where = r"buffers\['total'\]" if into_buffer else r"a DTensor of shape \(4,\) it closes over"
+    with pytest.raises(dtcompile.TracingError, match=f"changes whether {where}"):
+        dtcompile.jit(model)(x, into_buffer)
+    assert not model.total.requires_grad and not closed_over.requires_grad

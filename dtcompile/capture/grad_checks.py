@@ -12,27 +12,28 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten
 
 from ..core import NoProvenance, TensorProxy, TracingError
 
 
-def requires_grad_of(args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, bool]]:
-    """The call's tensor arguments (as the traced code receives them) and their flags."""
-    flat, _ = tree_flatten((args, kwargs))
-    return [(t, t.requires_grad) for t in flat if isinstance(t, torch.Tensor)]
+def grad_state(tensor: torch.Tensor) -> tuple[bool, object]:
+    """What autograd holds of a tensor: its flag and the node that made it."""
+    return tensor.requires_grad, tensor.grad_fn
 
 
-def gradient_refusal(before: list[tuple[torch.Tensor, bool]], outputs: list, training: bool) -> None:
+def gradient_refusal(before: list[tuple[torch.Tensor, object, tuple]], outputs: list, training: bool) -> None:
     """Raise where the traced call's gradients differ from its compiled program's (see the
-    module docstring). ``before``: :func:`requires_grad_of` when the call began;
-    ``outputs``: the tensors it returns."""
-    for index, (tensor, flag) in enumerate(before):
-        if tensor.requires_grad is not flag:
+    module docstring). ``before``: ``(tensor, where it comes from, its grad_state)`` of
+    each tensor the call holds (arguments, the module's tensors, objects' attributes,
+    closed-over tensors) when tracing met it; ``outputs``: the tensors it returns."""
+    for tensor, where, state in before:
+        if grad_state(tensor) != state:
+            _put_back_flags(before)
             raise TracingError(
-                f"dtcompile.jit: the call changes whether its tensor argument {index} requires grad "
-                "(requires_grad_(), or an in-place write of a value that requires grad); a compiled call would "
-                "not. Make the argument require grad before the call"
+                f"dtcompile.jit: the call changes whether {where} requires grad, or the graph it belongs to "
+                "(requires_grad_(), or an in-place write of a value that requires grad, which gives it the call's "
+                "autograd graph); a compiled call would not. Make it require grad before the call, or write a "
+                "detached value (under torch.no_grad())"
             )
     for tensor in outputs:
         if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad or _from_the_call(tensor):
@@ -50,6 +51,20 @@ def gradient_refusal(before: list[tuple[torch.Tensor, bool]], outputs: list, tra
                 "with requires_grad=True, detach().requires_grad_(), nn.Parameter): eager gives it a .grad "
                 "after backward, a compiled call cannot. Make it outside the call and pass it in"
             )
+
+
+def _put_back_flags(before: list[tuple[torch.Tensor, object, bool]]) -> None:
+    """Give real tensors the traced code closed over their flags back: an in-place write
+    while tracing gave them a graph of proxies (which their next backward would follow)."""
+    for tensor, _, (flag, _) in before:
+        if tensor.requires_grad and not flag and not _is_traced(tensor):
+            with torch.no_grad():
+                tensor.detach_()
+
+
+def _is_traced(tensor: torch.Tensor) -> bool:
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    return isinstance(local, TensorProxy)
 
 
 def _from_the_call(tensor: torch.Tensor) -> bool:

@@ -47,6 +47,7 @@ from ..core.torch_internals import fake_mode_active, make_dtensor, set_data_valu
 from ..core.view_strides import with_eager_view_strides
 from .c10d import is_c10d_op, record_c10d
 from .data_branches import value_now
+from .grad_checks import grad_state
 from .input_fakes import InputFakes
 
 _DATA_DEPENDENT_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
@@ -98,6 +99,8 @@ class Recording:
         self.current_call: str | None = None  # the torch-level call of the user's code running now
         self.snapshot = None  # a DataSnapshot of the user's data the traced code must not change
         self.captured_held: list[torch.Tensor] = []  # what the program holds of each: the tensor, or its DTensor
+        # (a tensor the traced code closed over, as the code uses it, where, its grad_state when met)
+        self.captured_flags: list[tuple[torch.Tensor, str, tuple]] = []
         self._captured_dtensors: dict[int, DTensor] = {}  # id of a closed-over DTensor -> its traced stand-in
 
     @contextlib.contextmanager
@@ -172,6 +175,7 @@ class Recording:
             self.captured.append(real)
             self.captured_held.append(real)
             self.captured_proxies.append(proxy)
+            self.captured_flags.append((real, _closed_over(real), grad_state(real)))
             self._captured_index[id(real)] = proxy
         return proxy
 
@@ -212,6 +216,7 @@ class Recording:
             proxy = self.capture(real._local_tensor)
             self.captured_held[next(i for i, p in enumerate(self.captured_proxies) if p is proxy)] = real
             traced = make_dtensor(proxy, real._spec, requires_grad=real.requires_grad)
+            self.captured_flags.append((traced, _closed_over(real), grad_state(traced)))  # what the code uses
             self._captured_dtensors[id(real)] = traced
         return traced
 
@@ -338,6 +343,10 @@ class Recording:
         note = backward_note()
         self.bound_symbols.append(BoundSymbol(aten_symbol(func), tuple(args), dict(kwargs), number, note, op=func))
         return symbol
+
+
+def _closed_over(real: torch.Tensor) -> str:
+    return f"a {type(real).__name__} of shape {tuple(real.shape)} it closes over (a global or a closure's)"
 
 
 def backward_note() -> Note | None:

@@ -28,7 +28,7 @@ from .c10d import object_collective_refusal
 from .data_branches import checks_first
 from .fsdp import FSDPTracing, reaches_fsdp
 from .global_state import GlobalState, RandomStates, modes_left_changed, seeding_refused, state_put_back
-from .grad_checks import gradient_refusal, requires_grad_of
+from .grad_checks import gradient_refusal
 from .inputs import (
     DictInput,
     DTensorInput,
@@ -180,7 +180,7 @@ def _capture(
 
     grad_enabled, global_state = torch.is_grad_enabled(), GlobalState.now()
     random_states = RandomStates()
-    argument_flags = requires_grad_of(proxy_args, proxy_kwargs)
+    input_states = proxifier.grad_states()
     collector = OutputCollector(proxifier.objects)
     module_state = ModuleState(module, state) if module is not None else None
     recording.snapshot = snapshot = _user_data(fn, module_state)
@@ -238,7 +238,7 @@ def _capture(
                 if not training:
                     proxifier.objects.return_as_given(proxifier.traced_dtensors)
             output = collector.describe(result)
-            gradient_refusal(argument_flags, collector.values, training)
+            gradient_refusal(input_states + recording.captured_flags, collector.values, training)
             updates = proxifier.objects.updates(collector.describe)
             if training and proxifier.objects.needed:
                 raise TracingError(
