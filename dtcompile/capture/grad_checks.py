@@ -10,10 +10,15 @@ grad), gets other tensors from eager: refused, with what to do instead.
 
 from __future__ import annotations
 
+import operator
+from dataclasses import dataclass
+
 import torch
 from torch.distributed.tensor import DTensor
 
 from ..core import NoProvenance, TensorProxy, TracingError
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def grad_state(tensor: torch.Tensor) -> tuple[bool, object]:
@@ -21,20 +26,47 @@ def grad_state(tensor: torch.Tensor) -> tuple[bool, object]:
     return tensor.requires_grad, tensor.grad_fn
 
 
-def gradient_refusal(before: list[tuple[torch.Tensor, object, tuple]], outputs: list, training: bool) -> None:
+@dataclass
+class HeldFlags:
+    """The tensors a call holds as the traced code gets them (its proxies: leaves, so only
+    their flag can change), where each comes from, and each one's requires_grad before
+    tracing; compared in one C-level pass."""
+
+    tensors: list
+    wheres: list
+    flags: list
+
+    @staticmethod
+    def of(pairs: list[tuple[torch.Tensor, object]]) -> HeldFlags:
+        tensors = [tensor for tensor, _ in pairs]
+        return HeldFlags(tensors, [where for _, where in pairs], list(map(_REQUIRES_GRAD, tensors)))
+
+    def changed(self) -> object | None:
+        """Where the first tensor whose flag changed comes from; None where none did."""
+        with torch._C.DisableTorchFunction():  # flags only: not the tracing annotator's to see (1.5 us a read)
+            now = list(map(_REQUIRES_GRAD, self.tensors))
+        return None if now == self.flags else next(w for w, a, b in zip(self.wheres, now, self.flags) if a != b)
+
+
+def gradient_refusal(
+    held: HeldFlags, closed_over: list[tuple[torch.Tensor, str, tuple]], outputs: list, training: bool
+) -> None:
     """Raise where the traced call's gradients differ from its compiled program's (see the
-    module docstring). ``before``: ``(tensor, where it comes from, its grad_state)`` of
-    each tensor the call holds (arguments, the module's tensors, objects' attributes,
-    closed-over tensors) when tracing met it; ``outputs``: the tensors it returns."""
-    for tensor, where, state in before:
-        if grad_state(tensor) != state:
-            _put_back_flags(before)
-            raise TracingError(
-                f"dtcompile.jit: the call changes whether {where} requires grad, or the graph it belongs to "
-                "(requires_grad_(), or an in-place write of a value that requires grad, which gives it the call's "
-                "autograd graph); a compiled call would not. Make it require grad before the call, or write a "
-                "detached value (under torch.no_grad())"
-            )
+    module docstring). ``held``: the flags of the call's tensors (arguments, the module's
+    tensors, objects' attributes) before tracing; ``closed_over``: ``(tensor, where, its
+    grad_state)`` of each real tensor the code closed over, when tracing met it (it may be
+    a non-leaf); ``outputs``: the tensors it returns."""
+    where = held.changed()
+    if where is None:
+        where = next((w for tensor, w, state in closed_over if grad_state(tensor) != state), None)
+    if where is not None:
+        _put_back_flags(closed_over)
+        raise TracingError(
+            f"dtcompile.jit: the call changes whether {where} requires grad, or the graph it belongs to "
+            "(requires_grad_(), or an in-place write of a value that requires grad, which gives it the call's "
+            "autograd graph); a compiled call would not. Make it require grad before the call, or write a "
+            "detached value (under torch.no_grad())"
+        )
     for tensor in outputs:
         if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad or _from_the_call(tensor):
             continue  # the call's own tensors are returned as they are
@@ -53,10 +85,10 @@ def gradient_refusal(before: list[tuple[torch.Tensor, object, tuple]], outputs: 
             )
 
 
-def _put_back_flags(before: list[tuple[torch.Tensor, object, bool]]) -> None:
+def _put_back_flags(closed_over: list[tuple[torch.Tensor, str, tuple]]) -> None:
     """Give real tensors the traced code closed over their flags back: an in-place write
     while tracing gave them a graph of proxies (which their next backward would follow)."""
-    for tensor, _, (flag, _) in before:
+    for tensor, _, (flag, _) in closed_over:
         if tensor.requires_grad and not flag and not _is_traced(tensor):
             with torch.no_grad():
                 tensor.detach_()

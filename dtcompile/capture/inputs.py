@@ -21,7 +21,7 @@ from ..core import InputPath, TensorProxy
 from ..core.proxy import contiguous_strides
 from ..core.symbolic import is_symbolic
 from ..core.torch_internals import DTensorSpec, TensorMeta, make_dtensor
-from .grad_checks import grad_state
+from .grad_checks import HeldFlags
 from .objects import StateObjects, is_state_object, new_stand_in
 from .recorder import Recording
 from .tensor_attributes import carry_attributes
@@ -267,10 +267,10 @@ class InputProxifier:
             "holding them in their __dict__"
         )
 
-    def grad_states(self) -> list[tuple[torch.Tensor, InputPath, tuple]]:
-        """``(what the traced code got, its path, its grad_state now)`` for each tensor
-        input so far, to tell what the traced code changed (``grad_checks.py``)."""
-        return [(traced, node.path, grad_state(traced)) for traced, node, _ in self._tensors.values()]
+    def held_flags(self) -> HeldFlags:
+        """The requires_grad of each tensor input so far, to tell a flag the traced code
+        changes (``grad_checks.py``)."""
+        return HeldFlags.of([(traced, node.path) for traced, node, _ in self._tensors.values()])
 
     def _object(self, value: object, path: InputPath, name_hint: str) -> tuple[object, InputNode]:
         seen = self._stand_ins.get(id(value))

@@ -180,7 +180,7 @@ def _capture(
 
     grad_enabled, global_state = torch.is_grad_enabled(), GlobalState.now()
     random_states = RandomStates()
-    input_states = proxifier.grad_states()
+    held_flags = proxifier.held_flags()
     collector = OutputCollector(proxifier.objects)
     module_state = ModuleState(module, state) if module is not None else None
     recording.snapshot = snapshot = _user_data(fn, module_state)
@@ -238,7 +238,7 @@ def _capture(
                 if not training:
                     proxifier.objects.return_as_given(proxifier.traced_dtensors)
             output = collector.describe(result)
-            gradient_refusal(input_states + recording.captured_flags, collector.values, training)
+            gradient_refusal(held_flags, recording.captured_flags, collector.values, training)
             updates = proxifier.objects.updates(collector.describe)
             if training and proxifier.objects.needed:
                 raise TracingError(
