@@ -333,20 +333,21 @@ class RepeatedBlocks:
 
     def _replay(self, template: BlockTemplate, module, args: tuple, kwargs: dict):
         recording = self.recording
-        if template.python_state.changed():
-            return _FAILED  # the code changed Python state the first block read, since
-        flat_args, _ = tree_flatten((args, kwargs))
-        held = dict(named_tensors(module))
-        mapping = template.sources_in(held, flat_args)
-        if mapping is None:
-            return _FAILED
-        spec = template.output[0]
-        if template.program is not None and not template.replayed and not first_call(recording, template.program):
-            template.program = None  # the first block becomes a call too, now that it repeats; else none does
-        if template.program is not None:
-            template.replayed = True
-            call_again(recording, template.program, mapping)
-            return tree_unflatten(self._outputs(template, mapping, flat_args), spec)
+        with torch._C.DisableTorchFunction():  # metadata reads and a call symbol: nothing for the annotator
+            if template.python_state.changed():
+                return _FAILED  # the code changed Python state the first block read, since
+            flat_args, _ = tree_flatten((args, kwargs))
+            held = dict(named_tensors(module))
+            mapping = template.sources_in(held, flat_args)
+            if mapping is None:
+                return _FAILED
+            spec = template.output[0]
+            if template.program is not None and not template.replayed and not first_call(recording, template.program):
+                template.program = None  # the first block becomes a call too, now that it repeats; else none does
+            if template.program is not None:
+                template.replayed = True
+                call_again(recording, template.program, mapping)
+                return tree_unflatten(self._outputs(template, mapping, flat_args), spec)
         base, names = len(recording.bound_symbols), recording.names_given()
 
         def forward():

@@ -13,7 +13,6 @@ give the same metadata.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from functools import partial
 
 from ..core import NoProvenance, TensorProxy
@@ -35,7 +34,7 @@ def record_again(recording, symbols: list, aliases: list, mapping: dict[str, Ten
         args, kwargs = map_leaves(mapped, (bsym.args, bsym.kwargs))
         if alias is not None:
             out = _outputs_like(recording, bsym, alias, args, kwargs)
-            recording.bound_symbols.append(replace(bsym, args=args, kwargs=kwargs, output=out))
+            recording.bound_symbols.append(bsym.but(args=args, kwargs=kwargs, output=out))
         else:
             before = len(recording.bound_symbols)
             with dispatch_modes_off():  # as the recorder runs it: its own calls are not recorded
@@ -50,7 +49,7 @@ def record_again(recording, symbols: list, aliases: list, mapping: dict[str, Ten
                     raise ReplayDiverged
                 mapping[old.label] = new
         if bsym.note is not None:
-            recording.bound_symbols[-1] = replace(recording.bound_symbols[-1], note=bsym.note.renamed(mapping))
+            recording.bound_symbols[-1] = recording.bound_symbols[-1].but(note=bsym.note.renamed(mapping))
 
 
 def output_aliases(bsym) -> list[int | None] | None:

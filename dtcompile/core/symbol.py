@@ -8,13 +8,13 @@ that says which DTensor-level op it came from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .printing import call_source, output_target
-from .proxy import TensorProxy, is_proxy
+from .proxy import PROXY_TYPES, TensorProxy, is_proxy
 
 
 @dataclass(frozen=True)
@@ -110,15 +110,33 @@ class BoundSymbol:
     def lines(self) -> list[str]:
         return self.symbol.lines(self)
 
+    def but(self, **changes) -> BoundSymbol:
+        """A copy with ``changes`` (as ``dataclasses.replace``, without its per-field work:
+        passes and replays make many), what it found of its proxies kept where it holds."""
+        copy = object.__new__(BoundSymbol)
+        copy.__dict__.update(self.__dict__)
+        copy.__dict__.update(changes)
+        if "args" in changes or "kwargs" in changes:
+            copy._inputs = None
+        if "output" in changes:
+            copy._outputs = None
+        return copy
+
     def with_inputs_renamed(self, mapping: dict[str, TensorProxy]) -> BoundSymbol:
         """A copy whose proxy arguments are swapped by name through ``mapping``."""
         note = self.note.renamed(mapping) if self.note is not None else None
         if note is self.note and not any(p.label in mapping for p in self.input_proxies()):
             return self  # nothing to rename (the usual case in a pass that renames a few values)
-        return replace(self, args=renamed(self.args, mapping), kwargs=renamed(self.kwargs, mapping), note=note)
+        return self.but(args=renamed(self.args, mapping), kwargs=renamed(self.kwargs, mapping), note=note)
 
 
 _ATOMS = (int, float, bool, str, type(None), torch.dtype, torch.device)
+# Leaves by exact type (most of what symbols hold), found with one set lookup.
+_LEAF_TYPES = frozenset({*_ATOMS, *PROXY_TYPES})
+
+
+def _is_leaf(x) -> bool:
+    return isinstance(x, _ATOMS) or is_proxy(x) or isinstance(x, torch.Tensor)
 
 
 def leaves(value) -> list:
@@ -129,13 +147,15 @@ def leaves(value) -> list:
 
     def walk(x):
         kind = type(x)
-        if kind is tuple or kind is list:
+        if kind in _LEAF_TYPES:
+            found.append(x)
+        elif kind is tuple or kind is list:
             for item in x:
                 walk(item)
         elif kind is dict:
             for item in x.values():
                 walk(item)
-        elif isinstance(x, _ATOMS) or is_proxy(x) or isinstance(x, torch.Tensor):
+        elif _is_leaf(x):
             found.append(x)
         else:
             found.extend(tree_flatten(x)[0])
@@ -148,13 +168,15 @@ def map_leaves(fn, value):
     """``value`` with ``fn`` applied to each leaf (``tree_map``, fast for tuples, lists
     and dicts, as :func:`leaves`)."""
     kind = type(value)
+    if kind in _LEAF_TYPES:
+        return fn(value)
     if kind is tuple:
         return tuple(map_leaves(fn, item) for item in value)
     if kind is list:
         return [map_leaves(fn, item) for item in value]
     if kind is dict:
         return {key: map_leaves(fn, item) for key, item in value.items()}
-    if isinstance(value, _ATOMS) or is_proxy(value) or isinstance(value, torch.Tensor):
+    if _is_leaf(value):
         return fn(value)
     return tree_map(fn, value)
 

@@ -9,8 +9,6 @@ eager's.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from ..core import BoundSymbol, Symbol
@@ -129,10 +127,10 @@ class TorchExecutor(Executor):
 
     def lower(self, bsym: BoundSymbol, index: int, context) -> list[BoundSymbol]:
         if isinstance(bsym.symbol, ShapeQuery):
-            return [replace(bsym, symbol=READS[bsym.symbol.name])]
+            return [bsym.but(symbol=READS[bsym.symbol.name])]
         if bsym.op is None:
             return [bsym]  # a size expression or a data check is plain Python already
         if bsym.op not in self._symbols:
             self._symbols[bsym.op] = _fast_symbol(bsym.op)
         fast = self._symbols[bsym.op]
-        return [bsym if fast is None else replace(bsym, symbol=fast)]
+        return [bsym if fast is None else bsym.but(symbol=fast)]

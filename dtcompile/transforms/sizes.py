@@ -12,7 +12,6 @@ A size no tensor of the trace holds cannot be computed, and is an error.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 from torch.utils._pytree import tree_map
@@ -123,7 +122,7 @@ def materialize_sizes(trace: Trace) -> Trace:
                 producer.in_backward, producer.note = bsym.in_backward, bsym.note
             kept.extend(materializer.emitted)
             materializer.emitted.clear()
-            bsym = dataclasses.replace(bsym, args=tuple(args), kwargs=dict(kwargs))
+            bsym = bsym.but(args=tuple(args), kwargs=dict(kwargs))
         kept.append(bsym)
         materializer.made.extend(bsym.output_tensors())
         materializer.know(bsym.output)

@@ -11,8 +11,6 @@ are built by chains of ``unsqueeze``).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch.utils._pytree import tree_flatten
 
@@ -110,11 +108,11 @@ def collapse_view_chains(trace: Trace) -> Trace:
             if origin is not None:
                 if origin is not source and is_row_major(bsym.output):
                     if bsym.op in RESHAPES:
-                        bsym = dataclasses.replace(bsym, args=(origin, *bsym.args[1:]))
+                        bsym = bsym.but(args=(origin, *bsym.args[1:]))
                     elif all(type(size) is int for size in bsym.output.shape):  # unsqueeze(unsqueeze(x))
                         view = aten.view.default
-                        bsym = dataclasses.replace(
-                            bsym, symbol=aten_symbol(view), args=(origin, list(bsym.output.shape)), kwargs={}, op=view
+                        bsym = bsym.but(
+                            symbol=aten_symbol(view), args=(origin, list(bsym.output.shape)), kwargs={}, op=view
                         )
                 root[bsym.output.label] = origin
         symbols.append(bsym)
