@@ -18,10 +18,11 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.overrides import TorchFunctionMode, resolve_name
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from ..core import Note, TensorProxy, TracingError, data_dependent_error
 from ..core.provenance import InputPath
+from ..core.symbol import leaves as leaves_of
 from ..core.symbolic import is_symbolic
 from .op_memo import MISSED, OpMemo, state
 from .placements import describe_placements
@@ -194,7 +195,7 @@ class CallAnnotator(TorchFunctionMode):
                 )
             return func(*args, **kwargs)
         start = len(self.recording.bound_symbols)
-        leaves, _ = tree_flatten((args, kwargs))
+        leaves = leaves_of((args, kwargs))
         if func in _DATA_READS and any(_is_traced(x) for x in leaves):
             raise data_dependent_error(_short_name(func), "the data leaves torch")
         if func in _HOOK_REGISTRATIONS and _is_traced(args[0]):
@@ -207,7 +208,7 @@ class CallAnnotator(TorchFunctionMode):
             )
         if any(isinstance(x, DTensor) and not isinstance(x._local_tensor, TensorProxy) for x in leaves):
             args, kwargs = tree_map(self._traced_dtensor, (args, kwargs))
-            leaves, _ = tree_flatten((args, kwargs))
+            leaves = leaves_of((args, kwargs))
         memo_key = self.memo.key(func, args, kwargs, leaves)
         if memo_key is not None:
             out = self.memo.replay(memo_key, leaves)
@@ -251,7 +252,7 @@ class CallAnnotator(TorchFunctionMode):
                 if bsym.note is None:
                     bsym.note = note
             if torch.is_grad_enabled():
-                tag_backward_nodes(leaves, tree_flatten(out)[0], note)
+                tag_backward_nodes(leaves, leaves_of(out), note)
         if memo_key is not None:
             self.memo.keep(memo_key, leaves, specs, start, before, out)
         return out

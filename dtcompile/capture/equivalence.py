@@ -24,9 +24,9 @@ import collections
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten
 
 from ..core import TensorProxy
+from ..core.symbol import flatten
 from ..core.torch_internals import (
     dtensor_implicit_replication,
     dtensor_op_handlers,
@@ -129,7 +129,7 @@ def arguments_key(args: tuple, kwargs: dict) -> tuple | None:
     """The key equivalent arguments share: their structure, each leaf's key and which
     leaves are the same object; None where a leaf cannot be compared (an object, a real
     tensor), so the call is traced as it is."""
-    flat, spec = tree_flatten((args, kwargs))
+    flat, spec = flatten((args, kwargs))
     keys = []
     first: dict[int, int] = {}
     for index, leaf in enumerate(flat):

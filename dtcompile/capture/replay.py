@@ -93,7 +93,7 @@ def _outputs_like(recording, bsym, aliases: list[int | None], args: tuple, kwarg
     made_by = NoProvenance(str(bsym.op))
 
     def again(old, alias):
-        like, mode = old.fake, recording.fake_mode
+        like, mode = old.meta, recording.fake_mode  # (metadata only: a deferred fake stays unmade)
         if alias is None:  # memory of its own: its fake is made only if something reads it
             make = partial(fake_like, mode, like, None, like.requires_grad)
             return TensorProxy.deferred(like, make, recording.new_name(), made_by, old.requires_grad)

@@ -164,6 +164,32 @@ def leaves(value) -> list:
     return found
 
 
+def flatten(value) -> tuple[list, object]:
+    """The leaves of ``value`` (as :func:`leaves`) and what tells its structure apart from
+    another's: the container types, dict keys and where leaves are (None), a pytree spec
+    where torch's pytree flattens. For comparing structures, not for rebuilding them."""
+    found = []
+
+    def walk(x):
+        kind = type(x)
+        if kind in _LEAF_TYPES:
+            found.append(x)
+            return None
+        if kind is tuple or kind is list:
+            return (kind, tuple(map(walk, x)))
+        if kind is dict:
+            return (dict, tuple(x), tuple(map(walk, x.values())))
+        if _is_leaf(x):
+            found.append(x)
+            return None
+        items, spec = tree_flatten(x)
+        found.extend(items)
+        return spec
+
+    structure = walk(value)
+    return found, structure
+
+
 def map_leaves(fn, value):
     """``value`` with ``fn`` applied to each leaf (``tree_map``, fast for tuples, lists
     and dicts, as :func:`leaves`)."""
