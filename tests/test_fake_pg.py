@@ -419,3 +419,23 @@ def test_a_held_dtensor_given_the_call_s_graph_is_refused(fake_world, into_buffe
     with pytest.raises(dtcompile.TracingError, match=f"changes whether {where}"):
         dtcompile.jit(model)(x, into_buffer)
     assert not model.total.requires_grad and not closed_over.requires_grad
+
+
+def _squeezes(x):
+    x.squeeze_(0)  # DTensor re-indexes Shard(1) as Shard(0) on the caller's object
+    return x * 2
+
+
+@pytest.mark.parametrize("closed_over", [False, True], ids=["argument", "closed over"])
+def test_a_dtensor_respecced_in_place_is_refused(fake_world, closed_over):
+    """An in-place op that changes a DTensor's spec (``squeeze_`` of a dim before its
+    ``Shard``) changes the caller's DTensor in eager; the program changes only its local
+    tensor: refused, the DTensor left as it was."""
+    fake_world(2)
+    mesh = init_device_mesh("cpu", (2,))
+    x = distribute_tensor(torch.arange(8.0).reshape(1, 8), mesh, [Shard(1)])
+    fn = (lambda: _squeezes(x)) if closed_over else _squeezes
+    where = r"a DTensor of shape \(1, 8\) it closes over \(a global or a closure's\)" if closed_over else r"args\[0\]"
+    with pytest.raises(dtcompile.TracingError, match=f"changes the placements or shape of {where} in place"):
+        dtcompile.jit(fn)(*(() if closed_over else (x,)))
+    assert x.shape == (1, 8) and x.placements == (Shard(1),) and x._local_tensor.shape == (1, 4)

@@ -22,7 +22,7 @@ from ..core.proxy import contiguous_strides
 from ..core.symbolic import is_symbolic
 from ..core.torch_internals import DTensorSpec, TensorMeta, make_dtensor
 from .grad_checks import HeldFlags
-from .objects import StateObjects, is_state_object, new_stand_in
+from .objects import StateObjects, is_state_object, new_stand_in, same_spec
 from .recorder import Recording
 from .tensor_attributes import carry_attributes
 
@@ -271,6 +271,13 @@ class InputProxifier:
         """The requires_grad of each tensor input so far, to tell a flag the traced code
         changes (``grad_checks.py``)."""
         return HeldFlags.of([(traced, node.path) for traced, node, _ in self._tensors.values()])
+
+    def respecced(self) -> InputPath | None:
+        """The path of a DTensor input whose spec the traced code changed in place
+        (``squeeze_`` re-indexing a ``Shard``, an ``out=`` of other placements); None."""
+        return next(
+            (node.path for traced, node in self.traced_dtensors if not same_spec(traced._spec, node.traced_spec)), None
+        )
 
     def _object(self, value: object, path: InputPath, name_hint: str) -> tuple[object, InputNode]:
         seen = self._stand_ins.get(id(value))

@@ -218,7 +218,7 @@ class StateObjects:
             if given is None or given[0] is not value:
                 return None
             found = given[1]
-            if value._local_tensor is not found.proxy or not _same_spec(value._spec, found.traced_spec):
+            if value._local_tensor is not found.proxy or not same_spec(value._spec, found.traced_spec):
                 return None  # its metadata changed in place (``x.squeeze_()``): rebuilt, as traced
         for i, node in enumerate(self.needed):
             if node is found:
@@ -270,7 +270,18 @@ class StateObjects:
         return updates
 
 
-def _same_spec(spec, traced) -> bool:
+def respec_refusal(where: object | None) -> None:
+    """Raise where the traced code changed, in place, the spec of a DTensor the call holds
+    (``where`` names it): eager changes the caller's DTensor, the program only its local."""
+    if where is not None:
+        raise TracingError(
+            f"dtcompile.jit: the call changes the placements or shape of {where} in place (squeeze_ "
+            "re-indexing a Shard, an out= of other placements); a compiled call changes only its local "
+            "tensor. Use the out-of-place op (y = x.squeeze(0))"
+        )
+
+
+def same_spec(spec, traced) -> bool:
     """``spec`` is ``traced``, or DTensor set an equal one (an ``out=`` DTensor's); sizes
     compared by their expressions (comparing SymInts would add guards)."""
     if spec is traced:

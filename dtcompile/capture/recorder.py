@@ -49,6 +49,7 @@ from .c10d import is_c10d_op, record_c10d
 from .data_branches import value_now
 from .grad_checks import grad_state
 from .input_fakes import InputFakes
+from .objects import same_spec
 
 _DATA_DEPENDENT_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
 
@@ -219,6 +220,13 @@ class Recording:
             self.captured_flags.append((traced, _closed_over(real), grad_state(traced)))  # what the code uses
             self._captured_dtensors[id(real)] = traced
         return traced
+
+    def respecced(self) -> str | None:
+        """What names a closed-over DTensor whose spec the traced code changed in place; None."""
+        for held in self.captured_held:
+            if isinstance(held, DTensor) and not same_spec(self._captured_dtensors[id(held)]._spec, held._spec):
+                return _closed_over(held)
+        return None
 
     def closed_over_differentiable(self) -> list[tuple[TensorProxy, torch.Tensor]]:
         """``(proxy, what the trace differentiates)`` for each captured tensor or DTensor

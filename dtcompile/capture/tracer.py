@@ -40,7 +40,7 @@ from .inputs import (
     iter_leaves,
 )
 from .module_state import ModuleState, ModuleUpdate
-from .objects import AttributeUpdate
+from .objects import AttributeUpdate, respec_refusal
 from .outputs import OutputCollector, OutputNode
 from .placements import describe_placements
 from .python_state import PythonState
@@ -239,6 +239,7 @@ def _capture(
                     proxifier.objects.return_as_given(proxifier.traced_dtensors)
             output = collector.describe(result)
             gradient_refusal(held_flags, recording.captured_flags, collector.values, training)
+            respec_refusal(proxifier.respecced() or recording.respecced())
             updates = proxifier.objects.updates(collector.describe)
             if training and proxifier.objects.needed:
                 raise TracingError(
