@@ -439,3 +439,26 @@ def test_a_dtensor_respecced_in_place_is_refused(fake_world, closed_over):
     with pytest.raises(dtcompile.TracingError, match=f"changes the placements or shape of {where} in place"):
         dtcompile.jit(fn)(*(() if closed_over else (x,)))
     assert x.shape == (1, 8) and x.placements == (Shard(1),) and x._local_tensor.shape == (1, 4)
+
+
+class _ReturnsAViewOfItsDTensorWeight(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin.weight.t()
+
+
+def test_a_view_of_a_dtensor_parameter_returned_under_no_grad_is_refused(fake_world):
+    """Eager's view of a DTensor parameter under no_grad requires grad; the epilogue would
+    rebuild a DTensor that does not: refused, saying so."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    fake_world(2)
+    mesh = init_device_mesh("cpu", (2,))
+    model = parallelize_module(_ReturnsAViewOfItsDTensorWeight(), mesh, {"lin": ColwiseParallel()})
+    with torch.no_grad():
+        assert model(torch.ones(2, 4)).requires_grad  # eager's
+        with pytest.raises(dtcompile.TracingError, match="returns a view of a DTensor of its own that requires grad"):
+            dtcompile.jit(model)(torch.ones(2, 4))

@@ -200,3 +200,30 @@ def test_a_tensor_returned_as_it_is_in_a_training_call_is_the_caller_s_own():
     (got.sum() + weight.sum()).backward()
     (expected.sum() + expected_weight.sum()).backward()
     torch.testing.assert_close(model.lin.weight.grad, reference.lin.weight.grad, rtol=0, atol=0)
+
+
+class _ReturnsAViewOfItsWeight(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.lin.weight.t(), self.lin.weight[0] * x.sum()
+
+
+_CLOSED = torch.nn.Linear(3, 2)
+
+
+@pytest.mark.parametrize("closed_over", [False, True], ids=["module's", "closed over"])
+def test_a_view_of_a_parameter_returned_under_no_grad_is_eager_s(closed_over):
+    """Under no_grad a view of a tensor that requires grad still requires grad (eager keeps
+    it a view of the parameter); the program's view is the same, not a refused tensor
+    "made to require grad inside"."""
+    model = _ReturnsAViewOfItsWeight()
+    call = dtcompile.jit(lambda x: (_CLOSED.weight.t(), _CLOSED.weight[0] * x.sum())) if closed_over else None
+    weight = _CLOSED.weight if closed_over else model.lin.weight
+    with torch.no_grad():
+        for _ in range(2):
+            view, product = call(torch.ones(3)) if closed_over else dtcompile.jit(model)(torch.ones(3))
+            assert view.requires_grad and view._base is weight and torch.equal(view, weight.t())
+            assert not product.requires_grad and torch.equal(product, weight[0] * 3)

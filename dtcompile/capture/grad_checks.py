@@ -71,6 +71,15 @@ def gradient_refusal(
         if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad or _from_the_call(tensor):
             continue  # the call's own tensors are returned as they are
         if not training:
+            base = tensor._base if tensor._is_view() else None
+            if base is not None and (_from_the_call(base) or any(base is held for held, _, _ in closed_over)):
+                if not isinstance(tensor, DTensor):
+                    continue  # ``w.t()`` under no_grad: a view that requires grad, the program's as eager's
+                raise TracingError(
+                    "dtcompile.jit: the call returns a view of a DTensor of its own that requires grad "
+                    "(w.t() under torch.no_grad()); eager's view requires grad, a compiled call without "
+                    "autograd rebuilds a DTensor that does not. Return the DTensor itself, or take the view outside"
+                )
             raise TracingError(
                 "dtcompile.jit: the call returns a tensor that requires grad, made so inside it "
                 "(torch.enable_grad() in a call made without gradients, requires_grad_(), a factory with "
