@@ -5,6 +5,8 @@ against eager (values, shapes and strides)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -129,6 +131,12 @@ BRANCHES = {
     # now from the real inputs too.
     "after a size from data": lambda x: (lambda y: y * 2 if (y > 0.5).any() else y - 1)(x - x[x > 0].shape[0] / 12),
     "a number after a size from data": lambda x: (lambda y: y * int((y > 0).sum()))(x + torch.nonzero(x > 0).shape[0]),
+    # On a size read from data itself (a mask's count, a nonzero's), as MoE code skips an
+    # expert that gets no token.
+    "on a mask's count": lambda x: (lambda y: y.sum() * 2 if y.numel() > 0 else x.sum() - 1)(x[x > 0]),
+    "on a nonzero's count": lambda x: (lambda i: x.index_select(0, i) * 2 if i.shape[0] == x.shape[0] else x - 1)(
+        torch.nonzero(x.sum(1) > 0).flatten()
+    ),
 }
 
 
@@ -216,3 +224,72 @@ def _add_then_branch(x):
 def test_branches_that_cannot_be_checked_are_refused(fn, why):
     with pytest.raises(dtcompile.TracingError, match="depends on the values in a tensor"):
         dtcompile.jit(fn)(torch.ones(3))
+
+
+class _SetsWhatAMaskSelects(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        keep = x.sum(-1) > 0
+        y = x.clone()
+        y[keep] = self.lin(x[keep])  # each layer selects its own count of rows
+        return y
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_repeated_blocks_with_sizes_from_data_with_gradients(cache):
+    """Each layer's sizes read from data are its own: an op whose output has one is
+    recorded again for a later layer, never given the first layer's (its backward then
+    wrote one layer's rows into another's count)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_SetsWhatAMaskSelects() for _ in range(4)])
+    reference = copy.deepcopy(model)
+    jitted = dtcompile.jit(model, cache=cache)
+    for seed in range(3):
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(seed))
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        expected, got = reference(xe), jitted(xc)
+        assert_same(got, expected)
+        _backward(expected)
+        _backward(got)
+        assert_same(xc.grad, xe.grad)
+        for a, b in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(a.grad, b.grad)
+
+
+class _SelectsRows(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        return self.lin(x[mask])  # as many rows as the mask selects
+
+
+class _SizesEachLayersRows(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_SelectsRows() for _ in range(4))
+
+    def forward(self, x):
+        outs = []
+        for i, layer in enumerate(self.layers):
+            y = layer(x, x[:, i] > 0)
+            outs.append(y.new_zeros(y.shape[0], 1) + y.sum(-1, keepdim=True))  # sized by this layer's count
+        return torch.cat(outs)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("grad", [False, True])
+def test_repeated_blocks_whose_outputs_are_sized_by_data(cache, grad):
+    """A block whose output's size comes from data is not called again for a later block
+    (that took the first block's count for every layer's: a size mismatch at run time)."""
+    torch.manual_seed(0)
+    model = _SizesEachLayersRows()
+    jitted = dtcompile.jit(model, cache=cache)
+    for seed in range(3):
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(seed))
+        with torch.set_grad_enabled(grad):
+            assert_same(jitted(x), model(x))

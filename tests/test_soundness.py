@@ -381,13 +381,22 @@ def test_shapes_and_numbers_from_data_compile_once(fn, cache):
     assert dtcompile.cache_misses(jitted) == 1
 
 
-def test_python_branches_on_shapes_from_data_are_a_tracing_error():
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_python_branches_on_shapes_from_data_give_eagers_result(cache):
+    """A branch on a size read from data is traced as taken and checked at run time (it
+    was refused); each branch compiles once."""
+
     def fn(x):
         kept = x[x > 0]
         return kept * 2 if kept.shape[0] > 5 else kept
 
-    with pytest.raises(dtcompile.TracingError, match="Python control flow on u0 > 5"):
-        dtcompile.jit(fn, cache="symbolic values")(torch.randn(4, 3))
+    jitted = dtcompile.jit(fn, cache=cache)
+    for seed in (0, 1, 2, 3):
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(seed)) + (seed % 2) - 0.5
+        expected = fn(x)
+        got = jitted(x)
+        assert got.shape == expected.shape and torch.equal(got, expected)
+    assert dtcompile.cache_misses(jitted) <= 2
 
 
 # Item 4: tensors a program closes over that require grad are differentiable inputs.

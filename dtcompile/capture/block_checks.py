@@ -8,6 +8,7 @@ import types
 import weakref
 
 import torch
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_flatten
 
 from ..core.torch_internals import dict_version
@@ -195,6 +196,8 @@ def unreplayable(symbols: list) -> str | None:
             return f"it records {bsym.symbol.name}, which is not an aten op"
         if torch.Tag.nondeterministic_seeded in bsym.op.tags and not _without_dropout(bsym):
             return f"it draws random numbers ({bsym.op})"
+        if any(free_unbacked_symbols(p.meta.shape) for p in bsym.output_tensors()):
+            return f"its sizes come from data ({bsym.op}): each block has its own"
     return None
 
 

@@ -26,11 +26,11 @@ from torch._dispatch.python import no_python_dispatcher
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..core import BoundSymbol, FromData, NumberProxy, TensorProxy, TracingError
-from ..core.prims import data_check
+from ..core import BoundSymbol, FromData, NoProvenance, NumberProxy, TensorProxy, TracingError
+from ..core.prims import SHAPE, data_check
 from ..core.printing import NamedConstant
 from ..core.symbolic import SYMBOLIC_TYPES, symbolic_expr
-from ..core.torch_internals import runtime_asserts, symbol_values
+from ..core.torch_internals import runtime_asserts, set_data_value, symbol_values
 
 _ASSUMPTION = "propagate_real_tensors"  # how the ShapeEnv labels an assumption on a hint
 
@@ -80,15 +80,55 @@ def _cone(symbols: list[BoundSymbol], source: TensorProxy) -> list[int] | None:
 def value_now(recording, source: TensorProxy):
     """``source.item()`` computed from the call's real inputs (see the module docstring),
     and the indices of the symbols that compute it; None when it cannot be."""
+    computed = real_now(recording, source)
+    return None if computed is None else (computed[0].item(), computed[1])
+
+
+def size_values_now(recording, index: int) -> None:
+    """Give the sizes read from data of the outputs of the symbol at ``index`` (a
+    ``nonzero``'s count, a mask's) their values now, so that the traced code can branch on
+    them (``if idx.numel() > 0:``) as on a number read with ``.item()``; each is then
+    read at the program's start (``Recording.size_reads``) for its check. Nothing where
+    they cannot be computed now, or only by running a collective (every rank would wait on
+    the others' computing it alike): a branch on them is refused."""
+    bsym = recording.bound_symbols[index]
+    shape_env = recording.fake_mode.shape_env
+    fresh = [
+        (proxy, dim, symbol)
+        for proxy in bsym.output_tensors()
+        for dim, symbol in enumerate(_data_sizes(proxy, every_dim=True))
+        if symbol is not None and symbol not in recording.size_reads and symbol not in symbol_values(shape_env)
+    ]
+    if not fresh:
+        return
+    for proxy in dict.fromkeys(proxy for proxy, _, _ in fresh):
+        computed = real_now(recording, proxy, collectives=False)  # not a collective more than eager's
+        if computed is None:
+            return
+        real, cone = computed
+        recording.cones[index] = cone
+        for owner, dim, symbol in fresh:
+            if owner is proxy:
+                set_data_value(shape_env, symbol, int(real.shape[dim]))
+                recording.size_reads[symbol] = (index, proxy, dim)
+
+
+def real_now(recording, source: TensorProxy, collectives: bool = True):
+    """The real value of ``source`` computed from the call's real inputs (see the module
+    docstring), and the indices of the symbols that compute it; None when it cannot be
+    (or, without ``collectives``, when a collective is among them). What was computed
+    before is not computed again (``Recording.values_now``)."""
     symbols = recording.bound_symbols
     if any(b.op is not None and b.op._schema.is_mutable for b in symbols):
         return None
     cone = _cone(symbols, source)
-    if cone is None:
+    if cone is None or (not collectives and any(_is_collective(symbols[i].op) for i in cone)):
         return None
-    env: dict[str, object] = dict(recording.real_of)
+    env = recording.values_now
+    for label, real_value in recording.real_of.items():
+        env.setdefault(label, real_value)
     shape_env = recording.fake_mode.shape_env
-    known = symbol_values(shape_env)
+    known = {**symbol_values(shape_env), **recording.sizes_now}
 
     def real(x):
         if isinstance(x, (TensorProxy, NumberProxy)):
@@ -106,6 +146,8 @@ def value_now(recording, source: TensorProxy):
         return None
     for index in cone:
         bsym = symbols[index]
+        if all(p.label in env for p in bsym.output_proxies()):
+            continue  # computed for an earlier read
         args, kwargs = tree_map(real, (bsym.args, bsym.kwargs))
         # As eager runs them: under the Python dispatcher (on while tracing) a functional
         # all_gather never completes.
@@ -117,7 +159,12 @@ def value_now(recording, source: TensorProxy):
             for symbol, size in zip(_data_sizes(proxy, every_dim=True), getattr(value, "shape", ())):
                 if symbol is not None:
                     known.setdefault(symbol, sympy.Integer(size))
-    return env[source.label].item(), cone
+                    recording.sizes_now.setdefault(symbol, sympy.Integer(size))
+    return env[source.label], cone
+
+
+def _is_collective(op) -> bool:
+    return op is not None and op.namespace in ("_c10d_functional", "_c10d_functional_autograd", "c10d")
 
 
 def assumptions(shape_env) -> list:
@@ -138,18 +185,41 @@ def checks_first(recording) -> None:
         return
     symbols = recording.bound_symbols
     reader = {s: i for i, b in enumerate(symbols) if isinstance(b.output, NumberProxy) for s in _symbols(b.output)}
+    reader.update((s, index) for s, (index, _, _) in recording.size_reads.items())
     first: set[int] = set()
-    checks = []
+    checks, size_reads = [], {}
     for expr in expressions:
         numbers = sorted(expr.free_symbols, key=str)
-        if not all(s in reader and reader[s] in recording.cones for s in numbers):
+        if not all((s in reader and reader[s] in recording.cones) or s in recording.input_sizes for s in numbers):
             raise TracingError(
                 f"dtcompile.jit: the traced code branched on {expr}, which mixes numbers read from tensor data "
                 "with sizes; such a branch cannot be checked at run time"
             )
         for s in numbers:
-            first |= set(recording.cones[reader[s]]) | {reader[s]}
-        args = tuple(symbols[reader[s]].output for s in numbers)
-        checks.append(BoundSymbol(data_check(expr, tuple(numbers)), args, {}, None, symbols[reader[numbers[0]]].note))
+            if s in reader:
+                first |= set(recording.cones[reader[s]]) | {reader[s]}
+        args = tuple(_number_of(recording, symbols, reader, s, size_reads) for s in numbers)
+        read = next((reader[s] for s in numbers if s in reader), None)  # the read of data the branch is on
+        note = None if read is None else symbols[read].note
+        checks.append(BoundSymbol(data_check(expr, tuple(numbers)), args, {}, None, note))
     hoisted = [b for i, b in enumerate(symbols) if i in first]
-    recording.bound_symbols[:] = hoisted + checks + [b for i, b in enumerate(symbols) if i not in first]
+    recording.bound_symbols[:] = (
+        hoisted + list(size_reads.values()) + checks + [b for i, b in enumerate(symbols) if i not in first]
+    )
+
+
+def _number_of(recording, symbols: list, reader: dict, symbol, size_reads: dict) -> NumberProxy:
+    """The number a check reads for ``symbol``: the ``.item()`` that read it, or a size of
+    the tensor that has it (one read from data, or an input's), read once (``prims.shape``,
+    added to ``size_reads``)."""
+    if symbol not in recording.size_reads and symbol not in recording.input_sizes:
+        return symbols[reader[symbol]].output
+    if symbol not in size_reads:
+        if symbol in recording.size_reads:
+            _, proxy, dim = recording.size_reads[symbol]
+            number = NumberProxy(recording.new_name(), symbol, None, FromData(f"a size of {proxy.label}"))
+        else:
+            proxy, dim = recording.input_sizes[symbol]
+            number = NumberProxy(recording.new_name(), symbol, None, NoProvenance(f"a size of {proxy.label}"))
+        size_reads[symbol] = BoundSymbol(SHAPE, (proxy, dim), {}, number)
+    return size_reads[symbol].output

@@ -46,7 +46,7 @@ from ..core.symbolic import LARGEST_SYMBOLIC_SIZE, is_symbolic, symbolic_expr
 from ..core.torch_internals import fake_mode_active, make_dtensor, set_data_value
 from ..core.view_strides import with_eager_view_strides
 from .c10d import is_c10d_op, record_c10d
-from .data_branches import value_now
+from .data_branches import size_values_now, value_now
 from .grad_checks import grad_state
 from .input_fakes import InputFakes
 from .objects import same_spec
@@ -96,6 +96,11 @@ class Recording:
         self.read_by: dict[object, str] = {}  # symbol of a number read from data -> the call that read it
         self.real_of: dict[str, torch.Tensor] = {}  # input label -> the call's real tensor (while tracing)
         self.cones: dict[int, list[int]] = {}  # index of a read computed now -> indices of its cone
+        # A size read from data valued now (size_values_now) -> (index, the output, its dim)
+        self.size_reads: dict = {}
+        self.input_sizes: dict = {}  # a symbol of an input's size -> (the input's proxy, its dim)
+        self.values_now: dict = {}  # label -> its real value, computed now (data_branches.real_now)
+        self.sizes_now: dict = {}  # a size read from data met computing them -> its value
         self.constants: dict[str, NamedConstant] = {}  # arguments with no literal, by name
         self.current_call: str | None = None  # the torch-level call of the user's code running now
         self.snapshot = None  # a DataSnapshot of the user's data the traced code must not change
@@ -126,6 +131,7 @@ class Recording:
         self._next_name = given[0]
         for name in self._given[given[1] :]:
             self.used_names.discard(name)
+            self.values_now.pop(name, None)  # a value computed now for a symbol taken out
         del self._given[given[1] :]
 
     def new_name(self) -> str:
@@ -153,6 +159,11 @@ class Recording:
             ]
             context = StatelessSymbolicContext(dynamic_sizes=dynamic_sizes)
             fake = self.fakes.converted(real, symbolic_context=context)
+            proxy = TensorProxy(fake, name, provenance, requires_grad=real.requires_grad)
+            for dim, size in enumerate(fake.shape):
+                if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                    self.input_sizes.setdefault(size.node.expr, (proxy, dim))
+            return proxy
         else:
             make_fake = self.fakes.deferred(real)
             if make_fake is not None:
@@ -265,6 +276,7 @@ class Recording:
             proxy.value = None
         self.valued.clear()
         self.real_of.clear()
+        self.values_now.clear()
 
     def record(self, func, args: tuple, kwargs: dict):
         flat = leaves((args, kwargs))
@@ -328,6 +340,8 @@ class Recording:
                     self.valued.append(proxy)
         note = backward_note()  # None in the forward: the CallAnnotator notes those
         self.bound_symbols.append(BoundSymbol(aten_symbol(func), tuple(args), dict(kwargs), output, note, op=func))
+        if free_unbacked_symbols(fake_out):
+            size_values_now(self, len(self.bound_symbols) - 1)
         return output
 
     def _read_number(self, func, args: tuple, kwargs: dict):

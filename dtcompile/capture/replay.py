@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from functools import partial
 
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
 from ..core import NoProvenance, TensorProxy
 from ..core.symbol import leaves, map_leaves
 from ..core.torch_internals import dispatch_modes_off, fake_like
@@ -59,11 +61,13 @@ def output_aliases(bsym) -> list[int | None] | None:
     may change their metadata), makes tensors from nothing (a factory op: its values may be
     known while tracing), returns more than tensors, outputs share a fresh storage, or an
     output has what ``fake_like`` does not make: a conjugate or negative bit, another dtype
-    than the input it views."""
+    than the input it views, or a size read from data (a ``nonzero``'s count: each call of
+    the op has its own)."""
     inputs = bsym.input_tensors()
     outputs = leaves(bsym.output)
     if (
         bsym.op._schema.is_mutable
+        or any(isinstance(o, TensorProxy) and free_unbacked_symbols(o.meta.shape) for o in outputs)
         or not inputs
         or not outputs
         or not all(isinstance(o, TensorProxy) and o.value is None for o in outputs)
