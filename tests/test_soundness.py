@@ -911,3 +911,28 @@ def test_inputs_named_like_the_programs_own_names(name, cache):
         torch.testing.assert_close(got.grad, want.grad)
     with torch.no_grad():
         torch.testing.assert_close(jitted(x, **kwargs), reference(x, **kwargs))
+
+
+@torch.library.custom_op("dtcompile_tests::scale", mutates_args=())
+def _scale(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return x * factor
+
+
+@_scale.register_fake
+def _(x, factor):
+    return torch.empty_like(x)
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("name", ["dtcompile_tests", "ops_dtcompile_tests", "aten", "_c10d_functional"])
+def test_inputs_named_like_an_op_namespace(name, cache):
+    """A custom op prints under a name no input takes (``ops_dtcompile_tests``): an
+    argument called like its library hid it (``'Tensor' object has no attribute``)."""
+
+    def fn(x, **kwargs):
+        return _scale(x, 2.0) + kwargs[name]
+
+    jitted = dtcompile.jit(fn, cache=cache)
+    for _ in range(2):
+        x, y = torch.randn(3), torch.randn(3)
+        torch.testing.assert_close(jitted(x, **{name: y}), x * 2 + y)

@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from ..core import InputPath, TensorProxy
 from ..core.proxy import contiguous_strides
+from ..core.symbol import TORCH_OP_NAMESPACES
 from ..core.symbolic import is_symbolic
 from ..core.torch_internals import DTensorSpec, TensorMeta, make_dtensor
 from .grad_checks import HeldFlags
@@ -165,11 +166,13 @@ def brings_proxy(node: InputNode) -> bool:
 # Names the programs give to their own values and helpers: the values the recorder makes
 # (``t3``, ``cotangent0``, ``captured0``), the block programs, fusions, collectives' and
 # checks' helpers, the list a function that steals its inputs takes (``inputs``, ``stolen``)
-# and the builtins printed sizes and constants call. An input named so would shadow one.
-_GENERATED_NAMES = re.compile(r"(t|cotangent|captured|block_grad|block_cotangent|fusion)\d+|block_\w*")
+# and the builtins printed sizes and constants call, op namespaces (``aten``,
+# ``ops_mylib``). An input named so would shadow one.
+_GENERATED_NAMES = re.compile(r"(t|cotangent|captured|block_grad|block_cotangent|fusion)\d+|(block|ops)_\w*")
 _RESERVED_NAMES = frozenset(
     {"torch", "aten", "prims", "math", "dist", "made", "inputs", "stolen", "process_group", "allreduce_options"}
     | {"allgather_into", "DataCheckFailed", "float", "complex", "int", "bool", "max", "min", "abs", "round", "len"}
+    | TORCH_OP_NAMESPACES
 )
 
 

@@ -63,12 +63,19 @@ class Symbol:
         return [f"{output_target(bsym.output)} = {self.call(bsym.args, bsym.kwargs)}"]
 
 
+# torch's own op namespaces print under their names (no input takes them); another (a
+# custom op library's, ``torch.ops.mylib``) prints as ``ops_mylib``, a name no input takes:
+# an argument called ``mylib`` would otherwise hide the library.
+TORCH_OP_NAMESPACES = frozenset({"aten", "_c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor"})
+
+
 def aten_symbol(op: torch._ops.OpOverload) -> Symbol:
     """The symbol of an OpOverload, printed by its qualified name (``aten.mm.default``)."""
     namespace = op.namespace
+    printed = namespace if namespace in TORCH_OP_NAMESPACES else f"ops_{namespace}"
     return Symbol(
-        name=f"{namespace}.{op._opname}.{op._overloadname}",
-        globals=((namespace, getattr(torch.ops, namespace), f"torch.ops.{namespace}"),),
+        name=f"{printed}.{op._opname}.{op._overloadname}",
+        globals=((printed, getattr(torch.ops, namespace), f"torch.ops.{namespace}"),),
     )
 
 
