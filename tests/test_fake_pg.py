@@ -462,3 +462,22 @@ def test_a_view_of_a_dtensor_parameter_returned_under_no_grad_is_refused(fake_wo
         assert model(torch.ones(2, 4)).requires_grad  # eager's
         with pytest.raises(dtcompile.TracingError, match="returns a view of a DTensor of its own that requires grad"):
             dtcompile.jit(model)(torch.ones(2, 4))
+
+
+def _adds_a_plain_tensor(x, d):
+    return x + d  # a plain tensor of several elements beside a DTensor: eager raises
+
+
+def test_a_plain_tensor_beside_a_dtensor_raises_eager_s_error_under_symbolic_values(fake_world):
+    """DTensor asks a plain tensor beside a DTensor for its element count; a symbolic one
+    made torch raise "Cannot call numel() on tensor with symbolic sizes". Now eager's
+    error, under both cache options."""
+    fake_world(2)
+    mesh = init_device_mesh("cpu", (2,))
+    x, d = torch.randn(4, 4), distribute_tensor(torch.randn(4, 4), mesh, [Replicate()])
+    message = "got mixed torch.Tensor and DTensor"
+    with pytest.raises(RuntimeError, match=message):
+        _adds_a_plain_tensor(x, d)
+    for cache in ("constant values", "symbolic values"):
+        with pytest.raises(RuntimeError, match=message):
+            dtcompile.jit(_adds_a_plain_tensor, cache=cache)(x, d)

@@ -46,6 +46,8 @@ _METADATA_READS = {
 }
 
 
+_SYMBOLIC_NUMEL = "Cannot call numel() on tensor with symbolic sizes/strides"
+
 # Tensor methods that change a tensor's sizes or strides in place.
 _METADATA_IN_PLACE = {
     getattr(torch.Tensor, name)
@@ -230,6 +232,17 @@ class CallAnnotator(TorchFunctionMode):
                     f"dtcompile.jit: {_short_name(func)} writes in place through a conjugate or negative view "
                     "(x.conj(), torch._neg_view), which cannot be recorded: write to the tensor itself (for "
                     "y = x.conj(); y.add_(1), x.add_(1))"
+                ) from error
+            if (
+                _SYMBOLIC_NUMEL in str(error)
+                and handled_by_dtensor
+                and not all(isinstance(x, DTensor) for x in leaves if isinstance(x, torch.Tensor))
+            ):
+                # DTensor asks a plain tensor beside a DTensor for its element count (one
+                # element is replicated); a symbolic count is never one: eager's error.
+                raise RuntimeError(
+                    f"{_short_name(func)} got mixed torch.Tensor and DTensor, need to convert all torch.Tensor "
+                    "to DTensor before calling distributed operators!"
                 ) from error
             argument = _LEAF_IN_PLACE in str(error) and self._non_leaf_argument(leaves)
             if argument:  # a proxy is a leaf; eager's argument is not, and its in-place change runs
