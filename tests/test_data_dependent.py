@@ -293,3 +293,16 @@ def test_repeated_blocks_whose_outputs_are_sized_by_data(cache, grad):
         x = torch.randn(6, 8, generator=torch.Generator().manual_seed(seed))
         with torch.set_grad_enabled(grad):
             assert_same(jitted(x), model(x))
+
+
+@pytest.mark.parametrize("name", ["all", "on a mask's count", "on a nonzero's count"])
+def test_branches_on_data_under_check_eager(name):
+    """``check="eager"`` passes by an entry whose check of a branch fails, as a plain call
+    does (its DataCheckFailed reached the caller)."""
+    fn = BRANCHES[name]
+    jitted = dtcompile.jit(fn, check="eager")
+    generator = torch.Generator().manual_seed(5)
+    for sign in (1, -1, 1, -1):
+        x = _signed(generator, sign)
+        assert_same(jitted(x), fn(x), f"{name}, sign {sign}")
+    assert dtcompile.cache_misses(jitted) == 2

@@ -147,11 +147,17 @@ class CompiledFunction:
             return self.fn(*args, **kwargs)
         if self.check is not None:
             return checked_call(self, module, args, kwargs, lambda: self.fn(*args, **kwargs))
+        return self.run(module, args, kwargs)[2]
+
+    def run(self, module, args: tuple, kwargs: dict) -> tuple[CacheEntry, tuple, object]:
+        """Run the call on the entry that accepts it, compiled if none does, passing by
+        entries whose check of a branch on data fails; the entry, the prologue's result
+        and the call's result."""
         failed: list[CacheEntry] = []  # entries whose check of a branch on data failed
         while (found := self._lookup(module, args, kwargs, failed)) is not None:
             entry, inputs = found
             try:
-                return entry.run(inputs)
+                return entry, inputs, entry.run(inputs)
             except DataCheckFailed:  # raised before the program did anything
                 self.stats.hits -= 1  # the entry did not serve the call after all
                 failed.append(entry)
@@ -159,7 +165,7 @@ class CompiledFunction:
                 explain_stall(self.identity, self.name, entry.ranks, error)
                 raise
         entry, inputs = self.entry_for(module, args, kwargs, failed)
-        return entry.run(inputs)
+        return entry, inputs, entry.run(inputs)
 
     def entry_for(self, module, args: tuple, kwargs: dict, failed=()) -> tuple[CacheEntry, tuple]:
         """The entry that accepts the call, compiled if none does, and the prologue's result
