@@ -3,7 +3,10 @@ Python state a replay must find unchanged (``blocks.py``)."""
 
 from __future__ import annotations
 
+import array
+import collections
 import functools
+import sys
 import types
 import weakref
 
@@ -12,8 +15,10 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_flatten
 
 from ..core.torch_internals import dict_version
+from .alike import SCALARS
 from .equivalence import TENSOR_TABLES
-from .user_code import code_names
+from .objects import slot_names
+from .user_code import code_names, is_library
 
 
 def recording_counts(recording) -> tuple:
@@ -60,8 +65,14 @@ def identity_read(module: torch.nn.Module, containers: list, traced: list[torch.
     no other such module. None where nothing does."""
     own_modules = list(module.modules())
     classes = {type(m) for m in own_modules}
-    ids = {id(m) for m in traced if type(m) in classes}
-    others = ids - {id(m) for m in own_modules}
+    alike = [m for m in traced if type(m) in classes]
+    # Besides the modules, the objects and functions they hold: the equivalence check
+    # compares those by what they hold, so a table keyed by one (``BOOST[self.tag]``)
+    # would tell them apart; and the hashes of all (``hash(self)``: an id, rotated).
+    held = [x for m in alike for x in _held_objects(m)]
+    ids = {id(x) for x in (*alike, *held)}
+    ids |= {hash(x) for x in (*alike, *held) if type(x).__hash__ is object.__hash__}
+    others = ids - {id(x) for m in own_modules for x in (m, *_held_objects(m))}
     skipped = {id(t) for m in own_modules for t in (m._modules, *(getattr(m, n) for n in TENSOR_TABLES))}
     named, unnamed = set(), set()  # what globals the code names hold, and the other globals
     for sub in own_modules:
@@ -81,12 +92,28 @@ def identity_read(module: torch.nn.Module, containers: list, traced: list[torch.
                             return f"the global {name!r} holds one of its modules or their ids"
     skipped |= unnamed - named
     for container in containers:
-        if id(container) not in skipped:
-            items = container.items() if isinstance(container, (dict, types.MappingProxyType)) else enumerate(container)
+        if id(container) not in skipped and not _buffer(container):
+            items = container.items() if hasattr(container, "items") else enumerate(container)
             for key, value in items:
                 if _names_one(key, ids) or _names_one(value, ids):
                     return f"a Python value it can read holds one of its modules or their ids (at {key!r})"
     return None
+
+
+def _held_objects(module: torch.nn.Module) -> list:
+    """The objects and functions a module's attributes hold (and tuples and lists of
+    them), other than modules, tensors, classes and scalars."""
+    found = []
+    for name, value in vars(module).items():
+        if name in _MODULE_ATTRIBUTES:
+            continue
+        for item in value if type(value) in (tuple, list) and len(value) <= _SMALL else (value,):
+            if type(item) not in SCALARS and not isinstance(item, _NOT_HELD) and hasattr(item, "__dict__"):
+                found.append(item)
+    return found
+
+
+_NOT_HELD = (torch.nn.Module, torch.Tensor, type, types.ModuleType)
 
 
 def _held_id(value) -> int:
@@ -124,35 +151,102 @@ def _one(value, ids: set[int]) -> bool:
     return id(value) in ids or (type(value) is int and value in ids)
 
 
-_SMALL = 64  # the largest list whose items are compared (a dict, by its version, at any size)
-_OBJECT_LEVELS = 4  # objects followed down from a module's attributes
+_SMALL = 64  # the largest list, set or dict whose items are compared in ``identity_read``
+_OBJECT_LEVELS = 8  # objects followed down from a module's attributes
+
+
+class _Slots:
+    """An object's slots, as a container: what ``Held`` compares of an object without a
+    ``__dict__`` (a ``dataclass(slots=True)`` of settings the layers share)."""
+
+    __slots__ = ("value", "names")
+
+    def __init__(self, value, names: tuple):
+        self.value, self.names = value, names
+
+    def items(self) -> list:
+        return [(name, getattr(self.value, name, _ABSENT)) for name in self.names]
+
+
+class _FunctionState:
+    """What a function reads besides its globals: its closure cells and default values."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def items(self) -> list:
+        fn = self.value
+        cells = [(index, _cell_contents(cell)) for index, cell in enumerate(fn.__closure__ or ())]
+        return [*cells, ("defaults", fn.__defaults__), ("kwdefaults", fn.__kwdefaults__), ("code", fn.__code__)]
+
+
+_ABSENT = object()
+
+
+def _cell_contents(cell) -> object:
+    try:
+        return cell.cell_contents
+    except ValueError:  # not assigned yet
+        return _ABSENT
+
+
+def _buffer(value) -> bool:
+    numpy = sys.modules.get("numpy")
+    return isinstance(value, (bytearray, array.array)) or (numpy is not None and isinstance(value, numpy.ndarray))
 
 
 def _reachable(values, found: dict[int, object], tree: set[int], levels: int) -> None:
     """Add what ``values`` hold that code can read through them, ``levels`` down: the
-    attributes of plain objects and of modules outside the block (``tree``), and dicts
-    and small lists, with what they hold."""
+    attributes (or slots) of plain objects, their classes' dicts, modules outside the
+    block (``tree``), dicts, lists, deques and buffers (a NumPy array), what tuples and
+    sets hold, and functions' closure cells and defaults, with what they hold."""
     for value in values:
-        if not levels or isinstance(value, (torch.Tensor, type, types.ModuleType)):
+        if not levels or type(value) in SCALARS or isinstance(value, (torch.Tensor, type, types.ModuleType)):
             continue
-        if type(value) is dict or (type(value) is list and len(value) <= _SMALL):
+        if isinstance(value, torch.nn.Module) and id(value) in tree:
+            continue  # the block's own: its tables are watched
+        if isinstance(value, (dict, list, collections.deque)) or _buffer(value):
             if id(value) not in found:
                 found[id(value)] = value
-                _reachable(value.values() if type(value) is dict else value, found, tree, levels - 1)
-        elif isinstance(value, torch.nn.Module) and id(value) in tree:
-            continue  # the block's own: its tables are watched
-        elif isinstance(getattr(value, "__dict__", None), dict) and id(vars(value)) not in found:
-            found[id(vars(value))] = vars(value)
-            _reachable(vars(value).values(), found, tree, levels - 1)
+                if not _buffer(value):
+                    _reachable(value.values() if isinstance(value, dict) else value, found, tree, levels - 1)
+        elif isinstance(value, (tuple, set, frozenset)):
+            _reachable(value, found, tree, levels - 1)
+        elif isinstance(value, types.FunctionType):
+            if id(value) not in found:
+                found[id(value)] = _FunctionState(value)
+                _reachable([v for _, v in found[id(value)].items()], found, tree, levels - 1)
+        elif isinstance(value, functools.partial):
+            _reachable((value.func, value.args, value.keywords), found, tree, levels - 1)
+        elif isinstance(value, types.MethodType):
+            _reachable((value.__func__, value.__self__), found, tree, levels)
+        else:
+            state = getattr(value, "__dict__", None)
+            if isinstance(state, dict) and id(state) not in found:
+                found[id(state)] = state
+                _reachable(state.values(), found, tree, levels - 1)
+            names = slot_names(type(value))
+            if names and id(value) not in found:
+                found[id(value)] = _Slots(value, names)
+                _reachable([v for _, v in found[id(value)].items()], found, tree, levels - 1)
+            klass = type(value)
+            if not is_library(klass) and id(klass) not in found:
+                found[id(klass)] = klass.__dict__  # a helper class's attributes (``Ctx.scale``)
 
 
 def contents(container) -> tuple:
     """What a container holds now, to tell later whether it changed (:func:`changed`): a
-    dict's version, or its items themselves (held: an object freed meanwhile could leave
-    its address to a new one)."""
-    if type(container) is dict and dict_version is not None:
+    dict's version, a buffer's copy, or its items themselves (held: an object freed
+    meanwhile could leave its address to a new one)."""
+    if isinstance(container, dict) and dict_version is not None:
         return ("version", dict_version(container))
-    return ("items", list(container) if type(container) is list else list(container.items()))
+    if _buffer(container):
+        return ("copy", container.copy() if hasattr(container, "copy") else container[:])
+    if isinstance(container, (list, collections.deque)):
+        return ("items", list(container))
+    return ("items", list(container.items()))
 
 
 class Held:
@@ -161,7 +255,7 @@ class Held:
 
     def __init__(self, containers: list):
         self.containers = containers
-        versioned = [dict_version is not None and type(c) is dict for c in containers]
+        versioned = [dict_version is not None and isinstance(c, dict) for c in containers]
         self._dicts = [c for c, v in zip(containers, versioned) if v]
         self._versions = list(map(dict_version, self._dicts)) if self._dicts else []
         self._others = [(c, contents(c)) for c, v in zip(containers, versioned) if not v]
@@ -178,7 +272,12 @@ def changed(container, before: tuple) -> bool:
     kind, held = before
     if kind == "version":
         return dict_version(container) != held
-    if type(container) is list:
+    if kind == "copy":
+        numpy = sys.modules.get("numpy")
+        if numpy is not None and isinstance(held, numpy.ndarray):
+            return not numpy.array_equal(container, held)
+        return container != held
+    if isinstance(container, (list, collections.deque)):
         return len(container) != len(held) or any(a is not b for a, b in zip(container, held))
     now = list(container.items())
     return len(now) != len(held) or any(k != j or v is not w for (k, v), (j, w) in zip(now, held))

@@ -283,6 +283,10 @@ def why_different(first: list, other: torch.nn.Module) -> str | None:
             elif name == "_modules":
                 if list(x) != list(y):
                     return f"{_where(path, name)} holds other names"
+            elif name in _FLAG_TABLES:  # which hooks take kwargs, or run always: by position
+                hooks = _FLAG_TABLES[name]
+                if _positions(x, va.get(hooks, {})) != _positions(y, vb.get(hooks, {})):
+                    return f"{_where(path, name)} marks other hooks"
             elif name in _HOOK_TABLES:
                 if len(x) != len(y) or not all(equivalent(p, q) for p, q in zip(x.values(), y.values())):
                     return f"{_where(path, name)} holds other hooks"
@@ -293,6 +297,22 @@ def why_different(first: list, other: torch.nn.Module) -> str | None:
             elif not equivalent(x, y):
                 return f"{_where(path, name)} differs"
     return None
+
+
+# Tables of flags keyed by a hook's handle id (True: it takes keyword arguments, or runs
+# even when the forward raised), and the hook table the ids are keys of.
+_FLAG_TABLES = {
+    "_forward_hooks_with_kwargs": "_forward_hooks",
+    "_forward_hooks_always_called": "_forward_hooks",
+    "_forward_pre_hooks_with_kwargs": "_forward_pre_hooks",
+}
+
+
+def _positions(flags: dict, hooks: dict) -> list:
+    """Where the hooks ``flags`` marks are in ``hooks`` (the handle ids differ between
+    blocks; the order of the hooks is what the call follows)."""
+    order = {key: index for index, key in enumerate(hooks)}
+    return sorted(order.get(key, -1) for key in flags)
 
 
 def _where(path: str, name: str) -> str:
