@@ -24,6 +24,7 @@ from ..core import Note, TensorProxy, TracingError, data_dependent_error
 from ..core.provenance import InputPath
 from ..core.symbol import leaves as leaves_of
 from ..core.symbolic import is_symbolic
+from .method_checks import CHECKED, NOT_ANSWERED, check_method
 from .op_memo import MISSED, OpMemo, state
 from .placements import describe_placements
 from .recorder import Recording
@@ -47,6 +48,7 @@ _METADATA_READS = {
 
 
 _SYMBOLIC_NUMEL = "Cannot call numel() on tensor with symbolic sizes/strides"
+_CONCRETE_SIZES = "expected to contain only concrete integers"
 
 # Tensor methods that change a tensor's sizes or strides in place.
 _METADATA_IN_PLACE = {
@@ -180,6 +182,10 @@ class CallAnnotator(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in CHECKED:
+            answer = check_method(func, args, self.recording)
+            if answer is not NOT_ANSWERED:
+                return answer
         if func in _METADATA_READS and isinstance(args[0], (TensorProxy, FakeTensor)):
             return func(*args, **kwargs)
         if getattr(func, "__name__", "") in ("__get__", "__set__"):
@@ -243,6 +249,11 @@ class CallAnnotator(TorchFunctionMode):
                 raise RuntimeError(
                     f"{_short_name(func)} got mixed torch.Tensor and DTensor, need to convert all torch.Tensor "
                     "to DTensor before calling distributed operators!"
+                ) from error
+            if _CONCRETE_SIZES in str(error):  # torch has no kernel for symbolic sizes (``generator=``)
+                raise TracingError(
+                    f"dtcompile.jit: {_short_name(func)} cannot take symbolic sizes in torch (its kernel, here, "
+                    "takes concrete ones: a random op with generator=, say); use cache='constant values'"
                 ) from error
             argument = _LEAF_IN_PLACE in str(error) and self._non_leaf_argument(leaves)
             if argument:  # a proxy is a leaf; eager's argument is not, and its in-place change runs

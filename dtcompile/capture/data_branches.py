@@ -20,6 +20,9 @@ ranks, so they trace, and fail a check, together.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import sympy
 import torch
 from torch._dispatch.python import no_python_dispatcher
@@ -223,3 +226,15 @@ def _number_of(recording, symbols: list, reader: dict, symbol, size_reads: dict)
             number = NumberProxy(recording.new_name(), symbol, None, NoProvenance(f"a size of {proxy.label}"))
         size_reads[symbol] = BoundSymbol(SHAPE, (proxy, dim), {}, number)
     return size_reads[symbol].output
+
+
+@contextlib.contextmanager
+def assumptions_unlogged():
+    """The ShapeEnv warns of every branch answered with a value computed from data
+    (``data_branches.py``): dtcompile checks each at run time, so there is nothing to warn of."""
+    log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    disabled, log.disabled = log.disabled, True
+    try:
+        yield
+    finally:
+        log.disabled = disabled

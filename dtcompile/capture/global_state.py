@@ -113,6 +113,19 @@ class RandomStates:
         return changes
 
 
+@contextlib.contextmanager
+def autocast_cache_off():
+    """While tracing, autocast does not cache its casts of weights. An entry made then
+    (a proxy, keyed by the weight) would outlive the call: the user's next eager call
+    in the same autocast region would be given the proxy."""
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
+
+
 _SEEDING = ("manual_seed", "seed", "set_rng_state", "fork_rng")  # in torch and torch.random
 
 

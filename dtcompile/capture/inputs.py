@@ -68,17 +68,29 @@ class LocalTensorMeta:
     # ops and ``is_conj()`` answer by them, so a program traced with one differs.
     conj: bool = False
     neg: bool = False
+    # Made under ``inference_mode``: the code can ask (``is_inference()``), and eager
+    # refuses some ops on such a tensor outside the mode.
+    inference: bool = False
 
     @staticmethod
     def of(t: torch.Tensor) -> LocalTensorMeta:
         return LocalTensorMeta(
-            type(t), tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad, t.is_conj(), t.is_neg()
+            type(t),
+            tuple(t.shape),
+            tuple(t.stride()),
+            t.dtype,
+            t.device,
+            t.requires_grad,
+            t.is_conj(),
+            t.is_neg(),
+            t.is_inference(),
         )
 
     def bits_check(self, var: str) -> str:
-        """A condition true when the tensor ``var`` has other conjugate or negative bits."""
+        """A condition true when the tensor ``var`` has other conjugate, negative or
+        inference bits."""
         conj = f" or {var}.is_conj() is not {self.conj}" if self.dtype.is_complex else ""
-        return f"{var}.is_neg() is not {self.neg}{conj}"
+        return f"{var}.is_neg() is not {self.neg}{conj} or {var}.is_inference() is not {self.inference}"
 
 
 @dataclass
@@ -215,6 +227,10 @@ class InputProxifier:
             return None
         traced, first, local = seen
         return traced, SameObjectInput(path, first, local)
+
+    def traced_tensors(self) -> list[tuple[torch.Tensor, dict]]:
+        """Each tensor of the call as the traced code got it, with the attributes it was given."""
+        return [(traced, node.attributes) for traced, node, local in self._tensors.values() if not local]
 
     def proxify(self, value: object, path: InputPath, name_hint: str) -> tuple[object, InputNode]:
         dynamic = self.symbolic and path.root in ("args", "kwargs")

@@ -66,6 +66,7 @@ rebinding would happen once, while tracing.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 import types
@@ -81,6 +82,9 @@ from .user_code import class_namespace, code_names, is_library
 # nn.Module's own entries of a module's __dict__ (tables, hooks, the training flag):
 # guarded by the prologue's module checks, or never read by the program.
 _MODULE_TABLES = frozenset(vars(torch.nn.Module()))
+# A logger's state (a cache of the levels enabled, filled when asked) decides what is
+# printed, not what is computed.
+_LOGGING = (logging.Logger, logging.LoggerAdapter, logging.Handler)
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
@@ -165,7 +169,7 @@ class PythonState:
         cells, a user class's methods, a plain object's attributes and the items of a
         container, and what those hold in turn (``self.config.attention.rope.theta``), the
         ``names`` of a user Python module."""
-        if id(value) in self._walked or by_value(value):
+        if id(value) in self._walked or by_value(value) or isinstance(value, _LOGGING):
             return
         if contents_guarded(value):  # what its items hold: a config in a list
             self._walked.add(id(value))

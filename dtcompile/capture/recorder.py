@@ -44,7 +44,7 @@ from ..core.printing import NamedConstant, Unprintable, python_literal
 from ..core.symbol import leaves, map_leaves
 from ..core.symbolic import LARGEST_SYMBOLIC_SIZE, is_symbolic, symbolic_expr
 from ..core.torch_internals import fake_mode_active, make_dtensor, set_data_value
-from ..core.view_strides import with_eager_view_strides
+from ..core.view_strides import with_eager_strides
 from .c10d import is_c10d_op, record_c10d
 from .data_branches import size_values_now, value_now
 from .grad_checks import grad_state
@@ -85,8 +85,7 @@ class Recording:
         self.captured: list[torch.Tensor] = []  # real tensors the program closes over
         self.captured_proxies: list[TensorProxy] = []
         self._captured_index: dict[int, TensorProxy] = {}
-        self._next_name = 0
-        self._prefix = "t"
+        self._next_name, self._prefix = 0, "t"
         self._given: list[str] = []  # the names new_name gave, in order
         self.used_names: set[str] = set()
         # How many torch-level calls with DTensor arguments are running (see CallAnnotator).
@@ -102,6 +101,7 @@ class Recording:
         self.values_now: dict = {}  # label -> its real value, computed now (data_branches.real_now)
         self.sizes_now: dict = {}  # a size read from data met computing them -> its value
         self.constants: dict[str, NamedConstant] = {}  # arguments with no literal, by name
+        self.retained: set[str] = set()  # labels of the proxies the traced code called retain_grad() on
         self.current_call: str | None = None  # the torch-level call of the user's code running now
         self.snapshot = None  # a DataSnapshot of the user's data the traced code must not change
         self.captured_held: list[torch.Tensor] = []  # what the program holds of each: the tensor, or its DTensor
@@ -324,7 +324,7 @@ class Recording:
                 self.current_call, f"the output of {func}, whose shape or value depends on the data"
             ) from error
 
-        fake_out = with_eager_view_strides(self.fake_mode, func, fake_args, fake_out)
+        fake_out = with_eager_strides(self.fake_mode, func, fake_args, fake_out)
         made_by = NoProvenance(str(func))
 
         def to_output_proxy(x):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import array
 import collections
 import functools
+import logging
 import sys
 import types
 
@@ -21,6 +22,9 @@ import torch
 from .objects import is_rebuildable_object, object_state
 from .python_reads import value_key
 
+# Tensors and modules are guarded apart; a logger's state changes when it is asked
+# whether a level is enabled (``Logger._cache``), which no result depends on.
+_NOT_USER_DATA = (torch.Tensor, torch.nn.Module, logging.Logger)
 ALL_LEVELS = 1 << 30  # a depth for :meth:`DataSnapshot.add`: everything reachable (each object once)
 
 
@@ -131,7 +135,12 @@ def _same(a: tuple, b: tuple) -> bool:
         )
     if kind in ("list", "deque"):
         return all(x is y for x, y in zip(items, other_items))
-    return all(k == j and x is y for (k, x), (j, y) in zip(items, other_items))
+    return all(_same_key(k, j) and x is y for (k, x), (j, y) in zip(items, other_items))
+
+
+def _same_key(a, b) -> bool:
+    """Keys by value, but tensors (a dict keyed by a parameter) by identity."""
+    return a is b or (not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b)
 
 
 class DataSnapshot:
@@ -152,7 +161,12 @@ class DataSnapshot:
             return
         if depth < 0 or self._depths.get(id(value), -1) >= depth:
             return
-        if isinstance(value, (torch.Tensor, torch.nn.Module)):
+        if isinstance(value, _NOT_USER_DATA):
+            return
+        if type(value) is tuple:  # itself unchanged, but what it holds can change in place
+            self._depths[id(value)] = depth
+            for index, child in enumerate(value):
+                self.add(child, (path, ("[]", index)), depth - 1)
             return
         if id(value) not in self._taken:  # (met again from higher up: only what it holds is new)
             state = _state(value)

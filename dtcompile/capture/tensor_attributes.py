@@ -56,3 +56,29 @@ def attributes_match(tensor: torch.Tensor, expected: dict) -> bool:
         (by_value(v) and type(v) is type(w) and value_key(v) == value_key(w)) or v is w
         for v, w in zip(found.values(), (expected[k] for k in found))
     )
+
+
+_ABSENT = object()
+
+
+def attribute_writes_refused(traced_inputs: list[tuple[torch.Tensor, dict]], outputs: list) -> None:
+    """Refuse a Python attribute the traced code set on a tensor of the call (``x.tag =
+    "seen"``) or on a tensor it returns (``y.note = 5``): the traced tensor got it, and a
+    compiled call's tensors would not. ``traced_inputs``: each input's traced tensor and
+    the attributes it was given."""
+    given = set()
+    for traced, carried in traced_inputs:
+        given.add(id(traced))
+        now = user_attributes(traced)
+        changed = sorted(k for k in now.keys() | carried.keys() if now.get(k, _ABSENT) is not carried.get(k, _ABSENT))
+        if changed:
+            raise TracingError(
+                f"dtcompile.jit: the traced code sets or deletes the attribute {changed[0]!r} of a tensor of the call; "
+                "a compiled call would not. Set it outside the call"
+            )
+    for value in outputs:
+        if isinstance(value, torch.Tensor) and id(value) not in given and user_attributes(value):
+            raise TracingError(
+                f"dtcompile.jit: the traced code sets the attribute {next(iter(user_attributes(value)))!r} of a "
+                "tensor it returns; a compiled call's outputs would not have it. Set it after the call"
+            )

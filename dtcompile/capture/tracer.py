@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -25,9 +24,16 @@ from .autograd import BackwardCapture, capture_backward
 from .block_training import BlockReplayFailed
 from .blocks import RepeatedBlocks
 from .c10d import object_collective_refusal
-from .data_branches import checks_first
+from .data_branches import assumptions_unlogged, checks_first
 from .fsdp import FSDPTracing, reaches_fsdp
-from .global_state import GlobalState, RandomStates, modes_left_changed, seeding_refused, state_put_back
+from .global_state import (
+    GlobalState,
+    RandomStates,
+    autocast_cache_off,
+    modes_left_changed,
+    seeding_refused,
+    state_put_back,
+)
 from .grad_checks import gradient_refusal
 from .inputs import (
     DictInput,
@@ -39,6 +45,7 @@ from .inputs import (
     brings_proxy,
     iter_leaves,
 )
+from .method_checks import retained_outputs, text_refusals_raised
 from .module_state import ModuleState, ModuleUpdate
 from .objects import AttributeUpdate, respec_refusal
 from .outputs import OutputCollector, OutputNode
@@ -47,6 +54,7 @@ from .python_state import PythonState
 from .recorder import OpRecorder, Recording
 from .size_text import sizes_as_values_in_user_text
 from .snapshots import ALL_LEVELS, DataSnapshot
+from .tensor_attributes import attribute_writes_refused
 
 
 @dataclass
@@ -210,11 +218,13 @@ def _capture(
     with (
         compiling(),
         sizes_as_values_in_user_text(),
-        _assumptions_unlogged(),
+        assumptions_unlogged(),
         enable_python_dispatcher(),
         CallAnnotator(recording),
         OpRecorder(recording),
         seeding_refused(),
+        autocast_cache_off(),
+        text_refusals_raised(),
     ):
         try:
             if module_state is not None:
@@ -240,6 +250,8 @@ def _capture(
             output = collector.describe(result)
             gradient_refusal(held_flags, recording.captured_flags, collector.values, training)
             respec_refusal(proxifier.respecced() or recording.respecced())
+            attribute_writes_refused(proxifier.traced_tensors(), collector.values)
+            retained_outputs(recording, collector.values)
             updates = proxifier.objects.updates(collector.describe)
             if training and proxifier.objects.needed:
                 raise TracingError(
@@ -339,18 +351,6 @@ def _repeated_blocks(recording: Recording, module_state: ModuleState, fsdp: FSDP
 
 
 REPLAY_BLOCKS = True  # False traces every block (tests compare the two programs)
-
-
-@contextlib.contextmanager
-def _assumptions_unlogged():
-    """The ShapeEnv warns of every branch answered with a value computed from data
-    (``data_branches.py``): dtcompile checks each at run time, so there is nothing to warn of."""
-    log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
-    disabled, log.disabled = log.disabled, True
-    try:
-        yield
-    finally:
-        log.disabled = disabled
 
 
 def _user_data(fn, module_state: ModuleState | None) -> DataSnapshot:

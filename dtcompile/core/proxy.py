@@ -13,10 +13,13 @@ work handle).
 
 from __future__ import annotations
 
+import sys
+
 import sympy
 import torch
 
-from .provenance import Provenance
+from .errors import TracingError
+from .provenance import InputPath, Provenance
 from .symbolic import known_equal
 from .torch_internals import storage_id
 
@@ -179,7 +182,42 @@ class TensorProxy(torch.Tensor):
         return text + " conj" * self.is_conj() + " neg" * self.is_neg()
 
     def __repr__(self) -> str:  # type: ignore[override]
+        _refuse_user_text(self)
         return f"TensorProxy({self.label}: {self.type_string()}, {self.provenance})"
+
+    def __format__(self, spec: str) -> str:
+        _refuse_user_text(self)
+        return object.__format__(self, spec)
+
+
+# Refusals of text made while tracing, for the tracer to raise where the user's code
+# swallowed them (``logging`` reports an error in a handler and goes on).
+text_refusals: list[TracingError] = []
+
+
+def _refuse_user_text(proxy: TensorProxy) -> None:
+    """The user's code turning a traced tensor into text while tracing (``print(x)``,
+    ``f"{x.sum():.2f}"``, a DTensor's repr): eager's text shows the data, which a trace
+    does not have, and a compiled call would not print. dtcompile's own code (and torch's
+    on its behalf) gets the proxy's description."""
+    if not torch._C._len_torch_function_stack():
+        return  # not while tracing: a trace's proxy, inspected
+    frame = sys._getframe(2)
+    while frame is not None:
+        top = frame.f_globals.get("__name__", "").partition(".")[0]
+        if top != "torch" and frame.f_code.co_name not in ("__torch_function__", "__torch_dispatch__"):
+            break
+        frame = frame.f_back
+    if frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] != "dtcompile":
+        what = proxy.provenance if isinstance(proxy.provenance, InputPath) else "a tensor"
+        text_refusals.append(
+            TracingError(
+                f"dtcompile.jit: the traced code turns {what} into text (print, str, repr, format, logging): its "
+                "data is not known while tracing, and a compiled call would not do it at each call. Print outside "
+                "the call"
+            )
+        )
+        raise text_refusals[-1]
 
 
 def _expression(size):

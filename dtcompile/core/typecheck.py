@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .printing import NamedConstant
 from .proxy import NumberProxy, TensorProxy
 from .symbolic import is_symbolic, known_shape_equal
-from .view_strides import with_eager_view_strides
+from .view_strides import with_eager_strides
 
 VERIFY_TYPES_ENV = "DTCOMPILE_VERIFY_TYPES"
 # Random ops (a generator given to them must not move) and ops whose output shape comes
@@ -75,7 +75,7 @@ def check_types(trace) -> None:
         args, kwargs = tree_map(_fake_argument, (bsym.args, bsym.kwargs))
         with fake_mode, enable_python_dispatcher():  # as recorded: composite ops decompose
             out = op(*args, **kwargs)
-        out = with_eager_view_strides(fake_mode, op, args, out)
+        out = with_eager_strides(fake_mode, op, args, out)
         got = [x for x in tree_flatten(out)[0] if hasattr(x, "dtype") and hasattr(x, "stride")]
         if len(got) != len(recorded):
             raise TraceTypeError(

@@ -1,10 +1,15 @@
-"""Eager's strides for a reshaping view, where the fake mode's differ.
+"""Eager's strides where the fake mode's differ.
 
-The fake mode's reshape (the Python reference, under the Python dispatcher) keeps a
-same-shaped source's strides, where eager's kernel computes them anew: the stride of a
-dim of size 1 is free, and eager gives it its own. Strides are part of what a trace
-promises (passes drop a view whose result has its source's strides), so the recorder and
-the type check both take eager's.
+- A reshaping view: the fake mode's reshape (the Python reference, under the Python
+  dispatcher) keeps a same-shaped source's strides, where eager's kernel computes them
+  anew: the stride of a dim of size 1 is free, and eager gives it its own.
+- Batch norm on CPU: its kernels (forward and backward) give an output contiguous in the
+  input's suggested memory format (channels-last for a channels-last 4-D or 5-D input,
+  else row-major), where the fake mode keeps the input's strides (a transposed input).
+
+Strides are part of what a trace promises (passes drop a view whose result has its
+source's strides, a later ``view`` needs them), so the recorder and the type check both
+take eager's.
 """
 
 from __future__ import annotations
@@ -17,6 +22,45 @@ from .symbolic import is_symbolic
 from .torch_internals import dispatch_modes_off, fake_in_storage
 
 _RESHAPING_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+# The backward last: its input is its second argument.
+_BATCH_NORMS = tuple(
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "native_batch_norm",
+        "_native_batch_norm_legit",
+        "_native_batch_norm_legit_no_training",
+        "_native_batch_norm_legit_functional",
+        "native_batch_norm_backward",
+    )
+)
+
+
+def with_eager_strides(fake_mode, func, fake_args: tuple, fake_out):
+    """``fake_out`` with the strides eager's kernel gives it (see the module docstring)."""
+    if func in _BATCH_NORMS:
+        return _batch_norm_strides(fake_mode, fake_args[1 if func is _BATCH_NORMS[-1] else 0], fake_out)
+    return with_eager_view_strides(fake_mode, func, fake_args, fake_out)
+
+
+def _batch_norm_strides(fake_mode, source, fake_out):
+    """Batch norm's first output, contiguous in the suggested memory format of ``source``
+    (its input; the backward's input), on CPU."""
+    out = fake_out[0]
+    if not isinstance(out, torch.Tensor) or out.device.type != "cpu":
+        return fake_out
+    format = torch.contiguous_format
+    if source.dim() in (4, 5) and source.is_contiguous(memory_format=_CHANNELS_LAST[source.dim()]):
+        format = _CHANNELS_LAST[source.dim()]
+    if out.is_contiguous(memory_format=format):
+        return fake_out
+    with fake_mode:
+        eager = torch.empty(out.shape, dtype=out.dtype, device=out.device, memory_format=format)
+    return (eager.requires_grad_(out.requires_grad) if out.requires_grad else eager, *fake_out[1:])
+
+
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 
 def with_eager_view_strides(fake_mode, func, fake_args: tuple, fake_out):

@@ -76,7 +76,8 @@ def stand_in(meta: LocalTensorMeta) -> torch.Tensor | None:
     """A tensor with ``meta``'s type, dtype, device and requires_grad, and no elements:
     TensorGuards' example for a tensor the trace holds no reference to (an input
     object's), the sizes and strides given apart."""
-    t = torch.empty(0, dtype=meta.dtype, device=meta.device)
+    with torch.inference_mode(meta.inference):
+        t = torch.empty(0, dtype=meta.dtype, device=meta.device)
     if meta.type is torch.nn.Parameter:
         t = torch.nn.Parameter(t, requires_grad=meta.requires_grad)
     elif meta.type is torch.Tensor:
@@ -126,7 +127,15 @@ def _items(indices: list[int]):
 def _expected(t: Batched) -> LocalTensorMeta:
     e = t.example
     return LocalTensorMeta(
-        type(e), tuple(t.shape), tuple(t.stride), e.dtype, e.device, e.requires_grad, e.is_conj(), e.is_neg()
+        type(e),
+        tuple(t.shape),
+        tuple(t.stride),
+        e.dtype,
+        e.device,
+        e.requires_grad,
+        e.is_conj(),
+        e.is_neg(),
+        e.is_inference(),
     )
 
 
@@ -144,6 +153,7 @@ def _matches(t, m: LocalTensorMeta) -> bool:
         and t.device == m.device
         and t.requires_grad is m.requires_grad
         and t.is_neg() is m.neg
+        and t.is_inference() is m.inference
         and (not m.dtype.is_complex or t.is_conj() is m.conj)
     )
 

@@ -1,0 +1,144 @@
+"""Tensor methods whose effect reaches past the call, checked where the traced code calls
+them on a traced tensor (``CallAnnotator``): what a compiled call could not give is
+refused, naming the method; what the traced tensor would answer wrongly is answered from
+the call's tensor.
+
+- ``backward()`` accumulates gradients into the leaves' ``.grad``, a side effect the
+  compiled call would not have (``torch.autograd.grad`` returns them, and is traced).
+- A hook registered on a tensor the call received stays on it after the call, and runs
+  at every later backward through it; the traced one acts inside the call only.
+- ``retain_grad()``: refused at the end of the trace where the tensor is an output
+  (:func:`retained_outputs`); the gradient of another output never passes through it.
+- ``untyped_storage()`` of a traced tensor is the trace's, not the call's: its size and
+  address would be constants of the program.
+- ``is_inference()`` of a tensor the call received is the call's tensor's (a proxy made
+  inside ``inference_mode`` would say True of a normal tensor); the prologue guards it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+
+from ..core import TensorProxy, TracingError
+from ..core.provenance import InputPath
+from ..core.proxy import text_refusals
+
+_BACKWARDS = {torch.Tensor.backward, torch.autograd.backward}
+_STORAGE_READS = {torch.Tensor.untyped_storage} | (
+    {torch.Tensor.storage, torch.Tensor._typed_storage} if hasattr(torch.Tensor, "_typed_storage") else set()
+)
+CHECKED = (
+    _BACKWARDS | _STORAGE_READS | {torch.Tensor.register_hook, torch.Tensor.retain_grad, torch.Tensor.is_inference}
+)
+NOT_ANSWERED = object()
+
+
+def local_proxy(value) -> TensorProxy | None:
+    proxy = getattr(value, "_local_tensor", value)
+    return proxy if isinstance(proxy, TensorProxy) else None
+
+
+def received(value) -> InputPath | None:
+    """Where a traced tensor (or a DTensor around one) came from in the call; None for
+    one the traced code made."""
+    proxy = local_proxy(value)
+    provenance = getattr(proxy, "provenance", None)
+    return provenance if isinstance(provenance, InputPath) else None
+
+
+def check_method(func, args: tuple, recording) -> object:
+    """Refuse ``func`` where the traced code calls it on a traced tensor and a compiled
+    call could not do what it does; the answer of ``is_inference``; else NOT_ANSWERED."""
+    if func in _BACKWARDS:
+        if _called_by_user(func):
+            raise TracingError(
+                f"dtcompile.jit: the traced code calls {_name(func)}: it accumulates gradients into the leaves' "
+                ".grad, a side effect a compiled call does not have. Return the loss and call backward outside "
+                "the call, or use torch.autograd.grad inside it"
+            )
+        return NOT_ANSWERED
+    tensor = args[0] if args else None
+    proxy = local_proxy(tensor)
+    if proxy is None:
+        return NOT_ANSWERED
+    path = received(tensor)
+    if func is torch.Tensor.register_hook and path is not None:
+        raise TracingError(
+            f"dtcompile.jit: Tensor.register_hook on {_where(path)}, a tensor the call received: in eager the hook "
+            "stays on it after the call and runs at every later backward through it, which a compiled call "
+            "cannot do. Register the hook outside the call"
+        )
+    if func is torch.Tensor.retain_grad:
+        real = recording.real_of.get(proxy.label)
+        if path is not None and not (tensor is proxy and real is not None and real.is_leaf):
+            raise TracingError(
+                f"dtcompile.jit: retain_grad() on {_where(path)}, a tensor the call received that is not a leaf: in "
+                "eager it keeps the gradient of every later backward through it, which a compiled call cannot do. "
+                "Call retain_grad() before the call"
+            )
+        recording.retained.add(proxy.label)
+    elif func in _STORAGE_READS and _called_by_user(func):
+        raise TracingError(
+            f"dtcompile.jit: {_name(func)} of a traced tensor: a compiled program's tensors have no storage "
+            "while tracing, so what the code reads of it (its size, its address) would be the trace's, not the "
+            "call's"
+        )
+    elif func is torch.Tensor.is_inference and path is not None and proxy.label in recording.real_of:
+        return recording.real_of[proxy.label].is_inference()
+    return NOT_ANSWERED
+
+
+def retained_outputs(recording, outputs: list) -> None:
+    """Refuse an output on which the traced code called ``retain_grad()``: a compiled
+    call's outputs are outputs of one autograd node, so the gradient of another output
+    never passes through it."""
+    for value in outputs:
+        proxy = local_proxy(value)
+        if proxy is not None and proxy.label in recording.retained:
+            raise TracingError(
+                "dtcompile.jit: the traced code calls retain_grad() on a tensor it returns; a compiled call's "
+                "outputs are outputs of one autograd node, so a gradient computed from another output would not "
+                "reach its .grad. Compute what needs that gradient outside the call"
+            )
+
+
+@contextlib.contextmanager
+def text_refusals_raised():
+    """Raise, after the traced call, a refusal to turn a traced tensor into text that the
+    user's code caught (``logging`` reports a failed message and goes on)."""
+    text_refusals.clear()
+    try:
+        yield
+    finally:
+        swallowed = text_refusals[:1]
+        text_refusals.clear()
+    if swallowed:
+        raise swallowed[0]
+
+
+def _where(path: InputPath) -> str:
+    text = str(path)
+    return text.removesuffix("._local_tensor")
+
+
+def _name(func) -> str:
+    owner = "Tensor" if getattr(torch.Tensor, func.__name__, None) is func else "torch.autograd"
+    return f"{owner}.{func.__name__}"
+
+
+def _called_by_user(func) -> bool:
+    """Whether the code that called ``func`` (past torch's dispatch to this mode and
+    ``func``'s own frame) is the user's, not torch's (checkpoint's backward) or
+    dtcompile's."""
+    frame = sys._getframe(2)
+    code = getattr(func, "__code__", None)
+    while frame is not None and (
+        frame.f_globals.get("__name__") in ("torch.overrides", __name__, "dtcompile.capture.annotator")
+        or frame.f_code is code
+    ):
+        frame = frame.f_back
+    module = frame.f_globals.get("__name__", "") if frame is not None else ""
+    return module.partition(".")[0] not in ("torch", "dtcompile")

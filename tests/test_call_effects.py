@@ -1,0 +1,284 @@
+"""Effects of a call that reach past it, in one process: eager's results or a clear error.
+
+Each case was silently wrong or crashed before: autocast's cast cache kept a proxy,
+``backward()`` inside lost its gradients, hooks and ``retain_grad`` on the call's tensors,
+Python attributes set on tensors, tensors turned into text, storage reads, inference
+tensors, and torch ops that take no symbolic sizes."""
+
+import logging
+
+import pytest
+import torch
+
+import dtcompile
+from dtcompile.core import TracingError
+
+CACHES = ["constant values", "symbolic values"]
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("how", ["function", "module", "second jitted"])
+def test_eager_calls_after_a_compiled_call_in_one_autocast_region(cache, how):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+    jitted = dtcompile.jit(lin if how == "module" else (lambda a: lin(a)), cache=cache)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = lin(x)
+        compiled = jitted(x)
+        if how == "second jitted":
+            after = dtcompile.jit(lambda a: lin(a) * 2, cache=cache)(x) / 2
+        else:
+            after = lin(x)  # autocast's cache of the weight's cast must hold no proxy
+    assert compiled.dtype == after.dtype == torch.bfloat16
+    torch.testing.assert_close(compiled, expected, rtol=0, atol=0)
+    torch.testing.assert_close(after, expected, rtol=0, atol=0)
+
+
+def _step(a, w):
+    loss = (a * w).sum()
+    loss.backward()
+    return loss.detach()
+
+
+def _step_autograd(a, w):
+    loss = (a * w).sum()
+    torch.autograd.backward(loss)
+    return loss
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("fn", [_step, _step_autograd])
+def test_backward_inside_the_call_is_refused(cache, fn):
+    w = torch.ones(3, requires_grad=True)
+    with pytest.raises(TracingError, match="accumulates gradients"):
+        dtcompile.jit(fn, cache=cache)(torch.arange(3.0), w)
+    assert w.grad is None
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_autograd_grad_inside_the_call_still_works(cache):
+    def penalty(w):
+        y = (w * w).sum()
+        (g,) = torch.autograd.grad(y, w, create_graph=True)
+        return g.sum()
+
+    w = torch.arange(3.0, requires_grad=True)
+    torch.testing.assert_close(dtcompile.jit(penalty, cache=cache)(w), penalty(w))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("kind", ["leaf", "non-leaf", "module parameter"])
+def test_a_hook_registered_on_a_tensor_of_the_call_is_refused(cache, kind):
+    if kind == "module parameter":
+
+        class Hooked(torch.nn.Linear):
+            def forward(self, x):
+                self.weight.register_hook(lambda g: g * 10)
+                return super().forward(x)
+
+        fn, args = Hooked(3, 3), (torch.ones(2, 3),)
+    else:
+        w = torch.ones(3, requires_grad=True)
+        fn, args = (lambda a: (a.register_hook(lambda g: g * 10), (a * 2).sum())[1]), (w if kind == "leaf" else w * 1,)
+    with pytest.raises(TracingError, match="register_hook on .*a tensor the call received"):
+        dtcompile.jit(fn, cache=cache)(*args)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_hook_on_a_tensor_made_inside_acts_as_in_eager(cache):
+    def f(a):
+        y = a * 2
+        y.register_hook(lambda g: g * 10)
+        return (y * y).sum()
+
+    grads = []
+    for fn in (f, dtcompile.jit(f, cache=cache)):
+        w = torch.arange(3.0, requires_grad=True)
+        fn(w).backward()
+        grads.append(w.grad)
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_retain_grad_on_an_output_or_a_received_non_leaf_is_refused(cache):
+    def returned(a):
+        y = a * 2
+        y.retain_grad()
+        return y, (y * y).sum()
+
+    with pytest.raises(TracingError, match="retain_grad"):
+        dtcompile.jit(returned, cache=cache)(torch.ones(2, requires_grad=True))
+    with pytest.raises(TracingError, match="retain_grad.*not a leaf"):
+        dtcompile.jit(lambda a: (a.retain_grad(), a.sum())[1], cache=cache)(torch.ones(2, requires_grad=True) * 2)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_retain_grad_on_an_intermediate_or_a_leaf_changes_nothing(cache):
+    def f(a):
+        a.retain_grad()
+        y = a * 2
+        y.retain_grad()
+        return (y * y).sum()
+
+    w = torch.arange(3.0, requires_grad=True)
+    dtcompile.jit(f, cache=cache)(w).backward()
+    torch.testing.assert_close(w.grad, 8 * torch.arange(3.0))
+
+
+def _set_on_input(a):
+    a.tag = "seen"
+    return a * 2
+
+
+def _set_on_output(a):
+    y = a * 2
+    y.note = 5
+    return y
+
+
+def _rebind_carried(a):
+    a.count = a.count + 1
+    return a * a.count
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("fn", [_set_on_input, _set_on_output, _rebind_carried])
+def test_python_attributes_set_on_tensors_are_refused(cache, fn):
+    x = torch.ones(2)
+    x.count = 1
+    with pytest.raises(TracingError, match="attribute '(tag|note|count)'"):
+        dtcompile.jit(fn, cache=cache)(x)
+    assert vars(x) == {"count": 1}
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_python_attributes_read_from_tensors_still_work(cache):
+    x = torch.ones(2)
+    x.count = 3
+    torch.testing.assert_close(dtcompile.jit(lambda a: a * a.count, cache=cache)(x), x * 3)
+
+
+_log = logging.getLogger("tests.call_effects")
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda a: str(a),
+        lambda a: (repr(a * 2), a)[1],
+        lambda a: f"{a.sum():.2f}",
+        lambda a: (print(a), a)[1],
+        lambda a: (_log.warning("a is %s", a), a)[1],  # logging catches the error: still refused
+    ],
+    ids=["str", "repr", "format", "print", "logging"],
+)
+def test_a_tensor_turned_into_text_is_refused(cache, fn, capsys):
+    with pytest.raises(TracingError, match="into text"):
+        dtcompile.jit(fn, cache=cache)(torch.ones(2))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_logging_that_prints_no_tensor_is_not_a_side_effect(cache):
+    def f(a):
+        _log.debug("shape %s", tuple(a.shape))  # fills the logger's cache of enabled levels
+        return a * 2
+
+    torch.testing.assert_close(dtcompile.jit(f, cache=cache)(torch.ones(2)), torch.full((2,), 2.0))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_storage_reads_are_refused(cache):
+    with pytest.raises(TracingError, match="untyped_storage"):
+        dtcompile.jit(lambda a: a.untyped_storage().nbytes(), cache=cache)(torch.arange(10.0)[:3])
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_is_inference_is_the_call_tensors_and_guarded(cache):
+    jitted = dtcompile.jit(lambda a: (a * 2, a.is_inference()), cache=cache)
+    with torch.inference_mode():
+        inference = torch.ones(2)
+    normal = torch.ones(2)
+    assert jitted(normal)[1] is False
+    assert jitted(inference)[1] is True
+    with torch.inference_mode():
+        assert dtcompile.jit(lambda a: a.is_inference(), cache=cache)(normal) is False
+
+
+def test_symbolic_sizes_torch_cannot_take_are_refused_by_name():
+    generator = torch.Generator().manual_seed(0)
+
+    def draw(a):
+        return a + torch.rand(a.shape, generator=generator)
+
+    with pytest.raises(TracingError, match="torch.rand cannot take symbolic sizes"):
+        dtcompile.jit(draw, cache="symbolic values")(torch.zeros(2))
+    expected = draw(torch.zeros(2))
+    generator.manual_seed(0)
+    torch.testing.assert_close(dtcompile.jit(draw)(torch.zeros(2)), expected)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_global_dict_keyed_by_a_parameter(cache):
+    lin = torch.nn.Linear(4, 4)
+    scales = {lin.weight: 2.0}
+
+    def f(x):
+        return lin(x) * scales.get(lin.weight, 1.0)
+
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(dtcompile.jit(f, cache=cache)(x), f(x))
+
+
+class _HoldsATuple(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.context = ({"scale": 1.0},)
+
+    def forward(self, x):
+        self.context[0]["scale"] = 2.0  # a side effect on a dict a tuple attribute holds
+        return self.lin(x) * self.context[0]["scale"]
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_change_to_a_dict_inside_a_tuple_attribute_is_refused_and_put_back(cache):
+    model = _HoldsATuple()
+    with torch.no_grad(), pytest.raises(TracingError, match=r"module attribute context\[0\]"):
+        dtcompile.jit(model, cache=cache)(torch.randn(2, 8))
+    assert model.context == ({"scale": 1.0},)
+
+
+def _batch_norm_of_transposed(lin1, norm, lin2):
+    def f(x):
+        y = norm(lin1(x).transpose(1, 2))  # a transposed input: eager's kernel returns it row-major
+        return lin2(y.transpose(1, 2)).view(-1, 8)  # a view that needs eager's strides
+
+    return f
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("train", [True, False], ids=["train mode", "eval mode"])
+def test_batch_norm_of_a_transposed_input_has_eager_strides(cache, grad, train):
+    torch.manual_seed(0)
+    modules = [torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 8)]
+    copies = [torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 8)]
+    for m, c in zip(modules, copies):
+        c.load_state_dict(m.state_dict())
+        m.train(train)
+        c.train(train)
+    x = torch.randn(2, 5, 8, requires_grad=grad)
+    xc = x.detach().clone().requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        expected = _batch_norm_of_transposed(*modules)(x)
+        got = dtcompile.jit(_batch_norm_of_transposed(*copies), cache=cache)(xc)
+    torch.testing.assert_close(got, expected)
+    assert got.stride() == expected.stride()
+    if grad:
+        expected.pow(2).sum().backward()
+        got.pow(2).sum().backward()
+        torch.testing.assert_close(xc.grad, x.grad)
+        assert xc.grad.stride() == x.grad.stride()
