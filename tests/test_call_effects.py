@@ -282,3 +282,51 @@ def test_batch_norm_of_a_transposed_input_has_eager_strides(cache, grad, train):
         got.pow(2).sum().backward()
         torch.testing.assert_close(xc.grad, x.grad)
         assert xc.grad.stride() == x.grad.stride()
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_numbers_read_from_data_turned_into_text_are_their_values(cache):
+    jitted = dtcompile.jit(lambda a: f"{a.sum().item()}/{a.max().item():.1f}/{bool((a > 1).all())}", cache=cache)
+    for value in (1.0, 3.0, 1.0):
+        x = torch.full((2,), value)
+        assert jitted(x) == f"{x.sum().item()}/{x.max().item():.1f}/{bool((x > 1).all())}"
+
+
+_CLOSED = torch.ones(3, requires_grad=True)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("method", ["register_hook", "retain_grad of a non-leaf"])
+def test_hooks_on_a_closed_over_tensor_are_refused(cache, method):
+    closed = _CLOSED * 2 if method == "retain_grad of a non-leaf" else _CLOSED
+
+    def f(a):
+        if method == "register_hook":
+            closed.register_hook(lambda g: g * 10)
+        else:
+            closed.retain_grad()
+        return (a * closed).sum()
+
+    with pytest.raises(TracingError, match="closes over"):
+        dtcompile.jit(f, cache=cache)(torch.ones(3))
+    assert not _CLOSED._backward_hooks
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_an_attribute_of_a_closed_over_tensor_changed_is_refused_and_put_back(cache):
+    closed = torch.ones(3)
+    closed.calls = 0
+
+    def f(a):
+        closed.calls += 1
+        return a * closed.calls
+
+    with pytest.raises(TracingError, match="__dict__"):
+        dtcompile.jit(f, cache=cache)(torch.ones(3))
+    assert closed.calls == 0
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_nbytes(cache):
+    f = lambda a: a[:1] * a.nbytes  # noqa: E731
+    torch.testing.assert_close(dtcompile.jit(f, cache=cache)(torch.ones(5)), f(torch.ones(5)))

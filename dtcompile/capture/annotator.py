@@ -195,6 +195,8 @@ class CallAnnotator(TorchFunctionMode):
                     f"dtcompile.jit: Tensor.{attribute} is assigned on a traced tensor; that is not recorded, so a "
                     f"compiled call would not make it: {_UNRECORDED_SETS[attribute]}"
                 )
+            if func.__name__ == "__get__" and attribute == "nbytes" and args and _is_traced(args[0]):
+                return args[0].numel() * args[0].element_size()  # torch's asks for a concrete count
             if func.__name__ == "__get__" and attribute == "grad" and args and _is_traced(args[0]) and _user_frame():
                 raise TracingError(
                     "dtcompile.jit: the traced code reads .grad of a tensor of the call; a traced tensor has no "

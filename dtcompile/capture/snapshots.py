@@ -161,6 +161,10 @@ class DataSnapshot:
             return
         if depth < 0 or self._depths.get(id(value), -1) >= depth:
             return
+        if isinstance(value, torch.Tensor) and depth:
+            # A closed-over tensor's Python attributes (``W.calls += 1``): set once, while tracing.
+            self.add(vars(value), (path, (".", "__dict__")), depth - 1)
+            return
         if isinstance(value, _NOT_USER_DATA):
             return
         if type(value) is tuple:  # itself unchanged, but what it holds can change in place
