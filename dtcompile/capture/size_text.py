@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from .user_code import library_code
+from ..core.code_origin import library_code
 
 
 def _from_user_code() -> bool:

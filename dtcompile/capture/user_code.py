@@ -10,13 +10,9 @@ from __future__ import annotations
 import dis
 import gc
 import sys
-import sysconfig
 import types
 
-_LIBRARIES = {"torch", "transformers", "dtcompile", "numpy", "accelerate", "safetensors", "triton", "sympy"}
-_LIBRARY_PATHS = tuple(
-    path for path in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")} if path
-)
+from ..core.code_origin import library_code
 
 
 def is_library(obj: object) -> bool:
@@ -32,18 +28,6 @@ def is_library(obj: object) -> bool:
     else:
         filename = getattr(sys.modules.get(module), "__file__", None) or ""
     return library_code(module, filename)
-
-
-def library_code(module: str, filename: str) -> bool:
-    """Whether code of Python module ``module``, in file ``filename``, is library code:
-    torch, transformers, dtcompile itself (but for ``dtcompile.testing``), the standard
-    library, anything installed in site-packages."""
-    if module.startswith("dtcompile.testing"):
-        return False
-    root = module.partition(".")[0]
-    if root in _LIBRARIES or root in sys.stdlib_module_names:
-        return True
-    return "site-packages" in filename or "dist-packages" in filename or filename.startswith(_LIBRARY_PATHS)
 
 
 def class_namespace(cls: type) -> dict:

@@ -18,6 +18,7 @@ import sys
 import sympy
 import torch
 
+from .code_origin import library_code, standard_library
 from .errors import TracingError
 from .provenance import InputPath, Provenance
 from .symbolic import known_equal
@@ -197,18 +198,21 @@ text_refusals: list[TracingError] = []
 
 def _refuse_user_text(proxy: TensorProxy) -> None:
     """The user's code turning a traced tensor into text while tracing (``print(x)``,
-    ``f"{x.sum():.2f}"``, a DTensor's repr): eager's text shows the data, which a trace
-    does not have, and a compiled call would not print. dtcompile's own code (and torch's
-    on its behalf) gets the proxy's description."""
+    ``f"{x.sum():.2f}"``, a DTensor's repr, a log line): eager's text shows the data,
+    which a trace does not have, and a compiled call would not print. Who asks is the
+    first frame past torch's, the standard library's (``logging``) and the dispatch
+    modes'; dtcompile's own code and other libraries' (a log line of transformers) get the
+    proxy's description."""
     if not torch._C._len_torch_function_stack():
         return  # not while tracing: a trace's proxy, inspected
     frame = sys._getframe(2)
     while frame is not None:
-        top = frame.f_globals.get("__name__", "").partition(".")[0]
-        if top != "torch" and frame.f_code.co_name not in ("__torch_function__", "__torch_dispatch__"):
+        module = frame.f_globals.get("__name__", "")
+        passing = module.partition(".")[0] == "torch" or standard_library(module)
+        if not passing and frame.f_code.co_name not in ("__torch_function__", "__torch_dispatch__"):
             break
         frame = frame.f_back
-    if frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] != "dtcompile":
+    if frame is not None and not library_code(module, frame.f_code.co_filename):
         what = proxy.provenance if isinstance(proxy.provenance, InputPath) else "a tensor"
         text_refusals.append(
             TracingError(

@@ -1,0 +1,33 @@
+"""Whose code a function or a frame runs: the user's, or a library's.
+
+Python state is guarded only where the user's code can read it, and some behaviours
+(sizes as text, a traced tensor turned into text) differ by who asks; one definition
+serves them all.
+"""
+
+from __future__ import annotations
+
+import sys
+import sysconfig
+
+_LIBRARIES = {"torch", "transformers", "dtcompile", "numpy", "accelerate", "safetensors", "triton", "sympy"}
+_LIBRARY_PATHS = tuple(
+    path for path in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")} if path
+)
+
+
+def library_code(module: str, filename: str) -> bool:
+    """Whether code of Python module ``module``, in file ``filename``, is library code:
+    torch, transformers, dtcompile itself (but for ``dtcompile.testing``), the standard
+    library, anything installed in site-packages."""
+    if module.startswith("dtcompile.testing"):
+        return False
+    root = module.partition(".")[0]
+    if root in _LIBRARIES or root in sys.stdlib_module_names:
+        return True
+    return "site-packages" in filename or "dist-packages" in filename or filename.startswith(_LIBRARY_PATHS)
+
+
+def standard_library(module: str) -> bool:
+    """Whether Python module ``module`` is the standard library's (``logging``, ``warnings``)."""
+    return module.partition(".")[0] in sys.stdlib_module_names
