@@ -330,3 +330,38 @@ def test_an_attribute_of_a_closed_over_tensor_changed_is_refused_and_put_back(ca
 def test_nbytes(cache):
     f = lambda a: a[:1] * a.nbytes  # noqa: E731
     torch.testing.assert_close(dtcompile.jit(f, cache=cache)(torch.ones(5)), f(torch.ones(5)))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_library_code_reading_grad_of_the_calls_tensors_is_refused(cache):
+    def clip(params):
+        return torch.nn.utils.clip_grad_norm_(params, 1.0)
+
+    p = torch.arange(6.0, requires_grad=True)
+    p.grad = torch.full((6,), 3.0)
+    with pytest.raises(TracingError, match=r"reads \.grad"):
+        dtcompile.jit(clip, cache=cache)([p])
+    torch.testing.assert_close(p.grad, torch.full((6,), 3.0))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_step_reading_grad_of_closed_over_parameters(cache, set_to_none):
+    weights = []
+    for jitted in (False, True):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(3, 3)
+        params = list(lin.parameters())
+
+        def step(params=params):
+            with torch.no_grad():
+                for p in params:
+                    p.add_(p.grad, alpha=-0.1)
+
+        fn = dtcompile.jit(step, cache=cache) if jitted else step
+        for i in range(3):
+            lin(torch.ones(2, 3) * (i + 1)).pow(2).sum().backward()
+            fn()  # a new .grad after set_to_none: guarded, so read anew
+            lin.zero_grad(set_to_none=set_to_none)
+        weights.append(lin.weight.detach().clone())
+    torch.testing.assert_close(weights[1], weights[0])

@@ -24,7 +24,7 @@ from ..core import Note, TensorProxy, TracingError, data_dependent_error
 from ..core.provenance import InputPath
 from ..core.symbol import leaves as leaves_of
 from ..core.symbolic import is_symbolic
-from .method_checks import CHECKED, NOT_ANSWERED, check_method
+from .method_checks import CHECKED, NOT_ANSWERED, check_method, real_tensor, received
 from .op_memo import MISSED, OpMemo, state
 from .placements import describe_placements
 from .recorder import Recording
@@ -134,11 +134,20 @@ _UNRECORDED_SETS = {
 }
 
 
-def _user_frame() -> bool:
-    """Whether the Python code running the current torch-level call (two frames up: this
-    mode's handler is called from it) is the user's, not torch's or dtcompile's."""
-    module = sys._getframe(2).f_globals.get("__name__", "")
+def _user_frame(depth: int = 2) -> bool:
+    """Whether the Python code running the current torch-level call (``depth`` frames up:
+    this mode's handler is called from it) is the user's, not torch's or dtcompile's."""
+    module = sys._getframe(depth).f_globals.get("__name__", "")
     return module.partition(".")[0] not in ("torch", "dtcompile")
+
+
+def _reads_grad_of_the_call(tensor) -> bool:
+    """Whether the user's code reads ``.grad`` of a traced tensor, or any code (a library's:
+    ``clip_grad_norm_`` of the call's parameters) that of a tensor the call received,
+    outside a traced backward: the traced tensor has no gradient, the caller's may."""
+    if not _is_traced(tensor):
+        return False
+    return (received(tensor) is not None and torch._C._current_autograd_node() is None) or _user_frame(3)
 
 
 _LEAF_IN_PLACE = "a leaf Variable that requires grad is being used in an in-place operation"
@@ -197,7 +206,11 @@ class CallAnnotator(TorchFunctionMode):
                 )
             if func.__name__ == "__get__" and attribute == "nbytes" and args and _is_traced(args[0]):
                 return args[0].numel() * args[0].element_size()  # torch's asks for a concrete count
-            if func.__name__ == "__get__" and attribute == "grad" and args and _is_traced(args[0]) and _user_frame():
+            if func.__name__ == "__get__" and attribute == "grad" and args and real_tensor(args[0]):
+                grad = func(*args, **kwargs)  # a closed-over tensor's: guarded to be this one (tracer)
+                self.recording.grad_reads.append((args[0], grad))
+                return grad
+            if func.__name__ == "__get__" and attribute == "grad" and args and _reads_grad_of_the_call(args[0]):
                 raise TracingError(
                     "dtcompile.jit: the traced code reads .grad of a tensor of the call; a traced tensor has no "
                     "gradient while tracing, and a compiled call would not read the one it has then. Pass the "

@@ -21,7 +21,7 @@ import contextlib
 import sys
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, is_fake
+from torch._subclasses.fake_tensor import is_fake
 
 from ..core import TensorProxy, TracingError
 from ..core.provenance import InputPath
@@ -38,9 +38,9 @@ NOT_ANSWERED = object()
 _PERSISTING = {torch.Tensor.register_hook, torch.Tensor.retain_grad}
 
 
-def _real(value) -> bool:
-    """A real tensor (a closed-over one the traced code reaches as it is), not a fake."""
-    return isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) and not is_fake(value)
+def real_tensor(value) -> bool:
+    """A real tensor (a closed-over one the traced code reaches as it is): not traced, not a fake."""
+    return isinstance(value, torch.Tensor) and local_proxy(value) is None and not is_fake(value)
 
 
 def local_proxy(value) -> TensorProxy | None:
@@ -70,8 +70,8 @@ def check_method(func, args: tuple, recording) -> object:
     tensor = args[0] if args else None
     proxy = local_proxy(tensor)
     if proxy is None:
-        leaf_retained = func is torch.Tensor.retain_grad and _real(tensor) and tensor.is_leaf  # (a no-op)
-        if func in _PERSISTING and _real(tensor) and not leaf_retained and _called_by_user(func):
+        leaf_retained = func is torch.Tensor.retain_grad and real_tensor(tensor) and tensor.is_leaf  # (a no-op)
+        if func in _PERSISTING and real_tensor(tensor) and not leaf_retained and _called_by_user(func):
             raise TracingError(
                 f"dtcompile.jit: {_name(func)} on a tensor the call closes over: in eager it stays on it after "
                 "the call (once more at each call), which a compiled call cannot do. Call it outside the call"

@@ -341,6 +341,11 @@ class PythonState:
                 read.holder[read.key] = read.value
         return [read.where for read in changed]
 
+    def guard_grads(self, reads: list) -> None:
+        """Guard the ``.grad`` of each closed-over tensor the code read: the program holds it."""
+        for tensor, grad in reads:
+            self._read(tensor, None, grad, "the .grad of a tensor the call closes over", attribute="grad")
+
     def forget_assigned(self, module_updates: list) -> None:
         """Note the module attributes the forward assigns (``ModuleUpdate``\\ s, made
         again after each call), which the namespaces' lengths do not count. What one held

@@ -3,10 +3,9 @@
 Two modes are active while a call is traced:
 
 * :class:`OpRecorder`, a TorchDispatchMode, sees every aten op. An op with a DTensor
-  argument is left to DTensor (``NotImplemented``): DTensor propagates sharding, issues
-  its redistributions and calls local ops, which come back here with TensorProxy
-  arguments and are recorded. Ops with no tensor argument (``arange``, ``zeros``) are
-  recorded too. The output metadata comes from running the op on FakeTensors.
+  argument is left to DTensor (``NotImplemented``): its local ops come back here with
+  TensorProxy arguments and are recorded, as are ops with no tensor argument
+  (``zeros``). The output metadata comes from running the op on FakeTensors.
 * :class:`CallAnnotator` (``annotator.py``), a TorchFunctionMode, sees each torch-level
   call the user's code makes (``F.linear``, ``Tensor.view``) and notes it, with the
   placements of its DTensor inputs and outputs, on the symbols recorded while it ran.
@@ -102,6 +101,7 @@ class Recording:
         self.sizes_now: dict = {}  # a size read from data met computing them -> its value
         self.constants: dict[str, NamedConstant] = {}  # arguments with no literal, by name
         self.retained: set[str] = set()  # labels of the proxies the traced code called retain_grad() on
+        self.grad_reads: list[tuple[torch.Tensor, object]] = []  # (a closed-over tensor, its .grad when read)
         self.current_call: str | None = None  # the torch-level call of the user's code running now
         self.snapshot = None  # a DataSnapshot of the user's data the traced code must not change
         self.captured_held: list[torch.Tensor] = []  # what the program holds of each: the tensor, or its DTensor
