@@ -83,6 +83,66 @@ def test_blocks_told_apart_by_the_identity_of_what_they_hold(cache, key):
         BOOST.clear()
 
 
+class Holder:
+    def __init__(self):
+        self.tag = Tag()
+
+
+class DeeperTaggedLayer(nn.Module):
+    def __init__(self, how: str):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.how = how
+        self.meta = {"tag": Tag()}
+        self.holder = Holder()
+
+    def forward(self, x):
+        tag = self.meta["tag"] if self.how == "in a dict" else self.holder.tag
+        return torch.tanh(self.lin(x)) * BOOST.get(tag, 1.0)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("how", ["in a dict", "held by an object"])
+def test_blocks_told_apart_by_an_object_held_deeper(cache, how):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[DeeperTaggedLayer(how) for _ in range(4)])
+    BOOST.clear()
+    for index, layer in enumerate(model):
+        BOOST[layer.meta["tag"] if how == "in a dict" else layer.holder.tag] = 0.5 + 0.1 * index
+    try:
+        x = torch.randn(2, 5, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(dtcompile.jit(model, cache=cache)(x), model(x))
+    finally:
+        BOOST.clear()
+
+
+class OrderedLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x)) * (ORDER.index(self) % 3)
+
+
+ORDER: tuple = ()
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_blocks_told_apart_by_their_place_in_a_long_global_tuple(cache):
+    global ORDER
+    torch.manual_seed(0)
+    model = nn.Sequential(*[OrderedLayer() for _ in range(70)])
+    ORDER = tuple(model)
+    try:
+        x = torch.randn(2, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(dtcompile.jit(model, cache=cache)(x), model(x))
+    finally:
+        ORDER = ()
+
+
 @dataclasses.dataclass(slots=True)
 class SlottedContext:
     scale: float = 1.0

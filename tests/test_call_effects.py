@@ -365,3 +365,38 @@ def test_a_step_reading_grad_of_closed_over_parameters(cache, set_to_none):
             lin.zero_grad(set_to_none=set_to_none)
         weights.append(lin.weight.detach().clone())
     torch.testing.assert_close(weights[1], weights[0])
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_is_leaf_and_grad_fn_of_a_received_tensor(cache):
+    by_leaf = dtcompile.jit(lambda x: x * 2 if x.is_leaf else x * 3, cache=cache)
+    a = torch.randn(3, requires_grad=True)
+    for x, factor in ((a * 1, 3), (a, 2), (a * 1, 3)):  # leafness is guarded
+        torch.testing.assert_close(by_leaf(x), x * factor)
+    with pytest.raises(TracingError, match="grad_fn of args"):
+        dtcompile.jit(lambda x: x * 2 if x.grad_fn is None else x * 3, cache=cache)(a * 1)
+
+
+class _Registry(dict):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+
+class _CountsInARegistry(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.registry = _Registry()
+
+    def forward(self, x):
+        self.registry.calls += 1  # an attribute of a dict subclass the module holds
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_an_attribute_of_a_held_dict_subclass_changed_is_refused_and_put_back(cache):
+    model = _CountsInARegistry()
+    with torch.no_grad(), pytest.raises(TracingError, match="registry.__dict__"):
+        dtcompile.jit(model, cache=cache)(torch.ones(2, 3))
+    assert model.registry.calls == 0

@@ -24,7 +24,15 @@ from ..core import Note, TensorProxy, TracingError, data_dependent_error
 from ..core.provenance import InputPath
 from ..core.symbol import leaves as leaves_of
 from ..core.symbolic import is_symbolic
-from .method_checks import CHECKED, NOT_ANSWERED, check_method, real_tensor, received
+from .method_checks import (
+    AUTOGRAD_ATTRIBUTES,
+    CHECKED,
+    NOT_ANSWERED,
+    autograd_attribute,
+    check_method,
+    real_tensor,
+    received,
+)
 from .op_memo import MISSED, OpMemo, state
 from .placements import describe_placements
 from .recorder import Recording
@@ -204,6 +212,10 @@ class CallAnnotator(TorchFunctionMode):
                     f"dtcompile.jit: Tensor.{attribute} is assigned on a traced tensor; that is not recorded, so a "
                     f"compiled call would not make it: {_UNRECORDED_SETS[attribute]}"
                 )
+            if func.__name__ == "__get__" and attribute in AUTOGRAD_ATTRIBUTES and args and _user_frame():
+                answer = autograd_attribute(attribute, args[0], self.recording)
+                if answer is not NOT_ANSWERED:
+                    return answer
             if func.__name__ == "__get__" and attribute == "nbytes" and args and _is_traced(args[0]):
                 return args[0].numel() * args[0].element_size()  # torch's asks for a concrete count
             if func.__name__ == "__get__" and attribute == "grad" and args and real_tensor(args[0]):

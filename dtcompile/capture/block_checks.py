@@ -69,10 +69,10 @@ def identity_read(module: torch.nn.Module, containers: list, traced: list[torch.
     # Besides the modules, the objects and functions they hold: the equivalence check
     # compares those by what they hold, so a table keyed by one (``BOOST[self.tag]``)
     # would tell them apart; and the hashes of all (``hash(self)``: an id, rotated).
-    held = [x for m in alike for x in _held_objects(m)]
+    held = _distinct_held(alike)
     ids = {id(x) for x in (*alike, *held)}
     ids |= {hash(x) for x in (*alike, *held) if type(x).__hash__ is object.__hash__}
-    others = ids - {id(x) for m in own_modules for x in (m, *_held_objects(m))}
+    others = ids - {id(m) for m in own_modules} - {key for m in own_modules for key in _held_objects(m)}
     skipped = {id(t) for m in own_modules for t in (m._modules, *(getattr(m, n) for n in TENSOR_TABLES))}
     named, unnamed = set(), set()  # what globals the code names hold, and the other globals
     for sub in own_modules:
@@ -93,26 +93,61 @@ def identity_read(module: torch.nn.Module, containers: list, traced: list[torch.
     skipped |= unnamed - named
     for container in containers:
         if id(container) not in skipped and not _buffer(container):
-            items = container.items() if hasattr(container, "items") else enumerate(container)
+            keyed = isinstance(container, (dict, types.MappingProxyType, _Slots, _FunctionState))
+            items = container.items() if keyed else enumerate(container)
             for key, value in items:
                 if _names_one(key, ids) or _names_one(value, ids):
                     return f"a Python value it can read holds one of its modules or their ids (at {key!r})"
     return None
 
 
-def _held_objects(module: torch.nn.Module) -> list:
-    """The objects and functions a module's attributes hold (and tuples and lists of
-    them), other than modules, tensors, classes and scalars."""
-    found = []
+def _held_objects(module: torch.nn.Module) -> dict[int, object]:
+    """The objects and functions a module's attributes hold, by id, levels down (through
+    dicts, their keys too, sequences, sets, and user objects' attributes and slots), other
+    than modules, tensors, classes and scalars."""
+    found: dict[int, object] = {}
+    seen: set[int] = set()
+
+    def walk(value, levels: int) -> None:
+        if not levels or id(value) in seen or type(value) in SCALARS or isinstance(value, _NOT_HELD):
+            return
+        seen.add(id(value))
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(key, levels - 1)
+                walk(item, levels - 1)
+        elif isinstance(value, (list, tuple, set, frozenset, collections.deque)):
+            for item in value:
+                walk(item, levels - 1)
+        elif hasattr(value, "__dict__") and not _buffer(value):
+            found[id(value)] = value
+            if not is_library(type(value)):  # a library's object: itself, not what it holds
+                for item in vars(value).values():
+                    walk(item, levels - 1)
+        elif slot_names(type(value)) and not is_library(type(value)):
+            for name in slot_names(type(value)):
+                walk(getattr(value, name, None), levels - 1)
+
     for name, value in vars(module).items():
-        if name in _MODULE_ATTRIBUTES:
-            continue
-        for item in value if type(value) in (tuple, list) and len(value) <= _SMALL else (value,):
-            if type(item) not in SCALARS and not isinstance(item, _NOT_HELD) and hasattr(item, "__dict__"):
-                found.append(item)
+        if name not in _MODULE_ATTRIBUTES:
+            walk(value, _HELD_LEVELS)
     return found
 
 
+def _distinct_held(modules: list) -> list:
+    """What modules of a class hold that not all of them hold: a table keyed by one (or
+    by its id) tells them apart; an object they all hold (a shared config) tells nothing."""
+    by_class: dict[type, list[dict]] = collections.defaultdict(list)
+    for module in modules:
+        by_class[type(module)].append(_held_objects(module))
+    found = []
+    for held in by_class.values():
+        shared = set.intersection(*map(set, held))
+        found += [x for objects in held for key, x in objects.items() if key not in shared]
+    return found
+
+
+_HELD_LEVELS = 4
 _NOT_HELD = (torch.nn.Module, torch.Tensor, type, types.ModuleType)
 
 
@@ -133,16 +168,17 @@ def _global_names(code: types.CodeType) -> frozenset[str]:
 
 def _names_one(value, ids: set[int]) -> bool:
     """Whether ``value`` is one of the modules ``ids`` names or one of those ids, or a
-    container (weak ones too) holding one, one level down (two for a dict's values)."""
+    container (weak ones too) holding one, one level down (two for a dict's values), at
+    any size (an id is looked up, not compared)."""
     if id(value) in ids or (type(value) is int and value in ids):
         return True
     if isinstance(value, weakref.ref):
         return id(value()) in ids
     if isinstance(value, weakref.WeakValueDictionary):
         value = dict(value.items())
-    if isinstance(value, (dict, weakref.WeakKeyDictionary)) and len(value) <= _SMALL:
+    if isinstance(value, (dict, weakref.WeakKeyDictionary)):
         return any(_one(k, ids) or _names_one(v, ids) for k, v in value.items() if not isinstance(v, dict))
-    if isinstance(value, (set, frozenset, list, tuple, weakref.WeakSet)) and len(value) <= _SMALL:
+    if isinstance(value, (set, frozenset, list, tuple, collections.deque, weakref.WeakSet)):
         return any(_one(x, ids) for x in value)
     return False
 
@@ -151,7 +187,6 @@ def _one(value, ids: set[int]) -> bool:
     return id(value) in ids or (type(value) is int and value in ids)
 
 
-_SMALL = 64  # the largest list, set or dict whose items are compared in ``identity_read``
 _OBJECT_LEVELS = 8  # objects followed down from a module's attributes
 
 

@@ -71,6 +71,7 @@ class LocalTensorMeta:
     # Made under ``inference_mode``: the code can ask (``is_inference()``), and eager
     # refuses some ops on such a tensor outside the mode.
     inference: bool = False
+    leaf: bool = True  # guarded where it requires grad: code may ask ``is_leaf``
 
     @staticmethod
     def of(t: torch.Tensor) -> LocalTensorMeta:
@@ -84,13 +85,15 @@ class LocalTensorMeta:
             t.is_conj(),
             t.is_neg(),
             t.is_inference(),
+            t.is_leaf,
         )
 
     def bits_check(self, var: str) -> str:
         """A condition true when the tensor ``var`` has other conjugate, negative or
-        inference bits."""
+        inference bits (or, requiring grad, is a leaf where it was not)."""
         conj = f" or {var}.is_conj() is not {self.conj}" if self.dtype.is_complex else ""
-        return f"{var}.is_neg() is not {self.neg}{conj} or {var}.is_inference() is not {self.inference}"
+        leaf = f" or {var}.is_leaf is not {self.leaf}" if self.requires_grad else ""
+        return f"{var}.is_neg() is not {self.neg}{conj} or {var}.is_inference() is not {self.inference}{leaf}"
 
 
 @dataclass

@@ -104,6 +104,26 @@ def check_method(func, args: tuple, recording) -> object:
     return NOT_ANSWERED
 
 
+AUTOGRAD_ATTRIBUTES = frozenset({"is_leaf", "grad_fn"})
+
+
+def autograd_attribute(attribute: str, tensor, recording) -> object:
+    """``is_leaf`` or ``grad_fn`` of a tensor the call received, read by the user's code:
+    the traced tensor is a leaf of the trace's graph, where the caller's may not be. A
+    plain tensor's ``is_leaf`` is the caller's; ``grad_fn`` of a non-leaf, and either of a
+    DTensor that requires grad (its graph is on the caller's DTensor), are refused."""
+    path = received(tensor)
+    if path is None or not tensor.requires_grad:
+        return NOT_ANSWERED
+    real = None if local_proxy(tensor) is not tensor else recording.real_of.get(tensor.label)
+    if real is not None and (real.is_leaf or attribute == "is_leaf"):
+        return real.is_leaf if attribute == "is_leaf" else NOT_ANSWERED
+    raise TracingError(
+        f"dtcompile.jit: the traced code reads .{attribute} of {_where(path)}, a tensor of the call that requires "
+        "grad: the traced tensor is a leaf of the trace's own graph, not the caller's. Read it before the call"
+    )
+
+
 def retained_outputs(recording, outputs: list) -> None:
     """Refuse an output on which the traced code called ``retain_grad()``: a compiled
     call's outputs are outputs of one autograd node, so the gradient of another output

@@ -82,8 +82,7 @@ from .user_code import class_namespace, code_names, is_library
 # nn.Module's own entries of a module's __dict__ (tables, hooks, the training flag):
 # guarded by the prologue's module checks, or never read by the program.
 _MODULE_TABLES = frozenset(vars(torch.nn.Module()))
-# A logger's state (a cache of the levels enabled, filled when asked) decides what is
-# printed, not what is computed.
+# A logger's state (its cache of the levels enabled) decides what is printed, not computed.
 _LOGGING = (logging.Logger, logging.LoggerAdapter, logging.Handler)
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
@@ -174,7 +173,8 @@ class PythonState:
         if contents_guarded(value):  # what its items hold: a config in a list
             self._walked.add(id(value))
             if not isinstance(value, bytearray) and not hasattr(value, "__array__"):
-                for key, item in value.items() if hasattr(value, "items") else enumerate(value):
+                items = value.items() if isinstance(value, (dict, types.MappingProxyType)) else enumerate(value)
+                for key, item in items:
                     self.follow(item, f"{where}[{key!r}]")
             return
         if isinstance(value, weakref.ref):  # (a WeakValueDictionary's): what it refers to, while alive

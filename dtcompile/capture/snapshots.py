@@ -100,10 +100,11 @@ def _children(value: object) -> list[tuple[tuple, object]]:
     when reported (``_path``)."""
     if type(value).__name__ == "ndarray":
         return []
-    if isinstance(value, (list, collections.deque)):
-        return [(("[]", i), v) for i, v in enumerate(value)]
-    if isinstance(value, dict):
-        return [(("[]", k), v) for k, v in value.items()]
+    if isinstance(value, (list, collections.deque, dict)):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        children = [(("[]", k), v) for k, v in items]
+        state = getattr(value, "__dict__", None)  # a subclass's own attributes (``registry.calls``)
+        return children + [((".", "__dict__"), state)] if type(state) is dict else children
     if isinstance(value, (set, bytearray, array.array)):
         return []
     return [((".", k), v) for k, v in object_state(value).items()]

@@ -23,7 +23,7 @@ def is_library(obj: object) -> bool:
     else:
         module = getattr(obj, "__module__", None) or ""
     code = getattr(obj, "__code__", None)
-    if code is not None:
+    if isinstance(code, types.CodeType):  # (the class of functions has a descriptor there)
         filename = code.co_filename
     else:
         filename = getattr(sys.modules.get(module), "__file__", None) or ""

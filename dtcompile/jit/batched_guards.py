@@ -136,6 +136,7 @@ def _expected(t: Batched) -> LocalTensorMeta:
         e.is_conj(),
         e.is_neg(),
         e.is_inference(),
+        e.is_leaf,
     )
 
 
