@@ -481,3 +481,52 @@ def test_a_plain_tensor_beside_a_dtensor_raises_eager_s_error_under_symbolic_val
     for cache in ("constant values", "symbolic values"):
         with pytest.raises(RuntimeError, match=message):
             dtcompile.jit(_adds_a_plain_tensor, cache=cache)(x, d)
+
+
+@pytest.mark.parametrize(
+    "index", [lambda x: x[:, 3], lambda x: x[:, 1:3], lambda x: x[:, None], lambda x: x[:, -1]], ids=range(4)
+)
+def test_a_full_slice_of_a_sharded_dim_keeps_eagers_placements_under_symbolic_values(fake_world, index):
+    fake_world(2)
+    mesh = init_device_mesh("cpu", (2,))
+    jitted = dtcompile.jit(index, cache="symbolic values")
+    for rows in (6, 8):  # evenly sharded: symbolic sizes (where ``x[:]``'s end was not known to cover them)
+        x = distribute_tensor(torch.randn(rows, 4), mesh, [Shard(0)])
+        expected, got = index(x), jitted(x)
+        assert got.placements == expected.placements
+        assert got.to_local().shape == expected.to_local().shape
+    assert dtcompile.cache_misses(jitted) == 1
+
+
+def test_an_assertion_of_dtensor_about_symbolic_sizes_traces_the_sizes_as_they_are(fake_world):
+    fake_world(2)
+    mesh = init_device_mesh("cpu", (2,))
+    x = distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)])
+    got = dtcompile.jit(lambda x: x.argmax(), cache="symbolic values")(x)  # its shard offsets must be ints
+    assert got.placements == x.argmax().placements and got.shape == x.argmax().shape
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_dtensor_returned_twice_is_one_object(fake_world, cache, grad):
+    fake_world(2)
+    mesh = init_device_mesh("cpu", (2,))
+    x = distribute_tensor(torch.randn(4, 2), mesh, [Shard(0)]).requires_grad_(grad)
+
+    def twice(x):
+        y = x * 2
+        return y, y, {"y": y}
+
+    a, b, c = dtcompile.jit(twice, cache=cache)(x)
+    assert a is b and a is c["y"]
+    assert a.placements == (Shard(0),) and a.requires_grad is grad
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_clipping_the_gradients_of_dtensor_arguments_is_refused(fake_world, cache):
+    fake_world(2)
+    mesh = init_device_mesh("cpu", (2,))
+    p = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)]).requires_grad_()
+    p.grad = p.detach() * 3
+    with torch.no_grad(), pytest.raises(dtcompile.TracingError, match=r"reads \.grad"):
+        dtcompile.jit(lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1.0), cache=cache)([p])

@@ -118,6 +118,7 @@ class OutputCollector:
         self.values: list = []  # what each slot holds in the call's result: a DTensor or a proxy
         self.mask_buffers: list = []  # filled with proxies by tracing; emptied by release_masks
         self._describing: set[int] = set()  # objects being described now (a cycle is an error)
+        self._dtensors: dict[int, tuple] = {}  # id -> (a DTensor, its node): returned twice, one output
 
     def _slot(self, proxy: TensorProxy, value=None) -> int:
         self.proxies.append(proxy)
@@ -130,19 +131,9 @@ class OutputCollector:
             index = self.objects.index_of(value)
             if index is not None:
                 return ObjectOutput(index)  # a DTensor of the call, returned unchanged: the caller's
-            slot = self._slot(value._local_tensor, value)
-            masks = []
-            for i, placement in enumerate(value.placements):
-                buffer = mask_buffer(placement)
-                if buffer is not None and isinstance(buffer.data, TensorProxy):
-                    masks.append((i, self._slot(buffer.data)))
-                    self.mask_buffers.append(buffer)
-            meta = value._spec.tensor_meta
-            if not any(is_symbolic(x) for x in (*meta.shape, *meta.stride)):
-                return DTensorOutput(slot, _with_plain_sizes(value._spec), value.requires_grad, tuple(masks))
-            shape = tuple(self._size(x) for x in meta.shape)
-            stride = tuple(self._size(x) for x in meta.stride)
-            return DTensorOutput(slot, value._spec, value.requires_grad, tuple(masks), shape, stride)
+            if id(value) not in self._dtensors:  # (``y, y``: one object, as in eager)
+                self._dtensors[id(value)] = (value, self._dtensor(value))
+            return self._dtensors[id(value)][1]
         if isinstance(value, TensorProxy):
             return TensorOutput(self._slot(value))
         if isinstance(value, torch.Tensor):
@@ -173,6 +164,21 @@ class OutputCollector:
                 )
             return self._new_object(value, where)
         return ConstantOutput(value)
+
+    def _dtensor(self, value: DTensor) -> DTensorOutput:
+        slot = self._slot(value._local_tensor, value)
+        masks = []
+        for i, placement in enumerate(value.placements):
+            buffer = mask_buffer(placement)
+            if buffer is not None and isinstance(buffer.data, TensorProxy):
+                masks.append((i, self._slot(buffer.data)))
+                self.mask_buffers.append(buffer)
+        meta = value._spec.tensor_meta
+        if not any(is_symbolic(x) for x in (*meta.shape, *meta.stride)):
+            return DTensorOutput(slot, _with_plain_sizes(value._spec), value.requires_grad, tuple(masks))
+        shape = tuple(self._size(x) for x in meta.shape)
+        stride = tuple(self._size(x) for x in meta.stride)
+        return DTensorOutput(slot, value._spec, value.requires_grad, tuple(masks), shape, stride)
 
     def _new_object(self, value: object, where: object) -> NewObjectOutput:
         if id(value) in self._describing:

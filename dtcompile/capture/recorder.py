@@ -87,8 +87,7 @@ class Recording:
         self._next_name, self._prefix = 0, "t"
         self._given: list[str] = []  # the names new_name gave, in order
         self.used_names: set[str] = set()
-        # How many torch-level calls with DTensor arguments are running (see CallAnnotator).
-        self.dtensor_calls = 0
+        self.dtensor_calls = 0  # how many torch-level calls with DTensor arguments run now (CallAnnotator)
         self.c10d_calls = 0  # c10d collectives the user's code called (``dist.all_reduce``)
         self.valued: list[TensorProxy] = []  # proxies whose trace-time value is known
         self.read_by: dict[object, str] = {}  # symbol of a number read from data -> the call that read it
@@ -145,12 +144,12 @@ class Recording:
 
     def input_proxy(self, real: torch.Tensor, name: str, provenance: InputPath, dynamic: bool = False) -> TensorProxy:
         """A proxy for a real tensor that enters the trace from the call; with ``dynamic``
-        its sizes are symbols of the fake mode's ShapeEnv (sizes 0 and 1 stay constants).
+        its sizes are symbols of the fake mode's ShapeEnv (sizes 0 and 1 stay constants),
+        known to be at most ``LARGEST_SYMBOLIC_SIZE`` (the prologue checks it), so that
+        ``x[:, 3]``'s full slice of a sharded dim is seen as one (``end > size``).
 
         Duck sizing: equal sizes share one symbol (``DimDynamic.DUCK``, torch.compile's
-        default), so a program traced with two equal sizes may assume they are equal, and
-        a call where they differ is a new cache entry. ``DimDynamic.DYNAMIC`` would give
-        each size its own symbol, whatever its value."""
+        default), so a program traced with two equal sizes may assume they are equal."""
         self.used_names.add(name)
         self.real_of[name] = real
         if dynamic and self.fake_mode.shape_env is not None:
@@ -163,6 +162,7 @@ class Recording:
             for dim, size in enumerate(fake.shape):
                 if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
                     self.input_sizes.setdefault(size.node.expr, (proxy, dim))
+                    self.fake_mode.shape_env.constrain_symbol_range(size.node.expr, 2, LARGEST_SYMBOLIC_SIZE)
             return proxy
         else:
             make_fake = self.fakes.deferred(real)

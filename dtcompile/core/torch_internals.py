@@ -170,8 +170,10 @@ def sdpa_backends() -> tuple[bool, ...]:
 
 def dtensor_refused_symbols(error: BaseException) -> bool:
     """An error raised inside DTensor about symbolic sizes (its sharding propagation, a
-    spec it hashes): what eager, with no symbols, never meets."""
-    if not any(word in str(error) for word in ("symbolic", "SymInt")):
+    spec it hashes), or an assertion there (``argmax`` asserts its shard offsets are
+    ints): what eager, with no symbols, never meets. (Traced again with the call's sizes,
+    an error that is not about symbols is met again, and raised.)"""
+    if not isinstance(error, AssertionError) and not any(word in str(error) for word in ("symbolic", "SymInt")):
         return False
     frame = error.__traceback__
     while frame is not None:

@@ -25,11 +25,12 @@ from ..capture import CapturedCall, capture_call, is_tracing
 from ..core import DataCheckFailed, TensorProxy, Trace, verify
 from ..core.block_call import block_programs
 from ..core.codegen import GeneratedFunction
-from ..core.torch_internals import resolve_process_group
+from ..core.torch_internals import resolve_process_group, shape_guards
 from ..executors import lower, resolve_executors
 from ..transforms import has_symbolic_sizes, pipelines, saved_note, split_forward_backward
 from .check import checked_call, running_eager
 from .consistency import (
+    GuardsDiffer,
     RankAgreement,
     calls_checked,
     check_hit,
@@ -206,20 +207,24 @@ class CompiledFunction:
             post_miss(self.identity)
         try:
             with _collector_paused():
-                return self._compile(args, kwargs, agreement)
+                try:
+                    return self._compile(args, kwargs, agreement, self.symbolic)
+                except GuardsDiffer:  # every rank: its sizes as they are, so that all judge alike
+                    agreement = RankAgreement(self.identity, self.name, args, kwargs, self.module)
+                    return self._compile(args, kwargs, agreement, False)
         except BaseException as error:
             agreement.report_failure(error)  # the ranks compiling with this one raise now
             raise
 
-    def _compile(self, args: tuple, kwargs: dict, agreement: RankAgreement) -> CacheEntry:
+    def _compile(self, args: tuple, kwargs: dict, agreement: RankAgreement, symbolic: bool) -> CacheEntry:
         start = time.perf_counter()
-        captured = capture_call(self.fn, args, kwargs, module=self.module, symbolic=self.symbolic)
+        captured = capture_call(self.fn, args, kwargs, module=self.module, symbolic=symbolic)
         labels = group_labels(captured.meshes, captured.trace)
         executors = self.executors_for(captured)
         reference = None
         # Sizes are materialized under symbolic values, and wherever a number read from
         # tensor data sizes something (under either cache option).
-        sized = self.symbolic or has_symbolic_sizes(captured.trace)
+        sized = symbolic or has_symbolic_sizes(captured.trace)
         if captured.backward is None:
             run, epilogue, traces, to_check = self._inference(captured, labels, executors, sized)
             reference = traces[len(pipelines.sizes(sized))]
@@ -233,7 +238,7 @@ class CompiledFunction:
                 list(zip(captured.captured, (p for p in captured.trace.inputs if p.provenance.root == "captured"))),
                 self.module,
                 unwrap_differentiable=captured.backward is None,
-                shape_env=captured.shape_env if self.symbolic else None,
+                shape_env=captured.shape_env if symbolic else None,
                 objects=captured.objects,
                 input_labels=_computation_inputs(captured),
             ),
@@ -246,7 +251,8 @@ class CompiledFunction:
             python_reads=captured.python_state.reads,
         )
         # Last, so that every way this rank can fail comes before the ranks meet.
-        entry.ranks, entry.digest = agreement.check(to_check, captured.meshes, labels)
+        guards = list(map(str, shape_guards(captured.shape_env))) if symbolic else []
+        entry.ranks, entry.digest = agreement.check(to_check, captured.meshes, labels, guards)
         self.stats.misses += 1
         self.stats.compile_seconds.append(entry.compile_seconds)
         self.stats.last = entry

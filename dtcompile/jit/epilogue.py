@@ -52,13 +52,21 @@ class _Builder:
     def __init__(self):
         self.globals: dict[str, object] = {"DTensor": DTensor, "torch": torch}
         self.statements: list[str] = []
+        self._made: dict[int, str] = {}  # id of a DTensor output node -> the variable it is made in
 
     def constant(self, obj: object, prefix: str) -> str:
         return literal_or_global(obj, self.globals, prefix)
 
     def dtensor(self, node: DTensorOutput) -> str:
         """``DTensor(local, spec)``, after keeping the call's masks where DTensor's embedding
-        would; under symbolic values the spec is made anew with this call's global sizes."""
+        would; under symbolic values the spec is made anew with this call's global sizes.
+        Made once, in a variable: a DTensor the call returns twice (``y, y``) is one object."""
+        if id(node) not in self._made:
+            self._made[id(node)] = name = f"d{len(self._made)}"
+            self.statements.append(f"    {name} = {self._new_dtensor(node)}")
+        return self._made[id(node)]
+
+    def _new_dtensor(self, node: DTensorOutput) -> str:
         spec = self.constant(node.spec, "SPEC")
         for placement, slot in node.masks:
             self.globals["keep_mask"] = keep_mask

@@ -410,3 +410,31 @@ def dtensor_arguments_returned():
 def test_dtensor_arguments_returned_are_the_callers_own(ranks2):
     for identical in ranks2.run(dtensor_arguments_returned):
         assert all(identical), identical
+
+
+def distributed_inside_with_changing_rows():
+    """``distribute_tensor`` inside a call under symbolic values: rank 1's share of an odd
+    row count makes its trace assume what rank 0's does not; every rank then compiles the
+    call with its sizes as they are, so that their caches judge each later call alike."""
+    mesh = _mesh()
+
+    def shard(x):
+        return distribute_tensor(x * 2, mesh, [Shard(0)])
+
+    jitted = dtcompile.jit(shard, cache="symbolic values")
+    locals_ = []
+    for rows in (5, 4, 5, 6, 7):
+        x = torch.arange(rows * 3.0).reshape(rows, 3)
+        got, expected = jitted(x), shard(x)
+        assert_same(got, expected)
+        locals_.append(tuple(got.to_local().shape))
+    return locals_, dtcompile.cache_misses(jitted)
+
+
+def test_ranks_whose_symbolic_traces_assume_differently_compile_with_their_sizes(ranks2):
+    results = ranks2.run(distributed_inside_with_changing_rows)
+    assert [shapes for shapes, _ in results] == [
+        [(3, 3), (2, 3), (3, 3), (3, 3), (4, 3)],
+        [(2, 3), (2, 3), (2, 3), (3, 3), (3, 3)],
+    ]
+    assert results[0][1] == results[1][1]  # every rank compiled the same calls

@@ -9,17 +9,20 @@ compiled code, not the order of ``jit`` calls (``identity.py``). A rank that fai
 compiling posts its failure under that key, and the ranks waiting there raise at once
 (``exchange.py``). A rank whose cached program fails in a collective while a peer compiled
 instead says so (``stall.py``); with ``DTCOMPILE_RANK_CHECK=calls`` the ranks also agree
-at every call, before any collective runs (``calls.py``).
+at every call, before any collective runs (``calls.py``). Ranks whose symbolic traces
+assumed different things of the sizes compile the call again with its sizes as they are
+(``GuardsDiffer``).
 """
 
 from .agreement import RankAgreement
 from .calls import calls_checked, check_hit, post_miss
-from .errors import RankFailedError, RankMismatchError
+from .errors import GuardsDiffer, RankFailedError, RankMismatchError
 from .identity import code_identity
 from .program import group_labels
 from .stall import explain_stall
 
 __all__ = [
+    "GuardsDiffer",
     "RankAgreement",
     "RankFailedError",
     "RankMismatchError",

@@ -16,12 +16,13 @@ from collections import defaultdict
 import torch.distributed as dist
 
 from ...core import Trace
-from .errors import RankMismatchError
+from .errors import GuardsDiffer, RankMismatchError
 from .exchange import MissingRanks, default_store, exchange, post_failure, release
 from .identity import input_signature, next_compilation_key
 from .program import collective_lines, collective_ranks, first_difference
 
 _INPUTS, _PROGRAM = "inputs:", "program:"
+_GUARDS = " guards:"  # what a symbolic trace assumed of the sizes, after the digests
 
 
 def _multi_process() -> bool:
@@ -51,11 +52,14 @@ class RankAgreement:
         except Exception:  # noqa: BLE001 - the store being gone must not hide the error
             pass
 
-    def check(self, traces: list[Trace], meshes: list, labels: dict[str, str]) -> tuple[tuple[int, ...], str]:
+    def check(
+        self, traces: list[Trace], meshes: list, labels: dict[str, str], guards: list[str] = ()
+    ) -> tuple[tuple[int, ...], str]:
         """Raise :class:`RankMismatchError` unless every rank of ``meshes``, and of the
-        process groups the traces' collectives run on, agrees with this one. The ranks
-        checked (none, a no-op, without a real multi-process group) and the digest of what
-        they agreed on (the same on each of them)."""
+        process groups the traces' collectives run on, agrees with this one; raise
+        :class:`GuardsDiffer` where they agree but for what their traces assumed of
+        symbolic sizes (``guards``). The ranks checked (none, a no-op, without a real
+        multi-process group) and the digest of what they agreed on (the same on each)."""
         if not _multi_process():
             return (), ""
         mesh_ranks = {int(r) for mesh in meshes for r in mesh.mesh.flatten().tolist()}
@@ -70,9 +74,12 @@ class RankAgreement:
         for c in collectives:
             sized[c.group or ranks].append(c.sized)
         digests = [_digest(common), *(f"{_ranks_text(g)}={_digest(lines)}" for g, lines in sorted(sized.items()))]
-        hashes = self._exchange(store, f"{key}/hash", ranks, " ".join(digests))
+        posted = self._exchange(store, f"{key}/hash", ranks, " ".join(digests) + _GUARDS + _digest(list(guards)))
+        hashes = {r: v.partition(_GUARDS)[0] for r, v in posted.items()}
         if _agreed(hashes):
             release(store, key, ranks, [f"{key}/hash/{r}" for r in ranks])
+            if len({v.partition(_GUARDS)[2] for v in posted.values()}) > 1:
+                raise GuardsDiffer(self.what)
             return ranks, _digest([f"{r} {v}" for r, v in sorted(hashes.items())])
         text = "\n".join(
             [*inputs, *(f"{_PROGRAM} {c.line}\t{c.sized}\t{_ranks_text(c.group or ranks)}" for c in collectives)]

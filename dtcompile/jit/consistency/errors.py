@@ -15,3 +15,10 @@ class RankFailedError(RankMismatchError):
         super().__init__(message)
         self.rank = rank  # the rank that failed
         self.error = error  # its error, as ``Type: message``
+
+
+class GuardsDiffer(Exception):
+    """The ranks traced one program with symbolic sizes but assumed different things of
+    the sizes (DTensor's arithmetic for one rank's uneven shard): their caches would judge a
+    later call differently, one rank running while another compiles. Every rank raises it
+    at the same exchange, and compiles the call again with its sizes as they are."""
