@@ -61,11 +61,7 @@ def check_method(func, args: tuple, recording) -> object:
     call could not do what it does; the answer of ``is_inference``; else NOT_ANSWERED."""
     if func in _BACKWARDS:
         if _called_by_user(func):
-            raise TracingError(
-                f"dtcompile.jit: the traced code calls {_name(func)}: it accumulates gradients into the leaves' "
-                ".grad, a side effect a compiled call does not have. Return the loss and call backward outside "
-                "the call, or use torch.autograd.grad inside it"
-            )
+            raise _backward_refusal(func)
         return NOT_ANSWERED
     tensor = args[0] if args else None
     proxy = local_proxy(tensor)
@@ -139,17 +135,37 @@ def retained_outputs(recording, outputs: list) -> None:
 
 
 @contextlib.contextmanager
-def text_refusals_raised():
-    """Raise, after the traced call, a refusal to turn a traced tensor into text that the
-    user's code caught (``logging`` reports a failed message and goes on)."""
+def effects_refused():
+    """While a call is traced: ``torch.autograd.backward`` called by the user's code is
+    refused (torch 2.10 does not pass it through the torch function modes, so the
+    ``CallAnnotator`` does not see it); and, after the traced call, a refusal to turn a
+    traced tensor into text that the user's code caught (``logging`` reports a failed
+    message and goes on) is raised."""
     text_refusals.clear()
+    original = torch.autograd.backward
+
+    def backward(*args, **kwargs):
+        if _called_by_user(backward):
+            raise _backward_refusal(original)
+        return original(*args, **kwargs)
+
+    torch.autograd.backward = backward
     try:
         yield
     finally:
+        torch.autograd.backward = original
         swallowed = text_refusals[:1]
         text_refusals.clear()
     if swallowed:
         raise swallowed[0]
+
+
+def _backward_refusal(func) -> TracingError:
+    return TracingError(
+        f"dtcompile.jit: the traced code calls {_name(func)}: it accumulates gradients into the leaves' .grad, a "
+        "side effect a compiled call does not have. Return the loss and call backward outside the call, or use "
+        "torch.autograd.grad inside it"
+    )
 
 
 def _where(path: InputPath) -> str:

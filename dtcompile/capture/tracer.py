@@ -45,7 +45,7 @@ from .inputs import (
     brings_proxy,
     iter_leaves,
 )
-from .method_checks import retained_outputs, text_refusals_raised
+from .method_checks import effects_refused, retained_outputs
 from .module_state import ModuleState, ModuleUpdate
 from .objects import AttributeUpdate, respec_refusal
 from .outputs import OutputCollector, OutputNode
@@ -224,7 +224,7 @@ def _capture(
         OpRecorder(recording),
         seeding_refused(),
         autocast_cache_off(),
-        text_refusals_raised(),
+        effects_refused(),
     ):
         try:
             if module_state is not None:

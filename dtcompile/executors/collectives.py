@@ -101,6 +101,8 @@ class StartCollective(Symbol):
         # Output sizes from the input's, at run time: they may be symbolic.
         if self.kind == "all_gather_into_tensor":
             size = f"({source}.shape[0] * {python_literal(bsym.args[1])}, *{source}.shape[1:])"
+            if bsym.args[0].ndim == 0:  # gathered into one row per rank (torch 2.10's argmax of a DTensor)
+                size = f"({python_literal(bsym.args[1])},)"
             return [
                 f"{out} = {source}.new_empty({size})",
                 f"{work} = dist.{_ALL_GATHER}({out}, {source}, {async_args})",
