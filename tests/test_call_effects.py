@@ -400,3 +400,33 @@ def test_an_attribute_of_a_held_dict_subclass_changed_is_refused_and_put_back(ca
     with torch.no_grad(), pytest.raises(TracingError, match="registry.__dict__"):
         dtcompile.jit(model, cache=cache)(torch.ones(2, 3))
     assert model.registry.calls == 0
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("optimizer", ["SGD momentum", "Adam"])
+def test_an_optimizer_step_inside_the_call_is_refused_and_put_back(cache, optimizer):
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9) if optimizer == "SGD momentum" else torch.optim.Adam([w])
+    w.grad = torch.ones(3)
+    with pytest.raises(TracingError, match="state"):
+        dtcompile.jit(lambda: opt.step(), cache=cache)()
+    assert not opt.state  # no traced tensor left in it
+    torch.testing.assert_close(w.detach(), torch.ones(3))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("how", ["assigned", "zero_grad"])
+def test_grad_assigned_on_a_closed_over_tensor_is_refused(cache, how):
+    lin = torch.nn.Linear(3, 3)
+    lin(torch.ones(1, 3)).sum().backward()
+
+    def f(a):
+        if how == "assigned":
+            lin.weight.grad = a * 2
+        else:
+            lin.zero_grad()
+        return a * 2
+
+    with pytest.raises(TracingError, match="Tensor.grad is assigned on a tensor the call closes over"):
+        dtcompile.jit(f, cache=cache)(torch.ones(3, 3))
+    assert isinstance(lin.weight.grad, torch.Tensor) and type(lin.weight.grad) is torch.Tensor

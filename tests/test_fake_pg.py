@@ -530,3 +530,17 @@ def test_clipping_the_gradients_of_dtensor_arguments_is_refused(fake_world, cach
     p.grad = p.detach() * 3
     with torch.no_grad(), pytest.raises(dtcompile.TracingError, match=r"reads \.grad"):
         dtcompile.jit(lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1.0), cache=cache)([p])
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [lambda a: f"{a}", lambda a: "{}".format(a), lambda a: (setattr(a._local_tensor, "tag", 1), a * 2)[1]],
+    ids=["f-string", "str.format", "attribute of the local tensor"],
+)
+def test_a_dtensor_formatted_or_its_local_tensor_given_an_attribute_is_refused(fake_world, fn):
+    fake_world(2)
+    mesh = init_device_mesh("cpu", (2,))
+    x = distribute_tensor(torch.ones(4), mesh, [Shard(0)])
+    with pytest.raises(dtcompile.TracingError, match="into text|attribute 'tag'"):
+        dtcompile.jit(fn)(x)
+    assert vars(x._local_tensor) == {}

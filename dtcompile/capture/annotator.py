@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, is_fake
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.overrides import TorchFunctionMode, resolve_name
@@ -207,9 +207,12 @@ class CallAnnotator(TorchFunctionMode):
             return func(*args, **kwargs)
         if getattr(func, "__name__", "") in ("__get__", "__set__"):
             attribute = getattr(getattr(func, "__self__", None), "__name__", "")
-            if func.__name__ == "__set__" and attribute in _UNRECORDED_SETS and args and _is_traced(args[0]):
+            if func.__name__ == "__set__" and attribute in _UNRECORDED_SETS and args and not is_fake(args[0]):
+                # On a traced tensor, or on a real one the call closes over (``w.grad = g``,
+                # ``zero_grad()`` inside): made once, while tracing, with a traced value.
+                what = "a traced tensor" if _is_traced(args[0]) else "a tensor the call closes over"
                 raise TracingError(
-                    f"dtcompile.jit: Tensor.{attribute} is assigned on a traced tensor; that is not recorded, so a "
+                    f"dtcompile.jit: Tensor.{attribute} is assigned on {what}; that is not recorded, so a "
                     f"compiled call would not make it: {_UNRECORDED_SETS[attribute]}"
                 )
             if func.__name__ == "__get__" and attribute in AUTOGRAD_ATTRIBUTES and args and _user_frame():

@@ -232,8 +232,9 @@ class InputProxifier:
         return traced, SameObjectInput(path, first, local)
 
     def traced_tensors(self) -> list[tuple[torch.Tensor, dict]]:
-        """Each tensor of the call as the traced code got it, with the attributes it was given."""
-        return [(traced, node.attributes) for traced, node, local in self._tensors.values() if not local]
+        """Each tensor of the call as the traced code got it, with the attributes it was given
+        (a DTensor's local tensor: none)."""
+        return [(traced, {} if local else node.attributes) for traced, node, local in self._tensors.values()]
 
     def proxify(self, value: object, path: InputPath, name_hint: str) -> tuple[object, InputNode]:
         dynamic = self.symbolic and path.root in ("args", "kwargs")

@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..core import TensorProxy, TracingError
 from ..core.provenance import InputPath
-from ..core.proxy import text_refusals
+from ..core.proxy import TextRefusals
 
 _BACKWARDS = {torch.Tensor.backward, torch.autograd.backward}
 _STORAGE_READS = {torch.Tensor.untyped_storage} | (
@@ -141,7 +141,10 @@ def effects_refused():
     ``CallAnnotator`` does not see it); and, after the traced call, a refusal to turn a
     traced tensor into text that the user's code caught (``logging`` reports a failed
     message and goes on) is raised."""
-    text_refusals.clear()
+    TextRefusals.active += 1
+    outermost = TextRefusals.active == 1
+    if outermost:
+        TextRefusals.refused.clear()
     original = torch.autograd.backward
 
     def backward(*args, **kwargs):
@@ -154,8 +157,10 @@ def effects_refused():
         yield
     finally:
         torch.autograd.backward = original
-        swallowed = text_refusals[:1]
-        text_refusals.clear()
+        TextRefusals.active -= 1
+        swallowed = TextRefusals.refused[:1] if outermost else []
+        if outermost:
+            TextRefusals.refused.clear()
     if swallowed:
         raise swallowed[0]
 

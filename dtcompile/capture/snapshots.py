@@ -50,9 +50,14 @@ def _state(value: object) -> tuple | None:
     if hasattr(type(value), "__next__") and not hasattr(value, "__dict__"):
         position = _position(value)  # a generator, a list's iterator: where it stands, to tell whether it moved
         return None if position is None else ("iterator", position)
-    if is_rebuildable_object(value):
+    if is_rebuildable_object(value) or isinstance(value, _TORCH_STATE):
         return ("object", list(object_state(value).items()))
     return None
+
+
+# torch's objects whose state is the user's: an optimizer's per-parameter state (a step
+# inside the call would store a traced tensor there), a scheduler's counters.
+_TORCH_STATE = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)
 
 
 def _position(iterator: object, depth: int = 3) -> object:

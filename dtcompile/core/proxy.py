@@ -191,9 +191,14 @@ class TensorProxy(torch.Tensor):
         return object.__format__(self, spec)
 
 
-# Refusals of text made while tracing, for the tracer to raise where the user's code
-# swallowed them (``logging`` reports an error in a handler and goes on).
-text_refusals: list[TracingError] = []
+class TextRefusals:
+    """While a call is traced (``active``, counted by the tracer: the torch function
+    modes are off inside a mode's handler, so they cannot tell), the refusals of text
+    made, for the tracer to raise where the user's code swallowed them (``logging``
+    reports an error in a handler and goes on)."""
+
+    active = 0
+    refused: list[TracingError] = []
 
 
 def _refuse_user_text(proxy: TensorProxy) -> None:
@@ -203,7 +208,7 @@ def _refuse_user_text(proxy: TensorProxy) -> None:
     first frame past torch's, the standard library's (``logging``) and the dispatch
     modes'; dtcompile's own code and other libraries' (a log line of transformers) get the
     proxy's description."""
-    if not torch._C._len_torch_function_stack():
+    if not TextRefusals.active:
         return  # not while tracing: a trace's proxy, inspected
     frame = sys._getframe(2)
     while frame is not None:
@@ -214,14 +219,14 @@ def _refuse_user_text(proxy: TensorProxy) -> None:
         frame = frame.f_back
     if frame is not None and not library_code(module, frame.f_code.co_filename):
         what = proxy.provenance if isinstance(proxy.provenance, InputPath) else "a tensor"
-        text_refusals.append(
+        TextRefusals.refused.append(
             TracingError(
                 f"dtcompile.jit: the traced code turns {what} into text (print, str, repr, format, logging): its "
                 "data is not known while tracing, and a compiled call would not do it at each call. Print outside "
                 "the call"
             )
         )
-        raise text_refusals[-1]
+        raise TextRefusals.refused[-1]
 
 
 def _expression(size):
