@@ -8,6 +8,7 @@ import array
 import collections
 import copy
 import dataclasses
+import functools
 
 import numpy
 import pytest
@@ -274,3 +275,83 @@ def test_hooks_taking_keyword_arguments_are_compared_by_position(cache):
         for with_kwargs in flags:
             layer.register_forward_hook(_hook, with_kwargs=with_kwargs)
     _compare(model, torch.randn(2, 5, 8), cache)
+
+
+REGISTRY: dict = {}
+ACTIVE: set = set()
+@functools.cache
+def _factor_of(layer) -> float:
+    return 3.0 if layer is REGISTRY.get("special") else 1.0
+
+
+class IdentityLayer(nn.Module):
+    def __init__(self, how: str):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.how = how
+
+    def body(self):
+        return None
+
+    def forward(self, x):
+        if self.how == "str(id)":
+            factor = REGISTRY.get(str(id(self)), 1.0)
+        elif self.how == "id arithmetic":
+            factor = 1.0 + (id(self) == REGISTRY.get("special id"))
+        elif self.how == "bound method":
+            factor = REGISTRY.get(self.body, 1.0)
+        elif self.how == "parameter":
+            factor = REGISTRY.get(self.lin.weight, 1.0)
+        elif self.how == "parameter in a list":
+            factor = 3.0 if any(self.lin.weight is p for p in REGISTRY.get("list", ())) else 1.0
+        elif self.how == "lru_cache":
+            factor = _factor_of(self)
+        else:  # a global set the parent fills before each layer
+            factor = 3.0 if "on" in ACTIVE else 1.0
+        return torch.tanh(self.lin(x)) * factor
+
+
+class TogglingParent(nn.Module):
+    def __init__(self, how: str):
+        super().__init__()
+        self.layers = nn.ModuleList(IdentityLayer(how) for _ in range(4))
+
+    def forward(self, x):
+        for index, layer in enumerate(self.layers):
+            if index == 2:
+                ACTIVE.add("on")
+            x = layer(x)
+            ACTIVE.discard("on")
+        return x
+
+
+_ENTRIES = {
+    "str(id)": lambda third: {str(id(third)): 3.0},
+    "id arithmetic": lambda third: {"special id": id(third)},
+    "bound method": lambda third: {third.body: 3.0},
+    "lru_cache": lambda third: {"special": third},
+    "global set": lambda third: {},
+    "parameter": lambda third: {third.lin.weight: 3.0},
+    "parameter in a list": lambda third: {"list": [third.lin.weight]},
+}
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("how", list(_ENTRIES))
+def test_blocks_told_apart_by_identity_in_other_forms(cache, how):
+    torch.manual_seed(0)
+    model = TogglingParent(how)
+    REGISTRY.clear()
+    REGISTRY.update(_ENTRIES[how](model.layers[2]))
+    _factor_of.cache_clear()
+    try:
+        x = torch.randn(2, 8)
+        with torch.no_grad():
+            if how.startswith("parameter"):  # the traced code would get the weight's stand-in: refused
+                with pytest.raises(dtcompile.TracingError, match="holds .*a tensor of the call"):
+                    dtcompile.jit(model, cache=cache)(x)
+            else:
+                torch.testing.assert_close(dtcompile.jit(model, cache=cache)(x), model(x))
+    finally:
+        REGISTRY.clear()
+        _factor_of.cache_clear()

@@ -3,7 +3,7 @@
 from ..core import TracingError
 from .autograd import BackwardCapture
 from .global_state import GlobalState
-from .inputs import (
+from .input_nodes import (
     ConstantInput,
     DictInput,
     DTensorInput,
@@ -14,9 +14,9 @@ from .inputs import (
     SameObjectInput,
     SequenceInput,
     TensorInput,
-    UnsupportedInputError,
     iter_leaves,
 )
+from .inputs import UnsupportedInputError
 from .objects import AttributeUpdate, is_state_object, new_object
 from .outputs import (
     ConstantOutput,

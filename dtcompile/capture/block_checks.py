@@ -8,7 +8,6 @@ import collections
 import functools
 import sys
 import types
-import weakref
 
 import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
@@ -18,7 +17,7 @@ from ..core.torch_internals import dict_version
 from .alike import SCALARS
 from .equivalence import TENSOR_TABLES
 from .objects import slot_names
-from .user_code import code_names, is_library
+from .user_code import is_library
 
 
 def recording_counts(recording) -> tuple:
@@ -53,138 +52,6 @@ def python_state(module: torch.nn.Module) -> list:
                     found[id(value.__globals__)] = value.__globals__
                     _reachable(value.__globals__.values(), found, tree, 1)
     return list(found.values())
-
-
-def identity_read(module: torch.nn.Module, containers: list, traced: list[torch.nn.Module]) -> str | None:
-    """Where the block's code could tell it from an equivalent block by identity
-    (``REGISTRY[id(self)]``, ``self is LAST``, ``self in SKIP``): a global its classes'
-    code names, a class attribute, or one of ``containers`` (what :func:`python_state`
-    found; of the containers globals hold, those of the globals it names) holds a module of the ``traced`` tree of a class the block has, its ``id()``,
-    or a set, list, tuple or dict of them. The block's modules' own attributes may hold
-    the block's own submodules (the equivalence check maps them to the other block's), but
-    no other such module. None where nothing does."""
-    own_modules = list(module.modules())
-    classes = {type(m) for m in own_modules}
-    alike = [m for m in traced if type(m) in classes]
-    # Besides the modules, the objects and functions they hold: the equivalence check
-    # compares those by what they hold, so a table keyed by one (``BOOST[self.tag]``)
-    # would tell them apart; and the hashes of all (``hash(self)``: an id, rotated).
-    held = _distinct_held(alike)
-    ids = {id(x) for x in (*alike, *held)}
-    ids |= {hash(x) for x in (*alike, *held) if type(x).__hash__ is object.__hash__}
-    others = ids - {id(m) for m in own_modules} - {key for m in own_modules for key in _held_objects(m)}
-    skipped = {id(t) for m in own_modules for t in (m._modules, *(getattr(m, n) for n in TENSOR_TABLES))}
-    named, unnamed = set(), set()  # what globals the code names hold, and the other globals
-    for sub in own_modules:
-        skipped.add(id(vars(sub)))
-        for name, value in vars(sub).items():
-            if name not in _MODULE_ATTRIBUTES and _names_one(value, others):
-                return f"its attribute {name!r} holds another block's module or its id"
-        for klass in type(sub).__mro__[: type(sub).__mro__.index(torch.nn.Module)]:
-            for fn in vars(klass).values():
-                if isinstance(fn, types.FunctionType):
-                    if id(fn.__globals__) not in skipped:  # globals the code does not name are not read
-                        skipped.add(id(fn.__globals__))
-                        unnamed.update(map(_held_id, fn.__globals__.values()))
-                    for name in _global_names(fn.__code__):
-                        named.add(_held_id(fn.__globals__.get(name)))
-                        if _names_one(fn.__globals__.get(name), ids):
-                            return f"the global {name!r} holds one of its modules or their ids"
-    skipped |= unnamed - named
-    for container in containers:
-        if id(container) not in skipped and not _buffer(container):
-            keyed = isinstance(container, (dict, types.MappingProxyType, _Slots, _FunctionState))
-            items = container.items() if keyed else enumerate(container)
-            for key, value in items:
-                if _names_one(key, ids) or _names_one(value, ids):
-                    return f"a Python value it can read holds one of its modules or their ids (at {key!r})"
-    return None
-
-
-def _held_objects(module: torch.nn.Module) -> dict[int, object]:
-    """The objects and functions a module's attributes hold, by id, levels down (through
-    dicts, their keys too, sequences, sets, and user objects' attributes and slots), other
-    than modules, tensors, classes and scalars."""
-    found: dict[int, object] = {}
-    seen: set[int] = set()
-
-    def walk(value, levels: int) -> None:
-        if not levels or id(value) in seen or type(value) in SCALARS or isinstance(value, _NOT_HELD):
-            return
-        seen.add(id(value))
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(key, levels - 1)
-                walk(item, levels - 1)
-        elif isinstance(value, (list, tuple, set, frozenset, collections.deque)):
-            for item in value:
-                walk(item, levels - 1)
-        elif hasattr(value, "__dict__") and not _buffer(value):
-            found[id(value)] = value
-            if not is_library(type(value)):  # a library's object: itself, not what it holds
-                for item in vars(value).values():
-                    walk(item, levels - 1)
-        elif slot_names(type(value)) and not is_library(type(value)):
-            for name in slot_names(type(value)):
-                walk(getattr(value, name, None), levels - 1)
-
-    for name, value in vars(module).items():
-        if name not in _MODULE_ATTRIBUTES:
-            walk(value, _HELD_LEVELS)
-    return found
-
-
-def _distinct_held(modules: list) -> list:
-    """What modules of a class hold that not all of them hold: a table keyed by one (or
-    by its id) tells them apart; an object they all hold (a shared config) tells nothing."""
-    by_class: dict[type, list[dict]] = collections.defaultdict(list)
-    for module in modules:
-        by_class[type(module)].append(_held_objects(module))
-    found = []
-    for held in by_class.values():
-        shared = set.intersection(*map(set, held))
-        found += [x for objects in held for key, x in objects.items() if key not in shared]
-    return found
-
-
-_HELD_LEVELS = 4
-_NOT_HELD = (torch.nn.Module, torch.Tensor, type, types.ModuleType)
-
-
-def _held_id(value) -> int:
-    """The id of the container :func:`python_state` keeps for a global's value: the value
-    (a dict, a list) or an object's ``__dict__``."""
-    state = getattr(value, "__dict__", None)
-    return id(state) if type(state) is dict and not isinstance(value, type) else id(value)
-
-
-_MODULE_ATTRIBUTES = frozenset(vars(torch.nn.Module()))  # nn.Module's own: tables, flags
-
-
-@functools.lru_cache(maxsize=1024)
-def _global_names(code: types.CodeType) -> frozenset[str]:
-    return frozenset(code_names(code)[0])
-
-
-def _names_one(value, ids: set[int]) -> bool:
-    """Whether ``value`` is one of the modules ``ids`` names or one of those ids, or a
-    container (weak ones too) holding one, one level down (two for a dict's values), at
-    any size (an id is looked up, not compared)."""
-    if id(value) in ids or (type(value) is int and value in ids):
-        return True
-    if isinstance(value, weakref.ref):
-        return id(value()) in ids
-    if isinstance(value, weakref.WeakValueDictionary):
-        value = dict(value.items())
-    if isinstance(value, (dict, weakref.WeakKeyDictionary)):
-        return any(_one(k, ids) or _names_one(v, ids) for k, v in value.items() if not isinstance(v, dict))
-    if isinstance(value, (set, frozenset, list, tuple, collections.deque, weakref.WeakSet)):
-        return any(_one(x, ids) for x in value)
-    return False
-
-
-def _one(value, ids: set[int]) -> bool:
-    return id(value) in ids or (type(value) is int and value in ids)
 
 
 _OBJECT_LEVELS = 8  # objects followed down from a module's attributes
@@ -227,7 +94,8 @@ def _cell_contents(cell) -> object:
         return _ABSENT
 
 
-def _buffer(value) -> bool:
+def is_buffer(value) -> bool:
+    """A NumPy array, an ``array`` or a bytearray: compared by a copy, not item by item."""
     numpy = sys.modules.get("numpy")
     return isinstance(value, (bytearray, array.array)) or (numpy is not None and isinstance(value, numpy.ndarray))
 
@@ -242,17 +110,17 @@ def _reachable(values, found: dict[int, object], tree: set[int], levels: int) ->
             continue
         if isinstance(value, torch.nn.Module) and id(value) in tree:
             continue  # the block's own: its tables are watched
-        if isinstance(value, (dict, list, collections.deque)) or _buffer(value):
+        if isinstance(value, (dict, list, collections.deque, set)) or is_buffer(value):
             if id(value) not in found:
                 found[id(value)] = value
-                if not _buffer(value):
+                if not is_buffer(value):
                     _reachable(value.values() if isinstance(value, dict) else value, found, tree, levels - 1)
-        elif isinstance(value, (tuple, set, frozenset)):
+        elif isinstance(value, (tuple, frozenset)):
             _reachable(value, found, tree, levels - 1)
         elif isinstance(value, types.FunctionType):
-            if id(value) not in found:
+            if id(value) not in found:  # what its cells hold, as deep as the function itself
                 found[id(value)] = _FunctionState(value)
-                _reachable([v for _, v in found[id(value)].items()], found, tree, levels - 1)
+                _reachable([v for _, v in found[id(value)].items()], found, tree, max(levels, 2) - 1)
         elif isinstance(value, functools.partial):
             _reachable((value.func, value.args, value.keywords), found, tree, levels - 1)
         elif isinstance(value, types.MethodType):
@@ -277,10 +145,12 @@ def contents(container) -> tuple:
     meanwhile could leave its address to a new one)."""
     if isinstance(container, dict) and dict_version is not None:
         return ("version", dict_version(container))
-    if _buffer(container):
+    if is_buffer(container):
         return ("copy", container.copy() if hasattr(container, "copy") else container[:])
     if isinstance(container, (list, collections.deque)):
         return ("items", list(container))
+    if isinstance(container, set):
+        return ("set", set(container))
     return ("items", list(container.items()))
 
 
@@ -307,6 +177,8 @@ def changed(container, before: tuple) -> bool:
     kind, held = before
     if kind == "version":
         return dict_version(container) != held
+    if kind == "set":
+        return container != held
     if kind == "copy":
         numpy = sys.modules.get("numpy")
         if numpy is not None and isinstance(held, numpy.ndarray):

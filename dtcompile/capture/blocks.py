@@ -36,15 +36,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..core import TensorProxy
 from ..core.torch_internals import make_dtensor
 from .block_calls import block_program, call_again, first_call, training_programs
-from .block_checks import (
-    Held,
-    arguments_changed,
-    identity_read,
-    inputs_depend,
-    python_state,
-    recording_counts,
-    unreplayable,
-)
+from .block_checks import Held, arguments_changed, inputs_depend, python_state, recording_counts, unreplayable
+from .block_identity import identity_read
 from .block_training import BlockReplayFailed, GradReplay, backward_template
 from .equivalence import (
     GLOBAL_HOOKS,
@@ -119,6 +112,7 @@ class RepeatedBlocks:
         self.recording = recording
         self.paths = module_state.paths  # id of each module of the traced tree -> its path
         self.modules = module_state.modules
+        self.tensors = frozenset(module_state.proxies)  # ids of the tensors the tree holds (not their proxies)
         self.root = module_state.modules[0] if module_state.modules else None
         self.templates: dict[type, list[BlockTemplate]] = {}
         self.recording_depth = 0
@@ -214,7 +208,7 @@ class RepeatedBlocks:
             if any(leaf._spec is not spec for leaf, spec in specs)
             else "it changed a container it received"
             if arguments_changed(args, kwargs, flat_args, treespec)
-            else identity_read(module, held.containers, self.modules) or unreplayable(template.symbols)
+            else identity_read(module, held.containers, self.modules, self.tensors) or unreplayable(template.symbols)
         )
         if template.refused is None:
             template.refused = self._describe(template, module, flat_args, out)

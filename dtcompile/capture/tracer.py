@@ -35,16 +35,8 @@ from .global_state import (
     state_put_back,
 )
 from .grad_checks import gradient_refusal
-from .inputs import (
-    DictInput,
-    DTensorInput,
-    InputNode,
-    InputProxifier,
-    ObjectInput,
-    SequenceInput,
-    brings_proxy,
-    iter_leaves,
-)
+from .input_nodes import DictInput, DTensorInput, InputNode, ObjectInput, SequenceInput, brings_proxy, iter_leaves
+from .inputs import InputProxifier
 from .method_checks import effects_refused, retained_outputs
 from .module_state import ModuleState, ModuleUpdate
 from .objects import AttributeUpdate, respec_refusal
@@ -201,7 +193,7 @@ def _capture(
                 "dtcompile.jit: the function calls a module managed by FSDP2's fully_shard; compile the module "
                 "itself (dtcompile.jit(model)) and compute the loss outside it"
             )
-    proxifier.objects.refuse_other_paths(inputs.python_state.reads)
+    proxifier.refuse_other_paths(inputs.python_state.reads)
     for read in inputs.python_state.reads:
         if read.contents:  # a global dict of settings: its items changed in place are seen, and put back
             snapshot.add(read.value, read.where, depth=ALL_LEVELS)  # as deep as it is guarded
