@@ -430,3 +430,14 @@ def test_grad_assigned_on_a_closed_over_tensor_is_refused(cache, how):
     with pytest.raises(TracingError, match="Tensor.grad is assigned on a tensor the call closes over"):
         dtcompile.jit(f, cache=cache)(torch.ones(3, 3))
     assert isinstance(lin.weight.grad, torch.Tensor) and type(lin.weight.grad) is torch.Tensor
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("stats", [False, True], ids=["no running stats", "running stats"])
+def test_functional_batch_norm_of_a_transposed_input_has_eager_strides(cache, stats):
+    def f(a):
+        mean, var = (torch.zeros(4), torch.ones(4)) if stats else (None, None)
+        return torch.nn.functional.batch_norm(a, mean, var, training=True).view(-1)
+
+    x = torch.randn(4, 6).t()
+    torch.testing.assert_close(dtcompile.jit(f, cache=cache)(x), f(x))

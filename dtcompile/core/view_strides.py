@@ -24,23 +24,24 @@ from .torch_internals import dispatch_modes_off, fake_in_storage
 _RESHAPING_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
-# The backward last: its input is its second argument.
-_BATCH_NORMS = tuple(
-    getattr(torch.ops.aten, name).default
-    for name in (
-        "native_batch_norm",
-        "_native_batch_norm_legit",
-        "_native_batch_norm_legit_no_training",
-        "_native_batch_norm_legit_functional",
-        "native_batch_norm_backward",
+_BATCH_NORM_BACKWARD = torch.ops.aten.native_batch_norm_backward.default  # its input: the second argument
+_BATCH_NORMS = frozenset(
+    getattr(packet, overload)
+    for packet in (
+        torch.ops.aten.native_batch_norm,
+        torch.ops.aten._native_batch_norm_legit,  # ``no_stats`` too: training without running stats
+        torch.ops.aten._native_batch_norm_legit_no_training,
+        torch.ops.aten._native_batch_norm_legit_functional,
     )
-)
+    for overload in packet.overloads()
+    if overload != "out"
+) | {_BATCH_NORM_BACKWARD}
 
 
 def with_eager_strides(fake_mode, func, fake_args: tuple, fake_out):
     """``fake_out`` with the strides eager's kernel gives it (see the module docstring)."""
     if func in _BATCH_NORMS:
-        return _batch_norm_strides(fake_mode, fake_args[1 if func is _BATCH_NORMS[-1] else 0], fake_out)
+        return _batch_norm_strides(fake_mode, fake_args[1 if func is _BATCH_NORM_BACKWARD else 0], fake_out)
     return with_eager_view_strides(fake_mode, func, fake_args, fake_out)
 
 
