@@ -279,6 +279,8 @@ def test_hooks_taking_keyword_arguments_are_compared_by_position(cache):
 
 REGISTRY: dict = {}
 ACTIVE: set = set()
+
+
 @functools.cache
 def _factor_of(layer) -> float:
     return 3.0 if layer is REGISTRY.get("special") else 1.0
