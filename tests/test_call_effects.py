@@ -194,6 +194,55 @@ def test_storage_reads_are_refused(cache):
         dtcompile.jit(lambda a: a.untyped_storage().nbytes(), cache=cache)(torch.arange(10.0)[:3])
 
 
+_W = torch.ones(3)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize(
+    "fn, match",
+    [
+        (lambda a, b: a + a._is_view(), r"_is_view\(\) of args\[0\]"),
+        (lambda a, b: a + (a._base is None), r"\._base of args\[0\]"),
+        (lambda a, b: b * a._version, r"\._version of args\[0\]"),
+        (lambda a, b: a + a.is_shared(), r"is_shared\(\) of args\[0\]"),
+        (lambda a, b: a + _W._version, "closes over"),
+        (lambda a, b: a + a.is_set_to(b), "is_set_to"),
+        (lambda a, b: torch.from_dlpack(a.__dlpack__()) + 1, "__dlpack__"),
+        (lambda a, b: torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(a)) + 1, "to_dlpack"),
+    ],
+    ids=["_is_view", "_base", "_version", "is_shared", "closed-over _version", "is_set_to", "__dlpack__", "to_dlpack"],
+)
+def test_what_the_callers_tensor_is_beside_its_metadata_is_refused(cache, fn, match):
+    base = torch.arange(6.0)
+    a = base[:3]
+    a.add_(1)  # a view, written once: eager's answers differ from a fresh tensor's
+    with pytest.raises(TracingError, match=match):
+        dtcompile.jit(fn, cache=cache)(a, base[:3])
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_views_and_versions_of_tensors_made_inside_are_eagers(cache):
+    def f(a):
+        m = a * 1
+        v = m.t()
+        before = v._version
+        v.mul_(2)
+        return m, v._is_view(), v._base is m, v._version - before, m._version
+
+    expected = f(torch.ones(2, 3))
+    got = dtcompile.jit(f, cache=cache)(torch.ones(2, 3))
+    torch.testing.assert_close(got[0], expected[0])
+    assert got[1:] == expected[1:] == (True, True, 1, 1)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("attribute", ["_version", "_base"])
+def test_a_view_of_a_received_tensor_answers_as_the_callers(cache, attribute):
+    # The view shares the caller's tensor's version counter, and its base is that tensor's base.
+    with pytest.raises(TracingError, match=rf"\.{attribute} of args\[0\]"):
+        dtcompile.jit(lambda a: (a.t() * 1, getattr(a.t(), attribute)), cache=cache)(torch.ones(2, 3)[:1])
+
+
 @pytest.mark.parametrize("cache", CACHES)
 def test_is_inference_is_the_call_tensors_and_guarded(cache):
     jitted = dtcompile.jit(lambda a: (a * 2, a.is_inference()), cache=cache)

@@ -26,19 +26,22 @@ from ..core.symbol import leaves as leaves_of
 from ..core.symbolic import is_symbolic
 from .method_checks import (
     AUTOGRAD_ATTRIBUTES,
+    CALLER_ATTRIBUTES,
     CHECKED,
     NOT_ANSWERED,
     autograd_attribute,
+    caller_read_refusal,
     check_method,
     real_tensor,
     received,
+    received_base,
 )
 from .op_memo import MISSED, OpMemo, state
 from .placements import describe_placements
 from .recorder import Recording
 
 # Tensor methods that hand the caller a tensor's data outside torch (NumPy, Python lists).
-_DATA_READS = {torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.data_ptr}
+_DATA_READS = {torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.data_ptr, torch.Tensor.__dlpack__}
 _HOOK_REGISTRATIONS = {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
 
 # Tensor methods that read a tensor's metadata and dispatch no op. On a proxy or a fake,
@@ -219,6 +222,15 @@ class CallAnnotator(TorchFunctionMode):
                 answer = autograd_attribute(attribute, args[0], self.recording)
                 if answer is not NOT_ANSWERED:
                     return answer
+            if func.__name__ == "__get__" and attribute in CALLER_ATTRIBUTES and args and _user_frame():
+                path = received_base(args[0])
+                if path is not None:
+                    raise caller_read_refusal(f".{attribute}", path)
+                if attribute == "_version" and real_tensor(args[0]):
+                    raise TracingError(
+                        "dtcompile.jit: the traced code reads ._version of a tensor the call closes over: it counts "
+                        "the writes to it, which change from call to call. Read it before the call"
+                    )
             if func.__name__ == "__get__" and attribute == "nbytes" and args and _is_traced(args[0]):
                 return args[0].numel() * args[0].element_size()  # torch's asks for a concrete count
             if func.__name__ == "__get__" and attribute == "grad" and args and real_tensor(args[0]):

@@ -13,6 +13,10 @@ the call's tensor.
   address would be constants of the program.
 - ``is_inference()`` of a tensor the call received is the call's tensor's (a proxy made
   inside ``inference_mode`` would say True of a normal tensor); the prologue guards it.
+- What a tensor the call received is beside its metadata (``_is_view()``, ``_base``,
+  ``_version``, ``is_shared()``), read by the user's code, is the caller's tensor's, which
+  the traced tensor does not know; refused. ``is_set_to`` of a traced tensor has no
+  kernel for it (nor does DLPack, refused where the tracer patches it).
 """
 
 from __future__ import annotations
@@ -31,9 +35,15 @@ _BACKWARDS = {torch.Tensor.backward, torch.autograd.backward}
 _STORAGE_READS = {torch.Tensor.untyped_storage} | (
     {torch.Tensor.storage, torch.Tensor._typed_storage} if hasattr(torch.Tensor, "_typed_storage") else set()
 )
+_CALLER_READS = {torch.Tensor._is_view, torch.Tensor.is_shared}
 CHECKED = (
-    _BACKWARDS | _STORAGE_READS | {torch.Tensor.register_hook, torch.Tensor.retain_grad, torch.Tensor.is_inference}
+    _BACKWARDS
+    | _STORAGE_READS
+    | _CALLER_READS
+    | {torch.Tensor.register_hook, torch.Tensor.retain_grad, torch.Tensor.is_inference, torch.Tensor.is_set_to}
 )
+# Attributes of a received tensor that are the caller's tensor's, not the traced one's.
+CALLER_ATTRIBUTES = frozenset({"_base", "_version"})
 NOT_ANSWERED = object()
 _PERSISTING = {torch.Tensor.register_hook, torch.Tensor.retain_grad}
 
@@ -54,6 +64,18 @@ def received(value) -> InputPath | None:
     proxy = local_proxy(value)
     provenance = getattr(proxy, "provenance", None)
     return provenance if isinstance(provenance, InputPath) else None
+
+
+def received_base(value) -> InputPath | None:
+    """Where the tensor whose memory a traced tensor views came from in the call, where
+    the call received it: the view shares its version counter, and its ``_base`` is the
+    caller's tensor's base."""
+    proxy = local_proxy(value)
+    if proxy is None:
+        return None
+    with torch._C.DisableTorchFunction():
+        base = proxy._base if proxy._is_view() else None
+    return received(proxy) or (received(base) if base is not None else None)
 
 
 def check_method(func, args: tuple, recording) -> object:
@@ -97,7 +119,22 @@ def check_method(func, args: tuple, recording) -> object:
         )
     elif func is torch.Tensor.is_inference and path is not None and proxy.label in recording.real_of:
         return recording.real_of[proxy.label].is_inference()
+    elif func in _CALLER_READS and path is not None and _called_by_user(func):
+        raise caller_read_refusal(f"{func.__name__}()", path)
+    elif func is torch.Tensor.is_set_to:
+        raise TracingError(
+            "dtcompile.jit: Tensor.is_set_to of a traced tensor: whether two tensors are set to the same memory is "
+            "not known while tracing. Compare them before the call"
+        )
     return NOT_ANSWERED
+
+
+def caller_read_refusal(what: str, path: InputPath) -> TracingError:
+    return TracingError(
+        f"dtcompile.jit: the traced code reads {what} of {_where(path)}, a tensor the call received: that is the "
+        "caller's tensor's (whether it is a view, of what, how often it was written in place, whether it is in "
+        "shared memory), which a compiled program does not know. Read it before the call"
+    )
 
 
 AUTOGRAD_ATTRIBUTES = frozenset({"is_leaf", "grad_fn"})
@@ -146,17 +183,28 @@ def effects_refused():
     if outermost:
         TextRefusals.refused.clear()
     original = torch.autograd.backward
+    dlpack = torch.utils.dlpack.to_dlpack
 
     def backward(*args, **kwargs):
         if _called_by_user(backward):
             raise _backward_refusal(original)
         return original(*args, **kwargs)
 
+    def to_dlpack(tensor, *args, **kwargs):
+        if local_proxy(tensor) is not None or is_fake(tensor):  # (it reads the storage, which a proxy lacks)
+            raise TracingError(
+                "dtcompile.jit: to_dlpack of a traced tensor: the data leaves torch, which a compiled program "
+                "cannot record. Hand it over outside the call"
+            )
+        return dlpack(tensor, *args, **kwargs)
+
     torch.autograd.backward = backward
+    torch.utils.dlpack.to_dlpack = torch.to_dlpack = to_dlpack
     try:
         yield
     finally:
         torch.autograd.backward = original
+        torch.utils.dlpack.to_dlpack = torch.to_dlpack = dlpack
         TextRefusals.active -= 1
         swallowed = TextRefusals.refused[:1] if outermost else []
         if outermost:
