@@ -5,7 +5,10 @@ Each case was silently wrong or crashed before: autocast's cast cache kept a pro
 Python attributes set on tensors, tensors turned into text, storage reads, inference
 tensors, and torch ops that take no symbolic sizes."""
 
+import copy
+import io
 import logging
+import pickle
 
 import pytest
 import torch
@@ -218,6 +221,33 @@ def test_what_the_callers_tensor_is_beside_its_metadata_is_refused(cache, fn, ma
     a.add_(1)  # a view, written once: eager's answers differ from a fresh tensor's
     with pytest.raises(TracingError, match=match):
         dtcompile.jit(fn, cache=cache)(a, base[:3])
+
+
+def _saved(a):
+    buffer = io.BytesIO()
+    torch.save(a, buffer)
+    return a + len(buffer.getvalue())
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize(
+    "fn, match",
+    [
+        (_saved, "pickled"),
+        (lambda a: a + len(pickle.dumps(a)), "pickled"),
+        (lambda a: copy.deepcopy(a) + 1, "deepcopy"),
+        (lambda a: torch.tensor([a[0], a[1]]) + 1, "torch.tensor"),
+        (lambda a: torch.as_tensor([a[0] * 2]), "torch.as_tensor"),
+        (lambda a: a.to_sparse().to_dense() + 1, "to_sparse"),
+        (lambda a: a.clone().share_memory_() + 1, "share_memory_"),
+    ],
+    ids=["torch.save", "pickle", "deepcopy", "torch.tensor of a list", "as_tensor", "to_sparse", "share_memory_"],
+)
+def test_what_a_traced_tensor_cannot_hand_over_is_refused(cache, fn, match):
+    # Each ran in eager and crashed while tracing (an internal error, a segfault for DLPack).
+    fn(torch.arange(3.0))
+    with pytest.raises(TracingError, match=match):
+        dtcompile.jit(fn, cache=cache)(torch.arange(3.0))
 
 
 @pytest.mark.parametrize("cache", CACHES)

@@ -83,7 +83,12 @@ class Equivalence:
         if category is _METHOD:
             return a.__func__ is b.__func__ and self(a.__self__, b.__self__, depth)
         if category is _PARTIAL:
-            return self(a.func, b.func, depth) and self(a.args, b.args, depth) and self(a.keywords, b.keywords, depth)
+            return (
+                self(a.func, b.func, depth)
+                and self(a.args, b.args, depth)
+                and self(a.keywords, b.keywords, depth)
+                and self(vars(a), vars(b), depth)  # its own attributes (``act.k``)
+            )
         if category is _IDENTITY or not hasattr(a, "__dict__"):
             return False  # by identity only
         pair = (id(a), id(b))  # a style object both hooks of a module hold, compared once
@@ -155,6 +160,15 @@ def _category(kind: type) -> str:
     ):
         if issubclass(kind, bases):
             return category
-    if kind.__module__ == "builtins" or slot_names(kind):
+    if kind.__module__ == "builtins" or slot_names(kind) or _c_base(kind):
         return _IDENTITY  # compared by identity only
     return _OBJECT
+
+
+_PLAIN_SIZE = type("_PlainClass", (), {}).__basicsize__  # an instance of a class statement's, without slots
+
+
+def _c_base(kind: type) -> bool:
+    """Whether ``kind``'s instances hold state in C beside their ``__dict__`` (a subclass
+    of a deque, an array, a NumPy array, a Decimal, an exception)."""
+    return kind.__basicsize__ > _PLAIN_SIZE

@@ -42,6 +42,8 @@ from .recorder import Recording
 
 # Tensor methods that hand the caller a tensor's data outside torch (NumPy, Python lists).
 _DATA_READS = {torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.data_ptr, torch.Tensor.__dlpack__}
+# Factories that read the values of the tensors in a (nested) list of their data.
+_NEW_TENSORS = {torch.tensor, torch.as_tensor, torch.asarray}
 _HOOK_REGISTRATIONS = {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
 
 # Tensor methods that read a tensor's metadata and dispatch no op. On a proxy or a fake,
@@ -248,6 +250,10 @@ class CallAnnotator(TorchFunctionMode):
         leaves = leaves_of((args, kwargs))
         if func in _DATA_READS and any(_is_traced(x) for x in leaves):
             raise data_dependent_error(_short_name(func), "the data leaves torch")
+        if func in _NEW_TENSORS and not isinstance(args[0], torch.Tensor) and any(_is_traced(x) for x in leaves):
+            raise data_dependent_error(
+                _short_name(func), "it reads the values of the traced tensors in its data; use torch.stack"
+            )
         if func in _HOOK_REGISTRATIONS and _is_traced(args[0]):
             self._check_hook(func, args)
         if func in _METADATA_IN_PLACE and _symbolic_input(args[0]):

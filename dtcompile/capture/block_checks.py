@@ -17,6 +17,7 @@ from ..core.torch_internals import dict_version
 from .alike import SCALARS
 from .equivalence import TENSOR_TABLES
 from .objects import slot_names
+from .python_state import PythonState
 from .user_code import is_library
 
 
@@ -122,7 +123,7 @@ def _reachable(values, found: dict[int, object], tree: set[int], levels: int) ->
                 found[id(value)] = _FunctionState(value)
                 _reachable([v for _, v in found[id(value)].items()], found, tree, max(levels, 2) - 1)
         elif isinstance(value, functools.partial):
-            _reachable((value.func, value.args, value.keywords), found, tree, levels - 1)
+            _reachable((value.func, value.args, value.keywords, vars(value)), found, tree, levels - 1)
         elif isinstance(value, types.MethodType):
             _reachable((value.__func__, value.__self__), found, tree, levels)
         else:
@@ -156,18 +157,24 @@ def contents(container) -> tuple:
 
 class Held:
     """What some containers hold now, to tell later whether any changed: the dicts by
-    their versions, read in one pass; the others by :func:`contents`."""
+    their versions, read in one pass; the others by :func:`contents`. And, where a
+    module is given, each value its guards would read (``python_state.PythonState``:
+    ``CFG["attn"]["scale"]``, another module's global, the environment), compared as the
+    guards compare it: a parent may change one between its layers."""
 
-    def __init__(self, containers: list):
+    def __init__(self, containers: list, module: torch.nn.Module | None = None):
         self.containers = containers
         versioned = [dict_version is not None and isinstance(c, dict) for c in containers]
         self._dicts = [c for c, v in zip(containers, versioned) if v]
         self._versions = list(map(dict_version, self._dicts)) if self._dicts else []
         self._others = [(c, contents(c)) for c, v in zip(containers, versioned) if not v]
+        self._reads = PythonState.of_module(module).reads if module is not None else []
 
     def changed(self) -> bool:
-        return list(map(dict_version, self._dicts)) != self._versions or any(
-            changed(c, before) for c, before in self._others
+        return (
+            list(map(dict_version, self._dicts)) != self._versions
+            or any(changed(c, before) for c, before in self._others)
+            or not all(read.unchanged() for read in self._reads)
         )
 
 

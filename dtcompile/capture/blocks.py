@@ -190,7 +190,7 @@ class RepeatedBlocks:
         recording = self.recording
         start = len(recording.bound_symbols)
         counts = recording_counts(recording)
-        template.python_state = held = Held(python_state(module))
+        template.python_state = held = Held(python_state(module), module)
         flat_args, treespec = tree_flatten((args, kwargs))
         specs = [(leaf, leaf._spec) for leaf in flat_args if isinstance(leaf, DTensor)]
         self.recording_depth += 1

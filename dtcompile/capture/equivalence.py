@@ -32,9 +32,11 @@ from ..core.torch_internals import (
     dtensor_op_handlers,
     function_modes,
     mask_buffer,
+    saved_tensors_hooks,
     sdpa_backends,
 )
 from .alike import SCALARS, Equivalence
+from .method_checks import received
 from .python_reads import value_key
 from .tensor_attributes import attributes_key, user_attributes
 
@@ -137,6 +139,9 @@ def arguments_key(args: tuple, kwargs: dict) -> tuple | None:
             key = traced_key(leaf)
             if key is None or user_attributes(leaf):
                 return None  # not traced, or an attribute of its own (``x.tag``) the block may read
+            if leaf.requires_grad:  # what ``is_leaf`` answers: the caller's, for a tensor the call received
+                with torch._C.DisableTorchFunction():
+                    key = (key, received(leaf) or leaf.is_leaf)
         elif type(leaf) in SCALARS:
             key = value_key(leaf)
         elif isinstance(leaf, torch.SymInt):
@@ -163,7 +168,8 @@ def _bound_key(bound) -> object:
 def dispatch_state() -> tuple:
     """What decides how an op runs besides its arguments, which a forward could change
     between its layers: grad and inference mode, autocast, the default dtype, the torch
-    function modes (a default device), DTensor's implicit replication and op handlers."""
+    function modes (a default device), DTensor's implicit replication and op handlers,
+    the saved tensors hooks."""
     handlers = dtensor_op_handlers()
     return (
         torch.is_grad_enabled(),
@@ -176,6 +182,7 @@ def dispatch_state() -> tuple:
         dtensor_implicit_replication(),
         id(handlers),
         tuple(handlers),
+        saved_tensors_hooks(),  # what autograd saves for the backward, and gives back
     )
 
 
@@ -296,7 +303,23 @@ def why_different(first: list, other: torch.nn.Module) -> str | None:
                     return f"{_where(path, name)} differs"
             elif not equivalent(x, y):
                 return f"{_where(path, name)} differs"
+    if _sharing(va for _, _, va, *_ in first) != _sharing(vars(b) for _, b in others):
+        return "their tensors are shared otherwise (tied weights)"  # code may ask ``self.a.weight is self.b.weight``
     return None
+
+
+def _sharing(attribute_dicts) -> list[int]:
+    """Which of a subtree's tensors are the same object: for each (by ``named_tensors``'s
+    order), where it first appears."""
+    first: dict[int, int] = {}
+    found = []
+    for attributes in attribute_dicts:
+        for name, value in attributes.items():
+            values = value.values() if name in TENSOR_TABLES else (value,)
+            for tensor in values:
+                if isinstance(tensor, torch.Tensor):
+                    found.append(first.setdefault(id(tensor), len(first)))
+    return found
 
 
 # Tables of flags keyed by a hook's handle id (True: it takes keyword arguments, or runs

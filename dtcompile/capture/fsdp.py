@@ -34,7 +34,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..core import TracingError
-from ..core.torch_internals import fsdp_cast_inputs, fsdp_cast_output, fsdp_param_groups, fsdp_unsharded_spec
+from ..core.fsdp_internals import fsdp_cast_inputs, fsdp_cast_output, fsdp_param_groups, fsdp_unsharded_spec
 
 
 class UnsupportedFSDPError(TracingError):

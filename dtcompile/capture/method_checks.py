@@ -41,6 +41,7 @@ CHECKED = (
     | _STORAGE_READS
     | _CALLER_READS
     | {torch.Tensor.register_hook, torch.Tensor.retain_grad, torch.Tensor.is_inference, torch.Tensor.is_set_to}
+    | {torch.Tensor.share_memory_}
 )
 # Attributes of a received tensor that are the caller's tensor's, not the traced one's.
 CALLER_ATTRIBUTES = frozenset({"_base", "_version"})
@@ -121,6 +122,11 @@ def check_method(func, args: tuple, recording) -> object:
         return recording.real_of[proxy.label].is_inference()
     elif func in _CALLER_READS and path is not None and _called_by_user(func):
         raise caller_read_refusal(f"{func.__name__}()", path)
+    elif func is torch.Tensor.share_memory_:
+        raise TracingError(
+            "dtcompile.jit: Tensor.share_memory_ of a traced tensor: it moves the tensor's storage, which a "
+            "compiled program cannot record. Call it before the call"
+        )
     elif func is torch.Tensor.is_set_to:
         raise TracingError(
             "dtcompile.jit: Tensor.is_set_to of a traced tensor: whether two tensors are set to the same memory is "

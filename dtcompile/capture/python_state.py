@@ -15,9 +15,9 @@ hook), so what is guarded is what the code *can* read, found before tracing:
   standard library, and anything installed in site-packages.
 - **Globals** each such function's code loads (``LOAD_GLOBAL`` in its bytecode, nested
   functions and lambdas included), from its ``__globals__`` (one absent there, a builtin
-  or a name not defined yet, is guarded as absent); the **closure cells**
-  it holds; its **default arguments** (``__defaults__``, ``__kwdefaults__``); a
-  ``functools.partial``'s arguments and keywords; the attributes a Python module holds
+  or a name not defined yet, is guarded as absent); the **closure cells** it holds; its
+  **default arguments** (``__defaults__``, ``__kwdefaults__``); a ``functools.partial``'s
+  arguments, keywords and attributes; the attributes a Python module holds
   (imported at the top or inside the function) under the other names its code uses
   (``cfg.SCALE``; of a library module, by identity: ``F.relu`` patched is seen); where
   the code names ``os``, the environment's contents (``os.environ``, ``os.getenv``).
@@ -55,12 +55,11 @@ anything else (functions, classes, tensors, modules, objects) by identity.
 
 Not guarded: iterators (one the traced code advances is refused: ``snapshots.py``), a
 library class's attributes other than a module's ``forward`` (and ``nn.Module``'s own),
-a class's bases, values read inside library code (a global of
-``transformers`` changed), names reached only through strings (``getattr(cfg, name)``),
-the contents of NumPy arrays of objects, objects of C types other than the containers
-above (their state is not in Python attributes). A global, class
-attribute or closure variable the traced code rebinds is refused and put back: the
-rebinding would happen once, while tracing.
+a class's bases, values read inside library code (a global of ``transformers`` changed),
+names reached only through strings (``getattr(cfg, name)``), the contents of NumPy arrays
+of objects, objects of C types other than the containers above (their state is not in
+Python attributes). A global, class attribute or closure variable the traced code
+rebinds is refused and put back: the rebinding would happen once, while tracing.
 """
 
 from __future__ import annotations
@@ -184,11 +183,12 @@ class PythonState:
         if isinstance(value, functools.partial):
             self._walked.add(id(value))
             self.follow(value.func, where)
-            # Its keywords dict can change in place; its arguments are a tuple, but what they
-            # hold can (a list).
+            # Its keywords and attributes (``act.k``) can change in place, and what its arguments hold.
             self._read(value, None, value.keywords, f"the keyword arguments of {where}", attribute="keywords")
             self._read(value, None, value.args, f"the arguments of {where}", attribute="args")
-            for item in (*value.args, *value.keywords.values()):
+            if attributes := vars(value):
+                self._read(value, None, attributes, f"the attributes of {where}", attribute="__dict__")
+            for item in (*value.args, *value.keywords.values(), *attributes.values()):
                 self.follow(item, where)
             return
         compiled = attribute_or_none(value, "_dtcompile")  # a jitted function called inside: inlined

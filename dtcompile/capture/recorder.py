@@ -14,14 +14,9 @@ Two modes are active while a call is traced:
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import torch
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensorMode,
-)
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext, free_unbacked_symbols
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -37,35 +32,19 @@ from ..core import (
     TensorProxy,
     TracingError,
     aten_symbol,
-    data_dependent_error,
 )
 from ..core.printing import NamedConstant, Unprintable, python_literal
 from ..core.symbol import leaves, map_leaves
 from ..core.symbolic import LARGEST_SYMBOLIC_SIZE, is_symbolic, symbolic_expr
 from ..core.torch_internals import fake_mode_active, make_dtensor, set_data_value
-from ..core.view_strides import with_eager_strides
 from .c10d import is_c10d_op, record_c10d
 from .data_branches import size_values_now, value_now
+from .fake_calls import fake_errors_unlogged, run_on_fakes
 from .grad_checks import grad_state
 from .input_fakes import InputFakes
 from .objects import same_spec
 
 _DATA_DEPENDENT_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
-
-
-_FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
-
-
-@contextlib.contextmanager
-def _fake_errors_unlogged():
-    """FakeTensorMode logs a traceback for every op that raises, then re-raises. The
-    error reaches the user as eager's own; the log would only print it twice."""
-    disabled = _FAKE_TENSOR_LOG.disabled
-    _FAKE_TENSOR_LOG.disabled = True
-    try:
-        yield
-    finally:
-        _FAKE_TENSOR_LOG.disabled = disabled
 
 
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
@@ -316,15 +295,7 @@ class Recording:
             return x.fake if isinstance(x, TensorProxy) else x
 
         fake_args, fake_kwargs = map_leaves(to_fake, (args, kwargs))
-        try:
-            with self.fake_mode, _fake_errors_unlogged():
-                fake_out = func(*fake_args, **fake_kwargs)
-        except (DataDependentOutputException, DynamicOutputShapeException) as error:
-            raise data_dependent_error(
-                self.current_call, f"the output of {func}, whose shape or value depends on the data"
-            ) from error
-
-        fake_out = with_eager_strides(self.fake_mode, func, fake_args, fake_out)
+        fake_out = run_on_fakes(self.fake_mode, func, fake_args, fake_kwargs, self.current_call)
         made_by = NoProvenance(str(func))
 
         def to_output_proxy(x):
@@ -350,7 +321,7 @@ class Recording:
         program at each call. The traced code goes on with the symbol; sizes that follow
         from it are symbolic in it."""
         (source,) = args
-        with self.fake_mode, _fake_errors_unlogged():
+        with self.fake_mode, fake_errors_unlogged():
             symbol = func(source.fake, **kwargs)
         number = NumberProxy(self.new_name(), symbolic_expr(symbol), None, FromData(str(func)))
         self.read_by[number.expr] = self.current_call or str(func)

@@ -14,6 +14,8 @@ import array
 import collections
 import functools
 import logging
+import pickle
+import random
 import sys
 import types
 
@@ -50,9 +52,36 @@ def _state(value: object) -> tuple | None:
     if hasattr(type(value), "__next__") and not hasattr(value, "__dict__"):
         position = _position(value)  # a generator, a list's iterator: where it stands, to tell whether it moved
         return None if position is None else ("iterator", position)
+    generator = _generator_state(value)
+    if generator is not None:
+        return ("random", generator)
     if is_rebuildable_object(value) or isinstance(value, _TORCH_STATE):
         return ("object", list(object_state(value).items()))
     return None
+
+
+def _generator_state(value: object) -> bytes | None:
+    """The state of a random generator of its own (``random.Random(seed)``, a NumPy
+    ``Generator`` or ``RandomState``), which lives in C: a draw while tracing would happen
+    once, its number baked into the program."""
+    if isinstance(value, random.Random):
+        return pickle.dumps(value.getstate())
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.random.Generator):
+        return pickle.dumps(value.bit_generator.state)
+    if numpy is not None and isinstance(value, numpy.random.RandomState):
+        return pickle.dumps(value.get_state())
+    return None
+
+
+def _set_generator_state(value: object, state: bytes) -> None:
+    state = pickle.loads(state)
+    if isinstance(value, random.Random):
+        value.setstate(state)
+    elif hasattr(value, "bit_generator"):
+        value.bit_generator.state = state
+    else:
+        value.set_state(state)
 
 
 # torch's objects whose state is the user's: an optimizer's per-parameter state (a step
@@ -129,7 +158,7 @@ def _same(a: tuple, b: tuple) -> bool:
     (kind, items), (other_kind, other_items) = a, b
     if kind != other_kind or len(items) != len(other_items):
         return False
-    if kind in ("set", "iterator"):
+    if kind in ("set", "iterator", "random"):
         return items == other_items
     if kind == "buffer":  # the same bytes
         return bytes(items) == bytes(other_items)
@@ -239,6 +268,8 @@ class DataSnapshot:
                 value.extend(items)
             elif kind == "array":
                 value[...] = items
+            elif kind == "random":
+                _set_generator_state(value, items)
             elif kind in ("dict", "set"):
                 value.clear()
                 value.update(items)

@@ -182,6 +182,19 @@ class TensorProxy(torch.Tensor):
             text += f" stride=({', '.join(str(s) for s in self.stride())})"
         return text + " conj" * self.is_conj() + " neg" * self.is_neg()
 
+    def __reduce_ex__(self, protocol):
+        # (``torch.save``, ``pickle``) a proxy has no data; the tensor's leaves torch
+        raise TracingError(
+            "dtcompile.jit: a traced tensor is pickled (torch.save, pickle): the data leaves torch, which a "
+            "compiled program cannot record. Save it outside the call"
+        )
+
+    def __deepcopy__(self, memo):
+        raise TracingError(
+            "dtcompile.jit: copy.deepcopy of a traced tensor: the copy is not recorded. Use x.clone() (with "
+            ".detach() for a tensor of its own) inside the call"
+        )
+
     def __repr__(self) -> str:  # type: ignore[override]
         _refuse_user_text(self)
         return f"TensorProxy({self.label}: {self.type_string()}, {self.provenance})"

@@ -182,6 +182,8 @@ def module_tensors(b, module: torch.nn.Module, inputs: CallInputs, sources: dict
     if batch:
         b.globals.update(HELD_TABLES=[e[1] for e in batch], HELD_KEYS=[e[2] for e in batch], is_=operator.is_)
         b.lines.append("    HELD = list(map(dict.get, HELD_TABLES, HELD_KEYS))")
+        # Tensors traced as distinct are distinct (code may ask ``self.a.weight is self.b.weight``).
+        b.fail_if(f"len(set(map(id, HELD))) != {len({id(e[4]) for e in batch})}")
         # The objects themselves (a DTensor: its type, requires_grad and global sizes) first:
         # what follows reads their attributes.
         for e in batch:

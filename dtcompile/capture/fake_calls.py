@@ -1,0 +1,56 @@
+"""An op run on fake tensors while tracing, as eager would run it: its errors told as
+dtcompile's (an output that depends on the data, an op torch cannot trace, a layout
+dtcompile does not trace) and its outputs given eager's strides."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.utils._pytree import tree_flatten
+
+from ..core import TracingError, data_dependent_error
+from ..core.view_strides import with_eager_strides
+
+_FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+
+
+@contextlib.contextmanager
+def fake_errors_unlogged():
+    """FakeTensorMode logs a traceback for every op that raises, then re-raises. The
+    error reaches the user as eager's own; the log would only print it twice."""
+    disabled = _FAKE_TENSOR_LOG.disabled
+    _FAKE_TENSOR_LOG.disabled = True
+    try:
+        yield
+    finally:
+        _FAKE_TENSOR_LOG.disabled = disabled
+
+
+def run_on_fakes(fake_mode: FakeTensorMode, func, args: tuple, kwargs: dict, call: str | None):
+    """``func`` on fake ``args``: its fake outputs, with eager's strides. ``call``: the
+    torch-level call that ran it, for the errors."""
+    call = call or str(func)
+    try:
+        with fake_mode, fake_errors_unlogged():
+            out = func(*args, **kwargs)
+    except (DataDependentOutputException, DynamicOutputShapeException) as error:
+        raise data_dependent_error(call, f"the output of {func}, whose shape or value depends on the data") from error
+    except UnsupportedOperatorException as error:
+        raise TracingError(
+            f"dtcompile.jit: {call} runs {func}, which torch cannot trace (it has no fake or meta kernel)"
+        ) from error
+    layouts = {x.layout for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)} - {torch.strided}
+    if layouts:
+        raise TracingError(
+            f"dtcompile.jit: {call} makes a tensor of layout {layouts.pop()}, which dtcompile does not trace "
+            "(only strided tensors)"
+        )
+    return with_eager_strides(fake_mode, func, args, out)
