@@ -435,8 +435,8 @@ def test_a_dtensor_respecced_in_place_is_refused(fake_world, closed_over):
     mesh = init_device_mesh("cpu", (2,))
     x = distribute_tensor(torch.arange(8.0).reshape(1, 8), mesh, [Shard(1)])
     fn = (lambda: _squeezes(x)) if closed_over else _squeezes
-    where = r"a DTensor of shape \(1, 8\) it closes over \(a global or a closure's\)" if closed_over else r"args\[0\]"
-    with pytest.raises(dtcompile.TracingError, match=f"changes the placements or shape of {where} in place"):
+    where = "a tensor the call closes over" if closed_over else r"args\[0\]"
+    with pytest.raises(dtcompile.TracingError, match=f"changes the sizes or strides of {where}"):
         dtcompile.jit(fn)(*(() if closed_over else (x,)))
     assert x.shape == (1, 8) and x.placements == (Shard(1),) and x._local_tensor.shape == (1, 4)
 

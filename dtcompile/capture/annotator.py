@@ -21,9 +21,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_map
 
 from ..core import Note, TensorProxy, TracingError, data_dependent_error
-from ..core.provenance import InputPath
 from ..core.symbol import leaves as leaves_of
-from ..core.symbolic import is_symbolic
 from .method_checks import (
     AUTOGRAD_ATTRIBUTES,
     CALLER_ATTRIBUTES,
@@ -62,25 +60,6 @@ _METADATA_READS = {
 
 _SYMBOLIC_NUMEL = "Cannot call numel() on tensor with symbolic sizes/strides"
 _CONCRETE_SIZES = "expected to contain only concrete integers"
-
-# Tensor methods that change a tensor's sizes or strides in place.
-_METADATA_IN_PLACE = {
-    getattr(torch.Tensor, name)
-    for name in ("t_", "transpose_", "swapdims_", "swapaxes_", "unsqueeze_", "squeeze_", "resize_", "resize_as_")
-    + ("as_strided_", "set_", "unfold_")
-    if hasattr(torch.Tensor, name)
-}
-
-
-def _symbolic_input(value) -> bool:
-    """An argument of the call (a proxy with an input path, or a DTensor around one) with
-    symbolic sizes."""
-    proxy = getattr(value, "_local_tensor", value)
-    return (
-        isinstance(proxy, TensorProxy)
-        and isinstance(proxy.provenance, InputPath)
-        and any(is_symbolic(size) for size in (*proxy.shape, *getattr(value, "shape", ())))
-    )
 
 
 def tag_backward_nodes(inputs: list, outputs: list, note: Note) -> None:
@@ -256,12 +235,6 @@ class CallAnnotator(TorchFunctionMode):
             )
         if func in _HOOK_REGISTRATIONS and _is_traced(args[0]):
             self._check_hook(func, args)
-        if func in _METADATA_IN_PLACE and _symbolic_input(args[0]):
-            raise TracingError(
-                f"dtcompile.jit: {_short_name(func)} changes the sizes or strides of an argument in place, which "
-                "cache='symbolic values' cannot guard (the prologue binds the sizes it was called with). Use the "
-                "out-of-place form (x = x.t()), or cache='constant values'"
-            )
         if any(isinstance(x, DTensor) and not isinstance(x._local_tensor, TensorProxy) for x in leaves):
             args, kwargs = tree_map(self._traced_dtensor, (args, kwargs))
             leaves = leaves_of((args, kwargs))
@@ -280,7 +253,21 @@ class CallAnnotator(TorchFunctionMode):
             raise data_dependent_error(
                 _short_name(func), f"Python control flow on {error.cond}, a number read from tensor data"
             ) from error
+        except ValueError as error:
+            if str(error).startswith("Cannot view a tensor with shape"):  # torch's meta kernel; eager's is this
+                raise RuntimeError(
+                    f"view size is not compatible with input tensor's size and stride ({error}). Use .reshape(...) "
+                    "instead."
+                ) from error
+            raise
         except RuntimeError as error:
+            if "directly modify sizes for customized tensor" in str(error):  # resize_ under symbolic values
+                path = received(args[0])
+                raise TracingError(
+                    f"dtcompile.jit: {_short_name(func)} changes the sizes or strides of "
+                    f"{'a traced tensor' if path is None else path} in place, which dtcompile does not trace. Use the "
+                    "out-of-place form"
+                ) from error
             if "MathBitsFallback" in str(error):  # torch's fallback for conj/neg views asserts on proxies
                 raise TracingError(
                     f"dtcompile.jit: {_short_name(func)} writes in place through a conjugate or negative view "

@@ -5,6 +5,7 @@ dtcompile does not trace) and its outputs given eager's strides."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 
 import torch
@@ -17,6 +18,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._pytree import tree_flatten
 
 from ..core import TracingError, data_dependent_error
+from ..core.provenance import InputPath
 from ..core.view_strides import with_eager_strides
 
 _FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
@@ -54,3 +56,34 @@ def run_on_fakes(fake_mode: FakeTensorMode, func, args: tuple, kwargs: dict, cal
             "(only strided tensors)"
         )
     return with_eager_strides(fake_mode, func, args, out)
+
+
+@functools.cache
+def _writes_in_place(func) -> bool:
+    schema = getattr(func, "_schema", None)
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+def _layout_key(t: torch.Tensor) -> tuple:
+    key = lambda n: n.node.expr if isinstance(n, torch.SymInt) else n  # noqa: E731 (no guard made)
+    return (tuple(map(key, t.shape)), tuple(map(key, t.stride())), key(t.storage_offset()))
+
+
+def refuse_metadata_changes(func, proxies: list, call: str | None) -> None:
+    """Refuse an op that changed the sizes or strides of a traced tensor in place
+    (``y.unsqueeze_(0)``, ``x.t_()``, ``resize_``, ``set_``, an ``out=`` tensor resized): a
+    proxy's metadata is fixed when it is made, so the code after it would read the old."""
+    if not _writes_in_place(func):
+        return
+    with torch._C.DisableTorchFunction():
+        for proxy in proxies:
+            if _layout_key(proxy) != _layout_key(proxy.fake):
+                path = proxy.provenance if isinstance(proxy.provenance, InputPath) else None
+                what = "a traced tensor" if path is None else f"{path}, a tensor of the call,"
+                if path is not None and path.root == "captured":
+                    what = "a tensor the call closes over"
+                raise TracingError(
+                    f"dtcompile.jit: {call or func} changes the sizes or strides of {what} in place (x.t_(), "
+                    "unsqueeze_, resize_, set_, an out= tensor of another size), which dtcompile does not trace. "
+                    "Use the out-of-place form (x = x.t()), or an out= tensor of the result's size"
+                )

@@ -29,7 +29,7 @@ class GlobalState:
     device: the default dtype, the torch function modes active (a default device is one)
     and the default device. What DTensor's dispatch reads besides its arguments: whether
     plain tensors count as replicated (``implicit_replication()``), and the handlers that
-    replace ops (``loss_parallel()`` adds some)."""
+    replace ops (``loss_parallel()`` adds some). torch's settings code may read."""
 
     dtype: torch.dtype
     function_modes: int
@@ -37,6 +37,7 @@ class GlobalState:
     implicit_replication: bool
     op_handlers: dict  # the handlers table itself
     op_handler_items: list  # its items then
+    settings: tuple  # torch's settings code may read and branch on (:func:`torch_settings`)
 
     @classmethod
     def now(cls) -> GlobalState:
@@ -48,7 +49,28 @@ class GlobalState:
             dtensor_implicit_replication(),
             handlers,
             list(handlers.items()),
+            torch_settings(),
         )
+
+
+def torch_settings() -> tuple:
+    """torch's global settings that the traced code may read (``if
+    torch.are_deterministic_algorithms_enabled():``) or that choose its kernels: read
+    while tracing, they are baked into the program, so the prologue compares them."""
+    backends = torch.backends
+    return (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.get_float32_matmul_precision(),
+        torch.is_anomaly_enabled(),
+        torch.is_anomaly_check_nan_enabled(),
+        torch.get_num_threads(),
+        backends.mkldnn.enabled,
+        backends.cudnn.enabled,
+        backends.cudnn.deterministic,
+        backends.cudnn.benchmark,
+        backends.cuda.matmul.allow_tf32,
+    )
 
 
 def state_put_back(grad_enabled: bool, state: GlobalState) -> list[str]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import InputPath, TensorProxy, TracingError
-from ..core.symbolic import symbolic_expr
+from ..core.symbolic import is_symbolic, symbolic_expr
 
 _MISSING = object()
 
@@ -120,7 +120,7 @@ def new_stand_in(value: object) -> object:
 def holds_proxies(value: object, seen: set | None = None) -> bool:
     """Whether a new object made by the call holds traced tensors, however deep: in a
     container of any class, an object's attributes or slots, a function's closure."""
-    if isinstance(value, TensorProxy):
+    if isinstance(value, TensorProxy) or is_symbolic(value):  # (a size the program computes: ``Info(n=x.shape[0])``)
         return True
     if isinstance(value, torch.Tensor):
         return isinstance(getattr(value, "_local_tensor", None), TensorProxy)
@@ -134,6 +134,10 @@ def holds_proxies(value: object, seen: set | None = None) -> bool:
         items = value.values()
     elif isinstance(value, (list, tuple, set, frozenset, collections.deque)):
         items = value
+    elif isinstance(value, slice):
+        items = (value.start, value.stop, value.step)
+    elif isinstance(value, types.MappingProxyType):
+        items = value.values()
     elif isinstance(value, types.FunctionType):  # a closure over a traced tensor
         items = [*_cell_values(value), *(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values()]
     elif isinstance(value, (types.MethodType, functools.partial)):

@@ -8,6 +8,7 @@ constants, and the containers around them.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import types
 from dataclasses import dataclass
@@ -109,6 +110,9 @@ class PytreeOutput(OutputNode):
     children: list[OutputNode]
 
 
+_VIEWS = (collections.abc.KeysView, collections.abc.ValuesView, collections.abc.ItemsView)
+
+
 class OutputCollector:
     """Collects the local proxies a call returned, in order, and describes the result."""
 
@@ -147,6 +151,11 @@ class OutputCollector:
         if type(value) in (tuple, list) or pytree.is_namedtuple_instance(value):
             return SequenceOutput(type(value), [self.describe(v, where) for v in value])
         if type(value) is dict:
+            if any(isinstance(key, torch.Tensor) for key in value):
+                raise TracingError(
+                    f"dtcompile.jit: {where} is a dict keyed by a tensor, which the compiled call cannot rebuild "
+                    "(its key would be the traced stand-in); key it by a name instead"
+                )
             return DictOutput(tuple(value.keys()), [self.describe(v, where) for v in value.values()])
         if type(value) in pytree.SUPPORTED_NODES:
             node = pytree.SUPPORTED_NODES[type(value)]
@@ -163,6 +172,11 @@ class OutputCollector:
                     "class with its own __new__); return a tuple, list, dict, namedtuple, dataclass or plain object instead"
                 )
             return self._new_object(value, where)
+        if hasattr(type(value), "__next__") or isinstance(value, _VIEWS):
+            raise TracingError(
+                f"dtcompile.jit: {where} holds a {type(value).__name__} (an iterator, a generator, a dict's view), "
+                "whose items the compiled call cannot tell without running it; return a list or a dict instead"
+            )
         return ConstantOutput(value)
 
     def _dtensor(self, value: DTensor) -> DTensorOutput:

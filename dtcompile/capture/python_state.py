@@ -75,7 +75,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .objects import attribute_holder, attribute_or_none, slot_names
-from .python_reads import ABSENT, PythonGuards, Read, by_value, contents_guarded, value_key
+from .python_guards import AfterTracing
+from .python_reads import ABSENT, Read, by_value, contents_guarded, value_key
 from .user_code import class_namespace, code_names, is_library
 
 # nn.Module's own entries of a module's __dict__ (tables, hooks, the training flag):
@@ -87,7 +88,7 @@ _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "
 
 
 @dataclass
-class PythonState:
+class PythonState(AfterTracing):
     """What the traced program can read (see the module docstring): the reads, in order."""
 
     reads: list[Read] = field(default_factory=list)
@@ -148,6 +149,9 @@ class PythonState:
             self._namespace(vars(module))
             if reached:
                 self._read(vars(module), "training", module.training, f"the training flag of {owner}")
+                self._read(module, None, type(module), f"the class of {owner}", attribute="__class__")
+                for table in _HOOK_TABLES:  # (the jitted module's are guarded with its tree)
+                    self._read(vars(module), table, getattr(module, table), f"the {table} of {owner}")
                 for table in (module._parameters, module._buffers, module._modules, vars(module)):
                     for name, value in table.items():
                         if value is None or isinstance(value, (torch.Tensor, torch.nn.Module)):
@@ -211,9 +215,9 @@ class PythonState:
         elif attribute_holder(value):
             self._walked.add(id(value))
             self._class(type(value))
+            self._read(value, None, type(value), f"the class of {where}", attribute="__class__")  # (assignable)
             if isinstance(attribute_or_none(value, "__dict__"), dict):
-                # Its attributes are read from this dict: one put in its place (``cfg.__dict__ =
-                # loaded``) is another object, seen though neither dict's version changed.
+                # Read from this dict: one put in its place (``cfg.__dict__ = d``) is seen by identity.
                 self.reads.append(
                     Read(value, None, vars(value), f"the attribute dict of {where}", attribute="__dict__")
                 )
@@ -316,85 +320,3 @@ class PythonState:
                 self._read(contents, name, value, where)
                 if not library or isinstance(value, types.ModuleType):
                     self.follow(value, where, names)  # a package's module: ``pkg.sub.X``
-
-    def forget(self, keep) -> None:
-        """Drop the reads for which ``keep(read)`` is false."""
-        self.reads = [read for read in self.reads if keep(read)]
-
-    def put_back_changed(self) -> list[str]:
-        """Where the traced code rebound a value it can read (``global COUNTER; COUNTER +=
-        1``, a class attribute, a closure variable): that happens once, while tracing, and
-        the program bakes in what it read. Each is put back as it was."""
-        changed = [read for read in self.reads if not read.contents and not read.unchanged()]
-        for read in changed:
-            klass = self._classes.get(id(read.holder))
-            if read.key is None:
-                setattr(read.holder, read.attribute, read.value)
-            elif klass is not None:  # through the class, so that its method caches see it
-                if read.value is ABSENT:
-                    delattr(klass, read.key)
-                else:
-                    setattr(klass, read.key, read.value)
-            elif read.value is ABSENT:
-                read.holder.pop(read.key, None)
-            else:
-                read.holder[read.key] = read.value
-        return [read.where for read in changed]
-
-    def guard_grads(self, reads: list) -> None:
-        """Guard the ``.grad`` of each closed-over tensor the code read: the program holds it."""
-        for tensor, grad in reads:
-            self._read(tensor, None, grad, "the .grad of a tensor the call closes over", attribute="grad")
-
-    def forget_assigned(self, module_updates: list) -> None:
-        """Note the module attributes the forward assigns (``ModuleUpdate``\\ s, made
-        again after each call), which the namespaces' lengths do not count. What one held
-        before the call stays guarded where the program may have read it (``if self.cache
-        is None``, ``self.pos + n``, ``hasattr(self, "cache")``): another value compiles a
-        new entry. Not guarded: an attribute no code reads (``self.last = n * 2`` in user
-        classes whose code never loads ``last``), which would compile at every call."""
-        unread = {
-            (id(vars(u.module)), u.key)
-            for u in module_updates
-            if u.table == "__dict__"
-            and u.key not in self._attribute_loads
-            and not any(map(is_library, type(u.module).__mro__[: type(u.module).__mro__.index(torch.nn.Module)]))
-        }
-        self.forget(lambda read: (id(read.holder), read.key) not in unread)
-        for u in module_updates:
-            if u.table == "__dict__":
-                self._assigned_names[(id(vars(u.module)), u.key)] = None
-                if (id(vars(u.module)), u.key) not in unread:  # absent before: ``hasattr`` was False
-                    self._read(
-                        vars(u.module), u.key, vars(u.module).get(u.key, ABSENT), f"attribute {u.key!r} of {u.path}"
-                    )
-
-    def namespace_lengths(self) -> list[tuple[int, tuple[str, ...]]]:
-        """How many names each namespace holds, not counting the names the forward assigns
-        or removes (the epilogue does so after each call), and those names."""
-        lengths = []
-        for names in self.namespaces:
-            assigned = tuple(key for holder, key in self._assigned_names if holder == id(names))
-            lengths.append((len(names) - sum(key in names for key in assigned), assigned))
-        return lengths
-
-    def guards(self) -> tuple[PythonGuards, PythonGuards]:
-        """The guards of the reads in two sets. First, a scalar or an object read from a
-        dict the forward does not assign to: the dict at an unchanged version holds the
-        same, so the prologue checks these only when a dict they read changed. Then the
-        rest, checked at every call: attributes outside dicts (cells, defaults), the
-        contents of containers, and what is read from dicts the epilogue writes to. The
-        namespaces' lengths go with them alike."""
-        lengths = self.namespace_lengths()
-        assigned_to = {id(names) for names, (_, assigned) in zip(self.namespaces, lengths) if assigned}
-
-        def versioned(read: Read) -> bool:
-            return read.key is not None and not read.contents and id(read.holder) not in assigned_to
-
-        first = PythonGuards.of([read for read in self.reads if versioned(read)])
-        rest = PythonGuards.of([read for read in self.reads if not versioned(read)])
-        for names, length in zip(self.namespaces, lengths):
-            guards = rest if id(names) in assigned_to else first
-            guards.namespaces.append(names)
-            guards.namespace_lengths.append(length)
-        return first, rest

@@ -39,7 +39,7 @@ from ..core.symbolic import LARGEST_SYMBOLIC_SIZE, is_symbolic, symbolic_expr
 from ..core.torch_internals import fake_mode_active, make_dtensor, set_data_value
 from .c10d import is_c10d_op, record_c10d
 from .data_branches import size_values_now, value_now
-from .fake_calls import fake_errors_unlogged, run_on_fakes
+from .fake_calls import fake_errors_unlogged, refuse_metadata_changes, run_on_fakes
 from .grad_checks import grad_state
 from .input_fakes import InputFakes
 from .objects import same_spec
@@ -296,6 +296,7 @@ class Recording:
 
         fake_args, fake_kwargs = map_leaves(to_fake, (args, kwargs))
         fake_out = run_on_fakes(self.fake_mode, func, fake_args, fake_kwargs, self.current_call)
+        refuse_metadata_changes(func, proxies, self.current_call)
         made_by = NoProvenance(str(func))
 
         def to_output_proxy(x):

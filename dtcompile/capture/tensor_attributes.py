@@ -13,13 +13,15 @@ from __future__ import annotations
 import torch
 
 from ..core import TracingError
-from ..core.proxy import PROXY_ATTRIBUTES
+from ..core.proxy import PROXY_ATTRIBUTES, TensorProxy
 from .python_reads import by_value, value_key
 
 # Set once, by torch, when a Parameter or Buffer is made.
 TORCH_MARKS = frozenset({"_is_param", "_is_buffer", "persistent"})
-# What a traced tensor holds in its ``__dict__`` (a proxy's own; a DTensor holds none).
-TRACED_ATTRIBUTES = PROXY_ATTRIBUTES | {"fake"}
+# What a traced tensor holds in its ``__dict__`` (a proxy's own; a DTensor holds none), and
+# the names its class adds to a tensor's (``meta``, ``memory``): an attribute of the call's
+# tensor under one of these names would not be the one the traced code reads.
+TRACED_ATTRIBUTES = PROXY_ATTRIBUTES | (set(vars(TensorProxy)) - set(dir(torch.Tensor)))
 
 
 def carry_attributes(real: torch.Tensor, traced: torch.Tensor, path) -> dict:

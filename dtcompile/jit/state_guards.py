@@ -21,7 +21,7 @@ from types import MappingProxyType
 import torch
 
 from ..capture.equivalence import GLOBAL_HOOKS
-from ..capture.global_state import GlobalState
+from ..capture.global_state import GlobalState, torch_settings
 from ..capture.python_reads import ABSENT, PythonGuards, ReadGroup, value_key
 from ..capture.python_state import PythonState
 from ..core.printing import python_literal
@@ -66,6 +66,8 @@ def global_state_checks(b, state: GlobalState) -> None:
         b.globals.update(DEFAULT_DEVICE=state.device, default_device=torch.get_default_device)
         b.fail_if("default_device() != DEFAULT_DEVICE")
     b.fail_if(f"implicit_replication() is not {state.implicit_replication}")
+    b.globals.update(torch_settings=torch_settings, TORCH_SETTINGS=state.settings)
+    b.fail_if("torch_settings() != TORCH_SETTINGS")
     b.globals.update(op_handlers=dtensor_op_handlers, OP_HANDLER_ITEMS=state.op_handler_items)
     # No variable bound: the prologue's other names stay as they were.
     changed = "list(op_handlers().items()) != OP_HANDLER_ITEMS"
@@ -165,7 +167,7 @@ def module_tree_checks(b, module: torch.nn.Module, modules: list, unique: list, 
 
 
 def module_table_checks(b, modules: list[torch.nn.Module]) -> None:
-    """At every call (a ``len`` costs less than a dict's version): each module's parameter,
+    """At every call (a ``len`` costs less than a dict's version): each module's class; its parameter,
     buffer and submodule tables hold as many entries as traced (none added or removed),
     the empty slots (``Linear(bias=False)``'s ``bias``) are still empty, a parameter
     assigned there later must be used; the empty hook tables are still empty, and those
@@ -185,6 +187,9 @@ def module_table_checks(b, modules: list[torch.nn.Module]) -> None:
                     empty_keys.append(key)
     b.globals.update(STATE_TABLES=tables, STATE_LENGTHS=lengths)
     b.fail_if("list(map(len, STATE_TABLES)) != STATE_LENGTHS")
+    # Each module's class, as traced (``m.lin.__class__ = Quantized`` changes no dict).
+    b.globals.update(STATE_MODULES=modules, STATE_MODULE_TYPES=list(map(type, modules)))
+    b.fail_if("list(map(type, STATE_MODULES)) != STATE_MODULE_TYPES")
     if empty_keys:
         b.globals.update(EMPTY_TABLES=empty_tables, EMPTY_KEYS=empty_keys, NONES=[None] * len(empty_keys))
         b.fail_if("list(map(dict.get, EMPTY_TABLES, EMPTY_KEYS)) != NONES")

@@ -1,0 +1,97 @@
+"""What a :class:`~.python_state.PythonState` is used for once the call is traced: the
+values the traced code rebound put back, the module attributes the forward assigns
+noted, and the reads split into the prologue's two sets of guards."""
+
+from __future__ import annotations
+
+import torch
+
+from .python_reads import ABSENT, PythonGuards, Read
+from .user_code import is_library
+
+
+class AfterTracing:
+    """The methods of ``PythonState`` used after tracing (its ``reads``, ``namespaces``,
+    ``_classes``, ``_assigned_names`` and ``_attribute_loads``)."""
+
+    def forget(self, keep) -> None:
+        """Drop the reads for which ``keep(read)`` is false."""
+        self.reads = [read for read in self.reads if keep(read)]
+
+    def put_back_changed(self) -> list[str]:
+        """Where the traced code rebound a value it can read (``global COUNTER; COUNTER +=
+        1``, a class attribute, a closure variable): that happens once, while tracing, and
+        the program bakes in what it read. Each is put back as it was."""
+        changed = [read for read in self.reads if not read.contents and not read.unchanged()]
+        for read in changed:
+            klass = self._classes.get(id(read.holder))
+            if read.key is None:
+                setattr(read.holder, read.attribute, read.value)
+            elif klass is not None:  # through the class, so that its method caches see it
+                if read.value is ABSENT:
+                    delattr(klass, read.key)
+                else:
+                    setattr(klass, read.key, read.value)
+            elif read.value is ABSENT:
+                read.holder.pop(read.key, None)
+            else:
+                read.holder[read.key] = read.value
+        return [read.where for read in changed]
+
+    def guard_grads(self, reads: list) -> None:
+        """Guard the ``.grad`` of each closed-over tensor the code read: the program holds it."""
+        for tensor, grad in reads:
+            self._read(tensor, None, grad, "the .grad of a tensor the call closes over", attribute="grad")
+
+    def forget_assigned(self, module_updates: list) -> None:
+        """Note the module attributes the forward assigns (``ModuleUpdate``\\ s, made
+        again after each call), which the namespaces' lengths do not count. What one held
+        before the call stays guarded where the program may have read it (``if self.cache
+        is None``, ``self.pos + n``, ``hasattr(self, "cache")``): another value compiles a
+        new entry. Not guarded: an attribute no code reads (``self.last = n * 2`` in user
+        classes whose code never loads ``last``), which would compile at every call."""
+        unread = {
+            (id(vars(u.module)), u.key)
+            for u in module_updates
+            if u.table == "__dict__"
+            and u.key not in self._attribute_loads
+            and not any(map(is_library, type(u.module).__mro__[: type(u.module).__mro__.index(torch.nn.Module)]))
+        }
+        self.forget(lambda read: (id(read.holder), read.key) not in unread)
+        for u in module_updates:
+            if u.table == "__dict__":
+                self._assigned_names[(id(vars(u.module)), u.key)] = None
+                if (id(vars(u.module)), u.key) not in unread:  # absent before: ``hasattr`` was False
+                    self._read(
+                        vars(u.module), u.key, vars(u.module).get(u.key, ABSENT), f"attribute {u.key!r} of {u.path}"
+                    )
+
+    def namespace_lengths(self) -> list[tuple[int, tuple[str, ...]]]:
+        """How many names each namespace holds, not counting the names the forward assigns
+        or removes (the epilogue does so after each call), and those names."""
+        lengths = []
+        for names in self.namespaces:
+            assigned = tuple(key for holder, key in self._assigned_names if holder == id(names))
+            lengths.append((len(names) - sum(key in names for key in assigned), assigned))
+        return lengths
+
+    def guards(self) -> tuple[PythonGuards, PythonGuards]:
+        """The guards of the reads in two sets. First, a scalar or an object read from a
+        dict the forward does not assign to: the dict at an unchanged version holds the
+        same, so the prologue checks these only when a dict they read changed. Then the
+        rest, checked at every call: attributes outside dicts (cells, defaults), the
+        contents of containers, and what is read from dicts the epilogue writes to. The
+        namespaces' lengths go with them alike."""
+        lengths = self.namespace_lengths()
+        assigned_to = {id(names) for names, (_, assigned) in zip(self.namespaces, lengths) if assigned}
+
+        def versioned(read: Read) -> bool:
+            return read.key is not None and not read.contents and id(read.holder) not in assigned_to
+
+        first = PythonGuards.of([read for read in self.reads if versioned(read)])
+        rest = PythonGuards.of([read for read in self.reads if not versioned(read)])
+        for names, length in zip(self.namespaces, lengths):
+            guards = rest if id(names) in assigned_to else first
+            guards.namespaces.append(names)
+            guards.namespace_lengths.append(length)
+        return first, rest
