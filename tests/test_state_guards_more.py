@@ -4,6 +4,7 @@ reaches. And what the traced code cannot do to its tensors or return. Each case 
 stale or wrong result, or an internal error, with no TracingError."""
 
 import dataclasses
+import math
 import types
 
 import pytest
@@ -191,3 +192,113 @@ def test_a_tensor_attribute_named_like_a_traced_tensors_own_is_refused(name):
     setattr(x, name, 1)
     with pytest.raises(dtcompile.TracingError, match=f"holds the Python attribute '{name}'"):
         dtcompile.jit(lambda a: a * 2)(x)
+
+
+class Scale:
+    factor = 2.0
+
+    def get(self):
+        return self.factor
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("change", ["class constant", "method"])
+def test_the_class_of_an_object_passed_in_is_guarded(cache, change):
+    def fn(config, x):
+        return x * config.get() * config.factor
+
+    jitted = dtcompile.jit(fn, cache=cache)
+    x = torch.ones(2)
+    original = dict(vars(Scale))
+    try:
+        jitted(Scale(), x)
+        if change == "class constant":
+            Scale.factor = 5.0
+        else:
+            Scale.get = lambda self: 11.0
+        torch.testing.assert_close(jitted(Scale(), x), fn(Scale(), x))
+    finally:
+        Scale.factor, Scale.get = original["factor"], original["get"]
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("change", ["resize_", "data", "in a list"])
+def test_metadata_of_a_closed_over_tensor_read_without_its_data_is_guarded(cache, change):
+    held = [torch.ones(3)]
+    t = held[0]
+
+    def fn(x):
+        return x.new_zeros(held[0].shape).to(held[0].dtype) + x.sum()
+
+    jitted = dtcompile.jit(fn, cache=cache)
+    x = torch.ones(3)
+    jitted(x)
+    if change == "resize_":
+        t.resize_(5)
+    elif change == "data":
+        t.data = torch.ones(4, dtype=torch.float64)
+    else:
+        held[0] = torch.ones(6)
+    expected, got = fn(x), jitted(x)
+    assert (got.shape, got.dtype) == (expected.shape, expected.dtype)
+
+
+@dataclasses.dataclass
+class LayerConfig:
+    fill: object
+    note: float = dataclasses.field(default=1.0, compare=False)
+
+
+_REPLACED = {
+    "an int for a float": (LayerConfig(1), LayerConfig(1.0)),
+    "a field not compared": (LayerConfig(1.0), LayerConfig(1.0, 5.0)),
+    "a signed zero": (types.SimpleNamespace(fill=0.0, note=1.0), types.SimpleNamespace(fill=-0.0, note=1.0)),
+}
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("case", list(_REPLACED))
+def test_an_object_in_a_container_replaced_by_an_equal_one_is_seen(cache, case):
+    # Compared by ``==`` before: the new object's attributes were never guarded.
+    before, after = _REPLACED[case]
+    configs = [before]
+
+    def fn(x):
+        config = configs[0]
+        return torch.full((2,), config.fill), x * config.note, x * math.copysign(1.0, config.fill)
+
+    jitted = dtcompile.jit(fn, cache=cache)
+    x = torch.ones(2)
+    jitted(x)
+    configs[0] = after
+    expected, got = fn(x), jitted(x)
+    assert got[0].dtype == expected[0].dtype
+    torch.testing.assert_close(got, expected)
+
+
+class WeightInfo:  # a plain object a parameter carries
+    def __init__(self, scale):
+        self.scale = scale
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_what_a_parameters_python_attribute_holds_is_guarded(cache):
+    torch.manual_seed(0)
+    lin = nn.Linear(2, 2)
+    lin.weight.info = WeightInfo(2.0)
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return self.lin(x) * self.lin.weight.info.scale
+
+    model = Scaled()
+    jitted = dtcompile.jit(model, cache=cache)
+    x = torch.randn(3, 2)
+    with torch.no_grad():
+        jitted(x)
+        lin.weight.info.scale = 3.0
+        torch.testing.assert_close(jitted(x), model(x))

@@ -62,6 +62,22 @@ _SYMBOLIC_NUMEL = "Cannot call numel() on tensor with symbolic sizes/strides"
 _CONCRETE_SIZES = "expected to contain only concrete integers"
 
 
+_REAL_METADATA_GETTERS = frozenset({"shape", "dtype", "requires_grad", "ndim", "is_cuda", "layout", "device"})
+_REAL_METADATA_METHODS = {
+    getattr(torch.Tensor, name)
+    for name in ("size", "stride", "dim", "numel", "is_contiguous", "storage_offset", "__len__", "element_size")
+}
+
+
+def _real_metadata_read(func, value) -> bool:
+    """Whether ``func`` reads the metadata of a plain tensor the traced code holds as it is."""
+    if not real_tensor(value) or isinstance(value, DTensor) or value.device.type == "meta" or value.requires_grad:
+        return False  # (one that requires grad would become a differentiable input of the program)
+    if getattr(func, "__name__", "") == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", "") in _REAL_METADATA_GETTERS
+    return func in _REAL_METADATA_METHODS
+
+
 def tag_backward_nodes(inputs: list, outputs: list, note: Note) -> None:
     """Put ``note`` on the autograd nodes a torch-level call made (those between its
     outputs' grad_fns and its inputs'), so the backward's symbols can say which forward
@@ -189,6 +205,10 @@ class CallAnnotator(TorchFunctionMode):
                 return answer
         if func in _METADATA_READS and isinstance(args[0], (TensorProxy, FakeTensor)):
             return func(*args, **kwargs)
+        if args and _real_metadata_read(func, args[0]) and _user_frame():
+            # A closed-over tensor's sizes or dtype, baked into the program: it becomes an input
+            # of the program, whose metadata the prologue guards (``t.resize_(5)`` is seen).
+            self.recording.capture(args[0])
         if getattr(func, "__name__", "") in ("__get__", "__set__"):
             attribute = getattr(getattr(func, "__self__", None), "__name__", "")
             if func.__name__ == "__set__" and attribute in _UNRECORDED_SETS and args and not is_fake(args[0]):

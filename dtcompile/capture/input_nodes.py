@@ -151,3 +151,10 @@ def iter_leaves(node: InputNode):
         return
     for child in children:
         yield from iter_leaves(child)
+
+
+def iter_nodes(node: InputNode):
+    """Every node of a tree, containers too, parents first."""
+    yield node
+    for child in getattr(node, "children", ()):
+        yield from iter_nodes(child)

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import array
 import collections
+import decimal
+import fractions
 import math
 import sys
 import types
 from dataclasses import dataclass, field
+
+import torch
 
 from ..core.torch_internals import dict_version
 
@@ -47,8 +51,8 @@ def _container_key(value: object) -> object:
     """:func:`value_key` of sets, deques, NumPy arrays, bytearrays and arrays, and of
     subclasses of the built-in containers (an ``OrderedDict``, a ``defaultdict`` with its
     factory, a namedtuple), with a subclass's own attributes; tensors and other arrays by
-    identity (their contents are read at run time, not baked in); anything else as itself
-    (compared by ``==``: identity for most objects, whose attributes are guarded apart)."""
+    identity (their contents are read at run time, not baked in); anything else by
+    identity (its attributes are guarded apart), but dtypes, devices and the like."""
     kind = type(value)
     if isinstance(value, (set, frozenset)):
         key = (kind, frozenset(map(value_key, value)))
@@ -65,10 +69,18 @@ def _container_key(value: object) -> object:
         return (kind, str(value.dtype), value.shape, value.tobytes())
     elif hasattr(value, "__array__"):  # a tensor (``==`` would compare its elements)
         return (kind, _Same(value))
-    else:
+    elif kind in _EQUAL_IS_SAME:
         return (kind, value)
+    elif kind in _BY_TEXT:  # (``Decimal("-0") == Decimal("0")``)
+        return (kind, repr(value))
+    else:  # by identity: one that compares equal may still differ (a dataclass field with compare=False)
+        return (kind, _Same(value))
     own = getattr(value, "__dict__", None)  # a subclass's attributes (a list with a ``.scale``)
     return key + (value_key(dict(own)),) if own else key
+
+
+_EQUAL_IS_SAME = frozenset({torch.dtype, torch.device, torch.layout, torch.memory_format, range})
+_BY_TEXT = frozenset({decimal.Decimal, fractions.Fraction, slice})
 
 
 class _Same:

@@ -74,6 +74,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .input_nodes import ObjectInput, iter_nodes
 from .objects import attribute_holder, attribute_or_none, slot_names
 from .python_guards import AfterTracing
 from .python_reads import ABSENT, Read, by_value, contents_guarded, value_key
@@ -165,6 +166,16 @@ class PythonState(AfterTracing):
             for table in _HOOK_TABLES:
                 for hook in getattr(module, table).values():
                     self.follow(hook, f"a hook of {owner}")
+
+    def follow_inputs(self, roots: list) -> None:
+        """What the code reads through the call's own objects and tensors (their values
+        are guarded as inputs): a class's attributes (``cfg.scale`` from ``Cfg``), what a
+        tensor's Python attributes hold (``w.info.scale``)."""
+        for node in (n for root in roots for n in iter_nodes(root)):
+            if isinstance(node, ObjectInput):
+                self.follow(node.type, f"the class of {node.path}")
+            for name, value in getattr(node, "attributes", {}).items():
+                self.follow(value, f"attribute {name!r} of {node.path}")
 
     def follow(self, value: object, where: str, names: set[str] = frozenset()) -> None:
         """What reading ``value`` lets the code read further: a user function's globals and

@@ -193,6 +193,7 @@ def _capture(
                 "dtcompile.jit: the function calls a module managed by FSDP2's fully_shard; compile the module "
                 "itself (dtcompile.jit(model)) and compute the loss outside it"
             )
+    inputs.python_state.follow_inputs(inputs.nodes())
     proxifier.refuse_other_paths(inputs.python_state.reads)
     for read in inputs.python_state.reads:
         if read.contents:  # a global dict of settings: its items changed in place are seen, and put back
