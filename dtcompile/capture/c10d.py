@@ -25,10 +25,12 @@ objects, read back as values).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from ..core import Note, TracingError
 from ..core.torch_internals import completed_work, unboxed_process_group
@@ -159,12 +161,17 @@ def _all_reduce(r: _Recorder, tensors, pg, reduce_op, *rest):
 
 def _all_gather_base(r: _Recorder, output, input, pg, *rest):
     group, size = r.group(pg)
+    _expect(r, output, [size * input.shape[0], *input.shape[1:]], input.dtype, "the output")
     r.write(output, r.waited(functional.all_gather_into_tensor.default, input, size, group))
 
 
 def _all_gather(r: _Recorder, output_lists, inputs, pg, *rest):
     group, size = r.group(pg)
     for outputs, input in zip(output_lists, inputs):
+        if len(outputs) != size:
+            raise RuntimeError(f"{r.call}: the output list holds {len(outputs)} tensors for a group of {size}")
+        for output in outputs:
+            _expect(r, output, list(input.shape), input.dtype, "each output")
         r.scatter_rows(r.waited(functional.all_gather_into_tensor.default, r.flat([input]), size, group), outputs)
 
 
@@ -176,6 +183,7 @@ def _all_gather_coalesced(r: _Recorder, outputs, inputs, pg, *rest):
 def _reduce_scatter_base(r: _Recorder, output, input, pg, reduce_op, *rest):
     group, size = r.group(pg)
     op = r.reduce_op(reduce_op)
+    _expect(r, input, [size * output.shape[0], *output.shape[1:]], output.dtype, "the input")
     r.write(output, r.waited(functional.reduce_scatter_tensor.default, input, op, size, group))
 
 
@@ -245,6 +253,22 @@ def _all_to_all(r: _Recorder, outputs, inputs, pg, *rest):
     r.scatter_rows(result, outputs)
 
 
+def _expect(r: _Recorder, tensor, shape: list, dtype, what: str) -> None:
+    """Eager's check of a buffer's size and dtype (Gloo raises; the functional
+    collective would reshape a buffer of another shape, or cast another dtype)."""
+    if tensor.dtype != dtype or list(tensor.shape) != shape:
+        raise RuntimeError(
+            f"{r.call}: {what} is {tensor.dtype} of shape {list(tensor.shape)}, where the collective takes {dtype} "
+            f"of shape {shape}"
+        )
+
+
+def _dense(tensor) -> bool:
+    """Whether a tensor's elements fill its memory without gaps or overlaps (any order)."""
+    with torch._C.DisableTorchFunction():
+        return torch._prims_common.is_non_overlapping_and_dense_or_false(tensor)
+
+
 _RECORDED = {
     "allreduce_": _all_reduce,
     "allreduce_coalesced_": _all_reduce,
@@ -262,6 +286,29 @@ _RECORDED = {
 }
 
 
+@contextlib.contextmanager
+def symbolic_splits():
+    """While a call is traced: ``dist.all_to_all_single`` whose split sizes are numbers the
+    program computes (read from a tensor a collective made: MoE's size exchange) runs as
+    the functional collective, which takes them; c10d's own takes only ints."""
+    original = dist.all_to_all_single
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        sizes = [*(output_split_sizes or ()), *(input_split_sizes or ())]
+        if not any(isinstance(size, torch.SymInt) for size in sizes):
+            return original(output, input, output_split_sizes, input_split_sizes, group, async_op)
+        group = group if group is not None else dist.group.WORLD
+        result = funcol.all_to_all_single(input, output_split_sizes, input_split_sizes, group)
+        output.copy_(funcol.wait_tensor(result))
+        return completed_work() if async_op else None
+
+    dist.all_to_all_single = all_to_all_single
+    try:
+        yield
+    finally:
+        dist.all_to_all_single = original
+
+
 def record_c10d(recording, func, args: tuple, kwargs: dict):
     """Record the c10d op ``func`` (its tensors already the trace's proxies) as functional
     collectives on ``recording``; return what the op returns to ``torch.distributed``: the
@@ -277,6 +324,18 @@ def record_c10d(recording, func, args: tuple, kwargs: dict):
         raise TracingError(f"dtcompile.jit: {call} (c10d.{op_name}) cannot be recorded in a compiled program")
     schema = func._schema.arguments
     arguments = list(args) + [kwargs[a.name] for a in schema[len(args) :] if a.name in kwargs]
+    tensors = [
+        t
+        for a in arguments[:2]
+        for t in (a if isinstance(a, list) else [a])
+        for t in (t if isinstance(t, list) else [t])
+    ]
+    if any(isinstance(t, torch.Tensor) and not _dense(t) for t in tensors):
+        raise TracingError(
+            f"dtcompile.jit: {call} on a view with gaps between its elements (x[:, 1], x[::2]): the backend "
+            "reads and writes the memory from its first element on, which the program would not. Pass a "
+            "contiguous tensor (.contiguous(), then copy the result back)"
+        )
     start = len(recording.bound_symbols)
     handler(_Recorder(recording, call), *arguments)
     written = args[0]

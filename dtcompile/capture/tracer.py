@@ -23,7 +23,7 @@ from .annotator import CallAnnotator
 from .autograd import BackwardCapture, capture_backward
 from .block_training import BlockReplayFailed
 from .blocks import RepeatedBlocks
-from .c10d import object_collective_refusal
+from .c10d import object_collective_refusal, symbolic_splits
 from .data_branches import assumptions_unlogged, checks_first
 from .fsdp import FSDPTracing, reaches_fsdp
 from .global_state import (
@@ -218,6 +218,7 @@ def _capture(
         seeding_refused(),
         autocast_cache_off(),
         effects_refused(),
+        symbolic_splits(),
     ):
         try:
             if module_state is not None:

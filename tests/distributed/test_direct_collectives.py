@@ -393,3 +393,73 @@ def refused_collectives():
 def test_what_cannot_be_recorded_is_refused_naming_the_call(ranks2):
     for messages in ranks2.run(refused_collectives):
         assert "point-to-point" in messages[0] and "pickled Python objects" in messages[1]
+
+
+def _all_reduce_of_a_column(x):
+    y = torch.arange(6.0).view(2, 3) * (dist.get_rank() + 1)
+    dist.all_reduce(y[:, 1])
+    return y
+
+
+def _all_gather_into_a_wide_output(x):
+    out = torch.empty(x.shape[0], x.shape[1] * dist.get_world_size())
+    dist.all_gather_into_tensor(out, x)
+    return out
+
+
+def _all_gather_into_empty_tensors(x):
+    outs = [torch.empty(0) for _ in range(dist.get_world_size())]
+    dist.all_gather(outs, x)
+    return outs
+
+
+def _reduce_scatter_into_float64(x):
+    out = torch.empty(x.shape[0] // dist.get_world_size(), *x.shape[1:], dtype=torch.float64)
+    dist.reduce_scatter_tensor(out, x)
+    return out
+
+
+def buffers_eager_refuses():
+    """Each raises in eager (Gloo checks the buffers); compiled, it returned values."""
+    x = torch.ones(4, 3)
+    for fn in (_all_gather_into_a_wide_output, _all_gather_into_empty_tensors, _reduce_scatter_into_float64):
+        with pytest.raises(RuntimeError):
+            fn(x.clone())
+        with pytest.raises(RuntimeError, match="where the collective takes"):
+            dtcompile.jit(fn)(x.clone())
+    with pytest.raises(dtcompile.TracingError, match="a view with gaps between its elements"):
+        dtcompile.jit(_all_reduce_of_a_column)(x)  # eager writes memory the view does not hold
+    return True
+
+
+def test_buffers_eager_refuses_are_refused(ranks2):
+    assert all(ranks2.run(buffers_eager_refuses))
+
+
+def _exchanged_splits(x, splits):
+    """MoE's size exchange: the split sizes of the second all_to_all come from the first's."""
+    recv = torch.empty_like(splits)
+    dist.all_to_all_single(recv, splits)
+    outs = recv.tolist()
+    out = x.new_full((sum(outs), x.shape[1]), -1.0)
+    dist.all_to_all_single(out, x, output_split_sizes=outs, input_split_sizes=splits.tolist())
+    return out
+
+
+def splits_a_collective_exchanged():
+    rank = dist.get_rank()
+    jitted = dtcompile.jit(_exchanged_splits)
+    results = []
+    for first in (1, 3, 0):  # one compilation serves each exchange of sizes
+        x = torch.arange(12.0).reshape(4, 3) + 10 * rank
+        splits = torch.tensor([first, 4 - first]) if rank == 0 else torch.tensor([2, 2])
+        expected = _exchanged_splits(x.clone(), splits.clone())
+        got = jitted(x.clone(), splits.clone())
+        assert torch.equal(got, expected), (got, expected)
+        results.append(got.shape[0])
+    return results
+
+
+def test_all_to_all_with_split_sizes_a_collective_exchanged(ranks2):
+    # c10d's all_to_all_single takes only ints: a raw TypeError before.
+    assert ranks2.run(splits_a_collective_exchanged)[1] == [5, 3, 6]
