@@ -155,6 +155,8 @@ class _Recorder:
 def _all_reduce(r: _Recorder, tensors, pg, reduce_op, *rest):
     group, _ = r.group(pg)
     op = r.reduce_op(reduce_op)
+    if _overlapping(tensors):  # ``[y, y]``, overlapping slices (disjoint pieces of one buffer are fine)
+        raise TracingError(f"dtcompile.jit: {r.call} of tensors that share memory: reduced once in eager, twice here")
     for t in tensors:
         r.write(t, r.waited(functional.all_reduce.default, t, op, group))
 
@@ -261,6 +263,12 @@ def _expect(r: _Recorder, tensor, shape: list, dtype, what: str) -> None:
             f"{r.call}: {what} is {tensor.dtype} of shape {list(tensor.shape)}, where the collective takes {dtype} "
             f"of shape {shape}"
         )
+
+
+def _overlapping(tensors: list) -> bool:
+    """Whether two of these (dense) tensors hold some of the same elements."""
+    spans = sorted((getattr(t, "memory", id(t)), t.storage_offset(), t.storage_offset() + t.numel()) for t in tensors)
+    return any(a[0] == b[0] and b[1] < a[2] for a, b in zip(spans, spans[1:]))
 
 
 def _dense(tensor) -> bool:

@@ -463,3 +463,26 @@ def splits_a_collective_exchanged():
 def test_all_to_all_with_split_sizes_a_collective_exchanged(ranks2):
     # c10d's all_to_all_single takes only ints: a raw TypeError before.
     assert ranks2.run(splits_a_collective_exchanged)[1] == [5, 3, 6]
+
+
+def _coalesced(pieces):
+    def fn(x):
+        y = x * 1
+        dist.all_reduce_coalesced(pieces(y))
+        return y
+
+    return fn
+
+
+def coalesced_all_reduces():
+    x = torch.arange(4.0) + dist.get_rank()
+    disjoint = _coalesced(lambda y: [y[0:2], y[2:4]])  # pieces of one buffer, as buckets are
+    assert torch.equal(dtcompile.jit(disjoint)(x.clone()), disjoint(x.clone()))
+    for pieces in (lambda y: [y, y], lambda y: [y[0:3], y[1:4]]):  # eager reduces each element once
+        with pytest.raises(dtcompile.TracingError, match="share memory"):
+            dtcompile.jit(_coalesced(pieces))(x.clone())
+    return True
+
+
+def test_coalesced_all_reduces_of_overlapping_tensors_are_refused(ranks2):
+    assert all(ranks2.run(coalesced_all_reduces))
