@@ -302,3 +302,21 @@ def test_what_a_parameters_python_attribute_holds_is_guarded(cache):
         jitted(x)
         lin.weight.info.scale = 3.0
         torch.testing.assert_close(jitted(x), model(x))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize(
+    "fn",
+    [torch.linalg.cholesky, torch.linalg.inv, lambda a: torch.linalg.solve(a, torch.ones(2, 1))],
+    ids=["cholesky", "inv", "solve"],
+)
+def test_checks_an_op_makes_of_its_results_stay_in_the_program(cache, fn):
+    # ``_linalg_check_errors`` returns nothing: dead-code elimination dropped it, and the
+    # compiled call returned garbage where eager raises.
+    jitted = dtcompile.jit(fn, cache=cache)
+    torch.testing.assert_close(jitted(torch.eye(2) * 4), fn(torch.eye(2) * 4))
+    singular = torch.tensor([[-1.0, 0.0], [0.0, 0.0]])
+    with pytest.raises(torch.linalg.LinAlgError):
+        fn(singular)
+    with pytest.raises(torch.linalg.LinAlgError):
+        jitted(singular)

@@ -34,7 +34,9 @@ def is_random(bsym: BoundSymbol) -> bool:
 def has_side_effects(bsym: BoundSymbol) -> bool:
     if bsym.op is None:
         return not bsym.symbol.pure  # a symbol of our own (prims) says whether it is pure
-    return mutates(bsym) or is_random(bsym)
+    # An op that returns nothing is there for what it checks (``_linalg_check_errors``: eager's
+    # LinAlgError for a matrix that is not positive-definite; ``_assert_async``).
+    return mutates(bsym) or is_random(bsym) or not bsym.op._schema.returns
 
 
 def storage_bases(trace, inputs_may_alias: bool = False) -> dict[str, str]:
