@@ -486,3 +486,26 @@ def coalesced_all_reduces():
 
 def test_coalesced_all_reduces_of_overlapping_tensors_are_refused(ranks2):
     assert all(ranks2.run(coalesced_all_reduces))
+
+
+def _rows_then_columns(x):
+    """Hand-written 2-D parallelism on 4 ranks: a sum over each row's group, then each column's."""
+    rank = dist.get_rank()
+    rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
+    columns = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    y = x * (rank + 1)
+    dist.all_reduce(y, group=rows[rank // 2])
+    dist.all_reduce(y, group=columns[rank % 2])
+    return y
+
+
+def crossing_subgroups():
+    x = torch.arange(3.0)
+    expected = _rows_then_columns(x)
+    return torch.equal(dtcompile.jit(_rows_then_columns)(x), expected)
+
+
+def test_crossing_subgroups_agree_on_four_ranks(ranks4):
+    # Each rank's row (and column) group has its own name: the ranks were told apart by it,
+    # and every rank raised RankMismatchError.
+    assert all(ranks4.run(crossing_subgroups))

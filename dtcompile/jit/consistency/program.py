@@ -131,7 +131,10 @@ def group_labels(meshes, trace: Trace | None = None) -> dict[str, str]:
     of a mesh dim's group, gets that dim's label: DTensor caches sharding decisions by
     spec, and specs compare meshes by layout, so an op on a mesh can run its collectives
     on the groups of an earlier mesh equal to it (eager DTensor does the same). Each rank
-    has its own group of such a dim, under its own name."""
+    has its own group of such a dim, under its own name. Any other group is labelled by
+    its layout, the steps between its ranks (``new_group`` rows ``[0, 1]``, ``[2, 3]`` and
+    columns ``[0, 2]``, ``[1, 3]`` of hand-written 2-D parallelism: each rank calls its own
+    row's, as the ranks of one mesh dim do)."""
     labels: dict[str, str] = {}
     by_ranks: dict[tuple[int, ...], str] = {}
     for m, mesh in enumerate(meshes):
@@ -150,4 +153,7 @@ def group_labels(meshes, trace: Trace | None = None) -> dict[str, str]:
             continue
         if ranks in by_ranks:
             labels[group] = by_ranks[ranks]
+        elif len(ranks) > 1:  # ``new_group`` rows and columns: each rank its own, alike in layout
+            steps = ",".join(str(b - a) for a, b in zip(ranks, ranks[1:]))
+            labels[group] = f"a group of {len(ranks)} ranks {steps} apart"
     return labels
