@@ -16,24 +16,37 @@ before), with no in-place op anywhere before it (moving it to the start must not
 what it reads) and no random op. Collectives in the cone run now too, on every rank: a
 branch on a DTensor's data (``(x > 0).all()`` of a sharded ``x``) is taken alike by all
 ranks, so they trace, and fail a check, together.
+
+A float read from data is checked beyond its branches where sympy cannot tell values
+apart (``_float_checks``): NaN and infinities exactly (``math.isnan``), finite where it
+was, and a zero's sign where it was specialized (``k == 0.0`` holds for -0.0). The
+checks torch's ops defer to run time on such numbers (``narrow``'s ``0 <= length``, a
+``split``'s size) become checks that raise a RuntimeError as eager's op does
+(``_runtime_checks``), after the branches' checks unless torch made them first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import math
+from dataclasses import dataclass
 
 import sympy
 import torch
 from torch._dispatch.python import no_python_dispatcher
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._sympy.functions import CleanDiv, FloatTrueDiv, FloorDiv, IntTrueDiv, Mod
+from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from ..core import BoundSymbol, FromData, NoProvenance, NumberProxy, TensorProxy, TracingError
-from ..core.prims import SHAPE, data_check
+from ..core.prims import _CHECK_GLOBALS, SHAPE, DataCheck, data_check
 from ..core.printing import NamedConstant
-from ..core.symbolic import SYMBOLIC_TYPES, symbolic_expr
+from ..core.symbolic import SYMBOLIC_TYPES, Then, exact_float_checks, python_source, symbolic_expr
 from ..core.torch_internals import runtime_asserts, set_data_value, symbol_values
+from .size_text import folded, negative_zeros
 
 _ASSUMPTION = "propagate_real_tensors"  # how the ShapeEnv labels an assumption on a hint
 
@@ -84,7 +97,14 @@ def value_now(recording, source: TensorProxy):
     """``source.item()`` computed from the call's real inputs (see the module docstring),
     and the indices of the symbols that compute it; None when it cannot be."""
     computed = real_now(recording, source)
-    return None if computed is None else (computed[0].item(), computed[1])
+    if computed is None:
+        return None
+    value = computed[0].item()
+    fresh = getattr(recording.fake_mode.shape_env, "pending_fresh_unbacked_symbols", [])  # the read's is last
+    if isinstance(value, float) and value == 0.0 and math.copysign(1.0, value) < 0 and fresh:
+        if symbol_is_type(fresh[-1], SymT.UNBACKED_FLOAT):
+            negative_zeros(recording.fake_mode.shape_env).add(fresh[-1])
+    return value, computed[1]
 
 
 def size_values_now(recording, index: int) -> None:
@@ -181,14 +201,16 @@ def assumptions(shape_env) -> list:
 
 def checks_first(recording) -> None:
     """Put at the start of the recording a check of each assumption the traced code made,
-    after the symbols that compute its numbers (see the module docstring)."""
+    after the symbols that compute its numbers (see the module docstring); then, where
+    its numbers are read, each check torch's ops deferred to run time (``torch._check``
+    of a ``narrow``'s length read from data), which raises a RuntimeError as eager's op."""
     shape_env = recording.fake_mode.shape_env
-    expressions = assumptions(shape_env)
-    if not expressions:
-        return
     symbols = recording.bound_symbols
     reader = {s: i for i, b in enumerate(symbols) if isinstance(b.output, NumberProxy) for s in _symbols(b.output)}
+    items = {s: symbols[i].output for s, i in reader.items()}  # before the sizes read from data join
     reader.update((s, index) for s, (index, _, _) in recording.size_reads.items())
+    expressions = [e for expr in assumptions(shape_env) for e in _divisors_first(expr)]
+    expressions += _float_checks(recording, reader, expressions)
     first: set[int] = set()
     checks, size_reads = [], {}
     for expr in expressions:
@@ -209,6 +231,109 @@ def checks_first(recording) -> None:
     recording.bound_symbols[:] = (
         hoisted + list(size_reads.values()) + checks + [b for i, b in enumerate(symbols) if i not in first]
     )
+    _runtime_checks(recording, items)
+
+
+def _divisors_first(expr) -> list:
+    """``expr``, asked only where each divisor in it that depends on numbers is not zero:
+    the program's check must fail (the call is traced again, and eager's error raised),
+    not divide by zero (``x.split(k)`` checks ``n // k``)."""
+    divisors = [a.args[1] for a in expr.atoms(FloorDiv, Mod, CleanDiv, IntTrueDiv, FloatTrueDiv, sympy.Mod)]
+    divisors += [a.base for a in expr.atoms(sympy.Pow) if a.exp.is_negative]
+    nonzero = [c for c in (sympy.Ne(d, 0) for d in dict.fromkeys(divisors) if d.free_symbols) if c is not sympy.true]
+    return [Then(sympy.And(*nonzero), expr) if nonzero else expr]
+
+
+def _float_checks(recording, reader: dict, expressions: list) -> list:
+    """What the program checks of each float read from data beyond ``expressions``
+    (``symbolic.exact_float_checks``): that it is NaN or infinite if it was while tracing,
+    for its branches and specializations were computed with it; that it is finite where
+    sympy simplified it away (``size_text.folded``) or it is in a check; with its sign where
+    it was a zero in a check (``k == 0.0`` holds for -0.0)."""
+    assumed = set().union(*(e.free_symbols for e in expressions))
+    lost = folded(recording.fake_mode.shape_env)
+    found = []
+    for symbol, index in reader.items():
+        if not symbol_is_type(symbol, SymT.UNBACKED_FLOAT) or index not in recording.cones:
+            continue
+        source = recording.bound_symbols[index].args[0]
+        real = recording.values_now.get(getattr(source, "label", None))
+        value = real.item() if isinstance(real, torch.Tensor) and real.numel() == 1 else None
+        if not isinstance(value, float) or (math.isfinite(value) and symbol not in lost | assumed):
+            continue
+        found += exact_float_checks(symbol, value, sign=value == 0.0 and symbol in assumed)
+    return found
+
+
+@dataclass(frozen=True)
+class RuntimeCheck(DataCheck):
+    """``if not (0 <= t0): raise RuntimeError(...)``: a check torch's op deferred to run
+    time on numbers read from data; eager's op would have raised there."""
+
+    message: str = ""
+
+    def lines(self, bsym: BoundSymbol) -> list[str]:
+        names = {symbol: arg.label for symbol, arg in zip(self.symbols, bsym.args)}
+        condition = python_source(self.expr, names)
+        text = f"dtcompile: a number read from tensor data fails a check of torch's op: {condition} ({self.message})"
+        return [f"if not ({condition}): raise RuntimeError({text!r})"]
+
+
+def _before_branches(shape_env) -> list:
+    """The checks torch deferred before the traced code took any branch on data, as far as
+    the ShapeEnv's order tells (it keeps one list per symbol): eager's op raised there
+    whatever the branches, so their checks go before the branches' (``x.split(k)`` checks
+    ``0 <= k`` before the number of pieces it makes)."""
+    lists = [[(a.expr, a.msg) for a in asserts] for asserts in shape_env.deferred_runtime_asserts.values()]
+    with_branches = [found for found in lists if any(m.startswith(_ASSUMPTION) for _, m in found)]
+    if len(with_branches) > 1:
+        return []
+    if not with_branches:
+        return [expr for found in lists for expr, _ in found]
+    found = with_branches[0]
+    return [expr for expr, _ in itertools.takewhile(lambda a: not a[1].startswith(_ASSUMPTION), found)]
+
+
+def _printable(expr) -> bool:
+    try:
+        python_source(expr, {s: s.name for s in expr.free_symbols})
+    except Exception:  # a function Python's printer has no source for: the check is left to eager's op
+        return False
+    return True
+
+
+def _runtime_checks(recording, items: dict) -> None:
+    """Insert, right after the last read of their numbers, the checks torch's ops deferred
+    to run time on numbers read from data (``.item()``) and the inputs' sizes."""
+    symbols = recording.bound_symbols
+    position = {id(b.output): i for i, b in enumerate(symbols) if isinstance(b.output, NumberProxy)}
+    # After the branches' checks: a call that fails one goes to another entry, whose
+    # branch may not run the op.
+    branches = max((i for i, b in enumerate(symbols) if isinstance(b.symbol, DataCheck)), default=-1)
+    after: dict[int, list] = {}
+    seen, early = [], _before_branches(recording.fake_mode.shape_env)
+    for expr, message in runtime_asserts(recording.fake_mode.shape_env):
+        numbers = sorted(expr.free_symbols, key=str)
+        if message.startswith(_ASSUMPTION) or expr in seen or not any(s in items for s in numbers):
+            continue
+        if not all(s in items or s in recording.input_sizes for s in numbers) or not _printable(expr):
+            continue
+        seen.append(expr)
+        made, args = [], []
+        for s in numbers:
+            if s in items:
+                args.append(items[s])
+            else:
+                proxy, dim = recording.input_sizes[s]
+                args.append(NumberProxy(recording.new_name(), s, None, NoProvenance(f"a size of {proxy.label}")))
+                made.append(BoundSymbol(SHAPE, (proxy, dim), {}, args[-1]))
+        check = RuntimeCheck(
+            "prims.runtime_check", globals=_CHECK_GLOBALS, expr=expr, symbols=tuple(numbers), message=str(message)
+        )
+        last = max(-1 if expr in early else branches, *(position[id(items[s])] for s in numbers if s in items))
+        after.setdefault(last, []).extend([*made, BoundSymbol(check, tuple(args), {}, None, symbols[last].note)])
+    if after:
+        symbols[:] = [b for i, bsym in enumerate(symbols) for b in (bsym, *after.get(i, ()))]
 
 
 def _number_of(recording, symbols: list, reader: dict, symbol, size_reads: dict) -> NumberProxy:

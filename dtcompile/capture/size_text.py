@@ -10,16 +10,33 @@ value instead: ``int(size)``, which guards the program on that value (a call wit
 another size compiles again, as it must; a number read from data is checked at run
 time, as a branch on it is). Called from library code (torch printing a shape, a
 log line), they behave as they do.
+
+Python arithmetic and comparisons of a float read from data (a SymFloat's ``k - k``,
+``k != k``, ``0 * k``) are sympy's, which takes every number to be finite: ``k - k`` is
+0 and ``k != k`` is False. Called from the user's code, they are followed here (see
+``_exact``): where the float was NaN or infinite while tracing (the program then checks
+that it is, ``data_branches.checks_first``), they are computed as Python computes them;
+where a finite float was simplified away, it is noted (``folded``), and the program
+checks that the float is finite at run time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import operator
 import sys
 
+import sympy
 import torch
+from torch.fx.experimental.sym_node import SymNode
+from torch.utils._sympy.functions import ToFloat
+from torch.utils._sympy.symbol import SymT, symbol_is_type
 
+from ..core import TracingError
 from ..core.code_origin import library_code
+from ..core.symbolic import python_float
+from ..core.torch_internals import symbol_values
 
 
 def _from_user_code() -> bool:
@@ -35,6 +52,7 @@ def sizes_as_values_in_user_text():
     with contextlib.ExitStack() as stack:
         for cls, kind in ((torch.SymInt, int), (torch.SymFloat, float), (torch.SymBool, bool)):
             stack.enter_context(_values_in_user_text(cls, kind))
+        stack.enter_context(_exact_float_arithmetic())
         yield
 
 
@@ -63,3 +81,138 @@ def _values_in_user_text(cls: type, kind: type):
                 setattr(cls, name, saved[name])
             else:
                 delattr(cls, name)
+
+
+_BINARY = {name: getattr(operator, name) for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow")}
+_COMPARISONS = {name: getattr(operator, name) for name in ("eq", "ne", "lt", "le", "gt", "ge")}
+
+
+def negative_zeros(shape_env) -> set:
+    """The floats read from data that were -0.0 while tracing (noted by ``data_branches.value_now``):
+    the ShapeEnv holds their values as sympy numbers, which have no sign of zero."""
+    if not hasattr(shape_env, "_dtcompile_negative_zeros"):
+        shape_env._dtcompile_negative_zeros = set()
+    return shape_env._dtcompile_negative_zeros
+
+
+def folded(shape_env) -> set:
+    """The floats read from data that sympy simplified away while tracing (``k - k``)."""
+    if not hasattr(shape_env, "_dtcompile_folded"):
+        shape_env._dtcompile_folded = set()
+    return shape_env._dtcompile_folded
+
+
+@contextlib.contextmanager
+def _exact_float_arithmetic():
+    """Inside, a SymFloat's arithmetic and comparisons called from the user's code are
+    followed by ``_exact`` (see the module docstring)."""
+    cls = torch.SymFloat
+    methods = {f"__{name}__": (op, False) for name, op in {**_BINARY, **_COMPARISONS}.items()}
+    methods.update({f"__r{name}__": (op, True) for name, op in _BINARY.items()})
+    saved = {name: vars(cls)[name] for name in methods if name in vars(cls)}
+    for name, original in saved.items():
+        setattr(cls, name, _exact(original, *methods[name]))
+    guards = {name: vars(SymNode)[name] for name in ("guard_int", "guard_bool", "guard_float", "expect_true")}
+    for name, original in guards.items():
+        setattr(SymNode, name, _nonzero(_signed(original) if name == "guard_float" else original))
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(cls, name, original)
+        for name, original in guards.items():
+            setattr(SymNode, name, original)
+
+
+def _exact(original, op, reflected: bool):
+    def method(self, other):
+        if not _from_user_code():
+            return original(self, other)
+        a, b = (other, self) if reflected else (self, other)
+        shape_env = self.node.shape_env
+        data = _data_floats(a) | _data_floats(b)
+        values = symbol_values(shape_env) if data else {}
+        unknown = _free_symbols(a) | _free_symbols(b)
+        if data and all(s in data and s in values and not math.isfinite(float(values[s])) for s in unknown):
+            return op(_real(a, values), _real(b, values))  # NaN, inf: as Python computes it
+        result = _in_python_order(self, op, a, b)
+        result = original(self, other) if result is None else result
+        lost = data - _free_symbols(result)
+        if any(not math.isfinite(float(values.get(s, 0.0))) for s in lost):
+            raise TracingError(
+                f"dtcompile.jit: {a} {op.__name__} {b}, on floats read from tensor data, one of them NaN or "
+                "infinite, is simplified as if they were finite: it cannot be compiled exactly"
+            )
+        folded(shape_env).update(lost)
+        return result
+
+    return method
+
+
+class DataZeroDivisionError(RuntimeError, ZeroDivisionError):
+    """A size or branch that divides by a number read from tensor data that is zero
+    (``x.split(k)`` with ``k == 0``): eager raises too, in the op or in Python."""
+
+
+def _nonzero(original):
+    def guard(node, *args):
+        try:
+            return original(node, *args)
+        except ZeroDivisionError as error:
+            raise DataZeroDivisionError(
+                f"dtcompile.jit: {node.expr} divides by a number read from tensor data that is zero in this "
+                "call; eager raises here too (in the op that asked, or in Python)"
+            ) from error
+
+    return guard
+
+
+def _signed(original):  # float(k), and torch.tensor(k) from C++: -0.0 read from data kept
+    def guard_float(node, *args):
+        negative = node.shape_env is not None and node._expr in negative_zeros(node.shape_env)  # not replaced
+        value = original(node, *args)  # guards on the value, as it does
+        return -0.0 if negative and value == 0.0 else value
+
+    return guard_float
+
+
+def _in_python_order(self, op, a, b):
+    """``a op b`` as one float operation (``symbolic.python_float``) where it has symbols;
+    None where sympy's own is kept (comparisons, ``//``, ``%``, ``**``, a literal 0 divisor)."""
+    if op.__name__ not in ("add", "sub", "mul", "truediv") or not (_free_symbols(a) or _free_symbols(b)):
+        return None
+    if op is operator.truediv and not isinstance(b, _SYMBOLIC) and b == 0:
+        return None  # sympy's own error, as eager raises ZeroDivisionError
+    if not all(isinstance(x, (torch.SymInt, torch.SymFloat, int, float)) and not isinstance(x, bool) for x in (a, b)):
+        return None
+    expr = python_float(op.__name__, *(_float_expr(x) for x in (a, b)))
+    hints = [x.node.hint if isinstance(x, _SYMBOLIC) else x for x in (a, b)]
+    hint = None if any(h is None for h in hints) else op(float(hints[0]), float(hints[1]))
+    return torch.SymFloat(SymNode(expr, self.node.shape_env, float, hint))
+
+
+def _float_expr(x):
+    if isinstance(x, torch.SymFloat):
+        return x.node.expr
+    if isinstance(x, torch.SymInt):
+        return ToFloat(x.node.expr)
+    return sympy.Float(float(x))
+
+
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _free_symbols(x) -> set:
+    return set(x.node.expr.free_symbols) if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) else set()
+
+
+def _data_floats(x) -> set:
+    return {s for s in _free_symbols(x) if symbol_is_type(s, SymT.UNBACKED_FLOAT)}
+
+
+def _real(x, values):
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        value = x.node.expr.xreplace(values)
+        kind = float if isinstance(x, torch.SymFloat) else int if isinstance(x, torch.SymInt) else bool
+        return kind(value)
+    return x

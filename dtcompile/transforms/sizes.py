@@ -20,7 +20,7 @@ from ..core import BoundSymbol, NoProvenance, TensorProxy, Trace
 from ..core.prims import SHAPE, STORAGE_OFFSET, STRIDE, size_expression
 from ..core.proxy import NumberProxy
 from ..core.symbol import leaves
-from ..core.symbolic import SYMBOLIC_TYPES, as_constant, is_symbolic, symbolic_expr
+from ..core.symbolic import SYMBOLIC_TYPES, as_constant, float_expr, is_symbolic, symbolic_expr
 
 
 class UnmaterializableSizeError(RuntimeError):
@@ -100,7 +100,7 @@ class _Materializer:
                 return x
             changed = True
             x = as_constant(x)
-            return self.number(symbolic_expr(x), preferred) if is_symbolic(x) else x
+            return self.number(float_expr(x), preferred) if is_symbolic(x) else x  # a float stays a float
 
         return tree_map(swap, value), changed
 
