@@ -320,3 +320,11 @@ def test_checks_an_op_makes_of_its_results_stay_in_the_program(cache, fn):
         fn(singular)
     with pytest.raises(torch.linalg.LinAlgError):
         jitted(singular)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_size_read_from_data_that_the_backward_needs_is_refused_clearly(cache):
+    # A plain RuntimeError from the passes before; eager's gradient needs the masked count.
+    x = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
+    with pytest.raises(dtcompile.TracingError, match="backward needs"):
+        dtcompile.jit(lambda a: a[a > 0].sum(), cache=cache)(x)

@@ -16,15 +16,16 @@ import itertools
 
 from torch.utils._pytree import tree_map
 
-from ..core import BoundSymbol, NoProvenance, TensorProxy, Trace
+from ..core import BoundSymbol, NoProvenance, TensorProxy, Trace, TracingError
 from ..core.prims import SHAPE, STORAGE_OFFSET, STRIDE, size_expression
 from ..core.proxy import NumberProxy
 from ..core.symbol import leaves
 from ..core.symbolic import SYMBOLIC_TYPES, as_constant, float_expr, is_symbolic, symbolic_expr
 
 
-class UnmaterializableSizeError(RuntimeError):
-    """A symbolic size no tensor of the trace holds."""
+class UnmaterializableSizeError(TracingError):
+    """A symbolic size no tensor of the trace holds (a size read from data that a
+    backward needs, ``x[x > 0].sum()``: the forward's masked tensor is not passed to it)."""
 
 
 def size_query(expr, tensors: list[TensorProxy]) -> tuple[object, tuple] | None:
@@ -81,8 +82,9 @@ class _Materializer:
         symbols = tuple(sorted(expr.free_symbols, key=str))
         if not symbols or expr in symbols:
             raise UnmaterializableSizeError(
-                f"dtcompile: the size {expr} is not held by any tensor of the trace, so the compiled "
-                "program cannot compute it"
+                f"dtcompile.jit: the size {expr} is not held by any tensor of the trace, so the compiled "
+                "program cannot compute it (a size read from data that the backward needs: x[mask].sum() "
+                "with gradients; (x * mask).sum() computes the same without it)"
             )
         args = tuple(self.number(symbol, preferred) for symbol in symbols)
         number = self._number(expr, "prims.size")
