@@ -328,3 +328,17 @@ def test_a_size_read_from_data_that_the_backward_needs_is_refused_clearly(cache)
     x = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
     with pytest.raises(dtcompile.TracingError, match="backward needs"):
         dtcompile.jit(lambda a: a[a > 0].sum(), cache=cache)(x)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_container_of_the_call_returned_is_the_callers_own(cache):
+    # Rebuilt as a new container before: an append to the result missed the caller's list.
+    def fn(items, table, pair, x):
+        return items, table, pair, x * 2
+
+    jitted = dtcompile.jit(fn, cache=cache)
+    for n in (3, 4):
+        items, table, pair = [torch.ones(n)], {"a": torch.ones(n)}, (torch.ones(n),)
+        with torch.no_grad():
+            out = jitted(items, table, pair, torch.ones(n))
+        assert out[0] is items and out[1] is table and out[2] is pair and out[0][0] is items[0]

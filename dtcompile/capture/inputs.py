@@ -180,14 +180,16 @@ class InputProxifier:
             pairs = [self.proxify(v, path.index(i), f"{name_hint}_{i}") for i, v in enumerate(value)]
             items = [p for p, _ in pairs]
             values = type(value)(*items) if pytree.is_namedtuple_instance(value) else type(value)(items)
-            if type(value) is list:
-                self.objects.add_container(path, values)
-            return values, SequenceInput(path, type(value), [n for _, n in pairs])
+            node = SequenceInput(path, type(value), [n for _, n in pairs])
+            if path.steps:  # (not ``args`` itself)
+                self.objects.add_container(path, values, node)
+            return values, node
         if type(value) is dict:
             pairs = [self.proxify(v, path.key(k), f"{name_hint}_{k}") for k, v in value.items()]
             values = dict(zip(value.keys(), (p for p, _ in pairs)))
-            self.objects.add_container(path, values)
-            return values, DictInput(path, tuple(value.keys()), [n for _, n in pairs])
+            node = DictInput(path, tuple(value.keys()), [n for _, n in pairs])
+            self.objects.add_container(path, values, node)
+            return values, node
         if type(value) in pytree.SUPPORTED_NODES:
             node = pytree.SUPPORTED_NODES[type(value)]
             children, context = node.flatten_fn(value)

@@ -193,6 +193,8 @@ class StateObjects:
         self.containers: list[tuple[InputPath, object, list]] = []
         self.needed: list[object] = []  # ObjectInputs (and DTensorInputs) the epilogue receives, in order
         self._given: dict[int, tuple[object, object]] = {}  # id of a traced DTensor input -> (it, its node)
+        self._given_containers: dict[int, tuple[object, object]] = {}  # id -> (a container of the call, its node)
+        self.containers_returned = True  # whether one returned is the caller's own (not with gradients)
 
     def add(self, node, stand_in: object, given: dict, real: object) -> None:
         traced = _Traced(node, stand_in, dict(given))
@@ -200,9 +202,13 @@ class StateObjects:
         self._by_stand_in[id(stand_in)] = traced
         self.by_real[id(real)] = node
 
-    def add_container(self, path: InputPath, container: object) -> None:
-        items = list(container.items()) if isinstance(container, dict) else list(container)
-        self.containers.append((path, container, items))
+    def add_container(self, path: InputPath, container: object, node) -> None:
+        """A list, dict or tuple of the call, as given to the program (``node``: its input
+        node). Returned, it is the caller's own, as in eager."""
+        self._given_containers[id(container)] = (container, node)
+        if isinstance(container, (list, dict)):
+            items = list(container.items()) if isinstance(container, dict) else list(container)
+            self.containers.append((path, container, items))
 
     def return_as_given(self, dtensors: list[tuple[object, object]]) -> None:
         """``(traced DTensor, its DTensorInput)`` of the call's DTensors: one the call returns
@@ -215,8 +221,11 @@ class StateObjects:
         """The epilogue's index of the real object whose stand-in is ``value`` (or which is
         the DTensor ``value`` traces, unchanged), or None."""
         traced = self._by_stand_in.get(id(value))
+        container = self._given_containers.get(id(value))
         if traced is not None and traced.stand_in is value:
             found = traced.node
+        elif container is not None and container[0] is value and self.containers_returned:
+            found = container[1]
         else:
             given = self._given.get(id(value))
             if given is None or given[0] is not value:

@@ -148,6 +148,8 @@ class OutputCollector:
             if any(is_symbolic(x) for x in value):
                 return SequenceOutput(torch.Size, [self.describe(x) for x in value])
             return ConstantOutput(value)  # sizes are constants; pytree would rebuild a tuple
+        if isinstance(value, (tuple, list, dict)) and (index := self.objects.index_of(value)) is not None:
+            return ObjectOutput(index)  # a container of the call, returned: the caller's own
         if type(value) in (tuple, list) or pytree.is_namedtuple_instance(value):
             return SequenceOutput(type(value), [self.describe(v, where) for v in value])
         if type(value) is dict:

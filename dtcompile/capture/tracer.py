@@ -241,6 +241,7 @@ def _capture(
                 training = grad_enabled and bool(proxifier.differentiable or closed)
                 if not training:
                     proxifier.objects.return_as_given(proxifier.traced_dtensors)
+            proxifier.objects.containers_returned = not training  # (else rebuilt: a new list, as before)
             output = collector.describe(result)
             gradient_refusal(held_flags, recording.captured_flags, collector.values, training)
             respec_refusal(proxifier.respecced() or recording.respecced())

@@ -249,7 +249,7 @@ class _Builder:
                 var = expr
                 self.fail_if(f"len(args) != {len(node.children)}")
             else:
-                var = self.bind(expr)
+                var = self.object_vars[id(node)] = self.bind(expr)  # (returned: the caller's own)
                 kind = node.type.__name__ if node.type in (tuple, list) else self.constant(node.type, "TYPE")
                 self.fail_if(f"type({var}) is not {kind} or len({var}) != {len(node.children)}")
             if alike(node.children):
@@ -259,6 +259,7 @@ class _Builder:
                 self.node(child, f"{var}[{i}]")
         elif isinstance(node, DictInput):
             var = expr if expr == "kwargs" else self.bind(expr)
+            self.object_vars[id(node)] = var
             if not node.keys and expr == "kwargs":
                 self.fail_if("kwargs")
             else:
