@@ -10,14 +10,15 @@ included.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..core import InputPath, TensorProxy
+from ..core import InputPath, TensorProxy, TracingError
 from ..core.proxy import contiguous_strides
-from ..core.torch_internals import DTensorSpec, TensorMeta, make_dtensor
+from ..core.torch_internals import DTensorSpec, TensorMeta, make_dtensor, saved_tensors_hooks
 from .recorder import Recording
 
 
@@ -35,6 +36,12 @@ class BackwardCapture:
     # Inputs (labels) whose pure computations the backward recomputes instead of having the
     # forward save them: FSDP2's sharded parameters that reshard after forward (fsdp.py).
     recompute_from: frozenset[str] = frozenset()
+    # Per differentiable input, the cotangents (bit i: cotangents[i]) whose outputs reach it
+    # in autograd's graph: its gradient is None, as eager's, where none of them arrives.
+    grad_sources: list[int] | None = None
+    # The saved_tensors_hooks (pack, unpack) active around the call: traced into the
+    # programs, so the compiled step must not apply them again (jit/training.py).
+    saved_hooks: tuple | None = None
 
 
 def _cotangent_for(recording: Recording, value, index: int) -> tuple[object, TensorProxy, DTensorSpec | None]:
@@ -75,9 +82,20 @@ def capture_backward(
             slots.append(slot)
             specs.append(spec)
     wrt = [traced for _, traced in differentiable]
-    grads = torch.autograd.grad(outputs, wrt, cotangents, allow_unused=True) if outputs else [None] * len(wrt)
+    with torch._C.DisableTorchFunction():  # autograd's graph, not the tracing annotator's to see
+        sources = _reaching(outputs, wrt)
+    with _rng_state_reads() as state_reads:
+        grads = _grad(outputs, wrt, cotangents) if outputs else [None] * len(wrt)
     for bsym in recording.bound_symbols[forward_symbols:]:
         bsym.in_backward = True
+        if state_reads and bsym.op is not None and torch.Tag.nondeterministic_seeded in bsym.op.tags:
+            raise TracingError(
+                f"dtcompile.jit: torch.utils.checkpoint recomputes a random op ({bsym.op}"
+                f"{f', from {bsym.note}' if bsym.note is not None else ''}) in the backward with the "
+                "random state of its forward restored (preserve_rng_state=True): eager's backward draws the "
+                "forward's numbers again, a compiled backward would draw new ones. Keep random ops (dropout) "
+                "out of the checkpointed function, or do not checkpoint it"
+            )
     grad_locals, grad_specs = [], []
     for grad in grads:
         if isinstance(grad, DTensor):
@@ -87,5 +105,102 @@ def capture_backward(
             grad_locals.append(grad)
             grad_specs.append(None)
     return BackwardCapture(
-        proxies, slots, specs, [p for p, _ in differentiable], list(differentiable), grad_locals, grad_specs
+        proxies,
+        slots,
+        specs,
+        [p for p, _ in differentiable],
+        list(differentiable),
+        grad_locals,
+        grad_specs,
+        grad_sources=sources,
+        saved_hooks=saved_tensors_hooks(),
     )
+
+
+def _grad(outputs: list, wrt: list, cotangents: list) -> tuple:
+    """The gradients, DTensor's backward recorded; a graph the traced code freed is refused."""
+    try:
+        return torch.autograd.grad(outputs, wrt, cotangents, allow_unused=True)
+    except RuntimeError as error:
+        if "backward through the graph a second time" not in str(error):
+            raise
+        raise TracingError(
+            "dtcompile.jit: the call returns a value that requires grad whose graph its code already "
+            "differentiated without retain_graph=True (torch.autograd.grad or .backward() inside the call): "
+            "autograd freed that graph, and a compiled call differentiates its outputs while compiling. Pass "
+            "retain_graph=True there, or return the value detached (y.detach())"
+        ) from error
+
+
+@contextlib.contextmanager
+def _rng_state_reads():
+    """Counts reads of torch's default generator's state while the backward is traced:
+    ``torch.utils.checkpoint`` (preserve_rng_state=True) reads it to put it back after it
+    recomputes with its forward's state restored, which a compiled backward could not do.
+    (Setting it is seeding_refused's to watch: torch's own calls only.)"""
+    reads: list = []
+    owners = [owner for owner in (torch, torch.random) if hasattr(owner, "get_rng_state")]
+    originals = [owner.get_rng_state for owner in owners]
+
+    def counting(original):
+        def get_rng_state(*args, **kwargs):
+            reads.append(True)
+            return original(*args, **kwargs)
+
+        return get_rng_state
+
+    for owner, original in zip(owners, originals):
+        owner.get_rng_state = counting(original)
+    try:
+        yield reads
+    finally:
+        for owner, original in zip(owners, originals):
+            owner.get_rng_state = original
+
+
+def _reaching(outputs: list, wrt: list) -> list[int]:
+    """For each of ``wrt``, the outputs (bit i: ``outputs[i]``) from which autograd's graph
+    reaches it: where none of them gets a cotangent, eager's autograd leaves its gradient
+    None (a parameter that only feeds an output the loss does not use)."""
+    leaf_index = {id(t): i for i, t in enumerate(wrt) if t.grad_fn is None}
+    node_index: dict[int, int] = {}
+    for i, t in enumerate(wrt):
+        if t.grad_fn is not None:
+            node_index[id(t.grad_fn)] = node_index.get(id(t.grad_fn), 0) | 1 << i
+    reach: dict[int, int] = {}  # id(node) -> bit mask over wrt
+    alive: list = []  # the nodes walked, kept so that their ids stay unique
+    masks = [0] * len(wrt)
+    for k, out in enumerate(outputs):
+        hit = 1 << leaf_index[id(out)] if id(out) in leaf_index else 0
+        if out.grad_fn is not None:
+            hit |= _reach_of(out.grad_fn, reach, alive, leaf_index, node_index)
+        for i in range(len(wrt)):
+            if hit >> i & 1:
+                masks[i] |= 1 << k
+    return masks
+
+
+def _reach_of(root, reach: dict, alive: list, leaf_index: dict, node_index: dict) -> int:
+    """The mask of ``wrt`` reached from the autograd node ``root`` (an iterative
+    post-order walk: graphs are deep)."""
+    stack = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        key = id(node)
+        if key in reach and not expanded:
+            continue
+        nexts = [n for n, _ in node.next_functions if n is not None]
+        if not expanded:
+            alive.append(node)
+            reach[key] = 0  # in progress (the graph is acyclic)
+            stack.append((node, True))
+            stack.extend((n, False) for n in nexts if id(n) not in reach)
+            continue
+        mask = node_index.get(key, 0)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad: the leaf it accumulates into
+        if variable is not None and id(variable) in leaf_index:
+            mask |= 1 << leaf_index[id(variable)]
+        for n in nexts:
+            mask |= reach.get(id(n), 0)
+        reach[key] = mask
+    return reach[id(root)]

@@ -18,6 +18,7 @@ from ..core.torch_internals import (
     dtensor_implicit_replication,
     dtensor_op_handlers,
     function_mode_count,
+    saved_tensors_hooks,
 )
 
 
@@ -38,6 +39,7 @@ class GlobalState:
     op_handlers: dict  # the handlers table itself
     op_handler_items: list  # its items then
     settings: tuple  # torch's settings code may read and branch on (:func:`torch_settings`)
+    saved_hooks: tuple | None  # the saved_tensors_hooks active (pack, unpack): the program holds what they do
 
     @classmethod
     def now(cls) -> GlobalState:
@@ -50,6 +52,7 @@ class GlobalState:
             handlers,
             list(handlers.items()),
             torch_settings(),
+            saved_tensors_hooks(),
         )
 
 

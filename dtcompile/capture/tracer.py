@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
 from ..core import InputPath, Trace, TracingError, data_dependent_error, verify
-from ..core.torch_internals import compiling, dtensor_refused_symbols
+from ..core.torch_internals import compiling, dtensor_refused_symbols, saved_tensors_hooks
 from .annotator import CallAnnotator
 from .autograd import BackwardCapture, capture_backward
 from .block_training import BlockReplayFailed
@@ -354,6 +354,8 @@ def _user_data(fn, module_state: ModuleState | None) -> DataSnapshot:
     containers and objects the module tree holds (not its tensors and tables, which
     ``ModuleState`` swaps and reads), and what the function and the module's hooks reach."""
     snapshot = DataSnapshot()
+    for hook in saved_tensors_hooks() or ():  # (they run while tracing only: a count they keep would stop)
+        snapshot.add_callable(hook, f"the saved tensors hook {getattr(hook, '__qualname__', hook)}")
     if module_state is None:
         snapshot.add_callable(fn, getattr(fn, "__qualname__", "the function"))
         return snapshot

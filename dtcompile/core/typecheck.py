@@ -73,7 +73,9 @@ def check_types(trace) -> None:
             continue
         fake_mode = source[0].fake.fake_mode
         args, kwargs = tree_map(_fake_argument, (bsym.args, bsym.kwargs))
-        with fake_mode, enable_python_dispatcher():  # as recorded: composite ops decompose
+        # As recorded (composite ops decompose); no autograd: the user's saved tensors hooks
+        # would be called with fake tensors.
+        with fake_mode, enable_python_dispatcher(), torch.no_grad():
             out = op(*args, **kwargs)
         out = with_eager_strides(fake_mode, op, args, out)
         got = [x for x in tree_flatten(out)[0] if hasattr(x, "dtype") and hasattr(x, "stride")]

@@ -25,7 +25,14 @@ from ..capture.global_state import GlobalState, torch_settings
 from ..capture.python_reads import ABSENT, PythonGuards, ReadGroup, value_key
 from ..capture.python_state import PythonState
 from ..core.printing import python_literal
-from ..core.torch_internals import dict_version, dtensor_implicit_replication, dtensor_op_handlers, function_mode_count
+from ..core.torch_internals import (
+    dict_version,
+    dtensor_implicit_replication,
+    dtensor_op_handlers,
+    function_mode_count,
+    saved_tensors_hooks,
+)
+from .training import same_saved_hooks
 
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
@@ -68,6 +75,9 @@ def global_state_checks(b, state: GlobalState) -> None:
     b.fail_if(f"implicit_replication() is not {state.implicit_replication}")
     b.globals.update(torch_settings=torch_settings, TORCH_SETTINGS=state.settings)
     b.fail_if("torch_settings() != TORCH_SETTINGS")
+    # The saved tensors hooks the call was traced under: the programs hold what they do.
+    b.globals.update(saved_hooks=saved_tensors_hooks, same_saved_hooks=same_saved_hooks, SAVED_HOOKS=state.saved_hooks)
+    b.fail_if("not same_saved_hooks(saved_hooks(), SAVED_HOOKS)")
     b.globals.update(op_handlers=dtensor_op_handlers, OP_HANDLER_ITEMS=state.op_handler_items)
     # No variable bound: the prologue's other names stay as they were.
     changed = "list(op_handlers().items()) != OP_HANDLER_ITEMS"

@@ -7,21 +7,26 @@ forward runs the forward program and keeps the saved values; its backward makes 
 cotangent what the backward program was traced with (the traced placements, a
 contiguous local tensor; a ``Zeros`` stand-in where autograd computed none, made by the
 program where it first reads it), runs the backward program and wraps the gradients
-with the specs DTensor's backward gave them at trace time.
+with the specs DTensor's backward gave them at trace time. An input that only outputs
+without a cotangent reach gets no gradient (None, as eager's autograd gives it, not
+zeros). Under ``saved_tensors_hooks`` the programs hold what the hooks did to each saved
+tensor when traced: the Function saves its own values without them, and a call under
+other hooks than traced is refused.
 """
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
-from ..core import TensorProxy
+from ..core import TensorProxy, TracingError
 from ..core.codegen import GeneratedFunction
 from ..core.symbolic import as_constant, is_symbolic
-from ..core.torch_internals import DTensorSpec, compute_global_tensor_info, make_dtensor
+from ..core.torch_internals import DTensorSpec, compute_global_tensor_info, make_dtensor, saved_tensors_hooks
 from ..core.trace import Zeros
 from .epilogue import build_epilogue, build_output_wrapper, with_sizes
 
@@ -69,6 +74,10 @@ class Gradient:
     position: int  # the input it is the gradient of
     spec: DTensorSpec | None  # as traced, for a DTensor input; None: a plain tensor
     sizes_per_call: bool  # the spec has symbolic sizes: rebuilt from each gradient
+    # The cotangents (bit i: program.cotangents[i]) whose outputs reach the input in
+    # autograd's graph: where none arrives, the gradient is None, as eager's (0: unknown,
+    # always given).
+    sources: int = 0
 
     def wrap(self, grad: torch.Tensor):
         if self.spec is None:
@@ -97,6 +106,7 @@ class TrainingProgram:
     # (output slot, input position) of inputs the call returns as they are: the caller's
     # own tensor where it requires grad, as eager returns it (its .grad filled by backward).
     returned_inputs: list[tuple[int, int]]
+    saved_hooks: tuple | None = None  # the saved_tensors_hooks (pack, unpack) it was traced under
 
     @staticmethod
     def make(forward, backward, output, captured_inputs, backward_capture, slots: int, trace_output) -> TrainingProgram:
@@ -109,10 +119,16 @@ class TrainingProgram:
                 backward_capture.cotangent_slots, backward_capture.cotangent_specs, backward_capture.cotangents
             )
         ]
+        sources = backward_capture.grad_sources or [0] * len(backward_capture.differentiable)
         gradients = [
-            Gradient(position[p.label], spec, spec is not None and any(is_symbolic(x) for x in spec.tensor_meta.shape))
-            for p, grad, spec in zip(
-                backward_capture.differentiable, backward_capture.grads, backward_capture.grad_specs
+            Gradient(
+                position[p.label],
+                spec,
+                spec is not None and any(is_symbolic(x) for x in spec.tensor_meta.shape),
+                source,
+            )
+            for p, grad, spec, source in zip(
+                backward_capture.differentiable, backward_capture.grads, backward_capture.grad_specs, sources
             )
             if grad is not None
         ]
@@ -137,16 +153,98 @@ class TrainingProgram:
                 for i, out in enumerate(trace_output[:slots])
                 if isinstance(out, TensorProxy) and out.label in position
             ],
+            saved_hooks=backward_capture.saved_hooks,
         )
 
     def __call__(self, inputs: tuple):
-        outs = CompiledStep.apply(self, *inputs)
+        hooks = saved_tensors_hooks()
+        if hooks is None and self.saved_hooks is None:
+            outs = CompiledStep.apply(self, *inputs)
+        else:
+            outs = self._apply_under_hooks(hooks, inputs)
         if self.returned_inputs:
             outs = list(outs)
             for slot, position in self.returned_inputs:
                 if inputs[position].requires_grad:
                     outs[slot] = inputs[position]
         return self.rebuild.fn(outs, ())
+
+    def _apply_under_hooks(self, hooks: tuple | None, inputs: tuple):
+        """The step, where saved_tensors_hooks are active now or were when it was traced.
+        Traced under them, the programs do what they did to each tensor autograd saved
+        (pack in the forward, unpack in the backward): the Function saves its values
+        without them, else they would apply twice. A step traced under other hooks than
+        the call's (or none) would give other gradients than eager's: refused."""
+        if not same_saved_hooks(hooks, self.saved_hooks):
+            raise TracingError(
+                "dtcompile.jit: this training call was compiled "
+                + ("without saved_tensors_hooks" if self.saved_hooks is None else "under other saved_tensors_hooks")
+                + " than are active now ("
+                + ("none" if hooks is None else f"pack {_name(hooks[0])}, unpack {_name(hooks[1])}")
+                + "); its programs apply the hooks it was traced under to what autograd saves, so it would not "
+                "give eager's gradients. Compile a separate function (dtcompile.jit) for calls made under "
+                "these hooks, or call it under the hooks it was compiled under"
+            )
+        popped = []
+        while (top := saved_tensors_hooks()) is not None:
+            popped.append(top)
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        try:
+            return CompiledStep.apply(self, *inputs)
+        finally:
+            for pack, unpack in reversed(popped):
+                torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+def same_saved_hooks(a: tuple | None, b: tuple | None) -> bool:
+    """Whether two saved_tensors_hooks pairs (pack, unpack) do the same: the same
+    functions, or functions of the same code over the same defaults and closure cells
+    (``save_on_cpu()`` entered anew at each step makes new closures of equal cells)."""
+    if a is None or b is None:
+        return a is b
+    return all(_same_function(x, y) for x, y in zip(a, b))
+
+
+def _same_function(a, b) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, types.MethodType) and isinstance(b, types.MethodType):
+        return a.__self__ is b.__self__ and _same_function(a.__func__, b.__func__)
+    if not (isinstance(a, types.FunctionType) and isinstance(b, types.FunctionType)):
+        return False
+    if a.__code__ is not b.__code__ or a.__globals__ is not b.__globals__:
+        return False
+    return (
+        _same_values(a.__defaults__ or (), b.__defaults__ or ())
+        and _same_values(_cells(a), _cells(b))
+        and (a.__kwdefaults__ or {}).keys() == (b.__kwdefaults__ or {}).keys()
+        and _same_values(tuple((a.__kwdefaults__ or {}).values()), tuple((b.__kwdefaults__ or {}).values()))
+    )
+
+
+def _cells(fn) -> tuple:
+    contents = []
+    for cell in fn.__closure__ or ():
+        try:
+            contents.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            contents.append(_EMPTY)
+    return tuple(contents)
+
+
+_EMPTY = object()
+
+
+def _same_values(a: tuple, b: tuple) -> bool:
+    """Scalars by type and value, anything else by identity."""
+    scalars = (type(None), bool, int, float, str, torch.device, torch.dtype)
+    return len(a) == len(b) and all(
+        x is y or (type(x) is type(y) and isinstance(x, scalars) and x == y) for x, y in zip(a, b)
+    )
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 class CompiledStep(torch.autograd.Function):
@@ -189,8 +287,12 @@ class CompiledStep(torch.autograd.Function):
         for position, number in ctx.numbers:
             inputs.insert(position, number)
         inputs += [c.prepare(grad_outputs[c.slot], shape) for c, shape in zip(program.cotangents, ctx.local_shapes)]
+        # The cotangents that arrived: an input only outputs without one reach gets no
+        # gradient (None, not zeros), as in eager.
+        arrived = sum(1 << i for i, c in enumerate(program.cotangents) if grad_outputs[c.slot] is not None)
         grads = program.backward(inputs)
         result: list = [None] * (1 + program.inputs)
         for grad, gradient in zip(grads, program.gradients):
-            result[1 + gradient.position] = gradient.wrap(grad)
+            if not gradient.sources or gradient.sources & arrived:
+                result[1 + gradient.position] = gradient.wrap(grad)
         return tuple(result)

@@ -27,7 +27,7 @@ def cse(trace: Trace) -> Trace:
     is not the same value). Two computations whose results (or views of them) are both
     returned stay apart: eager returns distinct tensors there, and merging them would hand
     the caller one tensor twice, or two outputs that share memory, so that writing to one
-    changes the other. Nor are two computations whose memory is written in place anywhere
+    changes the other; so do a training call's output and a value its backward reads. Nor are two computations whose memory is written in place anywhere
     in the trace (two ``empty_like`` buffers a collective then fills): merged, both writes
     would land in one buffer. Nor are collectives: whether two are alike here depends on
     this rank's local computation (a rank whose uneven shard DTensor pads gathers a padded
@@ -38,6 +38,11 @@ def cse(trace: Trace) -> Trace:
     written_anywhere = {base.get(p.label) for bsym in trace.bound_symbols for p in written_tensors(bsym)}
     leaves, _ = tree_flatten(trace.output)
     returned = {base[x.label] for x in leaves if isinstance(x, TensorProxy)}  # storages the caller gets
+    # A training call's joint trace: a forward output and a value its backward reads stay
+    # apart too (eager makes two tensors: the caller may write to the output after the call).
+    made_in_backward = {p.label for b in trace.bound_symbols if b.in_backward for p in b.output_tensors()}
+    backward_reads = {base.get(p.label) for b in trace.bound_symbols if b.in_backward for p in b.input_tensors()}
+    forward_returned = {base[x.label] for x in leaves if isinstance(x, TensorProxy) and x.label not in made_in_backward}
     seen: dict[str, object] = {}
     touching: dict[object, list] = {}  # storage -> (key, symbol) of the seen that read or made it
     renames: dict[str, TensorProxy] = {}
@@ -58,11 +63,17 @@ def cse(trace: Trace) -> Trace:
             old, _ = tree_flatten(bsym.output)
             new, _ = tree_flatten(earlier.output)
             pairs = [(o, n) for o, n in zip(old, new) if is_proxy(o)]
-            if not any(base.get(o.label) in returned and base.get(n.label) in returned for o, n in pairs):
+            if not any(
+                (base.get(o.label) in returned and base.get(n.label) in returned)
+                or (base.get(o.label) in forward_returned and base.get(n.label) in backward_reads)
+                or (base.get(n.label) in forward_returned and base.get(o.label) in backward_reads)
+                for o, n in pairs
+            ):
                 for o, n in pairs:
                     renames[o.label] = n
-                    if base.get(o.label) in returned:  # the caller now gets the earlier one's storage
-                        returned.add(base.get(n.label))
+                    for storages in (returned, forward_returned, backward_reads):
+                        if base.get(o.label) in storages:  # (the earlier one's storage now plays its part)
+                            storages.add(base.get(n.label))
                 continue
         if key is not None and earlier is None:
             seen[key] = bsym

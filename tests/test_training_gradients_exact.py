@@ -1,0 +1,350 @@
+"""Training calls whose gradients must be eager's exactly, in which inputs get none too.
+
+Each test runs the same code eagerly and compiled and compares: which tensors get a
+``.grad`` (None where eager's autograd leaves it None, not zeros), the gradients' values,
+what an optimizer then does, the random state after the backward; or it checks that a
+case the compiled program cannot reproduce is refused while compiling or calling.
+"""
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import dtcompile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
+from harness import RankPool  # noqa: E402
+
+
+def _grads(module: nn.Module) -> dict:
+    return {name: None if p.grad is None else p.grad.clone() for name, p in module.named_parameters()}
+
+
+def _assert_same_grads(got: dict, expected: dict):
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert (got[name] is None) == (expected[name] is None), (name, got[name], expected[name])
+        if expected[name] is not None:
+            torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
+
+
+# ---------------------------------------------------------------------------------------
+# Backward through only some outputs: inputs only the others reach get no gradient
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head_a = nn.Linear(4, 2)
+        self.head_b = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.body(x).relu()
+        return self.head_a(h), self.head_b(h)
+
+
+@torch.enable_grad()
+@pytest.mark.parametrize("used", ["a", "b", "both"])
+def test_a_head_the_loss_does_not_use_gets_no_grad_and_adamw_leaves_it(used):
+    torch.manual_seed(0)
+    eager = TwoHeads()
+    compiled = copy.deepcopy(eager)
+    jitted = dtcompile.jit(compiled)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in (eager, compiled)]
+    for step in range(3):  # a miss, then hits
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        for fn in (eager, jitted):
+            a, b = fn(x)
+            loss = {"a": a.sum(), "b": b.pow(2).sum(), "both": a.sum() + b.pow(2).sum()}[used]
+            loss.backward()
+        _assert_same_grads(_grads(compiled), _grads(eager))
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        for p, q in zip(compiled.parameters(), eager.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+    if used == "a":
+        assert compiled.head_b.weight.grad is None and compiled.head_b.bias.grad is None
+    assert dtcompile.cache_misses(jitted) == 1
+
+
+def _two_products(x, w1, w2):
+    return x * w1, x * w2
+
+
+@torch.enable_grad()
+def test_autograd_grad_of_an_input_only_an_unused_output_reaches_is_none_or_raises():
+    jitted = dtcompile.jit(_two_products)
+    for fn in (_two_products, jitted):
+        x, w1, w2 = (torch.randn(3, requires_grad=True) for _ in range(3))
+        a, _ = fn(x, w1, w2)
+        assert torch.autograd.grad(a.sum(), [w2], allow_unused=True, retain_graph=True) == (None,)
+        with pytest.raises(RuntimeError, match="appears to not have been used in the graph"):
+            torch.autograd.grad(a.sum(), [w2], retain_graph=True)
+        gx, gw1, gw2 = torch.autograd.grad(a.sum(), [x, w1, w2], allow_unused=True)
+        assert gw2 is None
+        torch.testing.assert_close(gx, w1.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(gw1, x.detach(), rtol=0, atol=0)
+
+
+@torch.enable_grad()
+def test_an_input_returned_as_it_is_gets_only_its_own_cotangent():
+    def f(x, w):
+        return x, (x * w).sum()
+
+    jitted = dtcompile.jit(f)
+    for fn in (f, jitted):
+        x, w = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+        out, loss = fn(x, w)
+        (out * 2).sum().backward()  # only the returned input: w gets nothing
+        assert w.grad is None
+        torch.testing.assert_close(x.grad, torch.full((3,), 2.0), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------
+# torch.utils.checkpoint around random ops
+
+
+def _checkpointed_dropout(preserve):
+    def f(x):
+        return checkpoint(lambda a: F.dropout(a, 0.5, True), x, use_reentrant=False, preserve_rng_state=preserve).sum()
+
+    return f
+
+
+@torch.enable_grad()
+def test_checkpoint_restoring_the_random_state_around_dropout_is_refused():
+    jitted = dtcompile.jit(_checkpointed_dropout(True))
+    state = torch.get_rng_state()
+    with pytest.raises(dtcompile.TracingError, match=r"checkpoint.*random op \(aten\.native_dropout"):
+        jitted(torch.ones(8, requires_grad=True))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+@torch.enable_grad()
+def test_checkpoint_without_restoring_the_random_state_matches_eager():
+    f = _checkpointed_dropout(False)
+    results = []
+    for fn in (f, dtcompile.jit(f)):
+        torch.manual_seed(3)
+        x = torch.ones(8, requires_grad=True)
+        y = fn(x)
+        y.backward()
+        results.append((y.detach(), x.grad, torch.rand(4)))
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@torch.enable_grad()
+def test_checkpoint_of_deterministic_code_matches_eager():
+    w = torch.randn(8, 8)
+
+    def f(x):
+        return checkpoint(lambda a: (a @ w).tanh(), x, use_reentrant=False).sum()
+
+    results = []
+    for fn in (f, dtcompile.jit(f)):
+        torch.manual_seed(3)
+        x = torch.randn(4, 8, requires_grad=True)
+        fn(x).backward()
+        results.append((x.grad, torch.rand(4)))
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected)
+
+
+# ---------------------------------------------------------------------------------------
+# torch.autograd.grad inside the call
+
+
+def _gradient_and_value(retain):
+    def f(x, w):
+        y = (x @ w).tanh().sum()
+        (g,) = torch.autograd.grad(y, w, retain_graph=retain)
+        return g, y
+
+    return f
+
+
+@torch.enable_grad()
+def test_returning_a_value_whose_graph_the_call_freed_is_a_clear_error():
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 5, requires_grad=True)
+    with pytest.raises(dtcompile.TracingError, match="retain_graph=True"):
+        dtcompile.jit(_gradient_and_value(False))(x, w)
+    assert x.grad is None and w.grad is None
+
+
+@torch.enable_grad()
+def test_autograd_grad_inside_with_the_graph_retained_matches_eager():
+    f = _gradient_and_value(True)
+    results = []
+    for fn in (f, dtcompile.jit(f)):
+        torch.manual_seed(0)
+        x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 5, requires_grad=True)
+        g, y = fn(x, w)
+        assert y.requires_grad and not g.requires_grad
+        y.backward()
+        results.append((g, y.detach(), x.grad, w.grad))
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected)
+
+
+# ---------------------------------------------------------------------------------------
+# saved_tensors_hooks around the call
+
+
+def _tanh_and_exp(x, w):
+    h = x @ w
+    return h.tanh(), h.exp()
+
+
+def _doubled(t):
+    return t * 2  # a saved value that comes back changed (a scaled, quantised activation)
+
+
+def _hooked_step(fn, hooks, pack=_doubled):
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 3, requires_grad=True), torch.randn(3, 3, requires_grad=True)
+    if hooks:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            a, b = fn(x, w)
+    else:
+        a, b = fn(x, w)
+    (a.sum() + b.sum()).backward()
+    return x.grad, w.grad
+
+
+@torch.enable_grad()
+def test_hooks_around_the_compiling_call_apply_once_as_in_eager():
+    # What the hooks do to each saved tensor is traced into the programs: the compiled step
+    # saves its own values without applying them a second time (doubled twice before).
+    expected = _hooked_step(_tanh_and_exp, True)
+    jitted = dtcompile.jit(_tanh_and_exp)
+    for _ in range(2):  # a miss, then a hit
+        for g, e in zip(_hooked_step(jitted, True), expected):
+            torch.testing.assert_close(g, e)
+    assert dtcompile.cache_misses(jitted) == 1
+
+
+@torch.enable_grad()
+def test_an_entry_traced_under_other_hooks_than_the_call_is_not_used():
+    # The hooks are guarded: a call under others (or none) compiles its own entry.
+    for first in (True, False):
+        jitted = dtcompile.jit(_tanh_and_exp)
+        for hooks in (first, not first, first):
+            for g, e in zip(_hooked_step(jitted, hooks), _hooked_step(_tanh_and_exp, hooks)):
+                torch.testing.assert_close(g, e)
+        assert dtcompile.cache_misses(jitted) == 2
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+
+
+@torch.enable_grad()
+def test_a_hook_with_a_side_effect_is_refused_and_put_back():
+    counts = []
+
+    def counting(t):
+        counts.append(1)  # would count while compiling only
+        return t
+
+    with pytest.raises(dtcompile.TracingError, match="saved tensors hook"):
+        _hooked_step(dtcompile.jit(_tanh_and_exp), True, counting)
+    assert counts == []
+
+
+@torch.enable_grad()
+def test_save_on_cpu_entered_at_each_step_is_one_entry_with_eager_gradients():
+    def f(x, w):
+        return (x @ w).tanh().exp().sum()
+
+    jitted = dtcompile.jit(f)
+    for _ in range(3):
+        x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 5, requires_grad=True)
+        grads = []
+        for fn in (f, jitted):
+            with torch.autograd.graph.save_on_cpu():
+                loss = fn(x, w)
+            loss.backward()
+            grads.append((x.grad, w.grad))
+            x.grad = w.grad = None
+        for got, expected in zip(*grads):
+            torch.testing.assert_close(got, expected)
+    assert dtcompile.cache_misses(jitted) == 1
+
+
+# ---------------------------------------------------------------------------------------
+# Tensor parallelism on two Gloo ranks: a head the loss does not use
+
+
+def _tp_two_heads():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    plan = {"body": ColwiseParallel(), "head_a": RowwiseParallel(), "head_b": RowwiseParallel()}
+
+    class Heads(TwoHeads):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(4, 8)
+            self.head_a = nn.Linear(8, 2)
+            self.head_b = nn.Linear(8, 2)
+
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(parallelize_module(Heads(), mesh, plan))
+    eager, compiled = models
+    jitted = dtcompile.jit(compiled)
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in models]
+    with torch.enable_grad():
+        for step in range(2):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+            for fn in (eager, jitted):
+                a, _ = fn(x)
+                a.sum().backward()
+            for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
+                assert (p.grad is None) == (q.grad is None), name
+                if q.grad is not None:
+                    assert isinstance(p.grad, DTensor) and p.grad.placements == q.grad.placements
+                    torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor())
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+            for p, q in zip(compiled.parameters(), eager.parameters()):
+                torch.testing.assert_close(p.full_tensor(), q.full_tensor())
+    return compiled.head_b.weight.grad is None, dtcompile.cache_misses(jitted)
+
+
+def test_tensor_parallel_head_the_loss_does_not_use_gets_no_grad():
+    pool = RankPool(2)
+    try:
+        assert pool.run(_tp_two_heads) == [(True, 1), (True, 1)]
+    finally:
+        pool.close()
+
+
+@torch.enable_grad()
+def test_an_output_and_a_value_its_backward_reads_stay_apart():
+    # CSE merged the returned ``relu`` with the one the loss recomputes (saved for the
+    # backward): zeroing the output's data after the call zeroed the gradient.
+    def f(x, w):
+        out = (x @ w).relu()
+        return out, ((x @ w).relu() * 3).sum()
+
+    grads = []
+    for fn in (f, dtcompile.jit(f)):
+        torch.manual_seed(0)
+        x, w = torch.randn(4, 3), torch.randn(3, 5, requires_grad=True)
+        out, loss = fn(x, w)
+        out.data.zero_()
+        loss.backward()
+        grads.append(w.grad)
+    torch.testing.assert_close(grads[1], grads[0])
