@@ -342,3 +342,73 @@ def test_a_container_of_the_call_returned_is_the_callers_own(cache):
         with torch.no_grad():
             out = jitted(items, table, pair, torch.ones(n))
         assert out[0] is items and out[1] is table and out[2] is pair and out[0][0] is items[0]
+
+
+class Meta(type):
+    k = 2.0
+
+
+class WithMeta(metaclass=Meta):
+    pass
+
+
+class BaseA:
+    k = 2.0
+
+
+class BaseB:
+    k = 5.0
+
+
+class Derived(BaseA):
+    pass
+
+
+GLOBAL_K = 2.0
+
+
+def _dynamic(x):
+    return x * globals()["GLOBAL_K"]
+
+
+def _evaluated(x):
+    return x * eval("GLOBAL_K")
+
+
+def _absolute(x):
+    return x * dtcompile_test_scale()  # noqa: F821 (a builtin the test adds)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("case", ["metaclass attribute", "bases", "globals()", "eval", "builtin patched"])
+def test_python_state_read_in_other_ways_is_guarded(cache, case):
+    import builtins
+
+    fns = {
+        "metaclass attribute": lambda x: x * WithMeta.k,
+        "bases": lambda x: x * Derived.k,
+        "globals()": _dynamic,
+        "eval": _evaluated,
+        "builtin patched": _absolute,
+    }
+    fn = fns[case]
+    builtins.dtcompile_test_scale = lambda: 2.0
+    jitted = dtcompile.jit(fn, cache=cache)
+    x = torch.ones(2)
+    jitted(x)
+    global GLOBAL_K
+    builtins.dtcompile_test_scale = lambda: 2.0
+    try:
+        if case == "metaclass attribute":
+            Meta.k = 3.0
+        elif case == "bases":
+            Derived.__bases__ = (BaseB,)
+        elif case == "builtin patched":
+            builtins.dtcompile_test_scale = lambda: 7.0
+        else:
+            GLOBAL_K = 3.0
+        torch.testing.assert_close(jitted(x), fn(x))
+    finally:
+        Meta.k, GLOBAL_K = 2.0, 2.0
+        del builtins.dtcompile_test_scale
+        Derived.__bases__ = (BaseA,)

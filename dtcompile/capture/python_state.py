@@ -55,7 +55,7 @@ anything else (functions, classes, tensors, modules, objects) by identity.
 
 Not guarded: iterators (one the traced code advances is refused: ``snapshots.py``), a
 library class's attributes other than a module's ``forward`` (and ``nn.Module``'s own),
-a class's bases, values read inside library code (a global of ``transformers`` changed),
+values read inside library code (a global of ``transformers`` changed),
 names reached only through strings (``getattr(cfg, name)``), the contents of NumPy arrays
 of objects, objects of C types other than the containers above (their state is not in
 Python attributes). A global, class attribute or closure variable the traced code
@@ -85,6 +85,7 @@ from .user_code import class_namespace, code_names, is_library
 _MODULE_TABLES = frozenset(vars(torch.nn.Module()))
 # A logger's state (its cache of the levels enabled) decides what is printed, not computed.
 _LOGGING = (logging.Logger, logging.LoggerAdapter, logging.Handler)
+_DYNAMIC_LOOKUPS = frozenset({"globals", "eval", "exec", "vars"})  # builtins reading globals by name
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
@@ -268,13 +269,22 @@ class PythonState(AfterTracing):
             if module is not None:
                 self._python_module(module, attributes | set(name.split(".")[1:]))
         module_globals = fn.__globals__
+        if global_names & _DYNAMIC_LOOKUPS:  # ``globals()["K"]``, ``eval("K")``: any global, not followed
+            for name in sorted(set(module_globals) - global_names):
+                if not name.startswith("__"):
+                    self._read(module_globals, name, module_globals[name], f"global {name!r} of {fn.__qualname__}")
+        builtins = module_globals.get("__builtins__", {})
+        builtins = vars(builtins) if isinstance(builtins, types.ModuleType) else builtins
         for name in sorted(global_names):
             where = f"global {name!r} of {fn.__qualname__}"
-            # Absent: a builtin, or a NameError the code caught. Defining it later shadows
-            # the builtin, or ends the error: guarded as absent.
+            # Absent: a builtin (read from the builtins then: ``builtins.abs`` patched is seen),
+            # or a NameError the code caught. Defining it later shadows the builtin, or ends the
+            # error: guarded as absent.
             value = module_globals.get(name, ABSENT)
             self._read(module_globals, name, value, where)
-            if value is not ABSENT:
+            if value is ABSENT and name in builtins:
+                self._read(builtins, name, builtins[name], f"the builtin {name!r}")
+            elif value is not ABSENT:
                 self.follow(value, where, attributes)
 
     def _namespace(self, names: dict) -> None:
@@ -298,6 +308,8 @@ class PythonState(AfterTracing):
             self._classes[id(names)] = klass
             self._namespace(names)
             owner = f"class {klass.__qualname__}"
+            if not library:  # (assignable: another base's attributes would be read)
+                self._read(klass, None, klass.__bases__, f"the bases of {owner}", attribute="__bases__")
             for name, attr in names.items():
                 if library:
                     if name == "forward":
@@ -311,6 +323,8 @@ class PythonState(AfterTracing):
                 # Its methods' code, and what other attributes hold: a descriptor's state, a
                 # nested class's attributes, the configs in a class-level table.
                 self.follow(attr, f"{name!r} of {owner}")
+            if type(klass) is not type and not library:  # a user metaclass: ``A.k`` may come from it
+                self._class(type(klass))
 
     def _python_module(self, module: types.ModuleType, names: set[str]) -> None:
         """The attributes a Python module holds under names the code uses (``cfg.SCALE``). Of
