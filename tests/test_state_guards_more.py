@@ -412,3 +412,29 @@ def test_python_state_read_in_other_ways_is_guarded(cache, case):
         Meta.k, GLOBAL_K = 2.0, 2.0
         del builtins.dtcompile_test_scale
         Derived.__bases__ = (BaseA,)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_tensor_made_under_inference_mode_inside_and_returned_is_refused(cache):
+    def fn(x):
+        with torch.inference_mode():
+            total = x.sum()
+        return x * 2, total  # eager's total is an inference tensor (in-place on it raises)
+
+    assert fn(torch.ones(3))[1].is_inference()
+    with pytest.raises(dtcompile.TracingError, match="inference_mode"):
+        dtcompile.jit(fn, cache=cache)(torch.ones(3))
+    with torch.inference_mode():  # around the call: every output is one, as in eager
+        assert dtcompile.jit(fn, cache=cache)(torch.ones(3))[1].is_inference()
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_detach_in_place_of_a_view_raises_eagers_error(cache):
+    def fn(x):
+        x.detach_()
+        return x * 2
+
+    with pytest.raises(RuntimeError, match="Can't detach views in-place"):
+        fn(torch.ones(2, 3)[0])
+    with pytest.raises(RuntimeError, match="Can't detach views in-place"):
+        dtcompile.jit(fn, cache=cache)(torch.ones(2, 3)[0])

@@ -41,7 +41,7 @@ CHECKED = (
     | _STORAGE_READS
     | _CALLER_READS
     | {torch.Tensor.register_hook, torch.Tensor.retain_grad, torch.Tensor.is_inference, torch.Tensor.is_set_to}
-    | {torch.Tensor.share_memory_}
+    | {torch.Tensor.share_memory_, torch.Tensor.detach_}
 )
 # Attributes of a received tensor that are the caller's tensor's, not the traced one's.
 CALLER_ATTRIBUTES = frozenset({"_base", "_version"})
@@ -122,6 +122,15 @@ def check_method(func, args: tuple, recording) -> object:
         return recording.real_of[proxy.label].is_inference()
     elif func in _CALLER_READS and path is not None and _called_by_user(func):
         raise caller_read_refusal(f"{func.__name__}()", path)
+    elif func is torch.Tensor.detach_ and path is not None:
+        real = recording.real_of.get(proxy.label)
+        if real is not None and real._is_view():  # eager's error: the trace's tensor is no view
+            raise RuntimeError(
+                "Can't detach views in-place. Use detach() instead. If you are using DistributedDataParallel "
+                "(DDP) for training, and gradient_as_bucket_view is set as True, gradients are views of DDP "
+                "buckets, and hence detach_() cannot be called on these gradients. To fix this error, please "
+                "refer to the Optimizer.zero_grad() function in torch/optim/optimizer.py as the solution."
+            )
     elif func is torch.Tensor.share_memory_:
         raise TracingError(
             "dtcompile.jit: Tensor.share_memory_ of a traced tensor: it moves the tensor's storage, which a "

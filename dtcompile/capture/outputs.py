@@ -139,6 +139,12 @@ class OutputCollector:
                 self._dtensors[id(value)] = (value, self._dtensor(value))
             return self._dtensors[id(value)][1]
         if isinstance(value, TensorProxy):
+            if value.is_inference() and not torch.is_inference_mode_enabled():
+                raise TracingError(
+                    f"dtcompile.jit: {where} holds a tensor made under torch.inference_mode() inside the call: "
+                    "eager's is an inference tensor, the compiled call's would not be. Enter inference_mode "
+                    "around the call instead"
+                )
             return TensorOutput(self._slot(value))
         if isinstance(value, torch.Tensor):
             return ConstantOutput(value)  # a tensor the program closes over, returned as is
