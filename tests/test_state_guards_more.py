@@ -3,10 +3,13 @@ code reads, the class of each module and object it reads, the hooks of a module 
 reaches. And what the traced code cannot do to its tensors or return. Each case gave a
 stale or wrong result, or an internal error, with no TracingError."""
 
+import collections
 import dataclasses
 import math
 import types
+import weakref
 
+import numpy
 import pytest
 import torch
 from torch import nn
@@ -438,3 +441,114 @@ def test_detach_in_place_of_a_view_raises_eagers_error(cache):
         fn(torch.ones(2, 3)[0])
     with pytest.raises(RuntimeError, match="Can't detach views in-place"):
         dtcompile.jit(fn, cache=cache)(torch.ones(2, 3)[0])
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize(
+    "fn, match",
+    [
+        (lambda x: x * 0 + x.detach()._version, r"\._version of args\[0\]"),
+        (lambda x: x * 0 + x.data._version, r"\._version of args\[0\]"),
+        (lambda x: x * 0 + x[0].is_shared(), r"is_shared\(\) of args\[0\]"),
+        (lambda x: x * 0 + x._typed_storage().size(), "untyped_storage"),
+    ],
+    ids=["detach()._version", ".data._version", "a view's is_shared()", "_typed_storage()"],
+)
+def test_reads_of_the_callers_tensor_through_what_shares_its_memory_are_refused(cache, fn, match):
+    x = torch.ones(2, 3)
+    x.add_(1)
+    with pytest.raises(dtcompile.TracingError, match=match):
+        dtcompile.jit(fn, cache=cache)(x)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize(
+    "read",
+    [len, lambda t: t.dim_order()[0], lambda t: t.nbytes, lambda t: t.itemsize],
+    ids=["len", "dim_order", "nbytes", "itemsize"],
+)
+def test_more_metadata_of_a_closed_over_tensor_is_guarded(cache, read):
+    held = torch.ones(2, 3)
+
+    def fn(x):
+        return x * read(held)
+
+    jitted = dtcompile.jit(fn, cache=cache)
+    x = torch.ones(2)
+    jitted(x)
+    held.data = torch.ones(3, 2, dtype=torch.float64).t()  # other sizes, strides and dtype, same object
+    torch.testing.assert_close(jitted(x), fn(x))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_torch_setting_left_changed_by_the_call_is_refused_and_put_back(cache):
+    def fn(x):
+        torch.use_deterministic_algorithms(True)
+        return x * 2
+
+    assert not torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(dtcompile.TracingError, match="torch's settings"):
+        dtcompile.jit(fn, cache=cache)(torch.ones(2))
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_blocks_told_apart_by_a_setting_their_parent_toggles(cache):
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.lin(x) * (2.0 if torch.get_float32_matmul_precision() == "highest" else 1.0)
+
+    class Parent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Layer() for _ in range(3))
+
+        def forward(self, x):
+            for index, layer in enumerate(self.layers):
+                torch.set_float32_matmul_precision("high" if index == 1 else "highest")
+                x = layer(x)
+            torch.set_float32_matmul_precision("highest")
+            return x
+
+    torch.manual_seed(0)
+    model, x = Parent(), torch.randn(3, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(dtcompile.jit(model, cache=cache)(x), model(x))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: collections.defaultdict(int, {x + 1: 1}),
+        lambda x: {(1, x + 1): 2},
+        lambda x: collections.OrderedDict([(x + 1, 1)]),
+        lambda x: (lambda t: (weakref.ref(t), t))(x + 1),
+        lambda x: ValueError(x + 1),
+    ],
+    ids=["defaultdict", "tuple key", "OrderedDict", "weakref", "exception"],
+)
+def test_results_holding_traced_values_out_of_reach_are_refused(cache, fn):
+    # Each handed the caller a traced stand-in, or crashed in the generated epilogue.
+    with pytest.raises(dtcompile.TracingError):
+        dtcompile.jit(fn, cache=cache)(torch.ones(3))
+
+
+def test_a_symbolic_size_in_a_numpy_array_returned_is_refused():
+    # An object array of the first call's symbol, returned at every call.
+    with pytest.raises(dtcompile.TracingError, match="ndarray"):
+        dtcompile.jit(lambda x: numpy.array([x.shape[0], 1], dtype=object), cache="symbolic values")(torch.ones(3))
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [lambda x: torch.Tensor([x[0], x[1]]), lambda x: x.new_tensor([x[0]]), lambda x: torch.FloatTensor([x[0]])],
+    ids=["torch.Tensor", "new_tensor", "FloatTensor"],
+)
+def test_data_read_outside_torchs_ops_is_refused_clearly(fn):
+    with pytest.raises(dtcompile.TracingError, match="reads a tensor's data outside torch's ops"):
+        dtcompile.jit(fn)(torch.ones(3))

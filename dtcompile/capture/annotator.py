@@ -62,10 +62,13 @@ _SYMBOLIC_NUMEL = "Cannot call numel() on tensor with symbolic sizes/strides"
 _CONCRETE_SIZES = "expected to contain only concrete integers"
 
 
-_REAL_METADATA_GETTERS = frozenset({"shape", "dtype", "requires_grad", "ndim", "is_cuda", "layout", "device"})
+_REAL_METADATA_GETTERS = frozenset(
+    {"shape", "dtype", "requires_grad", "ndim", "is_cuda", "layout", "device", "nbytes", "itemsize"}
+)
 _REAL_METADATA_METHODS = {
     getattr(torch.Tensor, name)
     for name in ("size", "stride", "dim", "numel", "is_contiguous", "storage_offset", "__len__", "element_size")
+    + ("dim_order", "nelement", "untyped_storage")
 }
 
 
@@ -145,7 +148,12 @@ _UNRECORDED_SETS = {
 def _user_frame(depth: int = 2) -> bool:
     """Whether the Python code running the current torch-level call (``depth`` frames up:
     this mode's handler is called from it) is the user's, not torch's or dtcompile's."""
-    module = sys._getframe(depth).f_globals.get("__name__", "")
+    frame = sys._getframe(depth)
+    if frame.f_globals.get("__name__") == "torch.overrides" and frame.f_back is not None:
+        frame = frame.f_back  # a Tensor method written in Python (``__len__``) hands the call on
+        if frame.f_globals.get("__name__") == "torch._tensor" and frame.f_back is not None:
+            frame = frame.f_back
+    module = frame.f_globals.get("__name__", "")
     return module.partition(".")[0] not in ("torch", "dtcompile")
 
 
@@ -224,7 +232,7 @@ class CallAnnotator(TorchFunctionMode):
                 if answer is not NOT_ANSWERED:
                     return answer
             if func.__name__ == "__get__" and attribute in CALLER_ATTRIBUTES and args and _user_frame():
-                path = received_base(args[0])
+                path = received_base(args[0], self.recording)
                 if path is not None:
                     raise caller_read_refusal(f".{attribute}", path)
                 if attribute == "_version" and real_tensor(args[0]):

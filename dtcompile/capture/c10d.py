@@ -235,6 +235,8 @@ def _scatter(r: _Recorder, outputs, input_lists, pg, root_rank, *rest):
 
 def _all_to_all_base(r: _Recorder, output, input, pg, output_splits, input_splits, *rest):
     group, size = r.group(pg)
+    if _overlapping([output, input]):  # eager's backend writes rows the program would still read
+        raise TracingError(f"dtcompile.jit: {r.call} into a tensor that shares memory with its input")
     if not input_splits:
         input_splits = [input.shape[0] // size] * size
     if not output_splits:

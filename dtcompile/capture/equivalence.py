@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from ..core import TensorProxy
 from ..core.symbol import flatten
 from ..core.torch_internals import (
+    dispatch_modes,
     dtensor_implicit_replication,
     dtensor_op_handlers,
     function_modes,
@@ -36,6 +37,7 @@ from ..core.torch_internals import (
     sdpa_backends,
 )
 from .alike import SCALARS, Equivalence
+from .global_state import torch_settings
 from .method_checks import received
 from .python_reads import value_key
 from .tensor_attributes import attributes_key, user_attributes
@@ -183,6 +185,8 @@ def dispatch_state() -> tuple:
         id(handlers),
         tuple(handlers),
         saved_tensors_hooks(),  # what autograd saves for the backward, and gives back
+        torch_settings(),  # (deterministic algorithms, matmul precision, ... around one layer)
+        tuple(dispatch_modes()),  # a user's dispatch mode around one layer
     )
 
 

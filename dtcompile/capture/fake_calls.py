@@ -87,3 +87,21 @@ def refuse_metadata_changes(func, proxies: list, call: str | None) -> None:
                     "unsqueeze_, resize_, set_, an out= tensor of another size), which dtcompile does not trace. "
                     "Use the out-of-place form (x = x.t()), or an out= tensor of the result's size"
                 )
+
+
+_NO_DATA = ("data is not allocated yet", "Cannot access storage of", "Cannot access data pointer of")
+
+
+def storage_refusal(error: Exception) -> TracingError | None:
+    """The clear error for code that reached a traced tensor's data outside torch's ops
+    (``torch.Tensor([t0, t1])``, ``FloatTensor``, a closed-over sparse or MKL-DNN tensor,
+    ``torch.func`` over a compiled call): a traced tensor has none; else None."""
+    if isinstance(error, TracingError) or not isinstance(error, (RuntimeError, NotImplementedError)):
+        return None
+    if not any(text in str(error) for text in _NO_DATA):
+        return None
+    return TracingError(
+        f"dtcompile.jit: the traced code reads a tensor's data outside torch's ops ({str(error).splitlines()[0]}), "
+        "which a traced tensor does not have: build tensors with torch.stack / torch.cat, keep sparse and "
+        "MKL-DNN tensors outside the call, and apply torch.func transforms inside it"
+    )

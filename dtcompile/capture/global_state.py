@@ -19,6 +19,7 @@ from ..core.torch_internals import (
     dtensor_op_handlers,
     function_mode_count,
     saved_tensors_hooks,
+    sdpa_backends,
 )
 
 
@@ -60,19 +61,29 @@ def torch_settings() -> tuple:
     """torch's global settings that the traced code may read (``if
     torch.are_deterministic_algorithms_enabled():``) or that choose its kernels: read
     while tracing, they are baked into the program, so the prologue compares them."""
-    backends = torch.backends
+    backends, matmul = torch.backends, torch.backends.cuda.matmul
     return (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory,
         torch.get_float32_matmul_precision(),
         torch.is_anomaly_enabled(),
         torch.is_anomaly_check_nan_enabled(),
+        torch.is_warn_always_enabled(),
         torch.get_num_threads(),
+        torch.get_autocast_dtype("cpu"),
+        torch.get_autocast_dtype("cuda"),
         backends.mkldnn.enabled,
+        getattr(backends.mkldnn, "deterministic", None),
+        backends.mha.get_fastpath_enabled(),
         backends.cudnn.enabled,
         backends.cudnn.deterministic,
         backends.cudnn.benchmark,
-        backends.cuda.matmul.allow_tf32,
+        backends.cudnn.allow_tf32,
+        matmul.allow_tf32,
+        matmul.allow_fp16_reduced_precision_reduction,
+        matmul.allow_bf16_reduced_precision_reduction,
+        sdpa_backends(),
     )
 
 
@@ -86,7 +97,41 @@ def state_put_back(grad_enabled: bool, state: GlobalState) -> list[str]:
     if torch.get_default_dtype() is not state.dtype:
         changes.append(f"the default dtype ({state.dtype} -> {torch.get_default_dtype()})")
         torch.set_default_dtype(state.dtype)
+    if torch_settings() != state.settings:
+        changes.append("torch's settings (torch.use_deterministic_algorithms, set_num_threads, a backend's flags...)")
+        _put_settings_back(state.settings)
     return changes
+
+
+def _put_settings_back(settings: tuple) -> None:
+    """Set what :func:`torch_settings` reads back to ``settings``."""
+    (deterministic, warn_only, fill, precision, anomaly, check_nan, warn_always, threads, cpu_dtype, cuda_dtype) = (
+        settings[:10]
+    )
+    backends, matmul = torch.backends, torch.backends.cuda.matmul
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+    torch.set_float32_matmul_precision(precision)
+    torch.autograd.set_detect_anomaly(anomaly, check_nan)
+    torch.set_warn_always(warn_always)
+    torch.set_num_threads(threads)
+    torch.set_autocast_dtype("cpu", cpu_dtype)
+    torch.set_autocast_dtype("cuda", cuda_dtype)
+    mkldnn, mkldnn_deterministic, fastpath, *cudnn, tf32, fp16, bf16, sdpa = settings[10:]
+    backends.mkldnn.enabled = mkldnn
+    if mkldnn_deterministic is not None:
+        backends.mkldnn.deterministic = mkldnn_deterministic
+    backends.mha.set_fastpath_enabled(fastpath)
+    for name, value in zip(("enabled", "deterministic", "benchmark", "allow_tf32"), cudnn):
+        setattr(backends.cudnn, name, value)
+    matmul.allow_tf32, matmul.allow_fp16_reduced_precision_reduction = tf32, fp16
+    matmul.allow_bf16_reduced_precision_reduction = bf16
+    for enable, on in zip(
+        (backends.cuda.enable_flash_sdp, backends.cuda.enable_mem_efficient_sdp, backends.cuda.enable_math_sdp)
+        + (backends.cuda.enable_cudnn_sdp,),
+        sdpa,
+    ):
+        enable(on)
 
 
 def modes_left_changed(state: GlobalState) -> list[str]:

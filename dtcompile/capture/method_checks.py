@@ -67,16 +67,18 @@ def received(value) -> InputPath | None:
     return provenance if isinstance(provenance, InputPath) else None
 
 
-def received_base(value) -> InputPath | None:
-    """Where the tensor whose memory a traced tensor views came from in the call, where
-    the call received it: the view shares its version counter, and its ``_base`` is the
-    caller's tensor's base."""
+def received_base(value, recording) -> InputPath | None:
+    """Where the tensor whose memory a traced tensor shares came from in the call, where
+    the call received it: a view of it (or ``x.detach()``, ``x.data``) shares its version
+    counter, and a view's ``_base`` is the caller's tensor's base."""
     proxy = local_proxy(value)
     if proxy is None:
         return None
-    with torch._C.DisableTorchFunction():
-        base = proxy._base if proxy._is_view() else None
-    return received(proxy) or (received(base) if base is not None else None)
+    if received(proxy) is not None:
+        return received(proxy)
+    memory = proxy.memory
+    found = (p for p in recording.input_proxies if p._fake is not None and p.memory == memory)
+    return next((p.provenance for p in found if isinstance(p.provenance, InputPath)), None)
 
 
 def check_method(func, args: tuple, recording) -> object:
@@ -120,8 +122,8 @@ def check_method(func, args: tuple, recording) -> object:
         )
     elif func is torch.Tensor.is_inference and path is not None and proxy.label in recording.real_of:
         return recording.real_of[proxy.label].is_inference()
-    elif func in _CALLER_READS and path is not None and _called_by_user(func):
-        raise caller_read_refusal(f"{func.__name__}()", path)
+    elif func in _CALLER_READS and _called_by_user(func) and (shared := received_base(tensor, recording)) is not None:
+        raise caller_read_refusal(f"{func.__name__}()", shared)
     elif func is torch.Tensor.detach_ and path is not None:
         real = recording.real_of.get(proxy.label)
         if real is not None and real._is_view():  # eager's error: the trace's tensor is no view
@@ -246,6 +248,11 @@ def _name(func) -> str:
     return f"{owner}.{func.__name__}"
 
 
+# torch's Python methods of a tensor that call the one checked for its caller (torch's
+# own ``_typed_storage`` is invisible to torch function modes: it calls ``untyped_storage``).
+_TENSOR_WRAPPERS = frozenset({"_typed_storage", "storage", "is_shared", "share_memory_"})
+
+
 def _called_by_user(func) -> bool:
     """Whether the code that called ``func`` (past torch's dispatch to this mode and
     ``func``'s own frame) is the user's, not torch's (checkpoint's backward) or
@@ -255,6 +262,7 @@ def _called_by_user(func) -> bool:
     while frame is not None and (
         frame.f_globals.get("__name__") in ("torch.overrides", __name__, "dtcompile.capture.annotator")
         or frame.f_code is code
+        or (frame.f_globals.get("__name__") == "torch._tensor" and frame.f_code.co_name in _TENSOR_WRAPPERS)
     ):
         frame = frame.f_back
     module = frame.f_globals.get("__name__", "") if frame is not None else ""

@@ -19,6 +19,7 @@ import collections
 import enum
 import functools
 import types
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -131,7 +132,15 @@ def holds_proxies(value: object, seen: set | None = None) -> bool:
         return False
     seen.add(id(value))
     if isinstance(value, dict):
-        items = value.values()
+        items = [*value.keys(), *value.values()]
+    elif isinstance(value, weakref.ref):
+        items = [value()]
+    elif isinstance(value, types.CellType):
+        items = _cell_values_of((value,))
+    elif isinstance(value, BaseException):
+        items = [*value.args, *object_state(value).values()]
+    elif type(value).__name__ == "ndarray" and str(getattr(value, "dtype", "")) == "object":
+        items = value.ravel().tolist()
     elif isinstance(value, (list, tuple, set, frozenset, collections.deque)):
         items = value
     elif isinstance(value, slice):
@@ -155,8 +164,12 @@ _LEAVES = frozenset((type(None), bool, int, float, complex, str, bytes, torch.dt
 
 
 def _cell_values(fn: types.FunctionType) -> list:
+    return _cell_values_of(fn.__closure__ or ())
+
+
+def _cell_values_of(cells) -> list:
     values = []
-    for cell in fn.__closure__ or ():
+    for cell in cells:
         try:
             values.append(cell.cell_contents)
         except ValueError:  # not assigned yet

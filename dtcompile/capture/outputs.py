@@ -158,12 +158,12 @@ class OutputCollector:
             return ObjectOutput(index)  # a container of the call, returned: the caller's own
         if type(value) in (tuple, list) or pytree.is_namedtuple_instance(value):
             return SequenceOutput(type(value), [self.describe(v, where) for v in value])
+        if isinstance(value, dict) and any(isinstance(key, torch.Tensor) or holds_proxies(key) for key in value):
+            raise TracingError(
+                f"dtcompile.jit: {where} is a dict keyed by a tensor, which the compiled call cannot rebuild "
+                "(its key would be the traced stand-in); key it by a name instead"
+            )
         if type(value) is dict:
-            if any(isinstance(key, torch.Tensor) for key in value):
-                raise TracingError(
-                    f"dtcompile.jit: {where} is a dict keyed by a tensor, which the compiled call cannot rebuild "
-                    "(its key would be the traced stand-in); key it by a name instead"
-                )
             return DictOutput(tuple(value.keys()), [self.describe(v, where) for v in value.values()])
         if type(value) in pytree.SUPPORTED_NODES:
             node = pytree.SUPPORTED_NODES[type(value)]

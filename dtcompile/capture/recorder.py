@@ -71,6 +71,7 @@ class Recording:
         self.valued: list[TensorProxy] = []  # proxies whose trace-time value is known
         self.read_by: dict[object, str] = {}  # symbol of a number read from data -> the call that read it
         self.real_of: dict[str, torch.Tensor] = {}  # input label -> the call's real tensor (while tracing)
+        self.input_proxies: list[TensorProxy] = []
         self.cones: dict[int, list[int]] = {}  # index of a read computed now -> indices of its cone
         # A size read from data valued now (size_values_now) -> (index, the output, its dim)
         self.size_reads: dict = {}
@@ -122,6 +123,11 @@ class Recording:
                 return name
 
     def input_proxy(self, real: torch.Tensor, name: str, provenance: InputPath, dynamic: bool = False) -> TensorProxy:
+        proxy = self._input_proxy(real, name, provenance, dynamic)
+        self.input_proxies.append(proxy)  # (what a tensor made inside may share memory with)
+        return proxy
+
+    def _input_proxy(self, real: torch.Tensor, name: str, provenance: InputPath, dynamic: bool) -> TensorProxy:
         """A proxy for a real tensor that enters the trace from the call; with ``dynamic``
         its sizes are symbols of the fake mode's ShapeEnv (sizes 0 and 1 stay constants),
         known to be at most ``LARGEST_SYMBOLIC_SIZE`` (the prologue checks it), so that

@@ -25,6 +25,7 @@ from .block_training import BlockReplayFailed
 from .blocks import RepeatedBlocks
 from .c10d import object_collective_refusal, symbolic_splits
 from .data_branches import assumptions_unlogged, checks_first
+from .fake_calls import storage_refusal
 from .fsdp import FSDPTracing, reaches_fsdp
 from .global_state import (
     GlobalState,
@@ -133,6 +134,9 @@ def capture_call(
     try:
         return _capture_replaying(fn, args, kwargs, module, symbolic)
     except Exception as error:
+        refusal = storage_refusal(error)  # (``torch.func.vmap`` over the call: its inputs have no storage)
+        if refusal is not None:
+            raise refusal from error
         if not symbolic or isinstance(error, TracingError) or not dtensor_refused_symbols(error):
             raise
     return _capture_replaying(fn, args, kwargs, module, False)
@@ -265,7 +269,7 @@ def _capture(
                 f"Python control flow on {error.cond}, a number read from tensor data",
             ) from error
         except Exception as error:
-            refusal = object_collective_refusal(error)
+            refusal = object_collective_refusal(error) or storage_refusal(error)
             if refusal is None:
                 raise
             raise refusal from error

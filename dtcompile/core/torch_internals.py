@@ -152,6 +152,12 @@ def function_modes() -> list:
     return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
 
 
+def dispatch_modes() -> list:
+    """The torch dispatch modes active now, innermost last (a user's: dtcompile's own
+    recording modes are among them while it traces)."""
+    return [torch._C._get_dispatch_stack_at(i) for i in range(torch._C._len_torch_dispatch_stack())]
+
+
 def saved_tensors_hooks() -> tuple | None:
     """The innermost ``saved_tensors_hooks`` (pack, unpack) active now; None without."""
     return torch._C._autograd._top_saved_tensors_default_hooks(True)
