@@ -552,3 +552,37 @@ def test_a_symbolic_size_in_a_numpy_array_returned_is_refused():
 def test_data_read_outside_torchs_ops_is_refused_clearly(fn):
     with pytest.raises(dtcompile.TracingError, match="reads a tensor's data outside torch's ops"):
         dtcompile.jit(fn)(torch.ones(3))
+
+
+class _Scaled(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * 10 if func is torch.tanh else out
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_torch_function_mode_around_the_call_acts_once(cache):
+    # What the mode did is traced into the program: it acted again on the program's ops.
+    def fn(x, w):
+        return torch.tanh(x * w).sum()
+
+    jitted = dtcompile.jit(fn, cache=cache)
+    results = []
+    for f in (fn, jitted, jitted):
+        w = torch.ones(3, requires_grad=True)
+        with _Scaled():
+            loss = f(torch.ones(3), w)
+            loss.backward()
+        results.append((loss.detach(), w.grad))
+    for got in results[1:]:
+        torch.testing.assert_close(got, results[0])
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_an_object_returned_twice_is_one_object(cache):
+    def fn(x):
+        namespace, items = types.SimpleNamespace(y=x * 2), [x + 1]
+        return namespace, namespace, items, {"again": items}
+
+    out = dtcompile.jit(fn, cache=cache)(torch.ones(2))
+    assert out[0] is out[1] and out[2] is out[3]["again"]

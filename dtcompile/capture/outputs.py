@@ -123,6 +123,7 @@ class OutputCollector:
         self.mask_buffers: list = []  # filled with proxies by tracing; emptied by release_masks
         self._describing: set[int] = set()  # objects being described now (a cycle is an error)
         self._dtensors: dict[int, tuple] = {}  # id -> (a DTensor, its node): returned twice, one output
+        self._shared: dict[int, tuple] = {}  # id -> (a container or object, its node)
 
     def _slot(self, proxy: TensorProxy, value=None) -> int:
         self.proxies.append(proxy)
@@ -130,7 +131,17 @@ class OutputCollector:
         return len(self.proxies) - 1
 
     def describe(self, value: object, where: object = "the result") -> OutputNode:
-        """The node that rebuilds ``value``; ``where`` names it in errors."""
+        """The node that rebuilds ``value``; ``where`` names it in errors. A container or
+        object met twice (``ns, ns``) is one node: the epilogue makes it once."""
+        shared = self._shared.get(id(value))
+        if shared is not None and shared[0] is value:
+            return shared[1]
+        node = self._describe(value, where)
+        if isinstance(node, (SequenceOutput, DictOutput, PytreeOutput, NewObjectOutput)):
+            self._shared[id(value)] = (value, node)
+        return node
+
+    def _describe(self, value: object, where: object) -> OutputNode:
         if isinstance(value, DTensor) and isinstance(value._local_tensor, TensorProxy):
             index = self.objects.index_of(value)
             if index is not None:

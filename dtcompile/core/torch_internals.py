@@ -152,6 +152,19 @@ def function_modes() -> list:
     return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
 
 
+@contextlib.contextmanager
+def function_modes_off():
+    """The torch function modes put aside, and back after."""
+    modes = []
+    while torch._C._len_torch_function_stack():
+        modes.append(torch._C._pop_torch_function_stack())
+    try:
+        yield
+    finally:
+        for mode in reversed(modes):
+            torch._C._push_on_torch_function_stack(mode)
+
+
 def dispatch_modes() -> list:
     """The torch dispatch modes active now, innermost last (a user's: dtcompile's own
     recording modes are among them while it traces)."""

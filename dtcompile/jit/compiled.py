@@ -25,7 +25,7 @@ from ..capture import CapturedCall, capture_call, is_tracing
 from ..core import DataCheckFailed, TensorProxy, Trace, verify
 from ..core.block_call import block_programs
 from ..core.codegen import GeneratedFunction
-from ..core.torch_internals import resolve_process_group, shape_guards
+from ..core.torch_internals import function_mode_count, function_modes_off, resolve_process_group, shape_guards
 from ..executors import lower, resolve_executors
 from ..transforms import has_symbolic_sizes, pipelines, saved_note, split_forward_backward
 from .check import checked_call, running_eager
@@ -158,7 +158,7 @@ class CompiledFunction:
         while (found := self._lookup(module, args, kwargs, failed)) is not None:
             entry, inputs = found
             try:
-                return entry, inputs, entry.run(inputs)
+                return entry, inputs, _run(entry, inputs)
             except DataCheckFailed:  # raised before the program did anything
                 self.stats.hits -= 1  # the entry did not serve the call after all
                 failed.append(entry)
@@ -166,7 +166,7 @@ class CompiledFunction:
                 explain_stall(self.identity, self.name, entry.ranks, error)
                 raise
         entry, inputs = self.entry_for(module, args, kwargs, failed)
-        return entry, inputs, entry.run(inputs)
+        return entry, inputs, _run(entry, inputs)
 
     def entry_for(self, module, args: tuple, kwargs: dict, failed=()) -> tuple[CacheEntry, tuple]:
         """The entry that accepts the call, compiled if none does, and the prologue's result
@@ -379,3 +379,13 @@ def _slot_count(captured: CapturedCall) -> int:
     backward = captured.backward
     grads = sum(1 for g in backward.grads if g is not None)
     return len(captured.trace.output) - grads
+
+
+def _run(entry, inputs: tuple):
+    """Run an entry's program. The torch function modes active (guarded: the entry was
+    traced under them, and what they did is in its program) are put aside, so that they
+    do not act on the program's ops a second time."""
+    if not function_mode_count():
+        return entry.run(inputs)
+    with function_modes_off():
+        return entry.run(inputs)

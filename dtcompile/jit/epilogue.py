@@ -52,7 +52,8 @@ class _Builder:
     def __init__(self):
         self.globals: dict[str, object] = {"DTensor": DTensor, "torch": torch}
         self.statements: list[str] = []
-        self._made: dict[int, str] = {}  # id of a DTensor output node -> the variable it is made in
+        self._made: dict[int, str] = {}  # id of a DTensor (or shared) output node -> the variable it is made in
+        self.uses: dict[int, int] = {}  # id of a node -> how many places of the result hold it
 
     def constant(self, obj: object, prefix: str) -> str:
         return literal_or_global(obj, self.globals, prefix)
@@ -83,6 +84,20 @@ class _Builder:
         return f"({', '.join(items)}{',' if len(items) == 1 else ''})"
 
     def rebuild(self, node: OutputNode, wrap: bool) -> str:
+        """The expression of ``node``; a container or object node met again (the call
+        returned it twice) is made once, in a variable."""
+        if not isinstance(node, (SequenceOutput, DictOutput, PytreeOutput, NewObjectOutput)):
+            return self._rebuild(node, wrap)
+        if id(node) in self._made:
+            return self._made[id(node)]
+        if self.uses.get(id(node), 1) == 1:
+            return self._rebuild(node, wrap)
+        expression = self._rebuild(node, wrap)
+        self._made[id(node)] = name = f"o{len(self._made)}"
+        self.statements.append(f"    {name} = {expression}")
+        return name
+
+    def _rebuild(self, node: OutputNode, wrap: bool) -> str:
         if isinstance(node, DTensorOutput):
             return self.dtensor(node) if wrap else f"outs[{node.index}]"
         if isinstance(node, (TensorOutput, NumberOutput)):
@@ -114,6 +129,18 @@ class _Builder:
         raise TypeError(f"unknown output node {node!r}")
 
 
+def _uses(nodes: list) -> dict[int, int]:
+    """How many places of the trees each node is at."""
+    uses: dict[int, int] = {}
+    stack = [n for n in nodes if isinstance(n, OutputNode)]
+    while stack:
+        node = stack.pop()
+        uses[id(node)] = uses.get(id(node), 0) + 1
+        if uses[id(node)] == 1:
+            stack += getattr(node, "children", ())
+    return uses
+
+
 def _dtensor_outputs(node: OutputNode):
     if isinstance(node, DTensorOutput):
         yield node
@@ -127,6 +154,7 @@ def build_epilogue(output: OutputNode, wrap: bool = True, updates=(), module_upd
     ``module_updates`` (the forward's assignments to module attributes). With
     ``wrap=False`` the DTensor slots already hold DTensors (see ``build_output_wrapper``)."""
     b = _Builder()
+    b.uses = _uses([output, *(u.value for u in updates), *(u.value for u in module_updates)])
     held = {}  # what the updates assign from module tables, read before any is made
     for update in module_updates:
         if isinstance(update.value, HeldOutput):

@@ -26,7 +26,13 @@ from torch.distributed.tensor import DTensor
 from ..core import TensorProxy, TracingError
 from ..core.codegen import GeneratedFunction
 from ..core.symbolic import as_constant, is_symbolic
-from ..core.torch_internals import DTensorSpec, compute_global_tensor_info, make_dtensor, saved_tensors_hooks
+from ..core.torch_internals import (
+    DTensorSpec,
+    compute_global_tensor_info,
+    function_modes_off,
+    make_dtensor,
+    saved_tensors_hooks,
+)
 from ..core.trace import Zeros
 from .epilogue import build_epilogue, build_output_wrapper, with_sizes
 
@@ -290,7 +296,8 @@ class CompiledStep(torch.autograd.Function):
         # The cotangents that arrived: an input only outputs without one reach gets no
         # gradient (None, not zeros), as in eager.
         arrived = sum(1 << i for i, c in enumerate(program.cotangents) if grad_outputs[c.slot] is not None)
-        grads = program.backward(inputs)
+        with function_modes_off():  # (autograd's own backward runs none of them)
+            grads = program.backward(inputs)
         result: list = [None] * (1 + program.inputs)
         for grad, gradient in zip(grads, program.gradients):
             if not gradient.sources or gradient.sources & arrived:
