@@ -586,3 +586,42 @@ def test_an_object_returned_twice_is_one_object(cache):
 
     out = dtcompile.jit(fn, cache=cache)(torch.ones(2))
     assert out[0] is out[1] and out[2] is out[3]["again"]
+
+
+GLOBAL_TENSOR = torch.ones(2)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("how", ["a dict attribute changed in place", "a global tensor's attribute"])
+def test_tensors_python_attributes_changed_after_compiling_are_seen(cache, how):
+    x = torch.ones(2)
+    x.table = {"k": 2.0}
+    GLOBAL_TENSOR.k = 2.0
+
+    def fn(a):
+        return a * (a.table["k"] if how.startswith("a dict") else GLOBAL_TENSOR.k)
+
+    jitted = dtcompile.jit(fn, cache=cache)
+    jitted(x)
+    if how.startswith("a dict"):
+        x.table["k"] = 3.0
+    else:
+        GLOBAL_TENSOR.k = 3.0
+    torch.testing.assert_close(jitted(x), fn(x))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_an_input_objects_list_holding_a_size_changes_by_call(cache):
+    # Its items (a torch.Size is a tuple) were taken for a dict's pairs: an IndexError.
+    class Holder:
+        pass
+
+    def fn(holder, x):
+        holder.sizes = [x.shape]
+        return x * 2
+
+    jitted = dtcompile.jit(fn, cache=cache)
+    for n in (3, 5):
+        holder = Holder()
+        jitted(holder, torch.ones(n))
+        assert holder.sizes == [torch.Size([n])]

@@ -147,8 +147,11 @@ def check_method(func, args: tuple, recording) -> object:
 
 
 def caller_read_refusal(what: str, path: InputPath) -> TracingError:
+    whose = (
+        "a tensor the call closes over" if path.root == "captured" else f"{_where(path)}, a tensor the call received"
+    )
     return TracingError(
-        f"dtcompile.jit: the traced code reads {what} of {_where(path)}, a tensor the call received: that is the "
+        f"dtcompile.jit: the traced code reads {what} of {whose}: that is the "
         "caller's tensor's (whether it is a view, of what, how often it was written in place, whether it is in "
         "shared memory), which a compiled program does not know. Read it before the call"
     )

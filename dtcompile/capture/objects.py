@@ -271,7 +271,8 @@ class StateObjects:
         ``describe``, the output collector's); raises where it cannot be replayed."""
         for path, container, items in self.containers:
             now = list(container.items()) if isinstance(container, dict) else list(container)
-            if len(now) != len(items) or any(_differs(a, b) for a, b in zip(now, items)):
+            pairs = isinstance(container, dict)  # (a list's items may be tuples: ``[x.shape]``)
+            if len(now) != len(items) or any(_differs(a, b, pairs) for a, b in zip(now, items)):
                 raise TracingError(
                     f"dtcompile.jit: the call changed {path} (a {type(container).__name__}) in place; "
                     "dtcompile replays attribute assignments on input objects, not in-place changes "
@@ -321,7 +322,7 @@ def same_spec(spec, traced) -> bool:
     )
 
 
-def _differs(a, b) -> bool:
-    if isinstance(a, tuple):  # a dict's (key, value) pair
+def _differs(a, b, pairs: bool) -> bool:
+    if pairs:  # a dict's (key, value) pair
         return a[0] != b[0] or a[1] is not b[1]
     return a is not b

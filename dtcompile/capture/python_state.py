@@ -158,6 +158,8 @@ class PythonState(AfterTracing):
                     for name, value in table.items():
                         if value is None or isinstance(value, (torch.Tensor, torch.nn.Module)):
                             self._read(table, name, value, f"{name!r} of {owner}")
+                        if isinstance(value, torch.Tensor):
+                            self.follow(value, f"{name!r} of {owner}")
             for name, value in vars(module).items():
                 if name in _MODULE_TABLES or isinstance(value, (torch.Tensor, torch.nn.Module)):
                     continue
@@ -184,6 +186,13 @@ class PythonState(AfterTracing):
         container, and what those hold in turn (``self.config.attention.rope.theta``), the
         ``names`` of a user Python module."""
         if id(value) in self._walked or by_value(value) or isinstance(value, _LOGGING):
+            return
+        if isinstance(value, torch.Tensor):  # a closed-over tensor's Python attributes (``w.scale``)
+            self._walked.add(id(value))
+            for name, item in list(vars(value).items()):
+                if not name.startswith("_"):
+                    self._read(vars(value), name, item, f"{where}.{name}")
+                    self.follow(item, f"{where}.{name}")
             return
         if contents_guarded(value):  # what its items hold: a config in a list
             self._walked.add(id(value))

@@ -14,7 +14,7 @@ import torch
 
 from ..core import TracingError
 from ..core.proxy import PROXY_ATTRIBUTES, TensorProxy
-from .python_reads import by_value, value_key
+from .python_reads import by_value, contents_guarded, value_key
 
 # Set once, by torch, when a Parameter or Buffer is made.
 TORCH_MARKS = frozenset({"_is_param", "_is_buffer", "persistent"})
@@ -51,13 +51,23 @@ def attributes_key(traced: torch.Tensor) -> tuple:
     return tuple((k, value_key(v) if by_value(v) else id(v)) for k, v in user_attributes(traced).items())
 
 
-def attributes_match(tensor: torch.Tensor, expected: dict) -> bool:
-    """Whether a call's tensor holds the attributes traced (the prologue's check)."""
+def attributes_match(tensor: torch.Tensor, expected: dict, contents: dict | None = None) -> bool:
+    """Whether a call's tensor holds the attributes traced (the prologue's check); those
+    in ``contents`` (a dict or list: ``p.d["k"] = 3`` in place) with those contents too."""
     found = {k: v for k, v in vars(tensor).items() if k not in TORCH_MARKS}
-    return found.keys() == expected.keys() and all(
-        (by_value(v) and type(v) is type(w) and value_key(v) == value_key(w)) or v is w
-        for v, w in zip(found.values(), (expected[k] for k in found))
+    return (
+        found.keys() == expected.keys()
+        and all(
+            (by_value(v) and type(v) is type(w) and value_key(v) == value_key(w)) or v is w
+            for v, w in zip(found.values(), (expected[k] for k in found))
+        )
+        and all(value_key(found[k]) == key for k, key in (contents or {}).items())
     )
+
+
+def contents_keys(attributes: dict) -> dict:
+    """The contents of the attributes that can change in place, to check at each call."""
+    return {k: value_key(v) for k, v in attributes.items() if contents_guarded(v)}
 
 
 _ABSENT = object()

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..capture import CallInputs, ConstantInput, DTensorInput, LocalTensorMeta, ObjectInput, TensorInput
-from ..capture.tensor_attributes import attributes_match
+from ..capture.tensor_attributes import attributes_match, contents_keys
 from ..core.symbolic import is_symbolic
 from ..core.torch_internals import TensorGuards
 
@@ -273,7 +273,9 @@ def attribute_checks(b, roots: list) -> None:
         if node.attributes:
             b.globals["attributes_match"] = attributes_match
             expected = b.constant(node.attributes, "ATTRIBUTES")
-            b.fail_if(f"not attributes_match({b.tensor_vars[id(node)]}, {expected})")
+            contents = contents_keys(node.attributes)
+            contents = f", {b.constant(contents, 'CONTENTS')}" if contents else ""
+            b.fail_if(f"not attributes_match({b.tensor_vars[id(node)]}, {expected}{contents})")
         elif not in_object:
             counted.append((b.tensor_vars[id(node)], node.held_attributes))
     if counted:
