@@ -49,6 +49,13 @@ def run_on_fakes(fake_mode: FakeTensorMode, func, args: tuple, kwargs: dict, cal
         raise TracingError(
             f"dtcompile.jit: {call} runs {func}, which torch cannot trace (it has no fake or meta kernel)"
         ) from error
+    except AssertionError as error:
+        if not _raised_in_torchs_decompositions(error):
+            raise
+        # (torch 2.10's ``split`` of a size 0 asserts there, where its kernel raises)
+        raise RuntimeError(
+            f"{call}: {func} does not take these arguments ({str(error) or 'torch asserts against them'})"
+        ) from error
     layouts = {x.layout for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)} - {torch.strided}
     if layouts:
         raise TracingError(
@@ -56,6 +63,15 @@ def run_on_fakes(fake_mode: FakeTensorMode, func, args: tuple, kwargs: dict, cal
             "(only strided tensors)"
         )
     return with_eager_strides(fake_mode, func, args, out)
+
+
+def _raised_in_torchs_decompositions(error: BaseException) -> bool:
+    """Whether ``error`` was raised by torch's decompositions or references (what eager's
+    kernel checks, they assert)."""
+    tb = error.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_globals.get("__name__", "").startswith(("torch._decomp", "torch._refs", "torch._prims"))
 
 
 @functools.cache
