@@ -163,12 +163,20 @@ class Held:
     guards compare it: a parent may change one between its layers."""
 
     def __init__(self, containers: list, module: torch.nn.Module | None = None):
+        reads = PythonState.of_module(module).reads if module is not None else []
+        # A scalar or object read from a dict (a globals dict, an instance's or a class's
+        # ``__dict__``) is unchanged where the dict is: its version tells, in one pass.
+        by_version = [r for r in reads if dict_version is not None and r.key is not None and not r.contents]
+        self._reads = [r for r in reads if not (dict_version is not None and r.key is not None and not r.contents)]
+        held = {id(c): c for c in containers}
+        held.update((id(r.holder), r.holder) for r in by_version if isinstance(r.holder, dict))
+        self._reads += [r for r in by_version if not isinstance(r.holder, dict)]
+        containers = list(held.values())
         self.containers = containers
         versioned = [dict_version is not None and isinstance(c, dict) for c in containers]
         self._dicts = [c for c, v in zip(containers, versioned) if v]
         self._versions = list(map(dict_version, self._dicts)) if self._dicts else []
         self._others = [(c, contents(c)) for c, v in zip(containers, versioned) if not v]
-        self._reads = PythonState.of_module(module).reads if module is not None else []
 
     def changed(self) -> bool:
         return (

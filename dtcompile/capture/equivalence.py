@@ -242,7 +242,7 @@ def block_state(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, dic
     hooks) copied, so that a later assignment or hook does not change what was recorded
     with; the key (``traced_key``) of each tensor in a table or attribute, by
     ``(attribute, name)``; the attributes compared all at once (:class:`_Plain`)."""
-    state = []
+    state = _BlockState()
     for path, sub in module.named_modules(remove_duplicate=False):
         attributes, keys = {}, {}
         for name, value in vars(sub).items():
@@ -252,7 +252,14 @@ def block_state(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, dic
                 keys[(name, None)] = traced_key(value)
             attributes[name] = dict(value) if name in _TABLES and isinstance(value, dict) else value
         state.append((path, sub, attributes, keys, _Plain(vars(sub))))
+    state.sharing = _sharing(attributes for _, _, attributes, *_ in state)
     return state
+
+
+class _BlockState(list):
+    """``block_state``'s entries, and which of the block's tensors were the same object."""
+
+    sharing: list[int]
 
 
 def same_blocks(first: list, other: torch.nn.Module) -> bool:
@@ -307,7 +314,7 @@ def why_different(first: list, other: torch.nn.Module) -> str | None:
                     return f"{_where(path, name)} differs"
             elif not equivalent(x, y):
                 return f"{_where(path, name)} differs"
-    if _sharing(va for _, _, va, *_ in first) != _sharing(vars(b) for _, b in others):
+    if first.sharing != _sharing(vars(b) for _, b in others):
         return "their tensors are shared otherwise (tied weights)"  # code may ask ``self.a.weight is self.b.weight``
     return None
 
