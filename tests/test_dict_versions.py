@@ -1,17 +1,21 @@
 """Single process: the prologue checks the module tree and the Python values read from
-dicts only when one of those dicts has a new version since a call that passed them
-(``jit/state_guards.py``, ``unless_dicts_changed``). Each test makes several calls first,
+dicts only when one of those dicts has changed since a call that passed them
+(``jit/state_guards.py``, ``unless_dicts_changed``): told by dict watchers on Python 3.12+
+(``core/dict_watch.py``), else by the dicts' versions. Each test makes several calls first,
 so that the versions are recorded and the checks skipped, then changes the state in one
 way a user can: the next call must see it (a miss, eager's result), and a change undone
 must give a hit again."""
 
 import collections
+import gc
+import sys
 
 import pytest
 import torch
 from torch import nn
 
 import dtcompile
+from dtcompile.core import dict_watch
 from dtcompile.core.torch_internals import dict_version
 
 
@@ -26,7 +30,8 @@ def counts(jitted):
 
 
 def settle(jitted, model, x, calls=3):
-    """Calls that pass every check, the first compiling: the versions are recorded."""
+    """Calls that pass every check, the first compiling: the versions (or the count of
+    changes) are recorded."""
     for _ in range(calls):
         torch.testing.assert_close(jitted(x), model(x))
 
@@ -39,9 +44,12 @@ class Block(nn.Module):
         self.proj = nn.Linear(4, 4)
         self.norm = nn.BatchNorm1d(4)  # a library module: its attributes are read by no user code
         self.act = nn.GELU()
+        self.gate = nn.Linear(4, 4, bias=False)  # an empty slot
         self.scale = 2.0
+        self.table = {"f": torch.tanh}  # a dict of objects the forward reads an item of
 
     def forward(self, x):
+        x = self.gate(self.table["f"](x))
         return self.act(self.norm(self.proj(x))) * self.scale + self.SHIFT
 
 
@@ -67,10 +75,20 @@ def test_the_checks_are_skipped_while_the_dicts_are_unchanged():
     jitted = dtcompile.jit(model)
     settle(jitted, model, torch.randn(2, 4))
     prologue = dtcompile.last_prologue(jitted)
+    assert "list(map(TRAINING, MODULES))" in prologue.source  # among the checks skipped
+    if dict_watch.available:  # each block of checks passed at the count of changes now
+        passed = [value for name, value in prologue.globals.items() if name.startswith("PASSED_CHANGES")]
+        assert len(passed) >= 2 and all(p == [dict_watch.changes[0]] for p in passed)
+        assert "WATCHED_DICTS" not in prologue.source
+        return
     passed = [value for name, value in prologue.globals.items() if name.startswith("PASSED_VERSIONS")]
     watched = [value for name, value in prologue.globals.items() if name.startswith("WATCHED_DICTS")]
     assert len(passed) == len(watched) == 1 and passed[0] == list(map(dict_version, watched[0]))
-    assert "list(map(TRAINING, MODULES))" in prologue.source  # among the checks skipped
+
+
+def test_dict_watchers_are_used_where_python_has_them():
+    # Python 3.12 tells dict changes (PyDict_AddWatcher); 3.11 does not: versions are read.
+    assert dict_watch.available == (sys.version_info >= (3, 12))
 
 
 def _flag_through_object_setattr(model):
@@ -109,9 +127,39 @@ def _pre_hook_added_directly(model):
     model.blocks[0]._forward_pre_hooks[10**9] = lambda module, args: (args[0] * 2,)
 
 
+def _bias_in_the_empty_slot(model):
+    model.blocks[1].gate.bias = nn.Parameter(torch.ones(4))
+
+
+def _weight_replaced_in_the_table(model):
+    model.blocks[2].proj._parameters["weight"] = nn.Parameter(torch.ones(4, 4).t())  # other strides
+
+
+def _buffer_added(model):
+    model.blocks[0].proj.register_buffer("extra", torch.zeros(1))
+
+
+def _item_of_a_dict_read_replaced(model):
+    model.blocks[1].table["f"] = torch.sigmoid  # the dict changes, its holder does not
+
+
+def _attribute_on_a_weight(model):
+    model.blocks[0].proj.weight.tag = "quantized"  # a tensor's Python attributes: a new entry
+
+
+def _weight_data_replaced(model):
+    model.blocks[2].gate.weight.data = torch.ones(4, 4).t()  # no dict changes: its strides do
+
+
 @pytest.mark.parametrize(
     "change",
     [
+        _bias_in_the_empty_slot,
+        _weight_replaced_in_the_table,
+        _buffer_added,
+        _item_of_a_dict_read_replaced,
+        _attribute_on_a_weight,
+        _weight_data_replaced,
         _flag_through_object_setattr,
         _scale_in_the_instance_dict,
         _scale_set,
@@ -235,3 +283,40 @@ def test_a_backward_hook_added_after_compiling_a_call_without_grad_mode():
     model.lin.register_full_backward_pre_hook(lambda module, grad_output: (grad_output[0] * 10,))
     torch.testing.assert_close(jitted(x), model(x))
     assert counts(jitted) == (2, 2)
+
+
+def test_a_compiled_model_dropped_leaves_the_dicts_another_one_watches():
+    """Two compiled forms of one model watch the same dicts; dropping one must not stop the
+    other from being told of changes."""
+    torch.manual_seed(0)
+    model = Model().eval()
+    x = torch.randn(2, 4)
+    first, second = dtcompile.jit(model), dtcompile.jit(model)
+    settle(first, model, x)
+    settle(second, model, x)
+    del first
+    gc.collect()
+    model.blocks[0].scale = -1.0
+    torch.testing.assert_close(second(x), model(x))
+    assert counts(second) == (2, 2)
+
+
+def test_a_compiled_model_freed_while_an_exception_unwinds():
+    """Its watched dicts are released as the frame holding it goes: nothing is reported
+    from inside the dicts' deallocation, and the exception reaches the caller as raised."""
+    reported = []
+    hook, sys.unraisablehook = sys.unraisablehook, reported.append
+
+    def run():
+        model = Model().eval()
+        jitted = dtcompile.jit(model)
+        settle(jitted, model, torch.randn(2, 4))
+        raise KeyError("raised by the caller")
+
+    try:
+        with pytest.raises(KeyError, match="raised by the caller"):
+            run()
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert reported == []

@@ -15,8 +15,10 @@ from torch.distributed.tensor import DTensor
 
 from ..capture import CallInputs, ConstantInput, DTensorInput, LocalTensorMeta, ObjectInput, TensorInput
 from ..capture.tensor_attributes import attributes_match, contents_keys
+from ..core import dict_watch
 from ..core.symbolic import is_symbolic
 from ..core.torch_internals import TensorGuards
+from .unchanged_dicts import unless_dicts_changed
 
 
 @dataclass
@@ -181,9 +183,17 @@ def module_tensors(b, module: torch.nn.Module, inputs: CallInputs, sources: dict
     dtensor_position = {id(e[3]): i for i, e in enumerate(dtensors)}
     if batch:
         b.globals.update(HELD_TABLES=[e[1] for e in batch], HELD_KEYS=[e[2] for e in batch], is_=operator.is_)
-        b.lines.append("    HELD = list(map(dict.get, HELD_TABLES, HELD_KEYS))")
-        # Tensors traced as distinct are distinct (code may ask ``self.a.weight is self.b.weight``).
-        b.fail_if(f"len(set(map(id, HELD))) != {len({id(e[4]) for e in batch})}")
+        distinct = len({id(e[4]) for e in batch})
+        if dict_watch.available:  # told of the tables' changes: the tensors read when one changed
+            b.globals["HELD_NOW"] = []
+            with unless_dicts_changed(b, b.globals["HELD_TABLES"]):
+                b.lines.append("    HELD_NOW[:] = map(dict.get, HELD_TABLES, HELD_KEYS)")
+                b.fail_if(f"len(set(map(id, HELD_NOW))) != {distinct}")
+            b.lines.append("    HELD = HELD_NOW")
+        else:
+            b.lines.append("    HELD = list(map(dict.get, HELD_TABLES, HELD_KEYS))")
+            # Tensors traced as distinct are distinct (code may ask ``self.a.weight is self.b.weight``).
+            b.fail_if(f"len(set(map(id, HELD))) != {distinct}")
         # The objects themselves (a DTensor: its type, requires_grad and global sizes) first:
         # what follows reads their attributes.
         for e in batch:
@@ -211,6 +221,7 @@ def module_tensors(b, module: torch.nn.Module, inputs: CallInputs, sources: dict
             b.node(node, f"{source}.get({leaf!r})", example)
             continue
         var = f"HELD[{position[id(node)]}]"
+        b.held_examples[var] = example
         b.devices.add(node.meta.device.type)
         b.tensor_vars[id(node)] = var
         b.result_labels.append(node.proxy.label)
@@ -277,10 +288,23 @@ def attribute_checks(b, roots: list) -> None:
             contents = f", {b.constant(contents, 'CONTENTS')}" if contents else ""
             b.fail_if(f"not attributes_match({b.tensor_vars[id(node)]}, {expected}{contents})")
         elif not in_object:
-            counted.append((b.tensor_vars[id(node)], node.held_attributes))
+            var = b.tensor_vars[id(node)]
+            counted.append((var, node.held_attributes, b.held_examples.get(var)))
+    held = [(var, n, t) for var, n, t in counted if var.startswith("HELD") and t is not None]
+    if held and dict_watch.available:
+        # The module's tensors, told of changes of their attribute dicts: counted again only
+        # when one of those changed or a tensor is not the one counted last (a DTensor's
+        # local tensor is replaced without any dict changing).
+        tensors = b.bind(b.tuple_of([var for var, _, _ in held]), "held")
+        b.globals.update(COUNTED_LAST=[], is_=operator.is_)
+        with unless_dicts_changed(b, [vars(t) for _, _, t in held], f"not all(map(is_, {tensors}, COUNTED_LAST))"):
+            counts = b.constant([n for _, n, _ in held], "ATTRIBUTE_COUNTS")
+            b.fail_if(f"list(map(len, map(vars, {tensors}))) != {counts}")
+            b.lines.append(f"    COUNTED_LAST[:] = {tensors}")
+        counted = [c for c in counted if c not in held]
     if counted:
-        counts = b.constant([n for _, n in counted], "ATTRIBUTE_COUNTS")
-        b.fail_if(f"list(map(len, map(vars, {b.tuple_of([v for v, _ in counted])}))) != {counts}")
+        counts = b.constant([n for _, n, _ in counted], "ATTRIBUTE_COUNTS")
+        b.fail_if(f"list(map(len, map(vars, {b.tuple_of([v for v, _, _ in counted])}))) != {counts}")
 
 
 def _tensor_leaves(nodes: list, in_object: bool = False):

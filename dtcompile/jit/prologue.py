@@ -60,13 +60,8 @@ class _Builder:
         self.symbols: dict[sympy.Symbol, str] = {}
         self.relations: list[tuple[str, sympy.Expr]] = []
         self.lines: list[str] = []
-        self.globals: dict[str, object] = {
-            **{name: obj for name, obj, _ in SOURCE_GLOBALS},
-            "DTensor": DTensor,
-            "spec_matches": spec_matches,
-            "meshes_match": meshes_match,
-            "VALUE_KEY": value_key,
-        }
+        self.globals: dict[str, object] = {name: obj for name, obj, _ in SOURCE_GLOBALS}
+        self.globals.update(DTensor=DTensor, spec_matches=spec_matches, meshes_match=meshes_match, VALUE_KEY=value_key)
         self.results: list[str] = []
         self.result_labels: list[str] = []  # the trace input each result binds, in order
         self.object_vars: dict[int, str] = {}  # id of an ObjectInput -> the variable bound to it
@@ -77,12 +72,12 @@ class _Builder:
         self.local_vars: dict[int, str] = {}
         self.in_object = 0  # inside an object of the call (its tensors are not arguments)
         self.argument_tensors: list[str] = []  # the call's tensors outside objects, each met once
-        # Tensors of the module's state with static metadata: (variable, the tensor traced),
-        # checked together by one TensorGuards call (C++) at the end.
-        self.batched: list[tuple[str, torch.Tensor]] = []
+        # Tensors with static metadata, checked together by one TensorGuards call (C++).
+        self.batched: list[Batched] = []
         # The module's tensors read in one pass (``batched_guards.module_tensors``): the
         # list of them all, and where each list bound before starts in it.
         self.pickable: tuple[str, dict[str, int]] | None = None
+        self.held_examples: dict[str, torch.Tensor] = {}  # ``HELD[i]``: the module's tensor traced
         self._count = 0
 
     def fresh(self, prefix: str) -> str:
@@ -90,6 +85,10 @@ class _Builder:
         return f"{prefix}{self._count}"
 
     def constant(self, obj: object, prefix: str) -> str:
+        if isinstance(obj, (list, tuple)) and len(obj) > 8:  # not built at each call (devices, per layer)
+            name = self.fresh(prefix)
+            self.globals[name] = obj
+            return name
         return literal_or_global(obj, self.globals, prefix)
 
     def tuple_of(self, exprs: list[str]) -> str:

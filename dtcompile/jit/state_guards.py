@@ -15,7 +15,7 @@ import collections
 import itertools
 import math
 import operator
-from contextlib import contextmanager
+from contextlib import nullcontext
 from types import MappingProxyType
 
 import torch
@@ -24,6 +24,7 @@ from ..capture.equivalence import GLOBAL_HOOKS
 from ..capture.global_state import GlobalState, torch_settings
 from ..capture.python_reads import ABSENT, PythonGuards, ReadGroup, value_key
 from ..capture.python_state import PythonState
+from ..core import dict_watch
 from ..core.printing import python_literal
 from ..core.torch_internals import (
     dict_version,
@@ -33,6 +34,7 @@ from ..core.torch_internals import (
     saved_tensors_hooks,
 )
 from .training import same_saved_hooks
+from .unchanged_dicts import unless_dicts_changed
 
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
@@ -115,28 +117,6 @@ def user_global_hooks() -> tuple:
     )
 
 
-@contextmanager
-def unless_dicts_changed(b, dicts: list[dict]):
-    """The checks emitted inside run only when one of ``dicts`` (given by the end) has a
-    new version since the last call that passed them: a dict's version changes with each
-    change of its items (``torch_internals._versions_follow_changes`` checks this Python),
-    and every check inside reads nothing but their items, scalars or objects compared by
-    identity. The versions are read before the checks, so a change made meanwhile is seen
-    at the next call. Without versions the checks run at every call."""
-    start = len(b.lines)
-    yield
-    body, unique = b.lines[start:], list({id(d): d for d in dicts}.values())
-    if dict_version is None or not body or not unique:
-        return
-    del b.lines[start:]
-    watched, passed = b.fresh("WATCHED_DICTS"), b.fresh("PASSED_VERSIONS")
-    b.globals.update({"dict_version": dict_version, watched: unique, passed: []})  # no call passed yet
-    now = b.bind(f"list(map(dict_version, {watched}))", "versions")
-    b.lines.append(f"    if {now} != {passed}:")
-    b.lines += ["    " + line for line in body]
-    b.lines.append(f"        {passed}[:] = {now}")
-
-
 def module_tree_checks(b, module: torch.nn.Module, modules: list, unique: list, watched: list[dict]) -> dict[str, str]:
     """Every submodule is the module traced, under its name in its parent (a replaced
     submodule would run code the program does not have); each training flag is as traced
@@ -177,13 +157,14 @@ def module_tree_checks(b, module: torch.nn.Module, modules: list, unique: list, 
 
 
 def module_table_checks(b, modules: list[torch.nn.Module]) -> None:
-    """At every call (a ``len`` costs less than a dict's version): each module's class; its parameter,
-    buffer and submodule tables hold as many entries as traced (none added or removed),
-    the empty slots (``Linear(bias=False)``'s ``bias``) are still empty, a parameter
-    assigned there later must be used; the empty hook tables are still empty, and those
-    with several hooks hold them in the order traced (an OrderedDict's order changes
-    without a new version: ``move_to_end``). The tensors in the other slots are read and
-    guarded one by one (``batched_guards.py``)."""
+    """Each module's parameter, buffer and submodule tables hold as many entries as traced
+    (none added or removed), the empty slots (``Linear(bias=False)``'s ``bias``) are still
+    empty, a parameter assigned there later must be used; the empty hook tables are still
+    empty (at every call, unless dict watchers tell the changes); each module's class is
+    as traced, and the tables with several hooks hold them in the order traced, at every
+    call (an OrderedDict's order changes without a new version or a watcher's notice:
+    ``move_to_end``). The tensors in the other slots are read and guarded one by one
+    (``batched_guards.py``)."""
     if not modules:
         return
     tables, lengths, empty_tables, empty_keys = [], [], [], []
@@ -195,17 +176,20 @@ def module_table_checks(b, modules: list[torch.nn.Module]) -> None:
                 if value is None:
                     empty_tables.append(table)
                     empty_keys.append(key)
-    b.globals.update(STATE_TABLES=tables, STATE_LENGTHS=lengths)
-    b.fail_if("list(map(len, STATE_TABLES)) != STATE_LENGTHS")
+    hook_tables = [hooks for m in modules for hooks in map(vars(m).get, _HOOK_TABLES)]
+    # Told of changes, these need not run while none of the tables has changed; else a
+    # ``len`` costs less than a dict's version, and they run at every call.
+    with unless_dicts_changed(b, tables + hook_tables) if dict_watch.available else nullcontext():
+        b.globals.update(STATE_TABLES=tables, STATE_LENGTHS=lengths)
+        b.fail_if("list(map(len, STATE_TABLES)) != STATE_LENGTHS")
+        if empty_keys:
+            b.globals.update(EMPTY_TABLES=empty_tables, EMPTY_KEYS=empty_keys, NONES=[None] * len(empty_keys))
+            b.fail_if("list(map(dict.get, EMPTY_TABLES, EMPTY_KEYS)) != NONES")
+        b.globals["EMPTY_HOOK_TABLES"] = [hooks for hooks in hook_tables if not hooks]
+        b.fail_if("any(map(len, EMPTY_HOOK_TABLES))")
     # Each module's class, as traced (``m.lin.__class__ = Quantized`` changes no dict).
     b.globals.update(STATE_MODULES=modules, STATE_MODULE_TYPES=list(map(type, modules)))
     b.fail_if("list(map(type, STATE_MODULES)) != STATE_MODULE_TYPES")
-    if empty_keys:
-        b.globals.update(EMPTY_TABLES=empty_tables, EMPTY_KEYS=empty_keys, NONES=[None] * len(empty_keys))
-        b.fail_if("list(map(dict.get, EMPTY_TABLES, EMPTY_KEYS)) != NONES")
-    hook_tables = [hooks for m in modules for hooks in map(vars(m).get, _HOOK_TABLES)]
-    b.globals["EMPTY_HOOK_TABLES"] = [hooks for hooks in hook_tables if not hooks]
-    b.fail_if("any(map(len, EMPTY_HOOK_TABLES))")
     ordered = [hooks for hooks in hook_tables if len(hooks) > 1]
     if ordered:
         b.globals.update(HOOK_TABLES=ordered, HOOK_IDS=list(map(tuple, ordered)))
@@ -284,11 +268,42 @@ def python_state_checks(b, guards: PythonGuards, tag: str) -> None:
             b.fail_if(compare)
     if guards.keyed:
         b.globals["VALUE_KEY"] = value_key
-        keyed = f"{tag}_KEYED"
-        values = read(guards.keyed, keyed)
-        compare = " + ".join(f"list(map(VALUE_KEY, {v}))" for v in values) + f" != {keyed}"
-        unchanged = _same_objects(b, guards.keyed, values, keyed)
-        b.fail_if(compare if unchanged is None else f"not ({unchanged}) and {compare}")
+        watched, rest = _split_watched(guards.keyed) if dict_watch.available else (ReadGroup(), guards.keyed)
+        for group, name in ((watched, f"{tag}_WATCHED_KEYED"), (rest, f"{tag}_KEYED")):
+            if not group:
+                continue
+            values = read(group, name)
+            compare = " + ".join(f"list(map(VALUE_KEY, {v}))" for v in values) + f" != {name}"
+            unchanged = _same_objects(b, group, values, name)
+            # Told of the changes of every dict a check reads, it need not run while none changed.
+            with unless_dicts_changed(b, _dicts_read(group)) if group is watched else nullcontext():
+                b.fail_if(compare if unchanged is None else f"not ({unchanged}) and {compare}")
+
+
+def _split_watched(group: ReadGroup) -> tuple[ReadGroup, ReadGroup]:
+    """The reads of ``group`` whose value, and all it holds that can change, lives in dicts
+    (whose changes dict watchers tell), and the others."""
+    watched, rest = ReadGroup(), ReadGroup()
+    for d, k, expected, kind in zip(group.dicts, group.keys, group.expected, group.types):
+        value, dicts = dict.get(d, k, ABSENT), []
+        ok = value_key(value) == expected and _containers(value, [], dicts) and None not in dicts
+        target = watched if ok else rest
+        target.dicts.append(d)
+        target.keys.append(k)
+        target.expected.append(expected)
+        target.types.append(kind)
+    rest.objects, rest.attributes = group.objects, group.attributes
+    rest.expected += group.expected[len(group.dicts) :]
+    rest.types += group.types[len(group.dicts) :]
+    return watched, rest
+
+
+def _dicts_read(group: ReadGroup) -> list[dict]:
+    """The dicts ``group``'s reads read from, and those their values hold."""
+    dicts = list(group.dicts)
+    for d, k in zip(group.dicts, group.keys):
+        _containers(dict.get(d, k, ABSENT), [], dicts)
+    return dicts
 
 
 def _same_objects(b, group: ReadGroup, values: list[str], prefix: str) -> str | None:
@@ -303,30 +318,35 @@ def _same_objects(b, group: ReadGroup, values: list[str], prefix: str) -> str | 
     if list(map(value_key, now)) != group.expected:
         return None
     containers: list = []
-    if not all(_containers(value, containers) for value in now):
+    if not all(_containers(value, containers, []) for value in now):
         return None
     b.globals.update({f"{prefix}_NOW": now, f"{prefix}_CONTAINERS": containers})
     b.globals[f"{prefix}_LENGTHS"] = list(map(len, containers))
     b.globals[f"{prefix}_ITEMS"] = list(itertools.chain.from_iterable(containers))
     read = values[0] if len(values) == 1 else f"chain(({', '.join(values)},))"
     same = f"all(map(is_, {read}, {prefix}_NOW))"
-    return (
+    expression = (
         f"{same} and list(map(len, {prefix}_CONTAINERS)) == {prefix}_LENGTHS"
         f" and all(map(is_, chain({prefix}_CONTAINERS), {prefix}_ITEMS))"
     )
+    return expression
 
 
-def _containers(value: object, found: list) -> bool:
+def _containers(value: object, found: list, dicts: list) -> bool:
     """Add to ``found`` what can change in place under ``value`` (lists, sets, deques;
-    a dict's keys and values), recursively; False where something else can (an array, a
-    bytearray, a ``defaultdict``'s factory, a list subclass's attributes). Tensors, and
-    objects whose attributes are guarded apart, are pinned by their identity."""
+    a dict's keys and values), recursively, and to ``dicts`` the dicts among them (None
+    for a container whose changes no dict watcher tells: a list, a set, a deque, an
+    OrderedDict's order of several items); False where something else can change (an
+    array, a bytearray, a ``defaultdict``'s factory, a list subclass's attributes). Tensors,
+    and objects whose attributes are guarded apart, are pinned by their identity."""
     kind = type(value)
     if kind is dict or kind is collections.OrderedDict:
         found += (value.keys(), value.values())
+        dicts.append(value if kind is dict or len(value) < 2 else None)  # (``move_to_end``)
         items = value.values()
     elif kind in (list, set, collections.deque):
         found.append(value)
+        dicts.append(None)
         items = value
     elif kind in (tuple, frozenset):
         items = value
@@ -335,4 +355,4 @@ def _containers(value: object, found: list) -> bool:
             hasattr(value, "__array__")
             or isinstance(value, (list, tuple, dict, set, collections.deque, bytearray, array.array, MappingProxyType))
         )
-    return all(_containers(item, found) for item in items)
+    return all(_containers(item, found, dicts) for item in items)
