@@ -218,6 +218,8 @@ class PythonState(AfterTracing):
             return
         compiled = attribute_or_none(value, "_dtcompile")  # a jitted function called inside: inlined
         if compiled is not None and not isinstance(value, torch.nn.Module):
+            self._walked.add(id(value))
+            self._attributes(value, where, skip=("_dtcompile", "_fn"))  # (copied from the function)
             self.follow(getattr(value, "_fn", None), where)
             return
         if isinstance(value, types.MethodType):
@@ -267,6 +269,7 @@ class PythonState(AfterTracing):
             self._read(cell, None, value, where)
             self.follow(value, where, attributes)
         self._read(fn, None, code, f"the code of {fn.__qualname__}", attribute="__code__")  # assignable too
+        self._attributes(fn, fn.__qualname__)  # ``f.scale``, a function's "static variable"
         for attribute in ("__defaults__", "__kwdefaults__"):  # assignable, and read at each call
             defaults = getattr(fn, attribute)
             where = f"the default arguments of {fn.__qualname__}"
@@ -295,6 +298,16 @@ class PythonState(AfterTracing):
                 self._read(builtins, name, builtins[name], f"the builtin {name!r}")
             elif value is not ABSENT:
                 self.follow(value, where, attributes)
+
+    def _attributes(self, fn: object, where: str, skip: tuple[str, ...] = ()) -> None:
+        """A function's attributes (its ``__dict__``, by identity, its names, and each)."""
+        attributes = vars(fn)
+        self.reads.append(Read(fn, None, attributes, f"the attributes of {where}", attribute="__dict__"))
+        self._namespace(attributes)
+        for name, item in attributes.items():
+            if name not in skip:
+                self._read(attributes, name, item, f"attribute {name!r} of {where}")
+                self.follow(item, f"attribute {name!r} of {where}")
 
     def _namespace(self, names: dict) -> None:
         if id(names) not in self._seen_namespaces:

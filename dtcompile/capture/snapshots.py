@@ -23,6 +23,7 @@ import torch
 
 from .objects import is_rebuildable_object, object_state
 from .python_reads import value_key
+from .user_code import is_library
 
 # Tensors and modules are guarded apart; a logger's state changes when it is asked
 # whether a level is enabled (``Logger._cache``), which no result depends on.
@@ -202,6 +203,10 @@ class DataSnapshot:
             return
         if isinstance(value, _NOT_USER_DATA):
             return
+        if isinstance(value, types.FunctionType):  # its attributes (``f.calls += 1``, ``f.last = y``)
+            if depth and not is_library(value):
+                self.add(vars(value), (path, (".", "__dict__")), depth - 1)
+            return
         if type(value) is tuple:  # itself unchanged, but what it holds can change in place
             self._depths[id(value)] = depth
             for index, child in enumerate(value):
@@ -235,6 +240,7 @@ class DataSnapshot:
         code = getattr(fn, "__code__", None)
         if code is None or (getattr(fn, "__module__", None) or "").startswith("torch"):
             return
+        self.add(fn, path, depth=2)  # its attributes
         for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
             try:
                 self.add(cell.cell_contents, f"{name!r} (a closure variable of {path})", depth=2)
