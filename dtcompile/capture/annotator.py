@@ -34,6 +34,7 @@ from .method_checks import (
     received,
     received_base,
 )
+from .eager_errors import eager_error
 from .op_memo import MISSED, OpMemo, state
 from .placements import describe_placements
 from .recorder import Recording
@@ -325,6 +326,9 @@ class CallAnnotator(TorchFunctionMode):
                     "and is not a leaf (made by an op that autograd records); a compiled call cannot extend its "
                     "graph. Clone it before the call, or change it outside"
                 ) from error
+            eager = eager_error(func, args, kwargs, error)  # torch's fake kernels may raise another type
+            if eager is not None:
+                raise eager from error
             raise
         finally:
             self.recording.dtensor_calls -= handled_by_dtensor

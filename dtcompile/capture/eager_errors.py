@@ -1,0 +1,75 @@
+"""The error eager would raise, where a torch-level call fails while tracing.
+
+Tracing runs torch's fake and meta kernels and its decompositions, whose checks can differ
+from eager's kernels in the error they raise: ``x.to(torch.complex64) // 2`` raises a
+RuntimeError there ("not supported for floor_divide") where eager's CPU kernel raises a
+NotImplementedError; code written against eager (``except NotImplementedError``) then
+takes another path. When a call fails, it is run once more on real tensors of the same
+sizes, strides, dtypes and devices (zeros, at most :data:`_LARGEST` elements each, with
+no dispatch mode active, the random state put back), and eager's error is raised where it
+is of another type.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..core import TensorProxy
+
+_LARGEST = 1 << 20  # elements of one stand-in tensor: a failing call costs no more than this
+
+
+class _GiveUp(Exception):
+    pass
+
+
+def eager_error(func, args: tuple, kwargs: dict, error: RuntimeError) -> BaseException | None:
+    """Eager's exception for ``func(*args, **kwargs)`` where it is not a RuntimeError of
+    ``error``'s type (a subclass, NotImplementedError, or another type); else None."""
+    if any(isinstance(x, (DTensor, torch.Generator)) for x in tree_flatten((args, kwargs))[0]):
+        return None  # DTensor's own checks run while tracing, as in eager; a generator is the user's
+    try:
+        real_args, real_kwargs = tree_map(_stand_in, (args, kwargs))
+    except _GiveUp:
+        return None
+    random_state = torch.default_generator.get_state()  # a random op draws nothing for the user
+    try:
+        with _disable_current_modes(), torch._C.DisableTorchFunction(), torch._C._DisablePythonDispatcher():
+            func(*real_args, **real_kwargs)
+    except Exception as eager:  # noqa: BLE001 (eager's, whatever it is, compared by type)
+        return eager if type(eager) is not type(error) else None
+    finally:
+        torch.default_generator.set_state(random_state)
+    return None
+
+
+def _stand_in(value):
+    if not isinstance(value, torch.Tensor):
+        return value
+    if not (isinstance(value, TensorProxy) or is_fake(value) or type(value) in (torch.Tensor, torch.nn.Parameter)):
+        raise _GiveUp
+    try:
+        shape, stride = [int(_hint(s)) for s in value.shape], [int(_hint(s)) for s in value.stride()]
+    except TypeError:
+        raise _GiveUp from None
+    numel = 1
+    for size in shape:
+        numel *= size
+    if numel > _LARGEST:
+        raise _GiveUp
+    with _disable_current_modes():
+        return torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device).zero_()
+
+
+def _hint(size):
+    """A size as an int: a symbolic one by its value at this call."""
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        if hint is None:
+            raise TypeError("no hint")
+        return hint
+    return size
