@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_map
 
 from ..core import Note, TensorProxy, TracingError, data_dependent_error
 from ..core.symbol import leaves as leaves_of
+from .eager_errors import eager_error
 from .method_checks import (
     AUTOGRAD_ATTRIBUTES,
     CALLER_ATTRIBUTES,
@@ -34,7 +35,6 @@ from .method_checks import (
     received,
     received_base,
 )
-from .eager_errors import eager_error
 from .op_memo import MISSED, OpMemo, state
 from .placements import describe_placements
 from .recorder import Recording
