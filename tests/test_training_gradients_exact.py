@@ -109,6 +109,27 @@ def test_an_input_returned_as_it_is_gets_only_its_own_cotangent():
         torch.testing.assert_close(x.grad, torch.full((3,), 2.0), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("changed", [False, True])
+def test_an_input_needing_no_grad_returned_as_it_is_is_the_callers_own(cache, changed):
+    """Beside an input that needs a gradient, a plain tensor returned as it came (changed in
+    place or not) is the caller's object, as in eager; it was a view of it."""
+
+    def f(w, buf):
+        if changed:
+            buf.add_(1)
+        return w * 2, buf, buf
+
+    jitted = dtcompile.jit(f, cache=cache)
+    for i in range(3):
+        w, buf = torch.arange(3.0, requires_grad=True), torch.full((3,), float(i))
+        out, first, second = jitted(w, buf)
+        assert first is buf and second is buf
+        torch.testing.assert_close(buf, torch.full((3,), i + float(changed)), rtol=0, atol=0)
+        out.sum().backward()
+        torch.testing.assert_close(w.grad, torch.full((3,), 2.0), rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------------------
 # torch.utils.checkpoint around random ops
 

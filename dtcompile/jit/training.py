@@ -110,7 +110,7 @@ class TrainingProgram:
     gradients: list[Gradient]
     inputs: int
     # (output slot, input position) of inputs the call returns as they are: the caller's
-    # own tensor where it requires grad, as eager returns it (its .grad filled by backward).
+    # own tensor, as eager returns it (its .grad filled by backward where it requires grad).
     returned_inputs: list[tuple[int, int]]
     saved_hooks: tuple | None = None  # the saved_tensors_hooks (pack, unpack) it was traced under
 
@@ -171,7 +171,9 @@ class TrainingProgram:
         if self.returned_inputs:
             outs = list(outs)
             for slot, position in self.returned_inputs:
-                if inputs[position].requires_grad:
+                # The caller's own tensor, as eager returns it (a DTensor that needs no gradient:
+                # the program has its local tensor, and returns it wrapped anew).
+                if inputs[position].requires_grad or not isinstance(outs[slot], DTensor):
                     outs[slot] = inputs[position]
         return self.rebuild.fn(outs, ())
 
