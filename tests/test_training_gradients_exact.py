@@ -130,6 +130,32 @@ def test_an_input_needing_no_grad_returned_as_it_is_is_the_callers_own(cache, ch
         torch.testing.assert_close(w.grad, torch.full((3,), 2.0), rtol=0, atol=0)
 
 
+def _saved_output_changed(w, buf):
+    y = w.sigmoid()
+    z = y * 2
+    y.mul_(3)  # sigmoid saved its output
+    return w * 5, z
+
+
+def _saved_input_changed(w, buf):
+    y = w * buf
+    buf.add_(1)  # the product saved buf
+    return w * 5, y
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("fn", [_saved_output_changed, _saved_input_changed])
+def test_a_value_autograd_saved_changed_in_place_is_refused_clearly(cache, fn):
+    """Eager runs the call, and raises autograd's error only at a backward that reaches the
+    op; a compiled call differentiates every output while compiling. Refused, saying so
+    (it raised autograd's error from inside dtcompile at the call)."""
+    w = torch.arange(3.0, requires_grad=True)
+    out, _ = fn(w, torch.ones(3))
+    out.sum().backward()  # eager: fine through the other output
+    with pytest.raises(dtcompile.TracingError, match="changes in place a value autograd saved"):
+        dtcompile.jit(fn, cache=cache)(torch.arange(3.0, requires_grad=True), torch.ones(3))
+
+
 # ---------------------------------------------------------------------------------------
 # torch.utils.checkpoint around random ops
 

@@ -122,6 +122,13 @@ def _grad(outputs: list, wrt: list, cotangents: list) -> tuple:
     try:
         return torch.autograd.grad(outputs, wrt, cotangents, allow_unused=True)
     except RuntimeError as error:
+        if "modified by an inplace operation" in str(error):
+            raise TracingError(
+                "dtcompile.jit: the call changes in place a value autograd saved for the backward (after "
+                "using it in an op that needs a gradient): eager raises autograd's error only if a backward "
+                "reaches that op, but a compiled call differentiates all its outputs while compiling. Change a "
+                f"copy instead (y = y.clone() before the in-place op), or detach what no gradient needs ({error})"
+            ) from error
         if "backward through the graph a second time" not in str(error):
             raise
         raise TracingError(
