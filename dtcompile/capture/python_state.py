@@ -16,7 +16,8 @@ hook), so what is guarded is what the code *can* read, found before tracing:
 - **Globals** each such function's code loads (``LOAD_GLOBAL`` in its bytecode, nested
   functions and lambdas included), from its ``__globals__`` (one absent there, a builtin
   or a name not defined yet, is guarded as absent); the **closure cells** it holds; its
-  **default arguments** (``__defaults__``, ``__kwdefaults__``); a ``functools.partial``'s
+  **default arguments** (``__defaults__``, ``__kwdefaults__``) and **attributes**
+  (``f.scale``); a ``functools.partial``'s
   arguments, keywords and attributes; the attributes a Python module holds
   (imported at the top or inside the function) under the other names its code uses
   (``cfg.SCALE``; of a library module, by identity: ``F.relu`` patched is seen); where
