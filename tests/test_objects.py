@@ -382,3 +382,24 @@ def test_an_object_of_the_call_also_reached_another_way_is_refused(fn):
     with pytest.raises(dtcompile.TracingError, match=r"args\[1\] is also reached as"):
         dtcompile.jit(fn)(torch.ones(2), SETTINGS)
     assert SETTINGS.scale == 1.0  # nothing done
+
+
+def test_copying_an_object_after_compiling_compiles_nothing_new():
+    """``copy.deepcopy`` (and pickle) add ``__slotnames__`` to a class at the first copy of
+    an instance: the class's names are guarded by their number, so the next call missed."""
+
+    class Scaled:
+        def __init__(self):
+            self.k = torch.tensor(2.0)
+
+        def apply(self, x):
+            return x * self.k
+
+    def fn(x, obj):
+        return obj.apply(x)
+
+    jitted, obj, x = dtcompile.jit(fn), Scaled(), torch.randn(3)
+    jitted(x, obj)
+    copy.deepcopy(obj)
+    assert_same_tensor(jitted(x, obj), fn(x, obj))
+    assert dtcompile.cache_misses(jitted) == 1

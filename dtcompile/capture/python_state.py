@@ -65,6 +65,7 @@ rebinds is refused and put back: the rebinding would happen once, while tracing.
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import logging
 import os
@@ -327,6 +328,10 @@ class PythonState(AfterTracing):
             if id(klass) in self._walked or (library and not module_class):
                 continue
             self._walked.add(id(klass))
+            if not library and "__slotnames__" not in vars(klass):
+                # Added by copy and pickle at the first copy of an instance (``copy.deepcopy(cache)``),
+                # it would change the number of names guarded: added now.
+                copyreg._slotnames(klass)
             names = class_namespace(klass)
             self._classes[id(names)] = klass
             self._namespace(names)
