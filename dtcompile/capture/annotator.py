@@ -15,13 +15,14 @@ import sys
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, is_fake
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_map
 
 from ..core import Note, TensorProxy, TracingError, data_dependent_error
 from ..core.symbol import leaves as leaves_of
+from ..core.torch_internals import dtensor_implicit_replication
 from .eager_errors import eager_error
 from .method_checks import (
     AUTOGRAD_ATTRIBUTES,
@@ -101,6 +102,13 @@ def tag_backward_nodes(inputs: list, outputs: list, note: Note) -> None:
 def _is_traced(value) -> bool:
     """A proxy, or a DTensor around one."""
     return isinstance(value, TensorProxy) or isinstance(getattr(value, "_local_tensor", None), TensorProxy)
+
+
+def _replicated(value, mesh):
+    """A plain tensor as the replicated DTensor ``implicit_replication()`` takes it for."""
+    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+        return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return value
 
 
 def _short_name(func) -> str:
@@ -274,6 +282,8 @@ class CallAnnotator(TorchFunctionMode):
                 return out
             specs, before = [getattr(x, "_spec", None) for x in leaves], state(self.recording)
         handled_by_dtensor = any(isinstance(x, DTensor) for x in leaves)
+        if handled_by_dtensor:
+            self.recording.dtensor_modes.note()
         self.recording.dtensor_calls += handled_by_dtensor
         outer_call, self.recording.current_call = self.recording.current_call, _short_name(func)
         try:
@@ -309,27 +319,33 @@ class CallAnnotator(TorchFunctionMode):
                 and not all(isinstance(x, DTensor) for x in leaves if isinstance(x, torch.Tensor))
             ):
                 # DTensor asks a plain tensor beside a DTensor for its element count (one
-                # element is replicated); a symbolic count is never one: eager's error.
-                raise RuntimeError(
-                    f"{_short_name(func)} got mixed torch.Tensor and DTensor, need to convert all torch.Tensor "
-                    "to DTensor before calling distributed operators!"
-                ) from error
-            if _CONCRETE_SIZES in str(error):  # torch has no kernel for symbolic sizes (``generator=``)
-                raise TracingError(
-                    f"dtcompile.jit: {_short_name(func)} cannot take symbolic sizes in torch (its kernel, here, "
-                    "takes concrete ones: a random op with generator=, say); use cache='constant values'"
-                ) from error
-            argument = _LEAF_IN_PLACE in str(error) and self._non_leaf_argument(leaves)
-            if argument:  # a proxy is a leaf; eager's argument is not, and its in-place change runs
-                raise TracingError(
-                    f"dtcompile.jit: {_short_name(func)} changes {argument} in place, a tensor that requires grad "
-                    "and is not a leaf (made by an op that autograd records); a compiled call cannot extend its "
-                    "graph. Clone it before the call, or change it outside"
-                ) from error
-            eager = eager_error(func, args, kwargs, error)  # torch's fake kernels may raise another type
-            if eager is not None:
-                raise eager from error
-            raise
+                # element is replicated); a symbolic count is never one: eager's error, but
+                # under implicit_replication(), where DTensor replicates it whatever its count.
+                if not dtensor_implicit_replication():
+                    raise RuntimeError(
+                        f"{_short_name(func)} got mixed torch.Tensor and DTensor, need to convert all torch.Tensor "
+                        "to DTensor before calling distributed operators!"
+                    ) from error
+                mesh = next(x.device_mesh for x in leaves if isinstance(x, DTensor))
+                args, kwargs = tree_map(lambda v: _replicated(v, mesh), (args, kwargs))
+                out = func(*args, **kwargs)
+            else:
+                if _CONCRETE_SIZES in str(error):  # torch has no kernel for symbolic sizes (``generator=``)
+                    raise TracingError(
+                        f"dtcompile.jit: {_short_name(func)} cannot take symbolic sizes in torch (its kernel, here, "
+                        "takes concrete ones: a random op with generator=, say); use cache='constant values'"
+                    ) from error
+                argument = _LEAF_IN_PLACE in str(error) and self._non_leaf_argument(leaves)
+                if argument:  # a proxy is a leaf; eager's argument is not, and its in-place change runs
+                    raise TracingError(
+                        f"dtcompile.jit: {_short_name(func)} changes {argument} in place, a tensor that requires grad "
+                        "and is not a leaf (made by an op that autograd records); a compiled call cannot extend its "
+                        "graph. Clone it before the call, or change it outside"
+                    ) from error
+                eager = eager_error(func, args, kwargs, error)  # torch's fake kernels may raise another type
+                if eager is not None:
+                    raise eager from error
+                raise
         finally:
             self.recording.dtensor_calls -= handled_by_dtensor
             self.recording.current_call = outer_call

@@ -84,7 +84,9 @@ def capture_backward(
     wrt = [traced for _, traced in differentiable]
     with torch._C.DisableTorchFunction():  # autograd's graph, not the tracing annotator's to see
         sources = _reaching(outputs, wrt)
-    with _rng_state_reads() as state_reads:
+    # Under the DTensor modes the forward entered (``loss_parallel()`` inside the call): eager's
+    # backward runs under them too, as torch asks.
+    with _rng_state_reads() as state_reads, recording.dtensor_modes.again():
         grads = _grad(outputs, wrt, cotangents) if outputs else [None] * len(wrt)
     for bsym in recording.bound_symbols[forward_symbols:]:
         bsym.in_backward = True

@@ -39,6 +39,7 @@ from ..core.symbolic import LARGEST_SYMBOLIC_SIZE, is_symbolic, symbolic_expr
 from ..core.torch_internals import fake_mode_active, make_dtensor, set_data_value
 from .c10d import is_c10d_op, record_c10d
 from .data_branches import size_values_now, value_now
+from .dtensor_modes import DTensorModes
 from .fake_calls import fake_errors_unlogged, refuse_metadata_changes, run_on_fakes
 from .grad_checks import grad_state
 from .input_fakes import InputFakes
@@ -87,6 +88,7 @@ class Recording:
         # (a tensor the traced code closed over, as the code uses it, where, its grad_state when met)
         self.captured_flags: list[tuple[torch.Tensor, str, tuple]] = []
         self._captured_dtensors: dict[int, DTensor] = {}  # id of a closed-over DTensor -> its traced stand-in
+        self.dtensor_modes = DTensorModes()  # entered inside the call (loss_parallel): kept for the backward
 
     @contextlib.contextmanager
     def names_apart(self, prefix: str):

@@ -438,3 +438,70 @@ def test_ranks_whose_symbolic_traces_assume_differently_compile_with_their_sizes
         [(2, 3), (2, 3), (2, 3), (3, 3), (3, 3)],
     ]
     assert results[0][1] == results[1][1]  # every rank compiled the same calls
+
+
+def dtensor_modes_entered_inside():
+    """``loss_parallel()`` and ``implicit_replication()`` entered inside the call: with
+    gradients, the backward runs under them as eager's does (the user runs it there, as
+    torch asks); it was traced after the forward, outside them, and raised DTensor's
+    mixed-tensors error at the call. Under symbolic values, a plain tensor beside an
+    unevenly sharded DTensor raised that error too, where implicit replication takes it."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+
+    mesh = _mesh()
+    results = []
+    for cache in ("constant values", "symbolic values"):
+        torch.manual_seed(0)
+        head = parallelize_module(torch.nn.Linear(8, 16), mesh, ColwiseParallel(use_local_output=False))
+        labels = torch.randint(0, 16, (6,), generator=torch.Generator().manual_seed(1))
+
+        def loss(x):
+            with loss_parallel():
+                return F.cross_entropy(head(x), labels)
+
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
+        expected = loss(x)
+        with loss_parallel():
+            expected.backward()
+        grads = [p.grad.full_tensor() for p in head.parameters()]
+        head.zero_grad(set_to_none=True)
+        got = dtcompile.jit(loss, cache=cache)(x)
+        with loss_parallel():
+            got.backward()
+        assert_same(got, expected)
+        for p, grad in zip(head.parameters(), grads):
+            assert torch.equal(p.grad.full_tensor(), grad)
+
+        def scaled(x):
+            with implicit_replication():
+                return x * torch.arange(6.0).view(6, 1)
+
+        for requires_grad in (False, True):
+            make = lambda: distribute_tensor(torch.arange(96.0).view(2, 6, 8), mesh, [Shard(-1)])  # noqa: E731
+            a, b = make().requires_grad_(requires_grad), make().requires_grad_(requires_grad)
+            expected, got = scaled(a), dtcompile.jit(scaled, cache=cache)(b)
+            assert_same(got, expected)
+            if requires_grad:
+                with implicit_replication():
+                    expected.sum().backward()
+                    got.sum().backward()
+                assert torch.equal(b.grad.full_tensor(), a.grad.full_tensor())
+
+        def added(x, t):
+            with implicit_replication():
+                return x + t
+
+        jitted = dtcompile.jit(added, cache=cache)
+        for rows in (7, 5):  # shards of 4 and 3 rows, then 3 and 2
+            x = distribute_tensor(torch.arange(rows * 3.0).view(rows, 3), mesh, [Shard(0)])
+            t = torch.arange(3.0)
+            with torch.no_grad():
+                assert_same(jitted(x, t), added(x, t))
+        results.append(cache)
+    return results
+
+
+def test_dtensor_modes_entered_inside_the_call(ranks2):
+    assert ranks2.run(dtensor_modes_entered_inside) == [["constant values", "symbolic values"]] * 2
