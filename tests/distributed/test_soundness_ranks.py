@@ -457,7 +457,7 @@ def dtensor_modes_entered_inside():
         head = parallelize_module(torch.nn.Linear(8, 16), mesh, ColwiseParallel(use_local_output=False))
         labels = torch.randint(0, 16, (6,), generator=torch.Generator().manual_seed(1))
 
-        def loss(x):
+        def loss(x, head=head, labels=labels):
             with loss_parallel():
                 return F.cross_entropy(head(x), labels)
 
