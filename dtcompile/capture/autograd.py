@@ -42,6 +42,9 @@ class BackwardCapture:
     # The saved_tensors_hooks (pack, unpack) active around the call: traced into the
     # programs, so the compiled step must not apply them again (jit/training.py).
     saved_hooks: tuple | None = None
+    # The DTensor modes the forward entered that its backward needs, and eager's error where
+    # the backward runs without them (``dtensor_modes.py``); None: none needed.
+    dtensor_modes: tuple | None = None
 
 
 def _cotangent_for(recording: Recording, value, index: int) -> tuple[object, TensorProxy, DTensorSpec | None]:
@@ -84,10 +87,20 @@ def capture_backward(
     wrt = [traced for _, traced in differentiable]
     with torch._C.DisableTorchFunction():  # autograd's graph, not the tracing annotator's to see
         sources = _reaching(outputs, wrt)
-    # Under the DTensor modes the forward entered (``loss_parallel()`` inside the call): eager's
-    # backward runs under them too, as torch asks.
-    with _rng_state_reads() as state_reads, recording.dtensor_modes.again():
-        grads = _grad(outputs, wrt, cotangents) if outputs else [None] * len(wrt)
+    modes, needed = recording.dtensor_modes, None
+    with _rng_state_reads() as state_reads:
+        start = len(recording.bound_symbols)
+        try:
+            grads = _grad(outputs, wrt, cotangents, retain=modes.seen()) if outputs else [None] * len(wrt)
+        except RuntimeError as error:
+            if not modes.seen() or _MIXED not in str(error):
+                raise
+            # The backward needs the DTensor modes the forward entered (``loss_parallel()``
+            # inside the call); eager's runs under them, as torch asks, or raises this error.
+            del recording.bound_symbols[start:]
+            with modes.again():
+                grads = _grad(outputs, wrt, cotangents)
+            needed = (modes, str(error))
     for bsym in recording.bound_symbols[forward_symbols:]:
         bsym.in_backward = True
         if state_reads and bsym.op is not None and torch.Tag.nondeterministic_seeded in bsym.op.tags:
@@ -116,13 +129,17 @@ def capture_backward(
         grad_specs,
         grad_sources=sources,
         saved_hooks=saved_tensors_hooks(),
+        dtensor_modes=needed,
     )
 
 
-def _grad(outputs: list, wrt: list, cotangents: list) -> tuple:
+_MIXED = "got mixed torch.Tensor and DTensor"  # DTensor's error for a plain tensor among DTensors
+
+
+def _grad(outputs: list, wrt: list, cotangents: list, retain: bool = False) -> tuple:
     """The gradients, DTensor's backward recorded; a graph the traced code freed is refused."""
     try:
-        return torch.autograd.grad(outputs, wrt, cotangents, allow_unused=True)
+        return torch.autograd.grad(outputs, wrt, cotangents, allow_unused=True, retain_graph=retain)
     except RuntimeError as error:
         if "modified by an inplace operation" in str(error):
             raise TracingError(

@@ -4,8 +4,10 @@
 (its own handlers of the loss ops) change how DTensor dispatches. Entered inside the traced
 code (``with loss_parallel(): return F.cross_entropy(...)``), they have ended when the
 backward is traced, after the forward; in eager the user runs that backward under the same
-mode, as torch asks. So the modes the forward's DTensor ops ran under are noted, and the
-backward is traced under them (``capture/autograd.py``).
+mode, as torch asks, or it raises DTensor's mixed-tensors error. So the modes the forward's
+DTensor ops ran under are noted; where the backward cannot be traced without them, it is
+traced under them (``capture/autograd.py``), and the compiled backward raises eager's
+error when they are not on as it runs (``jit/training.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,16 @@ class DTensorModes:
         handlers = dtensor_op_handlers()
         if len(handlers) != len(self._start):
             self.handlers.update((op, h) for op, h in handlers.items() if self._start.get(op) is not h)
+
+    def seen(self) -> bool:
+        return self.implicit_replication or bool(self.handlers)
+
+    def active(self) -> bool:
+        """Whether the modes noted are on now (the backward of a compiled call runs)."""
+        handlers = dtensor_op_handlers()
+        return (dtensor_implicit_replication() or not self.implicit_replication) and all(
+            handlers.get(op) is h for op, h in self.handlers.items()
+        )
 
     @contextlib.contextmanager
     def again(self):

@@ -113,6 +113,7 @@ class TrainingProgram:
     # own tensor, as eager returns it (its .grad filled by backward where it requires grad).
     returned_inputs: list[tuple[int, int]]
     saved_hooks: tuple | None = None  # the saved_tensors_hooks (pack, unpack) it was traced under
+    dtensor_modes: tuple | None = None  # (DTensorModes its backward needs on, eager's error without)
 
     @staticmethod
     def make(forward, backward, output, captured_inputs, backward_capture, slots: int, trace_output) -> TrainingProgram:
@@ -160,6 +161,7 @@ class TrainingProgram:
                 if isinstance(out, TensorProxy) and out.label in position
             ],
             saved_hooks=backward_capture.saved_hooks,
+            dtensor_modes=backward_capture.dtensor_modes,
         )
 
     def __call__(self, inputs: tuple):
@@ -287,6 +289,8 @@ class CompiledStep(torch.autograd.Function):
                 "create_graph=True, is not supported)"
             )
         program: TrainingProgram = ctx.program
+        if program.dtensor_modes is not None and not program.dtensor_modes[0].active():
+            raise RuntimeError(program.dtensor_modes[1])  # eager's, outside loss_parallel() say
         inputs = list(ctx.saved_tensors)
         # Autograd lets go of the saved tensors now unless the graph is retained, and the
         # backward program empties ``inputs``: each saved value is freed after its last use,

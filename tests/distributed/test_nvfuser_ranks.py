@@ -51,8 +51,6 @@ NOT_FUSED = {
 # and some forwards are taken whole by the flash attention kernel.
 NOT_FUSED_WITH_GRADS = {
     "add_arange",
-    "add_full_implicit",
-    "causal_mask_fill",
     "chunk",
     "cumsum",
     "flatten",

@@ -473,6 +473,15 @@ def dtensor_modes_entered_inside():
         assert_same(got, expected)
         for p, grad in zip(head.parameters(), grads):
             assert torch.equal(p.grad.full_tensor(), grad)
+        errors = []
+        for fn in (loss, dtcompile.jit(loss, cache=cache)):  # the backward outside: eager's error
+            try:
+                fn(x).backward()
+            except RuntimeError as error:
+                errors.append(str(error))
+        assert len(errors) == 2 and all(
+            "nll_loss_backward" in e and "got mixed torch.Tensor and DTensor" in e for e in errors
+        )
 
         def scaled(x):
             with implicit_replication():
