@@ -191,6 +191,8 @@ class PythonState(AfterTracing):
             return
         if isinstance(value, torch.Tensor):  # a closed-over tensor's Python attributes (``w.scale``)
             self._walked.add(id(value))
+            self._namespace(vars(value))  # (one added later: ``getattr(w, "scale", 1.0)``)
+            self.reads.append(Read(value, None, vars(value), f"the attribute dict of {where}", attribute="__dict__"))
             for name, item in list(vars(value).items()):
                 if not name.startswith("_"):
                     self._read(vars(value), name, item, f"{where}.{name}")

@@ -293,14 +293,21 @@ def attribute_checks(b, roots: list) -> None:
     held = [(var, n, t) for var, n, t in counted if var.startswith("HELD") and t is not None]
     if held and dict_watch.available:
         # The module's tensors, told of changes of their attribute dicts: counted again only
-        # when one of those changed or a tensor is not the one counted last (a DTensor's
-        # local tensor is replaced without any dict changing).
+        # when one of those changed, or a tensor or its ``__dict__`` is not the one watched
+        # (a DTensor's local tensor is a slot, replaced without any dict changing).
         tensors = b.bind(b.tuple_of([var for var, _, _ in held]), "held")
-        b.globals.update(COUNTED_LAST=[], is_=operator.is_)
-        with unless_dicts_changed(b, [vars(t) for _, _, t in held], f"not all(map(is_, {tensors}, COUNTED_LAST))"):
+        b.globals.update(
+            COUNTED=[t for _, _, t in held],
+            COUNTED_DICTS=[vars(t) for _, _, t in held],
+            OBJECT_STATE=operator.attrgetter("__dict__"),
+            is_=operator.is_,
+        )
+        replaced = (
+            f"not all(map(is_, {tensors}, COUNTED)) or not all(map(is_, map(OBJECT_STATE, {tensors}), COUNTED_DICTS))"
+        )
+        with unless_dicts_changed(b, b.globals["COUNTED_DICTS"], replaced):
             counts = b.constant([n for _, n, _ in held], "ATTRIBUTE_COUNTS")
             b.fail_if(f"list(map(len, map(vars, {tensors}))) != {counts}")
-            b.lines.append(f"    COUNTED_LAST[:] = {tensors}")
         counted = [c for c in counted if c not in held]
     if counted:
         counts = b.constant([n for _, n, _ in counted], "ATTRIBUTE_COUNTS")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -99,14 +100,16 @@ class CompileStats:
     last: CacheEntry | None = None
 
 
+_ONE_CALL_AT_A_TIME = threading.RLock()
+
+
 class CompiledFunction:
     """The compiled form of one function or module, with its cache."""
 
     def __init__(self, fn, *, module: torch.nn.Module | None, cache: str, executors, check: str | None = None):
         if cache not in CACHE_OPTIONS:
             raise ValueError(f"dtcompile.jit: cache must be one of {CACHE_OPTIONS}, not {cache!r}")
-        check = os.environ.get("DTCOMPILE_CHECK") or None if check is None else check
-        if check not in CHECK_OPTIONS:
+        if (check := os.environ.get("DTCOMPILE_CHECK") or None if check is None else check) not in CHECK_OPTIONS:
             raise ValueError(f"dtcompile.jit: check must be one of {CHECK_OPTIONS}, not {check!r}")
         self.check = check
         self.fn = fn
@@ -141,6 +144,12 @@ class CompiledFunction:
         return None
 
     def __call__(self, module, args: tuple, kwargs: dict):
+        # One compiled call at a time: tracing swaps a module's tensors for stand-ins, which
+        # another thread's call would read (reentrant: jitted code calls jitted code).
+        with _ONE_CALL_AT_A_TIME:
+            return self._call(module, args, kwargs)
+
+    def _call(self, module, args: tuple, kwargs: dict):
         if is_tracing() or running_eager():
             # Called by code being traced (a jitted layer inside a jitted model): part of the
             # outer program, so it runs as written, on the outer trace's proxies. (Or by the

@@ -100,17 +100,17 @@ def global_hook_checks(b) -> None:
     ones traced, in order: they run around every module call, so one added after compiling
     changes what the program computes (a few empty dicts: about a microsecond). torch's
     own observers (``CommDebugMode``'s module tracker) are left out: they change nothing."""
-    b.globals.update(user_global_hooks=user_global_hooks, GLOBAL_HOOK_KEYS=user_global_hooks())
-    b.fail_if("user_global_hooks() != GLOBAL_HOOK_KEYS")
+    b.globals.update(user_global_hooks=user_global_hooks, GLOBAL_HOOK_ITEMS=user_global_hooks())
+    b.fail_if("user_global_hooks() != GLOBAL_HOOK_ITEMS")
 
 
 _GLOBAL_HOOK_TABLES = [vars(torch.nn.modules.module)[name] for name in GLOBAL_HOOKS]
 
 
 def user_global_hooks() -> tuple:
-    """The keys of the global module hooks not from torch itself, table by table."""
+    """The global module hooks not from torch itself, with their keys, table by table."""
     return tuple(
-        tuple(key for key, hook in table.items() if not getattr(hook, "__module__", "").startswith("torch."))
+        tuple(item for item in table.items() if not getattr(item[1], "__module__", "").startswith("torch."))
         if table
         else ()
         for table in _GLOBAL_HOOK_TABLES
@@ -124,9 +124,9 @@ def module_tree_checks(b, module: torch.nn.Module, modules: list, unique: list, 
     the program. ``modules``: the module's ``named_modules``, ``unique``: each once. Adds
     the dicts read to ``watched``: the parents' ``_modules``, the modules' ``__dict__``\\ s
     (the training flags) and the hook tables. Parents are the objects traced once these
-    checks pass, so their tables are the objects traced (a module's ``_modules`` and hook
-    dicts are changed in place by ``setattr`` and ``register_*_hook``, never replaced).
-    Returns the source of each submodule by path (a global: the object traced)."""
+    checks pass, and each module holds the tables traced (checked: one put in place of
+    another changes its ``__dict__``). Returns the source of each submodule by path (a
+    global: the object traced)."""
     sources = {"": "module"}
     tables, keys, children = [], [], []
     by_path = dict(modules)
@@ -146,10 +146,26 @@ def module_tree_checks(b, module: torch.nn.Module, modules: list, unique: list, 
         TRAINING_FLAGS=[m.training for m in unique],
     )
     b.fail_if("list(map(TRAINING, MODULES)) != TRAINING_FLAGS")
+    # Each module holds the tables traced (one put in place of another changes its
+    # ``__dict__``, and the tables read below are the ones traced), its submodules in the
+    # order traced (``_modules`` reordered: ``Sequential`` runs them in that order).
+    holders, names, held = [], [], []
+    for m in unique:
+        for name in ("_parameters", "_buffers", "_modules", *_HOOK_TABLES):
+            holders.append(vars(m))
+            names.append(name)
+            held.append(vars(m).get(name))
+    b.globals.update(TABLE_HOLDERS=holders, TABLE_NAMES=names, TABLES_HELD=held, is_=operator.is_)
+    b.fail_if("not all(map(is_, map(dict.get, TABLE_HOLDERS, TABLE_NAMES), TABLES_HELD))")
+    parents = [m._modules for m in unique if len(m._modules) > 1]
+    if parents:
+        b.globals.update(PARENT_TABLES=parents, CHILD_ORDERS=[tuple(t) for t in parents])
+        b.fail_if("list(map(tuple, PARENT_TABLES)) != CHILD_ORDERS")
     single = [hooks for m in unique for hooks in map(vars(m).get, _HOOK_TABLES) if len(hooks) == 1]
-    if single:
-        b.globals.update(SINGLE_HOOK_TABLES=single, SINGLE_HOOK_IDS=[tuple(hooks) for hooks in single])
-        b.fail_if("list(map(tuple, SINGLE_HOOK_TABLES)) != SINGLE_HOOK_IDS")
+    if single:  # the hook itself, not only its key (one swapped under the same handle)
+        b.globals.update(SINGLE_HOOK_TABLES=single, SINGLE_HOOKS=[tuple(hooks.items()) for hooks in single])
+        b.globals["ITEMS"] = operator.methodcaller("items")
+        b.fail_if("list(map(tuple, map(ITEMS, SINGLE_HOOK_TABLES))) != SINGLE_HOOKS")
     watched += tables
     watched += map(vars, unique)
     watched += single
@@ -191,9 +207,10 @@ def module_table_checks(b, modules: list[torch.nn.Module]) -> None:
     b.globals.update(STATE_MODULES=modules, STATE_MODULE_TYPES=list(map(type, modules)))
     b.fail_if("list(map(type, STATE_MODULES)) != STATE_MODULE_TYPES")
     ordered = [hooks for hooks in hook_tables if len(hooks) > 1]
-    if ordered:
-        b.globals.update(HOOK_TABLES=ordered, HOOK_IDS=list(map(tuple, ordered)))
-        b.fail_if("list(map(tuple, HOOK_TABLES)) != HOOK_IDS")
+    if ordered:  # their hooks in order (``move_to_end`` tells no watcher, changes no version)
+        b.globals.update(HOOK_TABLES=ordered, HOOKS_IN_ORDER=[tuple(h.items()) for h in ordered])
+        b.globals["ITEMS"] = operator.methodcaller("items")
+        b.fail_if("list(map(tuple, map(ITEMS, HOOK_TABLES))) != HOOKS_IN_ORDER")
 
 
 def python_state_checks(b, guards: PythonGuards, tag: str) -> None:
@@ -276,7 +293,10 @@ def python_state_checks(b, guards: PythonGuards, tag: str) -> None:
             compare = " + ".join(f"list(map(VALUE_KEY, {v}))" for v in values) + f" != {name}"
             unchanged = _same_objects(b, group, values, name)
             # Told of the changes of every dict a check reads, it need not run while none changed.
-            with unless_dicts_changed(b, _dicts_read(group)) if group is watched else nullcontext():
+            # Recorded as passed only while the values are the containers watched (one replaced
+            # by an equal new container passes, but its changes are not told: checked again).
+            told = unless_dicts_changed(b, _dicts_read(group), passes_if=unchanged) if group is watched else None
+            with told or nullcontext():
                 b.fail_if(compare if unchanged is None else f"not ({unchanged}) and {compare}")
 
 

@@ -11,7 +11,7 @@ from ..core.torch_internals import dict_version
 
 
 @contextmanager
-def unless_dicts_changed(b, dicts: list[dict], unless: str = ""):
+def unless_dicts_changed(b, dicts: list[dict], unless: str = "", passes_if: str = ""):
     """The checks emitted inside run only when one of ``dicts`` (given by the end) has
     changed since the last call that passed them, and every check inside reads nothing but
     their items, scalars or objects compared by identity. Where dict watchers tell each
@@ -19,8 +19,10 @@ def unless_dicts_changed(b, dicts: list[dict], unless: str = ""):
     number of dicts; elsewhere each dict's version is read (a dict's version changes with
     each change of its items: ``torch_internals._versions_follow_changes`` checks this
     Python). The counter or versions are read before the checks, so a change made meanwhile
-    is seen at the next call. With neither, the checks run at every call. ``unless``: an
-    expression true when the checks must run anyway (dict watchers only)."""
+    is seen at the next call. With neither, the checks run at every call. Dict watchers
+    only: ``unless``, an expression true when the checks must run anyway; ``passes_if``,
+    one true when a call that passed them may be recorded (what they read is still all in
+    the dicts watched: a value replaced by an equal new container, not watched, is not)."""
     start = len(b.lines)
     yield
     body, unique = b.lines[start:], list({id(d): d for d in dicts}.values())
@@ -29,26 +31,17 @@ def unless_dicts_changed(b, dicts: list[dict], unless: str = ""):
     del b.lines[start:]
     if dict_watch.available:
         passed = b.fresh("PASSED_CHANGES")
-        if "WATCH_TOKEN" not in b.globals:  # the dicts are watched for as long as the prologue lives
-            b.globals["WATCH_TOKEN"] = _WatchToken()
-        dict_watch.watch(unique, b.globals["WATCH_TOKEN"])
+        dict_watch.watch(unique)
         b.globals.update({"DICT_CHANGES": dict_watch.changes, passed: [None]})  # no call passed yet
-        now = b.bind("DICT_CHANGES[0]", "changes")
+        now = b.bind("DICT_CHANGES.value", "changes")
         b.lines.append(f"    if {now} != {passed}[0]{f' or {unless}' if unless else ''}:")
         b.lines += ["    " + line for line in body]
-        b.lines.append(f"        {passed}[0] = {now}")
+        b.lines.append(f"        {f'if {passes_if}: ' if passes_if else ''}{passed}[0] = {now}")
         return
-    assert not unless, "unless_dicts_changed: an extra condition needs dict watchers"
+    assert not (unless or passes_if), "unless_dicts_changed: these conditions need dict watchers"
     watched, passed = b.fresh("WATCHED_DICTS"), b.fresh("PASSED_VERSIONS")
     b.globals.update({"dict_version": dict_version, watched: unique, passed: []})  # no call passed yet
     now = b.bind(f"list(map(dict_version, {watched}))", "versions")
     b.lines.append(f"    if {now} != {passed}:")
     b.lines += ["    " + line for line in body]
     b.lines.append(f"        {passed}[:] = {now}")
-
-
-class _WatchToken:
-    """Held by a prologue's globals: the dicts it watches are released with it."""
-
-    def __repr__(self) -> str:
-        return "<the dicts this prologue watches>"
