@@ -89,3 +89,30 @@ def test_a_function_attribute_set_inside_the_call_is_refused_and_put_back(cache,
     with pytest.raises(dtcompile.TracingError, match=rf"changed {fn.__name__}\.__dict__"):
         dtcompile.jit(fn, cache=cache)(torch.ones(2))
     assert vars(fn) == before  # no traced stand-in left there
+
+
+def named(x):
+    return x
+
+
+def by_name(x):
+    return x * (2.0 if named.__name__ == "named" else 3.0)
+
+
+def renaming(x):
+    named.__qualname__ = "renamed"
+    return x
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_functions_name_read_and_set(cache):
+    jitted, x = dtcompile.jit(by_name, cache=cache), torch.ones(2)
+    try:
+        torch.testing.assert_close(jitted(x), by_name(x))
+        named.__name__ = "other"
+        torch.testing.assert_close(jitted(x), by_name(x), rtol=0, atol=0)
+    finally:
+        named.__name__ = "named"
+    with pytest.raises(dtcompile.TracingError, match="__qualname__ of named"):
+        dtcompile.jit(renaming, cache=cache)(x)
+    assert named.__qualname__ == "named"

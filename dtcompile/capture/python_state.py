@@ -274,6 +274,8 @@ class PythonState(AfterTracing):
             self.follow(value, where, attributes)
         self._read(fn, None, code, f"the code of {fn.__qualname__}", attribute="__code__")  # assignable too
         self._attributes(fn, fn.__qualname__)  # ``f.scale``, a function's "static variable"
+        for name in ("__name__", "__qualname__"):  # (assignable, and read: ``act.__name__ == "gelu"``)
+            self._read(fn, None, getattr(fn, name), f"the {name} of {fn.__qualname__}", attribute=name)
         for attribute in ("__defaults__", "__kwdefaults__"):  # assignable, and read at each call
             defaults = getattr(fn, attribute)
             where = f"the default arguments of {fn.__qualname__}"
