@@ -25,15 +25,14 @@ import sys
 import tempfile
 
 _SOURCE = b"""
-#include <stdint.h>
-volatile uint64_t dtcompile_dict_changes = 0;
+volatile unsigned long long dtcompile_dict_changes = 0;  /* no headers: a bare compiler will do */
 int dtcompile_dict_changed(int event, void *dict, void *key, void *value) {
     dtcompile_dict_changes++;
     return 0;
 }
 """
 
-changes: ctypes.c_uint64 | None = None  # the counter (``changes.value``); None where not available
+changes: ctypes.c_ulonglong | None = None  # the counter (``changes.value``); None where not available
 _watcher: int | None = None
 _watch = None
 
@@ -87,7 +86,7 @@ def _start() -> bool:
         _watcher = add(ctypes.cast(library.dtcompile_dict_changed, ctypes.c_void_p).value)
     except ValueError:  # no free watcher slot (an interpreter has 8)
         return False
-    changes = ctypes.c_uint64.in_dll(library, "dtcompile_dict_changes")
+    changes = ctypes.c_ulonglong.in_dll(library, "dtcompile_dict_changes")
     return True
 
 
