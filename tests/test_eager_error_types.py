@@ -29,3 +29,37 @@ def test_eagers_exception_type_and_message(cache, call):
         dtcompile.jit(fn, cache=cache)(x)
     assert type(compiled.value) is type(eager.value) is NotImplementedError
     assert str(compiled.value) == str(eager.value)
+
+
+REJECTED_DTYPES = {
+    "interpolate of integers": lambda x: F.interpolate(x.long().view(1, 1, 6), scale_factor=2.0),
+    "hardshrink of integers": lambda x: F.hardshrink(x.long()),
+    "softshrink of integers": lambda x: F.softshrink(x.long()),
+    "one_hot of int32": lambda x: F.one_hot(x.int()),
+}
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("call", REJECTED_DTYPES)
+def test_dtypes_eager_rejects_are_rejected(cache, call):
+    """Traced through torch's decompositions these checked no dtype: a result (or a
+    TypeError) where eager raises."""
+    fn = REJECTED_DTYPES[call]
+    x = torch.arange(6.0)
+    with pytest.raises(Exception) as eager:
+        fn(x)
+    with pytest.raises(Exception) as compiled:
+        dtcompile.jit(fn, cache=cache)(x)
+    assert type(compiled.value) is type(eager.value) and str(compiled.value) == str(eager.value)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_the_same_calls_of_dtypes_eager_takes_match_eager(cache):
+    def fn(x):
+        return F.interpolate(x.view(1, 1, -1), scale_factor=2.0), F.hardshrink(x), F.one_hot(x.long() % 3)
+
+    jitted = dtcompile.jit(fn, cache=cache)
+    for n in (6, 8):
+        x = torch.arange(float(n)) - 2
+        for got, expected in zip(jitted(x), fn(x)):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)

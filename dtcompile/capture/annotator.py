@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_map
 from ..core import Note, TensorProxy, TracingError, data_dependent_error
 from ..core.symbol import leaves as leaves_of
 from ..core.torch_internals import dtensor_implicit_replication
-from .eager_errors import eager_error
+from .eager_errors import DTYPE_CHECKED, eager_error, eager_failure
 from .method_checks import (
     AUTOGRAD_ATTRIBUTES,
     CALLER_ATTRIBUTES,
@@ -281,6 +281,8 @@ class CallAnnotator(TorchFunctionMode):
             if out is not MISSED:
                 return out
             specs, before = [getattr(x, "_spec", None) for x in leaves], state(self.recording)
+        if func in DTYPE_CHECKED and (eager := eager_failure(func, args, kwargs)) is not None:
+            raise eager  # a dtype eager's kernel rejects, which the traced form does not check
         handled_by_dtensor = any(isinstance(x, DTensor) for x in leaves)
         if handled_by_dtensor:
             self.recording.dtensor_modes.note()

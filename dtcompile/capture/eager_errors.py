@@ -27,9 +27,24 @@ class _GiveUp(Exception):
     pass
 
 
+# Calls whose traced form (torch's decompositions, above the dispatcher) checks no dtype
+# where eager's kernel rejects some (``F.one_hot`` of an int32 index, ``F.interpolate`` and
+# ``F.hardshrink`` of integers): run on stand-ins first, so that eager's error is raised.
+DTYPE_CHECKED = frozenset(
+    {torch.nn.functional.one_hot, torch.nn.functional.interpolate, torch.hardshrink, torch.nn.functional.softshrink}
+)
+
+
 def eager_error(func, args: tuple, kwargs: dict, error: RuntimeError) -> BaseException | None:
     """Eager's exception for ``func(*args, **kwargs)`` where it is not a RuntimeError of
     ``error``'s type (a subclass, NotImplementedError, or another type); else None."""
+    eager = eager_failure(func, args, kwargs)
+    return eager if eager is not None and type(eager) is not type(error) else None
+
+
+def eager_failure(func, args: tuple, kwargs: dict) -> BaseException | None:
+    """The exception eager's ``func`` raises on stand-ins of the arguments; None where it
+    raises none, or where it cannot be run on stand-ins."""
     if any(isinstance(x, (DTensor, torch.Generator)) for x in tree_flatten((args, kwargs))[0]):
         return None  # DTensor's own checks run while tracing, as in eager; a generator is the user's
     try:
@@ -40,8 +55,8 @@ def eager_error(func, args: tuple, kwargs: dict, error: RuntimeError) -> BaseExc
     try:
         with _disable_current_modes(), torch._C.DisableTorchFunction(), torch._C._DisablePythonDispatcher():
             func(*real_args, **real_kwargs)
-    except Exception as eager:  # noqa: BLE001 (eager's, whatever it is, compared by type)
-        return eager if type(eager) is not type(error) else None
+    except Exception as eager:  # noqa: BLE001 (eager's, whatever it is)
+        return eager
     finally:
         torch.default_generator.set_state(random_state)
     return None
