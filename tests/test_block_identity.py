@@ -1,10 +1,13 @@
 """Blocks whose code tells them apart by identity are not replayed (``block_checks.py``,
 ``identity_read``): equivalent state, but ``REGISTRY[id(self)]``, ``self is LAST`` or
-``self in SKIP`` give each block its own computation, which a replay of the first block's
+``self in SKIP`` give each block its own computation (in the block's methods, or in
+helpers, properties, static and class methods, mixins and held functions they reach), which a replay of the first block's
 recording would lose. Each variant's results must be eager's, with and without gradients,
 replayed blocks recorded again or called, under both cache options.
 """
 
+import sys
+import types
 import weakref
 
 import pytest
@@ -71,6 +74,86 @@ class SharedSet(Block):
         return x if self in self.skip else x + self.body(x)
 
 
+def _scale_of(block):  # a helper the block's method calls
+    return REGISTRY[id(block)]
+
+
+def _scale_two_down(block):  # a helper calling a helper
+    return _scale_of(block)
+
+
+class Lookup:  # a user class whose static method reads the registry
+    @staticmethod
+    def scale(block):
+        return SCALES_BY_BLOCK[block]
+
+
+# A user Python module the block's code reaches by attribute (``helpers.scale_of``).
+helpers = types.ModuleType("identity_helpers")
+exec("def scale_of(block):\n    return TABLE[id(block)]\n", vars(helpers))
+helpers.TABLE = REGISTRY
+sys.modules["identity_helpers"] = helpers
+
+
+class ByHelper(Block):
+    def forward(self, x):
+        return x + self.body(x) * _scale_two_down(self)
+
+
+class ByProperty(Block):
+    @property
+    def scale(self):
+        return REGISTRY[id(self)]
+
+    def forward(self, x):
+        return x + self.body(x) * self.scale
+
+
+class ByStaticMethod(Block):
+    @staticmethod
+    def scale(block):
+        return REGISTRY[id(block)]
+
+    def forward(self, x):
+        return x + self.body(x) * self.scale(self)
+
+
+class ByClassMethod(Block):
+    @classmethod
+    def scale(cls, block):
+        return REGISTRY[id(block)]
+
+    def forward(self, x):
+        return x + self.body(x) * self.scale(self)
+
+
+class ByUserClass(Block):
+    def forward(self, x):
+        return x + self.body(x) * Lookup.scale(self)
+
+
+class ByHelperModule(Block):
+    def forward(self, x):
+        return x + self.body(x) * helpers.scale_of(self)
+
+
+class ScaleMixin:
+    def scale(self):
+        return REGISTRY[id(self)]
+
+
+class ByMixinAfterModule(Block, ScaleMixin):  # the mixin comes after nn.Module in the MRO
+    def forward(self, x):
+        return x + self.body(x) * self.scale()
+
+
+class ByHeldFunction(Block):
+    """Each block holds the same function (equal attributes), which reads the registry."""
+
+    def forward(self, x):
+        return x + self.body(x) * self.scale_fn(self)
+
+
 class Stack(nn.Module):
     def __init__(self, cls, n: int = 4):
         super().__init__()
@@ -100,6 +183,9 @@ def _model(cls) -> Stack:
     SKIP.add(layers[2])
     WEAK_SKIP.clear()
     WEAK_SKIP.add(layers[2])
+    if cls is ByHeldFunction:
+        for layer in layers:
+            layer.scale_fn = _scale_of
     if cls is SharedSet:
         shared = {layers[2]}
         for layer in layers:
@@ -118,6 +204,9 @@ def _run(model, x, cache: str, calls: bool, grad: bool):
 
 
 VARIANTS = [ById, IsLast, InSkip, InWeakSkip, ByBlock, ClassRegistry, SharedSet]
+# Reached through code other than the block's own methods.
+VARIANTS += [ByHelper, ByProperty, ByStaticMethod, ByClassMethod, ByUserClass, ByHelperModule]
+VARIANTS += [ByMixinAfterModule, ByHeldFunction]
 
 
 @pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
@@ -132,7 +221,7 @@ def test_blocks_told_apart_by_identity_give_eager_results(cls, calls, cache):
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("cls", [ById, IsLast, InSkip, SharedSet], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [ById, IsLast, InSkip, SharedSet, ByHelper, ByHeldFunction], ids=lambda c: c.__name__)
 def test_blocks_told_apart_by_identity_give_eager_gradients(cls):
     model = _model(cls)
     x = torch.randn(2, 3, 8)

@@ -18,7 +18,7 @@ from .alike import SCALARS
 from .equivalence import TENSOR_TABLES
 from .objects import slot_names
 from .python_state import PythonState
-from .user_code import is_library
+from .user_code import block_functions, is_library
 
 
 def recording_counts(recording) -> tuple:
@@ -44,14 +44,13 @@ def python_state(module: torch.nn.Module) -> list:
         for table in (*(getattr(sub, name) for name in TENSOR_TABLES), vars(sub)):
             found[id(table)] = table
         _reachable(vars(sub).values(), found, tree, _OBJECT_LEVELS)
-        for klass in type(sub).__mro__:
-            if klass is torch.nn.Module:
-                break
-            found[id(klass)] = klass.__dict__
-            for value in vars(klass).values():
-                if isinstance(value, types.FunctionType):
-                    found[id(value.__globals__)] = value.__globals__
-                    _reachable(value.__globals__.values(), found, tree, 1)
+        mro = type(sub).__mro__
+        for klass in mro[: mro.index(torch.nn.Module)] + tuple(k for k in mro if not is_library(k)):
+            found[id(klass)] = klass.__dict__  # (a user mixin after nn.Module's too)
+    for fn in block_functions(list(module.modules())):  # its methods, and the helpers they call
+        if id(fn.__globals__) not in found:
+            found[id(fn.__globals__)] = fn.__globals__
+            _reachable(fn.__globals__.values(), found, tree, 1)
     return list(found.values())
 
 

@@ -19,7 +19,7 @@ from .alike import SCALARS
 from .block_checks import is_buffer
 from .equivalence import TENSOR_TABLES
 from .objects import slot_names
-from .user_code import code_names, is_library
+from .user_code import block_functions, code_names, is_library
 
 
 def identity_read(
@@ -49,19 +49,17 @@ def identity_read(
         for name, value in vars(sub).items():
             if name not in _MODULE_ATTRIBUTES and _names_one(value, others):
                 return f"its attribute {name!r} holds another block's module or its id"
-        for klass in type(sub).__mro__[: type(sub).__mro__.index(torch.nn.Module)]:
-            for fn in vars(klass).values():
-                if isinstance(fn, types.FunctionType):
-                    if id(fn.__globals__) not in skipped:  # globals the code does not name are not read
-                        skipped.add(id(fn.__globals__))
-                        unnamed.update(map(_held_id, fn.__globals__.values()))
-                    for name in _global_names(fn.__code__):
-                        named.add(_held_id(fn.__globals__.get(name)))
-                        if _names_one(fn.__globals__.get(name), ids):
-                            return f"the global {name!r} holds one of its modules or their ids"
-                        why = _identity_reader(name, fn.__globals__)
-                        if why is not None:
-                            return why
+    for fn in block_functions(own_modules):
+        if id(fn.__globals__) not in skipped:  # globals the code does not name are not read
+            skipped.add(id(fn.__globals__))
+            unnamed.update(map(_held_id, fn.__globals__.values()))
+        for name in _global_names(fn.__code__):
+            named.add(_held_id(fn.__globals__.get(name)))
+            if _names_one(fn.__globals__.get(name), ids):
+                return f"the global {name!r} holds one of its modules or their ids"
+            why = _identity_reader(name, fn.__globals__)
+            if why is not None:
+                return why
     skipped |= unnamed - named
     for container in containers:
         if id(container) not in skipped and not is_buffer(container):

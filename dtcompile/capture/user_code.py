@@ -8,9 +8,12 @@ user function reads is found from its bytecode.
 from __future__ import annotations
 
 import dis
+import functools
 import gc
 import sys
 import types
+
+import torch
 
 from ..core.code_origin import library_code
 
@@ -63,3 +66,63 @@ def code_names(code: types.CodeType) -> tuple[set[str], set[str], set[str], set[
             for names, more in zip((global_names, imported, other, loaded), inner):
                 names |= more
     return global_names, imported, other - global_names, loaded
+
+
+
+def block_functions(modules, limit: int = 2000) -> list[types.FunctionType]:
+    """The functions a block's code can run: its classes' methods (up to ``nn.Module``,
+    and a user class's after it: a mixin), with their properties, static and class
+    methods; the functions its modules hold as attributes; and, followed from each, the
+    user functions and classes its globals, closure cells and user Python modules name
+    (``scale_of(self)``: a helper reading ``REG[id(m)]``). Library code is not followed."""
+    found: dict[int, types.FunctionType] = {}
+    stack: list = []
+    for sub in modules:
+        mro = type(sub).__mro__
+        for klass in mro:
+            before = mro.index(klass) < mro.index(torch.nn.Module)
+            if klass is not object and klass is not torch.nn.Module and (before or not is_library(klass)):
+                stack += [(value, True) for value in vars(klass).values()]
+        stack += [(value, False) for value in vars(sub).values()]
+    seen: set[int] = set()
+    while stack and len(found) < limit:
+        value, own = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, (staticmethod, classmethod)):
+            stack.append((value.__func__, own))
+        elif isinstance(value, property):
+            stack += [(fn, own) for fn in (value.fget, value.fset, value.fdel)]
+        elif isinstance(value, types.MethodType):
+            stack.append((value.__func__, own))
+        elif isinstance(value, functools.partial):
+            stack.append((value.func, own))
+        elif isinstance(value, types.FunctionType) and (own or not is_library(value)):
+            found[id(value)] = value
+            if not is_library(value):
+                stack += [(item, False) for item in _named_code(value)]
+        elif isinstance(value, type) and not is_library(value):
+            stack += [(item, False) for klass in value.__mro__ if not is_library(klass) for item in vars(klass).values()]
+    return list(found.values())
+
+
+def _named_code(fn: types.FunctionType) -> list:
+    """The user functions, classes and what user Python modules hold under the names the
+    code uses, that ``fn``'s globals and closure cells name."""
+    global_names, imported, attributes, _ = code_names(fn.__code__)
+    named = [fn.__globals__.get(name) for name in global_names]
+    named += [sys.modules.get(name) for name in imported]
+    for cell in fn.__closure__ or ():
+        try:
+            named.append(cell.cell_contents)
+        except ValueError:  # not assigned yet
+            pass
+    found = []
+    for value in named:
+        if isinstance(value, types.ModuleType):
+            if not is_library(value):  # ``helpers.scale_of``: what the code names of it
+                found += [vars(value)[name] for name in sorted(attributes & set(vars(value)))]
+        elif isinstance(value, (types.FunctionType, type, functools.partial, types.MethodType)):
+            found.append(value)
+    return found
