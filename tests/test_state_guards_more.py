@@ -625,3 +625,59 @@ def test_an_input_objects_list_holding_a_size_changes_by_call(cache):
         holder = Holder()
         jitted(holder, torch.ones(n))
         assert holder.sizes == [torch.Size([n])]
+
+
+class _KeysLayer:
+    def __init__(self, keys):
+        self.keys = keys
+
+
+class _KeysCache:
+    def __init__(self, *keys):
+        self.layers = [_KeysLayer(k) for k in keys]
+
+
+class _Identities(nn.Module):
+    """Code that asks whether a call's tensor is the module's, or another of the call's."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("b", torch.zeros(4))
+
+    def forward(self, x, cache=None):
+        out = x + (100 if x is self.b else 1) + (10 if x is self.lin.weight else 2)
+        if cache is not None:
+            for i, layer in enumerate(cache.layers):
+                out = out + (1000 * (i + 1) if layer.keys is x else 3) + (7 if layer.keys is self.b else 5)
+        return out
+
+
+def _identity_calls(m):
+    """Calls whose tensors are each other's or the module's, in several ways."""
+    fresh = lambda: torch.ones(4)  # noqa: E731
+    x = fresh()
+    return [
+        ((fresh(),), lambda: (fresh(),)),
+        ((m.b,), lambda: (m.b,)),
+        ((fresh(), _KeysCache(fresh(), fresh())), lambda: (fresh(), _KeysCache(fresh(), fresh()))),
+        ((x, _KeysCache(fresh(), x)), lambda: ((y := fresh()), _KeysCache(fresh(), y))),
+        ((fresh(), _KeysCache(m.b, fresh())), lambda: (fresh(), _KeysCache(m.b, fresh()))),
+        ((m.b, _KeysCache(fresh(), m.b)), lambda: (m.b, _KeysCache(fresh(), m.b))),
+    ]
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("first", range(6))
+def test_a_calls_tensors_that_are_the_modules_or_each_others_are_guarded_by_identity(cache, first):
+    """Traced with one pattern of identities (an argument that is the module's buffer, a
+    cache's tensor that is the argument or the buffer), then called with each other
+    pattern: eager's result each time (a new entry where the identities differ)."""
+    m = _Identities()
+    jitted = dtcompile.jit(m, cache=cache)
+    calls = _identity_calls(m)
+    order = [calls[first]] + calls
+    with torch.no_grad():
+        for _, make in order:
+            args = make()
+            torch.testing.assert_close(jitted(*args), m(*args), rtol=0, atol=0)

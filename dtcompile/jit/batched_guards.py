@@ -186,14 +186,18 @@ def module_tensors(b, module: torch.nn.Module, inputs: CallInputs, sources: dict
         distinct = len({id(e[4]) for e in batch})
         if dict_watch.available:  # told of the tables' changes: the tensors read when one changed
             b.globals["HELD_NOW"] = []
+            b.globals["HELD_IDS"] = set()
             with unless_dicts_changed(b, b.globals["HELD_TABLES"]):
                 b.lines.append("    HELD_NOW[:] = map(dict.get, HELD_TABLES, HELD_KEYS)")
-                b.fail_if(f"len(set(map(id, HELD_NOW))) != {distinct}")
+                b.lines.append("    HELD_IDS.clear(); HELD_IDS.update(map(id, HELD_NOW))")
+                b.fail_if(f"len(HELD_IDS) != {distinct}")
             b.lines.append("    HELD = HELD_NOW")
         else:
             b.lines.append("    HELD = list(map(dict.get, HELD_TABLES, HELD_KEYS))")
+            b.lines.append("    HELD_IDS = set(map(id, HELD))")
             # Tensors traced as distinct are distinct (code may ask ``self.a.weight is self.b.weight``).
-            b.fail_if(f"len(set(map(id, HELD))) != {distinct}")
+            b.fail_if(f"len(HELD_IDS) != {distinct}")
+        b.held_ids = True
         # The objects themselves (a DTensor: its type, requires_grad and global sizes) first:
         # what follows reads their attributes.
         for e in batch:
@@ -259,6 +263,9 @@ def alike_objects(b, objects: list[ObjectInput], var: str) -> None:
             values = [o.children[j].value for o in objects]
             types = b.constant([type(v) for v in values], "TYPES")
             b.fail_if(f"list(map(type, {column})) != {types} or {column} != {b.constant(values, 'VALUES')}")
+    for j, name in enumerate(first.names):
+        if all(isinstance(o.children[j], TensorInput) for o in objects):
+            b.call_columns.append((columns[name], n))
     for i, obj in enumerate(objects):
         b.object_vars[id(obj)] = f"{var}[{i}]"
         for name, child in zip(obj.names, obj.children):
@@ -268,7 +275,24 @@ def alike_objects(b, objects: list[ObjectInput], var: str) -> None:
                 b.results.append(item)
                 b.result_labels.append(child.proxy.label)
                 b.tensor_vars[id(child)] = b.local_vars[id(child)] = item
+                if not any(column == columns[name] for column, _ in b.call_columns):
+                    b.call_tensors.append(item)
     b.in_object -= 1
+
+
+def distinct_objects(b) -> None:
+    """Objects and tensors traced as distinct are distinct at the call: the program
+    updates each object on its own, and code may ask ``q is k``, ``x is self.b`` or
+    ``cache.keys is x``. The call's objects and tensors (arguments, objects', the
+    module's), in one set, apart from the module's tensors read in one pass
+    (``HELD_IDS``)."""
+    parts = [f"id({var})" for var in (*b.object_vars.values(), *b.call_tensors)]
+    parts += [f"*map(id, {column})" for column, _ in b.call_columns]
+    count = len(b.object_vars) + len(b.call_tensors) + sum(n for _, n in b.call_columns)
+    held = b.held_ids
+    if count > 1 or (count and held):
+        ids = b.bind("{" + ", ".join(parts) + ("," if len(parts) == 1 and count == 1 else "") + "}", "ids")
+        b.fail_if(f"len({ids}) != {count}" + (f" or not HELD_IDS.isdisjoint({ids})" if held else ""))
 
 
 def attribute_checks(b, roots: list) -> None:

@@ -41,6 +41,7 @@ from .batched_guards import (
     Batched,
     alike,
     alike_objects,
+    distinct_objects,
     attribute_checks,
     check_batched,
     module_tensors,
@@ -71,7 +72,11 @@ class _Builder:
         self.tensor_vars: dict[int, str] = {}
         self.local_vars: dict[int, str] = {}
         self.in_object = 0  # inside an object of the call (its tensors are not arguments)
-        self.argument_tensors: list[str] = []  # the call's tensors outside objects, each met once
+        # The call's tensors (arguments, objects', the module's bound one by one), each met
+        # once; and columns of them (``alike_objects``: an expression, its length).
+        self.call_tensors: list[str] = []
+        self.call_columns: list[tuple[str, int]] = []
+        self.held_ids = False  # the ids of the module's tensors read in one pass are bound (HELD_IDS)
         # Tensors with static metadata, checked together by one TensorGuards call (C++).
         self.batched: list[Batched] = []
         # The module's tensors read in one pass (``batched_guards.module_tensors``): the
@@ -210,13 +215,11 @@ class _Builder:
             self.results.append(var)
             self.result_labels.append(node.proxy.label)
             self.tensor_vars[id(node)] = self.local_vars[id(node)] = var
-            if not self.in_object:
-                self.argument_tensors.append(var)
+            self.call_tensors.append(var)
         elif isinstance(node, DTensorInput):
             var = self.bind(expr)
             self.tensor_vars[id(node)] = var
-            if not self.in_object:
-                self.argument_tensors.append(var)
+            self.call_tensors.append(var)
             self.fail_if(f"type({var}) is not DTensor")
             spec = self.bind(f"{var}._spec", "spec")
             if node.traced_spec is node.spec:
@@ -345,10 +348,6 @@ def build_prologue(
     # The arguments first: a call an entry does not fit usually fails there, cheaply.
     b.node(inputs.args, "args")
     b.node(inputs.kwargs, "kwargs")
-    if len(b.argument_tensors) > 1:
-        # Tensors traced as distinct objects are distinct at the call (code may ask ``q is k``).
-        distinct = ", ".join(f"id({var})" for var in b.argument_tensors)
-        b.fail_if(f"len({{{distinct}}}) != {len(b.argument_tensors)}")
     # The module tree, then the Python values read: a module's attributes are read from
     # the modules traced. Global module hooks (debugging tools such as CommDebugMode
     # install them) are not guarded: they ran while tracing, and run again only when a
@@ -381,10 +380,7 @@ def build_prologue(
         if enabled:
             check += f" or torch.get_autocast_dtype({device!r}) is not {torch.get_autocast_dtype(device)}"
         b.fail_if(check)
-    if len(b.object_vars) > 1:
-        # Objects traced as distinct must be distinct: the program updates each on its own.
-        distinct = ", ".join(f"id({var})" for var in b.object_vars.values())
-        b.fail_if(f"len({{{distinct}}}) != {len(b.object_vars)}")
+    distinct_objects(b)
     if input_labels is not None and b.result_labels != list(input_labels):
         # Capture orders the trace's inputs, this builder the prologue's results, by two
         # walks of the same tree: if they ever differ, tensors would bind to the wrong inputs.
