@@ -68,7 +68,6 @@ def code_names(code: types.CodeType) -> tuple[set[str], set[str], set[str], set[
     return global_names, imported, other - global_names, loaded
 
 
-
 def block_functions(modules, limit: int = 2000) -> list[types.FunctionType]:
     """The functions a block's code can run: its classes' methods (up to ``nn.Module``,
     and a user class's after it: a mixin), with their properties, static and class
@@ -103,7 +102,9 @@ def block_functions(modules, limit: int = 2000) -> list[types.FunctionType]:
             if not is_library(value):
                 stack += [(item, False) for item in _named_code(value)]
         elif isinstance(value, type) and not is_library(value):
-            stack += [(item, False) for klass in value.__mro__ if not is_library(klass) for item in vars(klass).values()]
+            stack += [
+                (item, False) for klass in value.__mro__ if not is_library(klass) for item in vars(klass).values()
+            ]
     return list(found.values())
 
 

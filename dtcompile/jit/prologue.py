@@ -41,9 +41,9 @@ from .batched_guards import (
     Batched,
     alike,
     alike_objects,
-    distinct_objects,
     attribute_checks,
     check_batched,
+    distinct_objects,
     module_tensors,
     stand_in,
 )
