@@ -154,6 +154,20 @@ class ByHeldFunction(Block):
         return x + self.body(x) * self.scale_fn(self)
 
 
+class ByFunctionTable(Block):
+    """Each block holds an equal table of functions; one reads the registry."""
+
+    def forward(self, x):
+        return x + self.body(x) * self.functions["scale"](self)
+
+
+class ByHelperObject(Block):
+    """Each block holds an equal helper object whose method reads the registry."""
+
+    def forward(self, x):
+        return x + self.body(x) * self.lookup.scale(self)
+
+
 class Stack(nn.Module):
     def __init__(self, cls, n: int = 4):
         super().__init__()
@@ -183,9 +197,13 @@ def _model(cls) -> Stack:
     SKIP.add(layers[2])
     WEAK_SKIP.clear()
     WEAK_SKIP.add(layers[2])
-    if cls is ByHeldFunction:
-        for layer in layers:
+    for layer in layers:
+        if cls is ByHeldFunction:
             layer.scale_fn = _scale_of
+        if cls is ByFunctionTable:
+            layer.functions = {"scale": _scale_of}
+        if cls is ByHelperObject:
+            layer.lookup = Lookup()
     if cls is SharedSet:
         shared = {layers[2]}
         for layer in layers:
@@ -206,7 +224,7 @@ def _run(model, x, cache: str, calls: bool, grad: bool):
 VARIANTS = [ById, IsLast, InSkip, InWeakSkip, ByBlock, ClassRegistry, SharedSet]
 # Reached through code other than the block's own methods.
 VARIANTS += [ByHelper, ByProperty, ByStaticMethod, ByClassMethod, ByUserClass, ByHelperModule]
-VARIANTS += [ByMixinAfterModule, ByHeldFunction]
+VARIANTS += [ByMixinAfterModule, ByHeldFunction, ByFunctionTable, ByHelperObject]
 
 
 @pytest.mark.parametrize("cache", ["constant values", "symbolic values"])

@@ -71,7 +71,8 @@ def code_names(code: types.CodeType) -> tuple[set[str], set[str], set[str], set[
 def block_functions(modules, limit: int = 2000) -> list[types.FunctionType]:
     """The functions a block's code can run: its classes' methods (up to ``nn.Module``,
     and a user class's after it: a mixin), with their properties, static and class
-    methods; the functions its modules hold as attributes; and, followed from each, the
+    methods; the functions its modules hold as attributes (in a small dict, list or tuple,
+    or a helper object, too); and, followed from each, the
     user functions and classes its globals, closure cells and user Python modules name
     (``scale_of(self)``: a helper reading ``REG[id(m)]``). Library code is not followed."""
     found: dict[int, types.FunctionType] = {}
@@ -105,7 +106,16 @@ def block_functions(modules, limit: int = 2000) -> list[types.FunctionType]:
             stack += [
                 (item, False) for klass in value.__mro__ if not is_library(klass) for item in vars(klass).values()
             ]
+        elif isinstance(value, (dict, list, tuple)) and len(value) <= _CONTAINER_ITEMS:
+            stack += [(item, False) for item in (value.values() if isinstance(value, dict) else value)]
+        elif not isinstance(value, (torch.nn.Module, torch.Tensor)) and not is_library(type(value)):
+            state = getattr(value, "__dict__", None)  # a helper object (``self.lookup.scale(self)``)
+            if isinstance(state, dict):
+                stack += [(type(value), False), *((item, False) for item in state.values())]
     return list(found.values())
+
+
+_CONTAINER_ITEMS = 64  # a module's table of functions is followed; a long list of numbers is not
 
 
 def _named_code(fn: types.FunctionType) -> list:
