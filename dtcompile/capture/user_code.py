@@ -82,7 +82,9 @@ def block_functions(modules, limit: int = 2000) -> list[types.FunctionType]:
         for klass in mro:
             before = mro.index(klass) < mro.index(torch.nn.Module)
             if klass is not object and klass is not torch.nn.Module and (before or not is_library(klass)):
-                stack += [(value, True) for value in vars(klass).values()]
+                # A library class's own methods only (``nn.Linear.forward``), not what its
+                # descriptors wrap (a hub's kernel lookup, whose globals change as it runs).
+                stack += [(value, isinstance(value, types.FunctionType)) for value in vars(klass).values()]
         stack += [(value, False) for value in vars(sub).values()]
     seen: set[int] = set()
     while stack and len(found) < limit:
