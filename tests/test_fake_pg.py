@@ -544,3 +544,20 @@ def test_a_dtensor_formatted_or_its_local_tensor_given_an_attribute_is_refused(f
     with pytest.raises(dtcompile.TracingError, match="into text|attribute 'tag'"):
         dtcompile.jit(fn)(x)
     assert vars(x._local_tensor) == {}
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_a_dtensors_local_tensor_passed_too_is_guarded_by_identity(fake_world, cache):
+    """Traced with a tensor apart from a DTensor argument's local tensor, then called with
+    that local tensor: code asking ``y is dt._local_tensor`` gets eager's answer."""
+    fake_world(2)
+    mesh = init_device_mesh("cpu", (2,))
+
+    def f(dt, y):
+        return dt.to_local() + y + (100 if y is dt._local_tensor else 1)
+
+    jitted = dtcompile.jit(f, cache=cache)
+    dt = distribute_tensor(torch.ones(4), mesh, [Replicate()])
+    with torch.no_grad():
+        for y in (torch.ones(4), dt._local_tensor, torch.ones(4)):
+            torch.testing.assert_close(jitted(dt, y), f(dt, y), rtol=0, atol=0)

@@ -243,6 +243,7 @@ class _Builder:
             if node.local_of is not None:  # the local tensor is an input met before
                 self.fail_if(f"{local} is not {self.local_vars[id(node.local_of)]}")
                 return
+            self.call_tensors.append(local)  # (``f(dt, dt.to_local())`` traced apart)
             self.tensor_meta(local, node.meta, node.proxy, None if example is None else example._local_tensor)
             self.results.append(var if node.requires_grad and not self.unwrap_differentiable else local)
             self.result_labels.append(node.proxy.label)
