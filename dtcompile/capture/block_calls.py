@@ -25,6 +25,7 @@ import torch
 
 from ..core import BoundSymbol, NoProvenance, TensorProxy, Trace
 from ..core.block_call import BlockProgram, block_call
+from ..core.prims import size_query
 from ..core.symbol import leaves
 from ..core.symbolic import is_symbolic, symbolic_expr
 from ..core.torch_internals import fake_like
@@ -225,20 +226,19 @@ def _pure(symbols: list, inputs: list[TensorProxy], outputs: list[TensorProxy]) 
 
 
 def _sizes_held(symbols: list, inputs: list[TensorProxy]) -> bool:
-    """Every size symbol the block uses is one of its inputs' sizes, strides or offsets."""
-    held = set()
-    for p in inputs:
-        for x in (*p.shape, *p.stride(), p.storage_offset()):
-            if is_symbolic(x):
-                held |= symbolic_expr(x).free_symbols
+    """Every size the block uses can be computed from its inputs, as its program's passes
+    will (``transforms/sizes.py``): it is one of their sizes, strides or offsets, or each
+    of its symbols is (a block given a sequence's local shard, ``ceil(s/2)``, that gathers
+    it needs ``s`` itself, which no input holds)."""
     used = set()
     for bsym in symbols:
         values = leaves((bsym.args, bsym.kwargs))
         values += [x for t in bsym.output_tensors() for x in (*t.shape, *t.stride(), t.storage_offset())]
-        for x in values:
-            if is_symbolic(x):
-                used |= symbolic_expr(x).free_symbols
-    return used <= held
+        used.update(symbolic_expr(x) for x in values if is_symbolic(x))
+    return all(
+        size_query(expr, inputs) is not None or all(size_query(s, inputs) is not None for s in expr.free_symbols)
+        for expr in used
+    )
 
 
 def _name(path: str, taken: set[str]) -> str:

@@ -14,7 +14,7 @@ from .errors import DataCheckFailed
 from .printing import python_literal
 from .proxy import TensorProxy
 from .symbol import BoundSymbol, Symbol
-from .symbolic import SOURCE_GLOBALS, python_source
+from .symbolic import SOURCE_GLOBALS, is_symbolic, python_source, symbolic_expr
 
 
 def shape(tensor, dim: int) -> int:
@@ -71,6 +71,26 @@ _PRIMS = (("prims", sys.modules[__name__], "from dtcompile.core import prims"),)
 SHAPE = ShapeQuery("prims.shape", globals=_PRIMS, pure=True)
 STRIDE = ShapeQuery("prims.stride", globals=_PRIMS, pure=True)
 STORAGE_OFFSET = ShapeQuery("prims.storage_offset", globals=_PRIMS, pure=True)
+
+
+def size_query(expr, tensors: list[TensorProxy]) -> tuple[object, tuple] | None:
+    """The query (and its arguments) that reads ``expr`` from one of ``tensors``: a size
+    first, else a stride or a storage offset (a non-contiguous input's stride is a symbol
+    of its own); None when no tensor holds it."""
+    for tensor in tensors:
+        for dim, size in enumerate(tensor.shape):
+            if is_symbolic(size) and symbolic_expr(size) == expr:
+                return SHAPE, (tensor, dim)
+    for tensor in tensors:
+        for dim, step in enumerate(tensor.stride()):
+            if is_symbolic(step) and symbolic_expr(step) == expr:
+                return STRIDE, (tensor, dim)
+        offset = tensor.storage_offset()
+        if is_symbolic(offset) and symbolic_expr(offset) == expr:
+            return STORAGE_OFFSET, (tensor,)
+    return None
+
+
 # What each query runs as in an execution trace.
 READS = {
     SHAPE.name: ShapeRead("shape", pure=True),

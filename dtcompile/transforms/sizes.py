@@ -17,33 +17,15 @@ import itertools
 from torch.utils._pytree import tree_map
 
 from ..core import BoundSymbol, NoProvenance, TensorProxy, Trace, TracingError
-from ..core.prims import SHAPE, STORAGE_OFFSET, STRIDE, size_expression
+from ..core.prims import size_expression, size_query
 from ..core.proxy import NumberProxy
 from ..core.symbol import leaves
-from ..core.symbolic import SYMBOLIC_TYPES, as_constant, float_expr, is_symbolic, symbolic_expr
+from ..core.symbolic import SYMBOLIC_TYPES, as_constant, float_expr, is_symbolic
 
 
 class UnmaterializableSizeError(TracingError):
     """A symbolic size no tensor of the trace holds (a size read from data that a
     backward needs, ``x[x > 0].sum()``: the forward's masked tensor is not passed to it)."""
-
-
-def size_query(expr, tensors: list[TensorProxy]) -> tuple[object, tuple] | None:
-    """The query (and its arguments) that reads ``expr`` from one of ``tensors``: a size
-    first, else a stride or a storage offset (a non-contiguous input's stride is a symbol
-    of its own); None when no tensor holds it."""
-    for tensor in tensors:
-        for dim, size in enumerate(tensor.shape):
-            if is_symbolic(size) and symbolic_expr(size) == expr:
-                return SHAPE, (tensor, dim)
-    for tensor in tensors:
-        for dim, step in enumerate(tensor.stride()):
-            if is_symbolic(step) and symbolic_expr(step) == expr:
-                return STRIDE, (tensor, dim)
-        offset = tensor.storage_offset()
-        if is_symbolic(offset) and symbolic_expr(offset) == expr:
-            return STORAGE_OFFSET, (tensor,)
-    return None
 
 
 class _Materializer:

@@ -28,10 +28,10 @@ from torch.utils._pytree import tree_flatten
 
 from ..core import FromData, NumberProxy, TensorProxy, Trace
 from ..core.op_classes import is_collective, is_wait
+from ..core.prims import size_query
 from ..core.symbolic import is_symbolic, size_hint, symbolic_expr
 from .dce import dce
 from .effects import has_side_effects, storage_bases
-from .sizes import size_query
 
 
 @dataclass

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 import dtcompile
@@ -192,3 +192,55 @@ def training_case(kind, cache):
 def test_training_replays_blocks_forward_and_backward(kind, cache, ranks2):
     lines = ranks2.run(training_case, kind, cache)[0]
     assert any("recorded once, replayed for" in line for line in lines)
+
+
+class _GatheringBlock(nn.Module):
+    """A block given its input sharded on the sequence dim, which it gathers: the size it
+    gathers to (``s``) is held by none of its inputs (their local shard is ``ceil(s/2)``)."""
+
+    def __init__(self, mesh, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.mesh = mesh
+        self.w = nn.Parameter(distribute_tensor(torch.randn(16, 16) / 4, mesh, [Shard(1)]))
+
+    def forward(self, x):
+        return torch.tanh(x.redistribute(self.mesh, [Replicate()]) @ self.w)
+
+
+class _SequenceShardedBetweenLayers(nn.Module):
+    def __init__(self, mesh):
+        super().__init__()
+        self.mesh = mesh
+        self.layers = nn.ModuleList(_GatheringBlock(mesh, seed) for seed in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x).redistribute(self.mesh, [Shard(1)])
+        return x
+
+
+def gathering_case(grad: bool):
+    mesh = init_device_mesh("cpu", (2,))
+    model = _SequenceShardedBetweenLayers(mesh)
+    jitted = dtcompile.jit(model, cache="symbolic values")
+    for length in (8, 11, 12):
+        torch.manual_seed(length)
+        x = distribute_tensor(torch.randn(2, length, 16), mesh, [Replicate()])
+        with torch.set_grad_enabled(grad):
+            out, expected = jitted(x), model(x)
+            torch.testing.assert_close(out.full_tensor(), expected.full_tensor(), rtol=0, atol=0)
+        if grad:
+            got = torch.autograd.grad(out.full_tensor().pow(2).sum(), list(model.parameters()))
+            want = torch.autograd.grad(expected.full_tensor().pow(2).sum(), list(model.parameters()))
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=1e-5, atol=1e-6)
+    return _replays("\n".join(map(str, dtcompile.last_traces(jitted))))
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_blocks_that_gather_a_sequence_sharded_input_under_symbolic_values(grad, ranks2):
+    """Each layer gathers its sequence-sharded input: the sizes its program needs are not
+    its inputs' (once a crash in the block program's passes); eager's results."""
+    lines = ranks2.run(gathering_case, grad)[0]
+    assert any("recorded once, replayed for" in line for line in lines), lines
