@@ -85,14 +85,17 @@ class Gradient:
     # always given).
     sources: int = 0
 
-    def wrap(self, grad: torch.Tensor):
+    def wrap(self, grad: torch.Tensor, shape: torch.Size | None):
+        """The gradient as a DTensor; ``shape``: the input's global shape at this call
+        (where sizes are symbolic), which a gradient has, however unevenly its placements
+        shard it (an input's gradient may be sharded where the input is not)."""
         if self.spec is None:
             return grad
         spec = self.spec
         if self.sizes_per_call:
-            # Only evenly sharded DTensors are traced with symbolic sizes: the global sizes
-            # follow from the local ones.
-            shape, stride = compute_global_tensor_info(grad, spec.mesh, spec.placements)
+            _, stride = compute_global_tensor_info(grad, spec.mesh, spec.placements)
+            if grad.is_contiguous():
+                stride = torch.empty(shape, device="meta").stride()
             spec = with_sizes(spec, tuple(shape), tuple(stride))
         return make_dtensor(grad, spec, requires_grad=False)
 
@@ -277,6 +280,7 @@ class CompiledStep(torch.autograd.Function):
         # the whole backward): the program makes them where it first reads them.
         ctx.set_materialize_grads(False)
         ctx.local_shapes = [outs[c.slot].shape for c in program.cotangents]
+        ctx.input_shapes = [inputs[g.position].shape if g.sizes_per_call else None for g in program.gradients]
         wrapped = program.wrap_outputs.fn(outs[: program.slots])
         ctx.mark_non_differentiable(*(wrapped[i] for i in program.non_differentiable))
         return wrapped
@@ -305,7 +309,7 @@ class CompiledStep(torch.autograd.Function):
         with function_modes_off():  # (autograd's own backward runs none of them)
             grads = program.backward(inputs)
         result: list = [None] * (1 + program.inputs)
-        for grad, gradient in zip(grads, program.gradients):
+        for grad, gradient, shape in zip(grads, program.gradients, ctx.input_shapes):
             if not gradient.sources or gradient.sources & arrived:
-                result[1 + gradient.position] = gradient.wrap(grad)
+                result[1 + gradient.position] = gradient.wrap(grad, shape)
         return tuple(result)

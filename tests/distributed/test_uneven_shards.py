@@ -195,3 +195,42 @@ def closed_over_uneven_shards_updated_in_place(cache):
 def test_closed_over_uneven_shards_updated_in_place_match_eager(world, cache, ranks2, ranks4):
     pool = ranks2 if world == 2 else ranks4
     assert pool.run(closed_over_uneven_shards_updated_in_place, cache) == [(1, 2)] * world
+
+
+def _contract_over_a_sharded_weight(w, x):
+    """``x @ w`` with ``w`` sharded on the contracted dim: DTensor shards ``x`` to match,
+    so ``x``'s gradient comes back sharded where ``x`` is replicated."""
+    return x + torch.tanh((x @ w).redistribute(w.device_mesh, [Replicate()]))
+
+
+def _sequence_sharded_inside(w, x):
+    """``x`` sharded on its (symbolic) sequence dim inside the call: its gradient too."""
+    y = x.redistribute(x.device_mesh, [Shard(1)])
+    return (y * w.redistribute(w.device_mesh, [Replicate()])[0]).redistribute(y.device_mesh, [Replicate()])
+
+
+def gradients_sharded_unevenly(fn_name, dim, cache):
+    """An input's gradient sharded unevenly (a dim of ``dim`` over 2 ranks, or an odd
+    sequence length) where the input is replicated: eager's gradient values and shape, over
+    several lengths."""
+    fn = globals()[fn_name]
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    w = distribute_tensor(torch.randn(dim, dim) / 4, mesh, [Shard(0)]).requires_grad_()
+    jitted = dtcompile.jit(lambda x: fn(w, x), cache=cache)  # the weight closed over, as a module's
+    for length in (8, 11, 12, 5):
+        torch.manual_seed(length)
+        x = distribute_tensor(torch.randn(2, length, dim), mesh, [Replicate()]).requires_grad_()
+        got = torch.autograd.grad(jitted(x).full_tensor().pow(2).sum(), [w, x])
+        want = torch.autograd.grad(fn(w, x).full_tensor().pow(2).sum(), [w, x])
+        for a, b in zip(got, want):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache", ["constant values", SYMBOLIC])
+@pytest.mark.parametrize(
+    "fn_name, dim", [("_contract_over_a_sharded_weight", 15), ("_sequence_sharded_inside", 16)], ids=["dim", "sequence"]
+)
+def test_gradients_sharded_unevenly_where_the_input_is_not(fn_name, dim, cache, ranks2):
+    ranks2.run(gradients_sharded_unevenly, fn_name, dim, cache)
