@@ -11,7 +11,9 @@ its traced stand-in.
 
 from __future__ import annotations
 
+import functools
 import sys
+import threading
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, is_fake
@@ -178,6 +180,9 @@ def _reads_grad_of_the_call(tensor) -> bool:
 _LEAF_IN_PLACE = "a leaf Variable that requires grad is being used in an in-place operation"
 
 
+_DTENSOR_METHODS = ("redistribute", "full_tensor", "to_local")
+
+
 class CallAnnotator(TorchFunctionMode):
     """Notes on each recorded symbol the torch-level call it came from, and tells the
     recording when DTensor is handling a call (its factory ops are then its own). A
@@ -187,6 +192,28 @@ class CallAnnotator(TorchFunctionMode):
         super().__init__()
         self.recording = recording
         self.memo = OpMemo(recording)
+        self._methods: dict[str, object] = {}
+
+    def __enter__(self):
+        # DTensor's own methods that compute (``w.redistribute(...)``, ``w.full_tensor()``)
+        # are no torch functions: on a DTensor the code closes over, they would run on the
+        # real one, whose gradient the trace would not reach. They get the stand-in too.
+        thread = threading.get_ident()
+        for name in _DTENSOR_METHODS:
+            method = self._methods[name] = DTensor.__dict__[name]
+
+            def on_stand_in(dtensor, *args, _method=method, **kwargs):
+                if threading.get_ident() == thread:  # (an eager call from another thread: its own)
+                    dtensor = self._traced_dtensor(dtensor)
+                return _method(dtensor, *args, **kwargs)
+
+            setattr(DTensor, name, functools.wraps(method)(on_stand_in))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, method in self._methods.items():
+            setattr(DTensor, name, method)
+        return super().__exit__(*exc)
 
     def _check_hook(self, func, args) -> None:
         """A hook registered on a traced tensor runs while the backward is traced: its

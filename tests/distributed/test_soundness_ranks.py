@@ -6,6 +6,7 @@ import collections
 import contextlib
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 from checks import assert_all_same, assert_same
@@ -514,3 +515,46 @@ def dtensor_modes_entered_inside():
 
 def test_dtensor_modes_entered_inside_the_call(ranks2):
     assert ranks2.run(dtensor_modes_entered_inside) == [["constant values", "symbolic values"]] * 2
+
+
+_THROUGH_DTENSOR_METHODS = {
+    "redistribute": lambda w, x: x * w.redistribute(w.device_mesh, [Replicate()]).sum(),
+    "redistributed row": lambda w, x: x * w.redistribute(w.device_mesh, [Replicate()])[0],
+    "full_tensor": lambda w, x: x.full_tensor() * w.full_tensor()[0],
+    "to_local": lambda w, x: x.to_local() * w.to_local().sum(),
+}
+
+
+def closed_over_dtensor_through_its_methods(kind, cache):
+    """A closed-over DTensor that requires grad, read through DTensor's own methods (no
+    torch functions: ``w.redistribute``, ``w.full_tensor()``, ``w.to_local()``): its
+    gradient is eager's (it was lost: the method ran on the real DTensor), over optimizer
+    steps that change it in place."""
+    fn = _THROUGH_DTENSOR_METHODS[kind]
+    mesh = _mesh()
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)]))
+    eager_w = torch.nn.Parameter(w.detach().clone())
+    jitted = dtcompile.jit(lambda x: fn(w, x), cache=cache)
+    optimizer, eager_optimizer = torch.optim.SGD([w], lr=0.01), torch.optim.SGD([eager_w], lr=0.01)
+    for step in range(3):
+        x = distribute_tensor(torch.randn(2, 8, generator=torch.Generator().manual_seed(step)), mesh, [Replicate()])
+        got, expected = jitted(x), fn(eager_w, x)
+        _local(got).pow(2).sum().backward()
+        _local(expected).pow(2).sum().backward()
+        assert_same(_local(got).detach(), _local(expected).detach())
+        assert w.grad is not None
+        assert_same(w.grad.full_tensor(), eager_w.grad.full_tensor())
+        optimizer.step(), eager_optimizer.step()
+        optimizer.zero_grad(), eager_optimizer.zero_grad()
+    return True
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("kind", list(_THROUGH_DTENSOR_METHODS))
+def test_closed_over_dtensor_read_through_its_methods_gets_gradients(kind, cache, ranks2):
+    assert ranks2.run(closed_over_dtensor_through_its_methods, kind, cache) == [True, True]
+
+
+def _local(value):
+    return value.to_local() if isinstance(value, DTensor) else value
