@@ -63,3 +63,23 @@ def test_the_same_calls_of_dtypes_eager_takes_match_eager(cache):
         x = torch.arange(float(n)) - 2
         for got, expected in zip(jitted(x), fn(x)):
             torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: F.interpolate(x, size=x.shape[-1] * 2, mode="nearest") * 2,
+        lambda x: F.interpolate(x, size=(x.shape[-1] + 3,), mode="nearest"),
+        lambda x: F.interpolate(x, size=(x.shape[-1] + 3,), mode="linear"),  # (decomposed: last bits)
+        lambda x: F.one_hot(torch.arange(x.shape[-1]), num_classes=x.shape[-1] + 1) * 2,
+        lambda x: F.hardshrink(x[..., : x.shape[-1] // 2], 0.5),
+    ],
+    ids=["interpolate size", "interpolate tuple", "interpolate linear", "one_hot classes", "hardshrink slice"],
+)
+def test_dtype_checked_ops_with_sizes_from_shapes_under_symbolic_values(fn):
+    """The ops run on stand-ins while tracing get their sizes (SymInts) as numbers: eager's
+    result at each length (torch's kernel raised on the SymInt)."""
+    jitted = dtcompile.jit(fn, cache="symbolic values")
+    for length in (8, 5, 12):
+        x = torch.randn(2, 3, length)
+        torch.testing.assert_close(jitted(x), fn(x), rtol=1e-6, atol=2e-6)

@@ -63,6 +63,11 @@ def eager_failure(func, args: tuple, kwargs: dict) -> BaseException | None:
 
 
 def _stand_in(value):
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):  # (``size=x.shape[-1] * 2``)
+        hint = value.node.hint  # its value at this call
+        if hint is None:
+            raise _GiveUp
+        return hint
     if not isinstance(value, torch.Tensor):
         return value
     if not (isinstance(value, TensorProxy) or is_fake(value) or type(value) in (torch.Tensor, torch.nn.Parameter)):
