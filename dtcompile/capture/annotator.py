@@ -11,9 +11,7 @@ its traced stand-in.
 
 from __future__ import annotations
 
-import functools
 import sys
-import threading
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, is_fake
@@ -25,6 +23,7 @@ from torch.utils._pytree import tree_map
 from ..core import Note, TensorProxy, TracingError, data_dependent_error
 from ..core.symbol import leaves as leaves_of
 from ..core.torch_internals import dtensor_implicit_replication
+from . import closed_over
 from .eager_errors import DTYPE_CHECKED, eager_error, eager_failure
 from .method_checks import (
     AUTOGRAD_ATTRIBUTES,
@@ -180,9 +179,6 @@ def _reads_grad_of_the_call(tensor) -> bool:
 _LEAF_IN_PLACE = "a leaf Variable that requires grad is being used in an in-place operation"
 
 
-_DTENSOR_METHODS = ("redistribute", "full_tensor", "to_local")
-
-
 class CallAnnotator(TorchFunctionMode):
     """Notes on each recorded symbol the torch-level call it came from, and tells the
     recording when DTensor is handling a call (its factory ops are then its own). A
@@ -192,27 +188,14 @@ class CallAnnotator(TorchFunctionMode):
         super().__init__()
         self.recording = recording
         self.memo = OpMemo(recording)
-        self._methods: dict[str, object] = {}
 
     def __enter__(self):
-        # DTensor's own methods that compute (``w.redistribute(...)``, ``w.full_tensor()``)
-        # are no torch functions: on a DTensor the code closes over, they would run on the
-        # real one, whose gradient the trace would not reach. They get the stand-in too.
-        thread = threading.get_ident()
-        for name in _DTENSOR_METHODS:
-            method = self._methods[name] = DTensor.__dict__[name]
-
-            def on_stand_in(dtensor, *args, _method=method, **kwargs):
-                if threading.get_ident() == thread:  # (an eager call from another thread: its own)
-                    dtensor = self._traced_dtensor(dtensor)
-                return _method(dtensor, *args, **kwargs)
-
-            setattr(DTensor, name, functools.wraps(method)(on_stand_in))
+        self._entry_points = closed_over.stand_ins_at_entry_points(self._traced_dtensor)
+        self._entry_points.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
-        for name, method in self._methods.items():
-            setattr(DTensor, name, method)
+        self._entry_points.__exit__(*exc)
         return super().__exit__(*exc)
 
     def _check_hook(self, func, args) -> None:
@@ -247,6 +230,8 @@ class CallAnnotator(TorchFunctionMode):
             answer = check_method(func, args, self.recording)
             if answer is not NOT_ANSWERED:
                 return answer
+        if func is torch.autograd.grad:
+            return closed_over.grad_under(self, func, args, kwargs)
         if func in _METADATA_READS and isinstance(args[0], (TensorProxy, FakeTensor)):
             return func(*args, **kwargs)
         if args and _real_metadata_read(func, args[0]) and _user_frame():
@@ -263,6 +248,8 @@ class CallAnnotator(TorchFunctionMode):
                     f"dtcompile.jit: Tensor.{attribute} is assigned on {what}; that is not recorded, so a "
                     f"compiled call would not make it: {_UNRECORDED_SETS[attribute]}"
                 )
+            if func.__name__ == "__get__" and attribute in closed_over.COMPUTED_ATTRIBUTES and args:
+                args = (self._traced_dtensor(args[0]), *args[1:])  # ``w.T`` of a closed-over DTensor
             if func.__name__ == "__get__" and attribute in AUTOGRAD_ATTRIBUTES and args and _user_frame():
                 answer = autograd_attribute(attribute, args[0], self.recording)
                 if answer is not NOT_ANSWERED:

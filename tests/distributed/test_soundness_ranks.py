@@ -522,7 +522,11 @@ _THROUGH_DTENSOR_METHODS = {
     "redistributed row": lambda w, x: x * w.redistribute(w.device_mesh, [Replicate()])[0],
     "full_tensor": lambda w, x: x.full_tensor() * w.full_tensor()[0],
     "to_local": lambda w, x: x.to_local() * w.to_local().sum(),
+    "T": lambda w, x: x @ w.T,
+    "mT": lambda w, x: x @ w.mT,
+    "method taken before": lambda w, x: x * _REDISTRIBUTE(w, w.device_mesh, [Replicate()]).sum(),
 }
+_REDISTRIBUTE = DTensor.redistribute  # (a reference made before any call is traced)
 
 
 def closed_over_dtensor_through_its_methods(kind, cache):
@@ -558,3 +562,46 @@ def test_closed_over_dtensor_read_through_its_methods_gets_gradients(kind, cache
 
 def _local(value):
     return value.to_local() if isinstance(value, DTensor) else value
+
+
+_SCALE = {}  # the closed-over DTensor the backward's code reads
+
+
+class _ScaledBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a):
+        return a * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * _SCALE["w"].sum()
+
+
+def _hooked(x):
+    y = x * 2
+    y.register_hook(lambda grad: grad * _SCALE["w"].sum())
+    return y
+
+
+def closed_over_dtensor_read_in_the_backward(kind, cache):
+    """A closed-over DTensor read by code that runs in the backward (a Function's
+    ``backward``, a tensor hook), changed in place between calls: each call's gradient is
+    eager's (its value at the first call was baked in)."""
+    fn = _ScaledBackward.apply if kind == "Function" else _hooked
+    mesh = _mesh()
+    _SCALE["w"] = distribute_tensor(torch.ones(8, 8), mesh, [Shard(0)])
+    jitted = dtcompile.jit(fn, cache=cache)
+    for _ in range(3):
+        x = distribute_tensor(torch.ones(2, 8), mesh, [Replicate()]).requires_grad_()
+        jitted(x).to_local().sum().backward()
+        got, x.grad = x.grad.full_tensor(), None
+        fn(x).to_local().sum().backward()
+        assert_same(got, x.grad.full_tensor())
+        _SCALE["w"].add_(1)
+    return True
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("kind", ["Function", "hook"])
+def test_closed_over_dtensor_read_in_the_backward_is_read_at_each_call(kind, cache, ranks2):
+    assert ranks2.run(closed_over_dtensor_read_in_the_backward, kind, cache) == [True, True]

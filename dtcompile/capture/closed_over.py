@@ -1,0 +1,50 @@
+"""A DTensor the traced code closes over (a model's parameter, reached by a loss function
+that calls the model; a global) reaches the trace as its stand-in
+(``Recording.capture_dtensor``: a DTensor around the captured proxy of its local tensor)
+whatever way the code takes to it, so that its ops are recorded, read at every call, and
+differentiated. ``CallAnnotator`` swaps it among a torch-level call's arguments; this
+module covers the ways that call no torch function, or run where the annotator is off:
+
+- DTensor's own methods that compute (``redistribute``, ``to_local``, ``full_tensor``)
+  call autograd Functions, not torch functions: their DTensor is swapped at those
+  Functions (``core/torch_internals.dtensor_entry_points``), however the code reached
+  them (a method, a reference made before the call);
+- a tensor attribute computed by an op (``w.T``) is a property read;
+- the backward's Python code (a Function's ``backward``, a tensor hook) runs inside
+  ``torch.autograd.grad``, which torch hands to the annotator with the annotator
+  taken off: :func:`grad_under` runs it with the annotator on.
+
+Run on the real DTensor instead, its gradient was lost, or its value at the first call
+baked in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from ..core.trace_hooks import dtensor_entry_points, function_mode_on_in_grad
+
+# Tensor attributes computed by an op (a view): on a closed-over DTensor, from its stand-in.
+COMPUTED_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+
+
+@contextlib.contextmanager
+def stand_ins_at_entry_points(stand_in):
+    """``stand_in(dtensor)`` for the DTensor of each ``redistribute``/``to_local`` call
+    made by the tracing thread (an eager call from another thread keeps its own)."""
+    thread = threading.get_ident()
+
+    def swap(dtensor):
+        return stand_in(dtensor) if threading.get_ident() == thread else dtensor
+
+    with dtensor_entry_points(swap):
+        yield
+
+
+def grad_under(mode, func, args: tuple, kwargs: dict):
+    """``torch.autograd.grad`` (the traced backward, or the code's own) with ``mode`` on
+    while the engine runs the backward's Python code; no DTensor call: the real tensors
+    the backward's code reads are the program's inputs, not DTensor's own."""
+    with function_mode_on_in_grad(mode):
+        return func(*args, **kwargs)
