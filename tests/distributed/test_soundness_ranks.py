@@ -587,9 +587,10 @@ def closed_over_dtensor_read_in_the_backward(kind, cache):
     """A closed-over DTensor read by code that runs in the backward (a Function's
     ``backward``, a tensor hook), changed in place between calls: each call's gradient is
     eager's (its value at the first call was baked in)."""
-    fn = _ScaledBackward.apply if kind == "Function" else _hooked
+    fn = _ScaledBackward.apply if kind.startswith("Function") else _hooked
     mesh = _mesh()
-    _SCALE["w"] = distribute_tensor(torch.ones(8, 8), mesh, [Shard(0)])
+    plain = kind.endswith("plain tensor")  # a plain closed-over tensor in a DTensor program: alike
+    _SCALE["w"] = torch.ones(8, 8) if plain else distribute_tensor(torch.ones(8, 8), mesh, [Shard(0)])
     jitted = dtcompile.jit(fn, cache=cache)
     for _ in range(3):
         x = distribute_tensor(torch.ones(2, 8), mesh, [Replicate()]).requires_grad_()
@@ -602,6 +603,6 @@ def closed_over_dtensor_read_in_the_backward(kind, cache):
 
 
 @pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
-@pytest.mark.parametrize("kind", ["Function", "hook"])
+@pytest.mark.parametrize("kind", ["Function", "hook", "Function, plain tensor", "hook, plain tensor"])
 def test_closed_over_dtensor_read_in_the_backward_is_read_at_each_call(kind, cache, ranks2):
     assert ranks2.run(closed_over_dtensor_read_in_the_backward, kind, cache) == [True, True]
