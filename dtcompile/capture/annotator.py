@@ -167,6 +167,10 @@ def _user_frame(depth: int = 2) -> bool:
     return module.partition(".")[0] not in ("torch", "dtcompile")
 
 
+def _is_dtensor(value) -> bool:
+    return isinstance(value, DTensor)
+
+
 def _reads_grad_of_the_call(tensor) -> bool:
     """Whether the user's code reads ``.grad`` of a traced tensor, or any code (a library's:
     ``clip_grad_norm_`` of the call's parameters) that of a tensor the call received,
@@ -188,6 +192,7 @@ class CallAnnotator(TorchFunctionMode):
         super().__init__()
         self.recording = recording
         self.memo = OpMemo(recording)
+        self.in_backward = 0  # inside torch.autograd.grad (closed_over.grad_under)
 
     def __enter__(self):
         self._entry_points = closed_over.stand_ins_at_entry_points(self._traced_dtensor)
@@ -226,12 +231,14 @@ class CallAnnotator(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.in_backward and not _user_frame():
+            return func(*args, **kwargs)  # torch's and DTensor's own code in a traced backward
         if func in CHECKED:
             answer = check_method(func, args, self.recording)
             if answer is not NOT_ANSWERED:
                 return answer
         if func is torch.autograd.grad:
-            return closed_over.grad_under(self, func, args, kwargs)
+            return closed_over.grad_under(self, func, args, kwargs, any(map(_is_dtensor, leaves_of((args, kwargs)))))
         if func in _METADATA_READS and isinstance(args[0], (TensorProxy, FakeTensor)):
             return func(*args, **kwargs)
         if args and _real_metadata_read(func, args[0]) and _user_frame():
@@ -300,6 +307,9 @@ class CallAnnotator(TorchFunctionMode):
         handled_by_dtensor = any(isinstance(x, DTensor) for x in leaves)
         if handled_by_dtensor:
             self.recording.dtensor_modes.note()
+        outer_dtensor_calls = self.recording.dtensor_calls
+        if self.in_backward and not handled_by_dtensor:
+            self.recording.dtensor_calls = 0  # the user's code in a backward, on plain tensors: the program's
         self.recording.dtensor_calls += handled_by_dtensor
         outer_call, self.recording.current_call = self.recording.current_call, _short_name(func)
         try:
@@ -363,7 +373,7 @@ class CallAnnotator(TorchFunctionMode):
                     raise eager from error
                 raise
         finally:
-            self.recording.dtensor_calls -= handled_by_dtensor
+            self.recording.dtensor_calls = outer_dtensor_calls
             self.recording.current_call = outer_call
         new = self.recording.bound_symbols[start:]
         if new:

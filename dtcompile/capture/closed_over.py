@@ -42,9 +42,17 @@ def stand_ins_at_entry_points(stand_in):
         yield
 
 
-def grad_under(mode, func, args: tuple, kwargs: dict):
+def grad_under(mode, func, args: tuple, kwargs: dict, on_dtensors: bool):
     """``torch.autograd.grad`` (the traced backward, or the code's own) with ``mode`` on
-    while the engine runs the backward's Python code; no DTensor call: the real tensors
-    the backward's code reads are the program's inputs, not DTensor's own."""
-    with function_mode_on_in_grad(mode):
-        return func(*args, **kwargs)
+    while the engine runs the backward's Python code. On DTensors it is a DTensor call, as
+    any other: the real tensors torch's and DTensor's own code makes in it are theirs
+    (``arange(n).tolist()`` of a _StridedShard), run as they are; the user's code there
+    (a Function's ``backward``, a hook) is annotated, its real tensors the program's."""
+    mode.in_backward += 1
+    mode.recording.dtensor_calls += on_dtensors
+    try:
+        with function_mode_on_in_grad(mode):
+            return func(*args, **kwargs)
+    finally:
+        mode.recording.dtensor_calls -= on_dtensors
+        mode.in_backward -= 1
