@@ -681,3 +681,43 @@ def test_a_calls_tensors_that_are_the_modules_or_each_others_are_guarded_by_iden
         for _, make in order:
             args = make()
             torch.testing.assert_close(jitted(*args), m(*args), rtol=0, atol=0)
+
+
+class _State:
+    def __init__(self):
+        self.keys = torch.zeros(2)
+
+
+class _ReachedOtherwise(nn.Module):
+    """Objects and tensors the module holds outside its tables: code may ask whether the
+    call's are those (an input object that is the module's attribute, a tensor in its list)."""
+
+    def __init__(self):
+        super().__init__()
+        self.state = _State()
+        self.ts = [torch.zeros(2), torch.ones(2)]
+
+    def forward(self, x, c=None):
+        out = x + (100 if x is self.ts[1] else 1)
+        return out if c is None else out + (10 if c is self.state else 2)
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("aliased", ["object", "tensor"])
+def test_a_call_passing_what_the_module_holds_after_a_distinct_call_is_refused_as_at_first(cache, aliased):
+    """Traced with objects apart from the module's, then called with the module's own
+    attribute object or a tensor of its list: not the stale entry (it answered ``is`` as
+    traced) but the refusal a first call gets, naming the other path."""
+    m = _ReachedOtherwise()
+    jitted = dtcompile.jit(m, cache=cache)
+    with torch.no_grad():
+        torch.testing.assert_close(jitted(torch.ones(2), _State()), m(torch.ones(2), _State()))
+        with pytest.raises(dtcompile.TracingError, match="also reached as|holds args"):
+            jitted(*_aliased(m, aliased))
+        fresh = _ReachedOtherwise()
+        with pytest.raises(dtcompile.TracingError, match="also reached as|holds args"):
+            dtcompile.jit(fresh, cache=cache)(*_aliased(fresh, aliased))
+
+
+def _aliased(m, kind):
+    return (torch.ones(2), m.state) if kind == "object" else (m.ts[1], _State())

@@ -8,12 +8,14 @@ of the model. ``b`` is the prologue's builder (``prologue.py``).
 from __future__ import annotations
 
 import operator
+import types
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from ..capture import CallInputs, ConstantInput, DTensorInput, LocalTensorMeta, ObjectInput, TensorInput
+from ..capture.objects import attribute_or_none
 from ..capture.tensor_attributes import attributes_match, contents_keys
 from ..core import dict_watch
 from ..core.symbolic import is_symbolic
@@ -280,7 +282,33 @@ def alike_objects(b, objects: list[ObjectInput], var: str) -> None:
     b.in_object -= 1
 
 
-def distinct_objects(b) -> None:
+def reached_otherwise(reads: list) -> list:
+    """What the code reads other than through the call (a module's attribute, a global)
+    that the trace refuses to be one of the call's objects or tensors: plain objects
+    (``c is self.state``), and the tensors small containers hold (``x is self.ts[1]``).
+    Traced apart, a call passing one must be traced anew (and refused there)."""
+    found = {}
+    for read in reads:
+        value = read.value
+        if isinstance(attribute_or_none(value, "__dict__"), dict) and not isinstance(value, _NOT_OBJECTS):
+            found[id(value)] = value
+        if read.contents:
+            for tensor in _tensors_in(value, 3):
+                found[id(tensor)] = tensor
+    return list(found.values())
+
+
+_NOT_OBJECTS = (type, types.ModuleType, types.FunctionType, torch.nn.Module, torch.Tensor)
+
+
+def _tensors_in(value, depth: int) -> list:
+    if depth <= 0 or not isinstance(value, (dict, list, tuple, set, frozenset)):
+        return []
+    items = [x for pair in value.items() for x in pair] if isinstance(value, dict) else list(value)
+    return [x for x in items if isinstance(x, torch.Tensor)] + [t for x in items for t in _tensors_in(x, depth - 1)]
+
+
+def distinct_objects(b, reached: list) -> None:
     """Objects and tensors traced as distinct are distinct at the call: the program
     updates each object on its own, and code may ask ``q is k``, ``x is self.b`` or
     ``cache.keys is x``. The call's objects and tensors (arguments, objects', the
@@ -290,9 +318,14 @@ def distinct_objects(b) -> None:
     parts += [f"*map(id, {column})" for column, _ in b.call_columns]
     count = len(b.object_vars) + len(b.call_tensors) + sum(n for _, n in b.call_columns)
     held = b.held_ids
-    if count > 1 or (count and held):
+    if count > 1 or (count and (held or reached)):
         ids = b.bind("{" + ", ".join(parts) + ("," if len(parts) == 1 and count == 1 else "") + "}", "ids")
-        b.fail_if(f"len({ids}) != {count}" + (f" or not HELD_IDS.isdisjoint({ids})" if held else ""))
+        check = f"len({ids}) != {count}" + (f" or not HELD_IDS.isdisjoint({ids})" if held else "")
+        if reached:
+            b.globals["REACHED"] = reached  # (held: their ids stay theirs)
+            b.globals["REACHED_IDS"] = frozenset(map(id, reached))
+            check += f" or not REACHED_IDS.isdisjoint({ids})"
+        b.fail_if(check)
 
 
 def attribute_checks(b, roots: list) -> None:

@@ -45,6 +45,7 @@ from .batched_guards import (
     check_batched,
     distinct_objects,
     module_tensors,
+    reached_otherwise,
     stand_in,
 )
 from .guards import meshes_match, spec_matches
@@ -381,7 +382,7 @@ def build_prologue(
         if enabled:
             check += f" or torch.get_autocast_dtype({device!r}) is not {torch.get_autocast_dtype(device)}"
         b.fail_if(check)
-    distinct_objects(b)
+    distinct_objects(b, reached_otherwise(inputs.python_state.reads))
     if input_labels is not None and b.result_labels != list(input_labels):
         # Capture orders the trace's inputs, this builder the prologue's results, by two
         # walks of the same tree: if they ever differ, tensors would bind to the wrong inputs.
