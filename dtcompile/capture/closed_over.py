@@ -6,9 +6,10 @@ differentiated. ``CallAnnotator`` swaps it among a torch-level call's arguments;
 module covers the ways that call no torch function, or run where the annotator is off:
 
 - DTensor's own methods that compute (``redistribute``, ``to_local``, ``full_tensor``)
-  call autograd Functions, not torch functions: their DTensor is swapped at those
-  Functions (``core/torch_internals.dtensor_entry_points``), however the code reached
-  them (a method, a reference made before the call);
+  call autograd Functions, not torch functions, as does a user's Function given the
+  DTensor: DTensors are swapped at every Function's ``apply``
+  (``core/trace_hooks.function_applies``), however the code reached it (a method, a
+  reference made before the call);
 - a tensor attribute computed by an op (``w.T``) is a property read;
 - the backward's Python code (a Function's ``backward``, a tensor hook) runs inside
   ``torch.autograd.grad``, which torch hands to the annotator with the annotator
@@ -23,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from ..core.trace_hooks import dtensor_entry_points, function_mode_on_in_grad
+from ..core.trace_hooks import function_applies, function_mode_on_in_grad
 
 # Tensor attributes computed by an op (a view): on a closed-over DTensor, from its stand-in.
 COMPUTED_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
@@ -31,14 +32,14 @@ COMPUTED_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 
 @contextlib.contextmanager
 def stand_ins_at_entry_points(stand_in):
-    """``stand_in(dtensor)`` for the DTensor of each ``redistribute``/``to_local`` call
-    made by the tracing thread (an eager call from another thread keeps its own)."""
+    """``stand_in(value)`` for each argument of an autograd Function applied by the
+    tracing thread (an eager call from another thread keeps its own)."""
     thread = threading.get_ident()
 
     def swap(dtensor):
         return stand_in(dtensor) if threading.get_ident() == thread else dtensor
 
-    with dtensor_entry_points(swap):
+    with function_applies(swap):
         yield
 
 

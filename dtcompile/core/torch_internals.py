@@ -1,5 +1,5 @@
 """The private parts of torch dtcompile relies on, in one place (FSDP2's in
-``fsdp_internals.py``, the entry points wrapped while tracing in ``trace_hooks.py``): where a new torch release breaks dtcompile, and the only place to
+``fsdp_internals.py``, autograd's entry points wrapped while tracing in ``trace_hooks.py``): where a new torch release breaks dtcompile, and the only place to
 fix it. Each entry says why no public API serves.
 
 Still used elsewhere, by attribute: a DTensor's ``_local_tensor`` and ``_spec`` (about

@@ -1,5 +1,5 @@
 """The private parts of torch that tracing wraps for a while (see ``torch_internals.py``):
-where DTensor and autograd take calls that no torch function mode sees. Each entry says
+where autograd takes calls (and DTensors) that no torch function mode sees. Each entry says
 why no public API serves."""
 
 from __future__ import annotations
@@ -10,30 +10,23 @@ import torch
 
 
 @contextlib.contextmanager
-def dtensor_entry_points(swap):
-    """While inside, ``swap(dtensor)`` is applied to the DTensor the autograd Functions of
-    ``DTensor.redistribute`` and ``to_local``/``full_tensor`` get, however the code
-    reached them (a method, ``functools.partial(DTensor.redistribute, w)`` made before).
-    They are no torch functions, and no public hook sees their DTensor."""
-    from torch.distributed.tensor._api import _ToTorchTensor
-    from torch.distributed.tensor._redistribute import Redistribute
+def function_applies(swap):
+    """While inside, ``swap`` maps each argument of every autograd Function's ``apply``
+    (those behind ``DTensor.redistribute`` and ``to_local``/``full_tensor``, a user's
+    Function given a DTensor), however the code reached it (a method, a reference made
+    before). ``apply`` is no torch function, and no public hook sees its arguments."""
+    base = torch.autograd.Function
+    original = base.__dict__["apply"]  # a classmethod the subclasses inherit
+    apply_function = original.__func__
 
-    patched = {}
-    for function in (Redistribute, _ToTorchTensor):
-        patched[function] = function.__dict__.get("apply")  # (inherited from Function: absent)
+    def apply(cls, *args, **kwargs):
+        return apply_function(cls, *map(swap, args), **{name: swap(value) for name, value in kwargs.items()})
 
-        def apply(cls, dtensor, *args, _apply=function.apply.__func__, **kwargs):
-            return _apply(cls, swap(dtensor), *args, **kwargs)
-
-        function.apply = classmethod(apply)
+    base.apply = classmethod(apply)
     try:
         yield
     finally:
-        for function, original in patched.items():
-            if original is None:
-                del function.apply
-            else:
-                function.apply = original
+        base.apply = original
 
 
 @contextlib.contextmanager

@@ -525,7 +525,24 @@ _THROUGH_DTENSOR_METHODS = {
     "T": lambda w, x: x @ w.T,
     "mT": lambda w, x: x @ w.mT,
     "method taken before": lambda w, x: x * _REDISTRIBUTE(w, w.device_mesh, [Replicate()]).sum(),
+    "a Function given it": lambda w, x: _TimesSum.apply(x, w),
 }
+
+
+class _TimesSum(torch.autograd.Function):
+    """A user's Function given the closed-over DTensor itself."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad * w.sum(), (grad * x).sum() * torch.ones_like(w)
+
+
 _REDISTRIBUTE = DTensor.redistribute  # (a reference made before any call is traced)
 
 
