@@ -7,6 +7,7 @@ and every result must be eager's.
 
 import array
 import collections
+import re
 import types
 
 import pytest
@@ -115,6 +116,41 @@ def test_an_attribute_that_differs_is_traced():
     x = torch.randn(3, 8)
     out, trace = compiled(model, x)
     assert replay_lines(trace) and all("." in line.split()[1] for line in replay_lines(trace))
+    assert_eager(model, (x,), out)
+
+
+class Attention(nn.Module):
+    """Like a grouped-query attention's projections: ``k`` and ``v`` of one shape, ``q`` of
+    another, each called on the same input; and a layer's index, so that the layers differ."""
+
+    def __init__(self, index: int, dim: int = 8):
+        super().__init__()
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim // 2)
+        self.v = nn.Linear(dim, dim // 2)
+        self.index = index
+
+    def forward(self, x):
+        return x + self.q(x) * torch.cat([self.k(x), self.v(x)], -1)
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_blocks_of_one_class_and_input_with_other_tensors_are_each_replayed(cache):
+    """A layer's ``k`` is unlike its ``q`` (another weight shape, the same input): it
+    becomes a template of its own, which ``v`` and the later layers' ``k`` replay (each
+    was traced)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Attention(i) for i in range(3)])
+    x = torch.randn(3, 5, 8)
+    out, trace = compiled(model, x, cache=cache, stages=True)
+    _, traced = compiled(model, x, replay=False, cache=cache, stages=True)
+    assert without_replay_lines(trace) == without_replay_lines(traced)
+    # A layer traced as it is (its index differs from a template's) has its projections
+    # become templates: constant values, "1.k recorded once, replayed for 3 more (1.v,
+    # 2.k, 2.v)"; the layers' inputs differ in strides under symbolic values, the first two
+    # are templates.
+    lines = replay_lines(trace)
+    assert any(re.match(r"# (\d)\.k recorded once, replayed for \d+ more \(\1\.v", line) for line in lines), lines
     assert_eager(model, (x,), out)
 
 

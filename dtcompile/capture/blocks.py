@@ -48,6 +48,7 @@ from .equivalence import (
     local_proxy,
     named_tensors,
     same_blocks,
+    tensors_key,
 )
 from .replay import ReplayDiverged, output_aliases, record_again
 from .tensor_attributes import user_attributes
@@ -57,9 +58,10 @@ class BlockTemplate:
     """The symbols the first call of a block recorded, and how to record them again for an
     equivalent block (see the module docstring)."""
 
-    def __init__(self, module: torch.nn.Module, key: tuple, state: list):
+    def __init__(self, module: torch.nn.Module, key: tuple, state: list, tensors: tuple):
         self.module = module
         self.key = key
+        self.tensors = tensors  # ``equivalence.tensors_key`` of the block as it was recorded
         self.state = state  # the block as it was recorded (``equivalence.block_state``)
         self.python_state: Held | None = None  # the containers the block could read, as recorded
         self.symbols: list = []
@@ -102,6 +104,9 @@ class BlockTemplate:
         if not all(isinstance(v, torch.Tensor) and v.requires_grad for v in found):
             return None
         return found
+
+
+TEMPLATES_PER_KEY = 8  # each is compared with every later block of its class and arguments
 
 
 class RepeatedBlocks:
@@ -156,11 +161,14 @@ class RepeatedBlocks:
                 self.replayed.setdefault(self.paths[id(template.module)], []).append(self.paths[id(module)])
                 return replayed
             return original(module, *args, **kwargs)
-        if any(template.key == key for template in templates):
-            # Another block of this class and arguments, that differs (a layer's index):
-            # traced as it is, so that its submodules can be replayed.
+        alike = [t for t in templates if t.key == key]
+        tensors = tensors_key(module) if alike else None
+        if alike and (len(alike) >= TEMPLATES_PER_KEY or any(t.tensors == tensors for t in alike)):
+            # Another block of this class and arguments and tensors, that differs (a layer's
+            # index): traced as it is, so that its submodules can be replayed. One of other
+            # tensors (a layer's k_proj beside its q_proj) becomes a template of its own.
             return original(module, *args, **kwargs)
-        template = BlockTemplate(module, key, block_state(module))
+        template = BlockTemplate(module, key, block_state(module), tensors if alike else tensors_key(module))
         self.templates.setdefault(type(module), []).append(template)
         return self._record(template, original, module, args, kwargs)
 

@@ -203,6 +203,13 @@ def named_tensors(module: torch.nn.Module) -> list[tuple[str, object]]:
     return found
 
 
+def tensors_key(module: torch.nn.Module) -> tuple:
+    """The names and keys of the tensors a block holds: blocks of one class that differ
+    here (a layer's k_proj and its q_proj) differ in what they compute, not only in an
+    attribute (a layer's index)."""
+    return tuple((name, traced_key(value)) for name, value in named_tensors(module))
+
+
 # A module's attributes of these types (exact under ``==``: no NaN, no signed zero), and
 # its empty tables, are compared all at once (``_Plain``).
 _PLAIN = frozenset({type(None), bool, int, str})
