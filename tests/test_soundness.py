@@ -428,6 +428,53 @@ def test_closed_over_parameters_get_gradients():
         assert_same_result(jitted(d, target), loss(d, target))
 
 
+class _Mul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, g * x
+
+
+_W = torch.nn.Parameter(torch.randn(4, 3))
+_VIEWS = {"rows": lambda: _W[1:3], "a transpose (a tied head)": lambda: _W.T, "a computed view": lambda: _W.view(2, 6)}
+_READS = {
+    "an op": lambda d, v: torch.mul(d, v),
+    "a method": lambda d, v: v.mul(d),
+    "its .mT": lambda d, v: d.mT * v.mT,
+    "a Function given it": lambda d, v: _Mul.apply(d, v),
+}
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("read", list(_READS))
+@pytest.mark.parametrize("view", list(_VIEWS))
+def test_a_closed_over_view_of_a_parameter_read_with_it_gets_its_gradient_once(view, read, cache):
+    """A closed-over tensor that requires grad and is no leaf (``Wv = W[1:3]``, a tied
+    head's ``emb.weight.T``), read with ``W`` itself: the program's gradient for ``Wv`` is
+    carried into ``W`` by autograd after the call, as eager's; ``W``'s own must not carry it
+    too (it was counted twice)."""
+    torch.manual_seed(0)
+    Wv = _VIEWS[view]()
+
+    def loss(d, e):
+        return (_READS[read](d, Wv) ** 2).sum() + (_W * e).sum()
+
+    jitted = dtcompile.jit(loss, cache=cache)
+    for _ in range(3):
+        d, e = torch.randn(Wv.shape), torch.randn(_W.shape)
+        _W.grad = None
+        loss(d, e).backward(retain_graph=True)
+        expected = _W.grad.clone()
+        _W.grad = None
+        jitted(d, e).backward(retain_graph=True)
+        torch.testing.assert_close(_W.grad, expected, rtol=1e-6, atol=1e-6)
+
+
 # check="eager": a compiled call checked against eager, naming the first differing line.
 def test_check_eager_names_the_first_line_that_differs():
     def fn(x):

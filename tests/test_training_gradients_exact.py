@@ -191,6 +191,26 @@ def test_checkpoint_without_restoring_the_random_state_matches_eager():
 
 
 @torch.enable_grad()
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_reentrant_checkpoint_is_refused_clearly_and_leaves_the_module_as_it_was(cache):
+    """``use_reentrant=True``: its backward runs only under ``.backward()`` without
+    ``inputs``, and a compiled call traces its backward with ``autograd.grad``: refused,
+    saying what to pass instead (torch's own error named what the user never called)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def f(x):
+        return checkpoint(model, x, use_reentrant=True).pow(2).sum()
+
+    x = torch.randn(5, 4, requires_grad=True)
+    with pytest.raises(dtcompile.TracingError, match="use_reentrant=True.*Pass use_reentrant=False"):
+        dtcompile.jit(f, cache=cache)(x)
+    assert all(type(p) is nn.Parameter and p.is_leaf and p.grad is None for p in model.parameters())
+    f(x).backward()  # eager still trains
+    assert x.grad is not None and all(p.grad is not None for p in model.parameters())
+
+
+@torch.enable_grad()
 def test_checkpoint_of_deterministic_code_matches_eager():
     w = torch.randn(8, 8)
 

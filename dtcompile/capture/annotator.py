@@ -155,16 +155,21 @@ _UNRECORDED_SETS = {
 }
 
 
-def _user_frame(depth: int = 2) -> bool:
-    """Whether the Python code running the current torch-level call (``depth`` frames up:
-    this mode's handler is called from it) is the user's, not torch's or dtcompile's."""
-    frame = sys._getframe(depth)
+def _calling_package(depth: int) -> str:
+    """The top-level package of the Python code running the current torch-level call
+    (``depth`` frames up from the caller of this function)."""
+    frame = sys._getframe(depth + 1)
     if frame.f_globals.get("__name__") == "torch.overrides" and frame.f_back is not None:
         frame = frame.f_back  # a Tensor method written in Python (``__len__``) hands the call on
         if frame.f_globals.get("__name__") == "torch._tensor" and frame.f_back is not None:
             frame = frame.f_back
-    module = frame.f_globals.get("__name__", "")
-    return module.partition(".")[0] not in ("torch", "dtcompile")
+    return frame.f_globals.get("__name__", "").partition(".")[0]
+
+
+def _user_frame(depth: int = 2) -> bool:
+    """Whether the Python code running the current torch-level call (``depth`` frames up:
+    this mode's handler is called from it) is the user's, not torch's or dtcompile's."""
+    return _calling_package(depth) not in ("torch", "dtcompile")
 
 
 def _is_dtensor(value) -> bool:
@@ -195,7 +200,7 @@ class CallAnnotator(TorchFunctionMode):
         self.in_backward = 0  # inside torch.autograd.grad (closed_over.grad_under)
 
     def __enter__(self):
-        self._entry_points = closed_over.stand_ins_at_entry_points(self._traced_dtensor)
+        self._entry_points = closed_over.stand_ins_at_entry_points(self._stand_in)
         self._entry_points.__enter__()
         return super().__enter__()
 
@@ -225,9 +230,17 @@ class CallAnnotator(TorchFunctionMode):
         return None
 
     def _traced_dtensor(self, value):
-        if isinstance(value, DTensor) and not isinstance(value._local_tensor, TensorProxy):
-            return self.recording.capture_dtensor(value)
-        return value
+        """A closed-over DTensor's stand-in; any other value as it is."""
+        return self._stand_in(value) if isinstance(value, DTensor) else value
+
+    def _stand_in(self, value):
+        """What the traced code gets for a value it closes over (``needs_stand_in``)."""
+        if not closed_over.needs_stand_in(value):
+            return value
+        with torch._C.DisableTorchFunction():  # (from a Function's ``apply``, the annotator is on)
+            if isinstance(value, DTensor):
+                return self.recording.capture_dtensor(value)
+            return self.recording.capture(value)  # a proxy that requires grad: a leaf
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -256,7 +269,7 @@ class CallAnnotator(TorchFunctionMode):
                     f"compiled call would not make it: {_UNRECORDED_SETS[attribute]}"
                 )
             if func.__name__ == "__get__" and attribute in closed_over.COMPUTED_ATTRIBUTES and args:
-                args = (self._traced_dtensor(args[0]), *args[1:])  # ``w.T`` of a closed-over DTensor
+                args = (self._stand_in(args[0]), *args[1:])  # ``w.T`` of a closed-over DTensor
             if func.__name__ == "__get__" and attribute in AUTOGRAD_ATTRIBUTES and args and _user_frame():
                 answer = autograd_attribute(attribute, args[0], self.recording)
                 if answer is not NOT_ANSWERED:
@@ -293,8 +306,10 @@ class CallAnnotator(TorchFunctionMode):
             )
         if func in _HOOK_REGISTRATIONS and _is_traced(args[0]):
             self._check_hook(func, args)
-        if any(isinstance(x, DTensor) and not isinstance(x._local_tensor, TensorProxy) for x in leaves):
-            args, kwargs = tree_map(self._traced_dtensor, (args, kwargs))
+        if any(map(closed_over.needs_stand_in, leaves)) and _calling_package(1) != "dtcompile":
+            # (dtcompile's own calls on the real ones: putting back what tracing changed)
+            stand_in = self._stand_in if not closed_over.writes_in_place(func, kwargs) else self._traced_dtensor
+            args, kwargs = tree_map(stand_in, (args, kwargs))
             leaves = leaves_of((args, kwargs))
         memo_key = self.memo.key(func, args, kwargs, leaves)
         if memo_key is not None:

@@ -148,6 +148,12 @@ def _grad(outputs: list, wrt: list, cotangents: list, retain: bool = False) -> t
                 "reaches that op, but a compiled call differentiates all its outputs while compiling. Change a "
                 f"copy instead (y = y.clone() before the in-place op), or detach what no gradient needs ({error})"
             ) from error
+        if "use_reentrant=True, torch.utils.checkpoint is incompatible" in str(error):
+            raise TracingError(
+                "dtcompile.jit: the call uses torch.utils.checkpoint(..., use_reentrant=True), whose backward "
+                "runs only under .backward() without inputs=; a compiled call traces its backward with "
+                "torch.autograd.grad. Pass use_reentrant=False (torch's recommended form: same gradients)"
+            ) from error
         if "backward through the graph a second time" not in str(error):
             raise
         raise TracingError(

@@ -24,7 +24,45 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.tensor import DTensor
+
+from ..core import TensorProxy
 from ..core.trace_hooks import function_applies, function_mode_on_in_grad
+
+
+def writes_in_place(func, kwargs: dict) -> bool:
+    """Whether a torch-level call writes into an argument (``add_``, ``x += y``,
+    ``x[i] = y``, ``out=``): a closed-over tensor that is not a leaf is changed as it is,
+    so that the change of its graph is seen and refused (``grad_checks``), not made on a
+    stand-in."""
+    name = getattr(func, "__name__", "")
+    return "out" in kwargs or name == "__setitem__" or name in _IN_PLACE_OPERATORS or (name[-1:] == "_" != name[-2:-1])
+
+
+_IN_PLACE_OPERATORS = frozenset(
+    f"__i{op}__" for op in "add sub mul matmul truediv floordiv mod pow and or xor lshift rshift".split()
+)
+
+
+def needs_stand_in(value) -> bool:
+    """Whether the traced code gets a stand-in for ``value``: a DTensor it closes over (see
+    above), or a plain tensor it closes over that requires grad and is not a leaf (``Wv =
+    W[1]``, a tied head's ``emb.weight.T``). The stand-in is a leaf, so the program's
+    gradient for it is its own, which autograd carries into ``W`` through its graph after
+    the call, as eager's does; run on the real one, the traced backward carried it there
+    too, and ``W`` got it twice where the code also read ``W``."""
+    if isinstance(value, DTensor):
+        return not isinstance(value._local_tensor, TensorProxy)
+    return (
+        isinstance(value, torch.Tensor)
+        and not isinstance(value, TensorProxy)
+        and value.requires_grad
+        and value.grad_fn is not None
+        and not is_fake(value)
+    )
+
 
 # Tensor attributes computed by an op (a view): on a closed-over DTensor, from its stand-in.
 COMPUTED_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})

@@ -232,7 +232,10 @@ class Recording:
         found = []
         for held, proxy in zip(self.captured_held, self.captured_proxies):
             if held.requires_grad:
-                found.append((proxy, self._captured_dtensors[id(held)] if isinstance(held, DTensor) else held))
+                # A DTensor's stand-in; a plain tensor as it is, or its proxy where it is no
+                # leaf (``closed_over.needs_stand_in``)
+                traced = held if held.grad_fn is None else proxy
+                found.append((proxy, self._captured_dtensors[id(held)] if isinstance(held, DTensor) else traced))
         return found
 
     def _captured_tensor(self, x):
