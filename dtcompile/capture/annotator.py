@@ -200,7 +200,7 @@ class CallAnnotator(TorchFunctionMode):
         self.in_backward = 0  # inside torch.autograd.grad (closed_over.grad_under)
 
     def __enter__(self):
-        self._entry_points = closed_over.stand_ins_at_entry_points(self._stand_in)
+        self._entry_points = closed_over.stand_ins_at_entry_points(self.recording)
         self._entry_points.__enter__()
         return super().__enter__()
 
@@ -229,19 +229,6 @@ class CallAnnotator(TorchFunctionMode):
                 return str(x.provenance)
         return None
 
-    def _traced_dtensor(self, value):
-        """A closed-over DTensor's stand-in; any other value as it is."""
-        return self._stand_in(value) if isinstance(value, DTensor) else value
-
-    def _stand_in(self, value):
-        """What the traced code gets for a value it closes over (``needs_stand_in``)."""
-        if not closed_over.needs_stand_in(value):
-            return value
-        with torch._C.DisableTorchFunction():  # (from a Function's ``apply``, the annotator is on)
-            if isinstance(value, DTensor):
-                return self.recording.capture_dtensor(value)
-            return self.recording.capture(value)  # a proxy that requires grad: a leaf
-
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.in_backward and not _user_frame():
@@ -269,7 +256,7 @@ class CallAnnotator(TorchFunctionMode):
                     f"compiled call would not make it: {_UNRECORDED_SETS[attribute]}"
                 )
             if func.__name__ == "__get__" and attribute in closed_over.COMPUTED_ATTRIBUTES and args:
-                args = (self._stand_in(args[0]), *args[1:])  # ``w.T`` of a closed-over DTensor
+                args = (closed_over.stand_in(self.recording, args[0]), *args[1:])  # ``w.T`` of a closed-over DTensor
             if func.__name__ == "__get__" and attribute in AUTOGRAD_ATTRIBUTES and args and _user_frame():
                 answer = autograd_attribute(attribute, args[0], self.recording)
                 if answer is not NOT_ANSWERED:
@@ -308,8 +295,8 @@ class CallAnnotator(TorchFunctionMode):
             self._check_hook(func, args)
         if any(map(closed_over.needs_stand_in, leaves)) and _calling_package(1) != "dtcompile":
             # (dtcompile's own calls on the real ones: putting back what tracing changed)
-            stand_in = self._stand_in if not closed_over.writes_in_place(func, kwargs) else self._traced_dtensor
-            args, kwargs = tree_map(stand_in, (args, kwargs))
+            writes = closed_over.writes_in_place(func, kwargs)
+            args, kwargs = tree_map(lambda v: closed_over.stand_in(self.recording, v, writes), (args, kwargs))
             leaves = leaves_of((args, kwargs))
         memo_key = self.memo.key(func, args, kwargs, leaves)
         if memo_key is not None:

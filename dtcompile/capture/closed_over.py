@@ -68,14 +68,25 @@ def needs_stand_in(value) -> bool:
 COMPUTED_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 
 
+def stand_in(recording, value, writes: bool = False):
+    """What the traced code gets for ``value`` (``needs_stand_in``): its stand-in, or itself;
+    with ``writes`` (the call writes into its arguments), a plain tensor itself."""
+    if not needs_stand_in(value) or (writes and not isinstance(value, DTensor)):
+        return value
+    with torch._C.DisableTorchFunction():  # (from a Function's ``apply``, the annotator is on)
+        if isinstance(value, DTensor):
+            return recording.capture_dtensor(value)
+        return recording.capture(value)  # a proxy that requires grad: a leaf
+
+
 @contextlib.contextmanager
-def stand_ins_at_entry_points(stand_in):
-    """``stand_in(value)`` for each argument of an autograd Function applied by the
-    tracing thread (an eager call from another thread keeps its own)."""
+def stand_ins_at_entry_points(recording):
+    """``stand_in`` for each argument of an autograd Function applied by the tracing
+    thread (an eager call from another thread keeps its own)."""
     thread = threading.get_ident()
 
-    def swap(dtensor):
-        return stand_in(dtensor) if threading.get_ident() == thread else dtensor
+    def swap(value):
+        return stand_in(recording, value) if threading.get_ident() == thread else value
 
     with function_applies(swap):
         yield
