@@ -306,3 +306,23 @@ def test_branches_on_data_under_check_eager(name):
         x = _signed(generator, sign)
         assert_same(jitted(x), fn(x), f"{name}, sign {sign}")
     assert dtcompile.cache_misses(jitted) == 2
+
+
+_ELEMENTS_READ = {
+    "int of each unique value": lambda ids: [int(e) for e in torch.unique(ids)],
+    "float of each masked value": lambda ids: [float(v) for v in ids[ids > 2].float()],
+    "a sum of each nonzero index": lambda ids: sum(int(i) for i in torch.nonzero(ids > 2).flatten()),
+}
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("case", list(_ELEMENTS_READ))
+def test_each_element_of_a_tensor_sized_by_data_read_as_a_number(case, cache):
+    """The program checked the count it was traced with only after reading the elements
+    (an ``unbind`` into that many): another count raised ValueError inside the program
+    instead of tracing the call again."""
+    fn = _ELEMENTS_READ[case]
+    jitted = dtcompile.jit(fn, cache=cache)
+    for ids in ([0, 3, 4, 5], [5, 5, 5, 5], [1, 2, 3, 9, 4, 7], [0, 0, 0, 0], [0, 3, 4, 5]):
+        ids = torch.tensor(ids)
+        assert jitted(ids) == fn(ids)

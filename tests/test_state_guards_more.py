@@ -34,6 +34,13 @@ _SETTINGS = {
     ),
     "anomaly detection": (torch.is_anomaly_enabled, lambda on: torch.autograd.set_detect_anomaly(on)),
     "mkldnn": (lambda: torch.backends.mkldnn.enabled, lambda on: setattr(torch.backends.mkldnn, "enabled", on)),
+    "opt_einsum strategy": (
+        lambda: torch.backends.opt_einsum.strategy == "auto",
+        lambda on: setattr(torch.backends.opt_einsum, "strategy", "auto" if on else "greedy"),
+    ),
+    # Tracing turns autocast's cache off (its entries would outlive the call): the code
+    # asking torch is told the caller's flag, which is guarded.
+    "autocast's cache": (lambda: torch.is_autocast_cache_enabled(), lambda on: torch.set_autocast_cache_enabled(on)),
 }
 
 
@@ -493,6 +500,18 @@ def test_a_torch_setting_left_changed_by_the_call_is_refused_and_put_back(cache)
 
 
 @pytest.mark.parametrize("cache", CACHES)
+def test_autocast_s_cache_flag_set_by_the_call_is_refused_and_put_back(cache):
+    def fn(x):
+        torch.set_autocast_cache_enabled(False)
+        return x * 2
+
+    assert torch.is_autocast_cache_enabled()
+    with pytest.raises(dtcompile.TracingError, match="torch's settings"):
+        dtcompile.jit(fn, cache=cache)(torch.ones(2))
+    assert torch.is_autocast_cache_enabled() and torch.is_autocast_cache_enabled is torch._C.is_autocast_cache_enabled
+
+
+@pytest.mark.parametrize("cache", CACHES)
 def test_blocks_told_apart_by_a_setting_their_parent_toggles(cache):
     class Layer(nn.Module):
         def __init__(self):
@@ -721,3 +740,30 @@ def test_a_call_passing_what_the_module_holds_after_a_distinct_call_is_refused_a
 
 def _aliased(m, kind):
     return (torch.ones(2), m.state) if kind == "object" else (m.ts[1], _State())
+
+
+class _Doubling(nn.Module):
+    def forward(self, w):
+        return w * 2.0
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_parametrize_cached_region_leaves_no_proxy_and_bakes_in_no_entry(cache):
+    """``parametrize.cached()``: an entry made while tracing (a proxy) outlived the call
+    (the next eager call was given it), and one made by an eager call before would be read
+    by the program at every call, outside the region too."""
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 3)
+    parametrize.register_parametrization(model, "weight", _Doubling())
+    jitted = dtcompile.jit(model, cache=cache)
+    x = torch.ones(2, 3)
+    with torch.no_grad():
+        with parametrize.cached():
+            expected = model(x)  # an entry of the eager call's
+            torch.testing.assert_close(jitted(x), expected)
+            torch.testing.assert_close(model(x), expected)  # eager's entry, not a proxy
+            torch.testing.assert_close(jitted(torch.ones(5, 3)), model(torch.ones(5, 3)))  # compiles again
+        model.parametrizations.weight.original.add_(1.0)  # outside the region: computed anew
+        torch.testing.assert_close(jitted(x), model(x))

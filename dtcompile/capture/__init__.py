@@ -2,6 +2,7 @@
 
 from ..core import TracingError
 from .autograd import BackwardCapture
+from .data_branches import ranks_meet_before_live_collectives
 from .global_state import GlobalState
 from .input_nodes import (
     ConstantInput,
@@ -71,6 +72,7 @@ __all__ = [
     "DataSnapshot",
     "is_state_object",
     "is_tracing",
+    "ranks_meet_before_live_collectives",
     "describe_placement",
     "describe_placements",
     "iter_leaves",

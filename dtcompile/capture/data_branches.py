@@ -172,6 +172,8 @@ def real_now(recording, source: TensorProxy, collectives: bool = True):
         if all(p.label in env for p in bsym.output_proxies()):
             continue  # computed for an earlier read
         args, kwargs = tree_map(real, (bsym.args, bsym.kwargs))
+        if _meetings and _is_collective(bsym.op) and (ranks := _group_ranks(bsym)) is not None:
+            _meetings[-1](ranks)
         # As eager runs them: under the Python dispatcher (on while tracing) a functional
         # all_gather never completes.
         with no_python_dispatcher():
@@ -184,6 +186,39 @@ def real_now(recording, source: TensorProxy, collectives: bool = True):
                     known.setdefault(symbol, sympy.Integer(size))
                     recording.sizes_now.setdefault(symbol, sympy.Integer(size))
     return env[source.label], cone
+
+
+_meetings: list = []  # while tracing: jit's rank agreement, called before each collective tracing runs
+
+
+@contextlib.contextmanager
+def ranks_meet_before_live_collectives(meet):
+    """While inside, ``meet(ranks)`` runs before each collective that tracing runs on real
+    values (a branch on a number a collective computes, in :func:`real_now`), with the
+    ranks of its group: they meet first (through the store), so that a peer that ran a
+    cached program, or failed, is not met in the collective (that hung, or paired this
+    rank's collective with another)."""
+    _meetings.append(meet)
+    try:
+        yield
+    finally:
+        _meetings.pop()
+
+
+def _group_ranks(bsym) -> tuple[int, ...] | None:
+    """The ranks of the process group a collective symbol runs on (None: a wait)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for arg in bsym.args:
+        if isinstance(arg, str):
+            try:
+                return tuple(dist.get_process_group_ranks(_resolve_process_group(arg)))
+            except (ValueError, RuntimeError, KeyError):
+                continue
+        if isinstance(arg, dist.ProcessGroup):
+            return tuple(dist.get_process_group_ranks(arg))
+    return None
 
 
 def _is_collective(op) -> bool:
@@ -211,8 +246,11 @@ def checks_first(recording) -> None:
     reader.update((s, index) for s, (index, _, _) in recording.size_reads.items())
     expressions = [e for expr in assumptions(shape_env) for e in _divisors_first(expr)]
     expressions += _float_checks(recording, reader, expressions)
+    # Each check as early as it can be: right after what computes its numbers, so that a
+    # check of a size read from data comes before the code that assumes it (an ``unbind``
+    # into as many numbers as traced).
     first: set[int] = set()
-    checks, size_reads = [], {}
+    start, size_reads = [], {}
     for expr in expressions:
         numbers = sorted(expr.free_symbols, key=str)
         if not all((s in reader and reader[s] in recording.cones) or s in recording.input_sizes for s in numbers):
@@ -220,17 +258,19 @@ def checks_first(recording) -> None:
                 f"dtcompile.jit: the traced code branched on {expr}, which mixes numbers read from tensor data "
                 "with sizes; such a branch cannot be checked at run time"
             )
+        needed = set()
         for s in numbers:
             if s in reader:
-                first |= set(recording.cones[reader[s]]) | {reader[s]}
+                needed |= set(recording.cones[reader[s]]) | {reader[s]}
+        start += [symbols[i] for i in sorted(needed - first)]
+        first |= needed
+        reads_before = len(size_reads)
         args = tuple(_number_of(recording, symbols, reader, s, size_reads) for s in numbers)
+        start += list(size_reads.values())[reads_before:]
         read = next((reader[s] for s in numbers if s in reader), None)  # the read of data the branch is on
         note = None if read is None else symbols[read].note
-        checks.append(BoundSymbol(data_check(expr, tuple(numbers)), args, {}, None, note))
-    hoisted = [b for i, b in enumerate(symbols) if i in first]
-    recording.bound_symbols[:] = (
-        hoisted + list(size_reads.values()) + checks + [b for i, b in enumerate(symbols) if i not in first]
-    )
+        start.append(BoundSymbol(data_check(expr, tuple(numbers)), args, {}, None, note))
+    recording.bound_symbols[:] = start + [b for i, b in enumerate(symbols) if i not in first]
     _runtime_checks(recording, items)
 
 

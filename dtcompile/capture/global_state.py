@@ -84,6 +84,9 @@ def torch_settings() -> tuple:
         matmul.allow_fp16_reduced_precision_reduction,
         matmul.allow_bf16_reduced_precision_reduction,
         sdpa_backends(),
+        backends.opt_einsum.enabled,
+        backends.opt_einsum.strategy,
+        _autocast_cache_enabled(),
     )
 
 
@@ -117,7 +120,8 @@ def _put_settings_back(settings: tuple) -> None:
     torch.set_num_threads(threads)
     torch.set_autocast_dtype("cpu", cpu_dtype)
     torch.set_autocast_dtype("cuda", cuda_dtype)
-    mkldnn, mkldnn_deterministic, fastpath, *cudnn, tf32, fp16, bf16, sdpa = settings[10:]
+    mkldnn, mkldnn_deterministic, fastpath, *cudnn, tf32, fp16, bf16, sdpa = settings[10:-3]
+    *opt_einsum, autocast_cache = settings[-3:]
     backends.mkldnn.enabled = mkldnn
     if mkldnn_deterministic is not None:
         backends.mkldnn.deterministic = mkldnn_deterministic
@@ -132,6 +136,11 @@ def _put_settings_back(settings: tuple) -> None:
         sdpa,
     ):
         enable(on)
+    backends.opt_einsum.enabled, backends.opt_einsum.strategy = opt_einsum
+    if _outer_autocast_cache:  # while tracing (``autocast_cache_off``)
+        _outer_autocast_cache[-1] = autocast_cache
+    else:
+        torch._C.set_autocast_cache_enabled(autocast_cache)
 
 
 def modes_left_changed(state: GlobalState) -> list[str]:
@@ -187,13 +196,48 @@ class RandomStates:
 def autocast_cache_off():
     """While tracing, autocast does not cache its casts of weights. An entry made then
     (a proxy, keyed by the weight) would outlive the call: the user's next eager call
-    in the same autocast region would be given the proxy."""
+    in the same autocast region would be given the proxy. The code asking whether it
+    caches (``torch.is_autocast_cache_enabled()``) is told what the caller set, and may
+    set it (put back after the call, as torch's other settings are)."""
     enabled = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)
+    _outer_autocast_cache.append(enabled)
+    original_get, original_set = torch.is_autocast_cache_enabled, torch.set_autocast_cache_enabled
+    torch.is_autocast_cache_enabled = _autocast_cache_enabled
+    torch.set_autocast_cache_enabled = _set_autocast_cache_enabled
     try:
         yield
     finally:
-        torch.set_autocast_cache_enabled(enabled)
+        torch.is_autocast_cache_enabled, torch.set_autocast_cache_enabled = original_get, original_set
+        torch.set_autocast_cache_enabled(_outer_autocast_cache.pop())
+
+
+@contextlib.contextmanager
+def parametrize_cache_off():
+    """While tracing, ``torch.nn.utils.parametrize.cached()`` caches nothing and reads no
+    entry: one made then (a proxy) would outlive the call, and one made before (a real
+    tensor, from the user's eager call in the region) would be baked into the program,
+    read at every call, outside the region too. The program computes each
+    parametrization, as eager does outside the region."""
+    from torch.nn.utils import parametrize
+
+    saved = parametrize._cache_enabled, parametrize._cache
+    parametrize._cache_enabled, parametrize._cache = 0, {}
+    try:
+        yield
+    finally:
+        parametrize._cache_enabled, parametrize._cache = saved
+
+
+_outer_autocast_cache: list[bool] = []  # while tracing: what the caller's code sees of the flag
+
+
+def _autocast_cache_enabled() -> bool:
+    return _outer_autocast_cache[-1] if _outer_autocast_cache else torch._C.is_autocast_cache_enabled()
+
+
+def _set_autocast_cache_enabled(enabled: bool) -> None:
+    _outer_autocast_cache[-1] = enabled
 
 
 _SEEDING = ("manual_seed", "seed", "set_rng_state", "fork_rng")  # in torch and torch.random

@@ -32,6 +32,7 @@ from .global_state import (
     RandomStates,
     autocast_cache_off,
     modes_left_changed,
+    parametrize_cache_off,
     seeding_refused,
     state_put_back,
 )
@@ -221,6 +222,7 @@ def _capture(
         OpRecorder(recording),
         seeding_refused(),
         autocast_cache_off(),
+        parametrize_cache_off(),
         effects_refused(),
         symbolic_splits(),
     ):

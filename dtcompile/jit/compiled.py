@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..capture import CapturedCall, capture_call, is_tracing
+from ..capture import CapturedCall, capture_call, is_tracing, ranks_meet_before_live_collectives
 from ..core import DataCheckFailed, TensorProxy, Trace, verify
 from ..core.block_call import block_programs
 from ..core.codegen import GeneratedFunction
@@ -56,9 +56,7 @@ class CacheEntry:
     epilogue: GeneratedFunction
     traces: list[Trace]
     compile_seconds: float
-    # The program as recorded below DTensor, runnable (its sizes materialized): what
-    # ``check="eager"`` compares the compiled program with, line by line. None for training.
-    reference: Trace | None = None
+    reference: Trace | None = None  # the recorded program, runnable, for ``check="eager"``; None: training
     ranks: tuple[int, ...] = ()  # the ranks that checked they agree on this entry's program
     digest: str = ""  # the digest of what they agreed on
     group_labels: dict[str, str] = field(default_factory=dict)  # process group name -> mesh dim
@@ -227,7 +225,8 @@ class CompiledFunction:
 
     def _compile(self, args: tuple, kwargs: dict, agreement: RankAgreement, symbolic: bool) -> CacheEntry:
         start = time.perf_counter()
-        captured = capture_call(self.fn, args, kwargs, module=self.module, symbolic=symbolic)
+        with ranks_meet_before_live_collectives(agreement.meet):
+            captured = capture_call(self.fn, args, kwargs, module=self.module, symbolic=symbolic)
         labels = group_labels(captured.meshes, captured.trace)
         executors = self.executors_for(captured)
         reference = None

@@ -171,6 +171,34 @@ def test_a_rank_that_raises_while_tracing_fails_every_rank_fast(ranks2, failing,
             assert f"rank {failing} failed" in message and f"ValueError: bad input on rank {failing}" in message
 
 
+def _fails_before_a_branch_on(rank):
+    def fn(x):
+        if dist.get_rank() == rank:
+            raise ValueError(f"bad input on rank {rank}")
+        return x * 2 if x.sum() > 0 else x - 1  # the sum's all-reduce runs while tracing
+
+    return fn
+
+
+def one_rank_raises_before_a_data_branch(failing: int):
+    mesh = init_device_mesh("cpu", (2,))
+    x = distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)])
+    return _timed(dtcompile.jit(_fails_before_a_branch_on(failing)), x)
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_rank_that_raises_before_a_branch_on_data_fails_every_rank_fast(ranks2, failing):
+    """Tracing runs the all-reduce a branch on a DTensor's sum reads: the peer waited in
+    it for the process group's timeout, then raised Gloo's error. The ranks meet before it."""
+    results = ranks2.run(one_rank_raises_before_a_data_branch, failing, timeout=TIMEOUT)
+    for rank, (kind, message, seconds) in enumerate(results):
+        assert seconds < FAST, (rank, seconds)
+        if rank == failing:
+            assert (kind, message) == ("ValueError", f"bad input on rank {failing}")
+        else:
+            assert kind == "RankFailedError" and f"rank {failing} failed" in message, message
+
+
 def test_a_failed_rank_is_a_rank_mismatch():
     assert issubclass(dtcompile.RankFailedError, dtcompile.RankMismatchError)
 
@@ -262,6 +290,51 @@ def test_a_cached_call_that_one_rank_misses_fails_every_rank_within_the_timeouts
     # Rank 0's collective timed out, and it says why.
     assert kind0 == "RankMismatchError", message0
     assert "rank 0 ran its cached program" in message0 and "ranks [1] compiled a new one" in message0
+
+
+S = 2.0
+
+
+def _scaled_by_sign(x):
+    return x * S if x.sum() > 0 else x - S  # the sum's all-reduce runs while tracing
+
+
+def a_global_changed_on_one_rank_before_a_data_branch(checked: bool):
+    global S
+    mesh = init_device_mesh("cpu", (2,))
+    S = 2.0
+    with sync_timeout(SYNC_TIMEOUT):
+        if checked:
+            with calls_checked():
+                jitted = dtcompile.jit(_scaled_by_sign)
+        else:
+            jitted = dtcompile.jit(_scaled_by_sign)
+        x = distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)])
+        first = _timed(jitted, x)[0]
+        if dist.get_rank() == 0:
+            S = 3.0  # a miss on rank 0 only: it traces, and its trace runs the sum's all-reduce
+        return first, *_timed(jitted, x)
+
+
+@pytest.mark.parametrize("checked", [False, True], ids=["default", "calls checked"])
+def test_a_cached_call_one_rank_misses_in_code_branching_on_a_collective_s_value(ranks2_short, checked):
+    """The rank that missed met the other's cached program in the all-reduce its tracing
+    ran (on 4 ranks the ranks that hit returned as if nothing happened): Gloo's errors after
+    the process group's timeout, on every rank, also with every call checked."""
+    try:
+        results = ranks2_short.run(a_global_changed_on_one_rank_before_a_data_branch, checked, timeout=TIMEOUT)
+    finally:
+        ranks2_short.close()  # the ranks' collectives no longer match: fresh ranks next time
+    bound = (FAST if checked else max(PG_TIMEOUT, float(SYNC_TIMEOUT))) + 2.0
+    for rank, (first, kind, message, seconds) in enumerate(results):
+        assert first == "ok" and seconds < bound, (rank, first, seconds)
+        assert kind in ("RankMismatchError", "RankFailedError"), (rank, kind, message)
+    message0, message1 = results[0][2], results[1][2]
+    if checked:
+        assert "ranks [0] missed the cache" in message0 and "ranks [0] missed the cache" in message1
+    else:
+        assert "ranks [1] did not come to that collective" in message0, message0
+        assert "rank 1 ran its cached program" in message1 and "ranks [0] compiled a new one" in message1
 
 
 @contextmanager

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ...core import Trace
 from .errors import GuardsDiffer, RankMismatchError
-from .exchange import MissingRanks, default_store, exchange, post_failure, release
+from .exchange import MissingRanks, default_store, exchange, meet, post_failure, release
 from .identity import input_signature, next_compilation_key
 from .program import collective_lines, collective_ranks, first_difference
 
@@ -36,7 +36,9 @@ class RankAgreement:
         self.identity = identity
         self.what = what
         self.signature = input_signature(args, kwargs, module) if _multi_process() else []
-        self.key: str | None = None  # taken by the exchange or the failure report
+        self.key: str | None = None  # taken by the exchange, a meeting or the failure report
+        self.exchanged = False  # the ranks exchanged their programs (each raised what it found)
+        self.meetings = 0
 
     def _take_key(self) -> str:
         if self.key is None:
@@ -45,12 +47,32 @@ class RankAgreement:
 
     def report_failure(self, error: BaseException) -> None:
         """Post this rank's failure, so that ranks waiting for its program raise now."""
-        if not _multi_process() or isinstance(error, RankMismatchError) or self.key is not None:
+        if not _multi_process() or isinstance(error, RankMismatchError) or self.exchanged:
             return  # a mismatch is raised on every rank already; the exchange ran
         try:
             post_failure(default_store(), f"{self._take_key()}/hash", error)
         except Exception:  # noqa: BLE001 - the store being gone must not hide the error
             pass
+
+    def meet(self, ranks: tuple[int, ...]) -> None:
+        """Before tracing runs a collective on real values (``data_branches.real_now``):
+        the ranks of its group meet, or raise :class:`RankMismatchError` (a peer failed, or
+        never came: it hit a cache entry this rank missed)."""
+        if not _multi_process() or len(ranks) < 2 or dist.get_rank() not in ranks:
+            return
+        key = self._take_key()
+        self.meetings += 1
+        try:
+            meet(default_store(), f"{key}/live{self.meetings}", f"{key}/hash", ranks, self.what)
+        except MissingRanks as missing:
+            error = RankMismatchError(
+                f"dtcompile: rank {dist.get_rank()} traces {self.what}, whose code reads a value a collective "
+                f"computes, but ranks {missing.ranks} did not come to that collective within "
+                f"{missing.seconds:.0f} s (DTCOMPILE_SYNC_TIMEOUT): they hit a cache entry this rank missed, or "
+                "run other code; run with them, the collective would hang or meet another"
+            )
+            post_failure(default_store(), f"{key}/hash", error)  # a peer stalled in its program is told why
+            raise error from None
 
     def check(
         self, traces: list[Trace], meshes: list, labels: dict[str, str], guards: list[str] = ()
@@ -67,6 +89,7 @@ class RankAgreement:
         if len(ranks) < 2 or dist.get_rank() not in ranks:
             return (), ""
         key, store = self._take_key(), default_store()
+        self.exchanged = True
         collectives = [c for trace in traces for c in collective_lines(trace, labels)]
         inputs = [_INPUTS + " " + line for line in self.signature]
         common = [*inputs, *(_PROGRAM + " " + c.line for c in collectives)]

@@ -71,6 +71,27 @@ def exchange(store, key: str, ranks: tuple[int, ...], value: str, what: str) -> 
     return {rank: value, **{r: posted[f"{key}/{r}"] for r in ranks if r != rank}}
 
 
+def meet(store, key: str, failures: str, ranks: tuple[int, ...], what: str) -> None:
+    """Wait until every rank of ``ranks`` posted under ``key``; raise
+    :class:`RankFailedError` as soon as one posts a failure under ``failures`` (the
+    compilation's key, where a failing rank posts it), :class:`MissingRanks` when some never
+    come."""
+    rank = dist.get_rank()
+    store.set(f"{key}/{rank}", _OK)
+    pending = [f"{key}/{r}" for r in ranks if r != rank]
+    watched = [f"{failures}/{r}" for r in ranks if r != rank]
+    timeout = sync_timeout()
+    deadline, pause = time.monotonic() + timeout, _POLL_FIRST
+    while not store.check(pending):
+        _raise_failures(store, [k for k in watched if store.check([k])], rank, what)
+        if time.monotonic() > deadline:
+            raise MissingRanks(
+                [r for r, k in zip(sorted(set(ranks) - {rank}), pending) if not store.check([k])], timeout
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL_MAX)
+
+
 def _raise_failures(store, keys: list[str], rank: int, what: str) -> dict[str, str]:
     """The values posted under ``keys`` (all present); a posted failure raises."""
     values = dict(zip(keys, (v.decode() for v in store.multi_get(keys)))) if keys else {}
