@@ -132,8 +132,21 @@ class _Recorder:
     def waited(self, collective, *args):
         return self.op(functional.wait_tensor.default, self.op(collective, *args))
 
-    def write(self, target, result) -> None:
-        """``target.copy_(result)``, ``result`` viewed as ``target``'s shape."""
+    def memory(self, tensor) -> object:
+        """A buffer the backend reads and writes in place (``all_reduce``, ``broadcast``,
+        ``scatter``'s output) as a 1-D view in the order of its memory, as Gloo does,
+        whatever its strides (a transpose; they may differ between ranks, and the
+        collective has the same shape on each)."""
+        if not tensor.is_contiguous():
+            order = sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), d))
+            tensor = self.op(aten.permute.default, tensor, order)
+        return self.op(aten.view.default, tensor, [-1])
+
+    def write(self, target, result, memory: bool = False) -> None:
+        """``target.copy_(result)``, ``result`` viewed as ``target``'s shape; with
+        ``memory``, into ``target``'s memory in order (:meth:`memory`)."""
+        if memory:
+            target, result = self.memory(target), self.op(aten.reshape.default, result, [-1])
         if tuple(result.shape) != tuple(target.shape):
             result = self.op(aten.reshape.default, result, list(target.shape))
         self.op(aten.copy_.default, target, result)
@@ -158,7 +171,7 @@ def _all_reduce(r: _Recorder, tensors, pg, reduce_op, *rest):
     if _overlapping(tensors):  # ``[y, y]``, overlapping slices (disjoint pieces of one buffer are fine)
         raise TracingError(f"dtcompile.jit: {r.call} of tensors that share memory: reduced once in eager, twice here")
     for t in tensors:
-        r.write(t, r.waited(functional.all_reduce.default, t, op, group))
+        r.write(t, r.waited(functional.all_reduce.default, r.memory(t), op, group), memory=True)
 
 
 def _all_gather_base(r: _Recorder, output, input, pg, *rest):
@@ -174,6 +187,7 @@ def _all_gather(r: _Recorder, output_lists, inputs, pg, *rest):
             raise RuntimeError(f"{r.call}: the output list holds {len(outputs)} tensors for a group of {size}")
         for output in outputs:
             _expect(r, output, list(input.shape), input.dtype, "each output")
+        _contiguous(r, outputs, "the outputs")
         r.scatter_rows(r.waited(functional.all_gather_into_tensor.default, r.flat([input]), size, group), outputs)
 
 
@@ -193,6 +207,11 @@ def _reduce_scatter(r: _Recorder, outputs, input_lists, pg, reduce_op, *rest):
     group, size = r.group(pg)
     op = r.reduce_op(reduce_op)
     for output, inputs in zip(outputs, input_lists):
+        if len(inputs) != size:
+            raise RuntimeError(f"{r.call}: the input list holds {len(inputs)} tensors for a group of {size}")
+        for input in inputs:
+            _expect(r, input, list(output.shape), output.dtype, "each input")
+        _contiguous(r, inputs, "the inputs")
         r.write(output, r.waited(functional.reduce_scatter_tensor.default, r.flat(inputs), op, size, group))
 
 
@@ -204,7 +223,7 @@ def _reduce_scatter_coalesced(r: _Recorder, outputs, inputs, pg, reduce_op, *res
 def _broadcast(r: _Recorder, tensors, pg, root_rank, root_tensor, *rest):
     group, _ = r.group(pg)  # root_rank is the group's rank, as the functional op takes it
     for t in tensors:
-        r.write(t, r.waited(functional.broadcast.default, t, root_rank, group))
+        r.write(t, r.waited(functional.broadcast.default, r.memory(t), root_rank, group), memory=True)
 
 
 def _reduce(r: _Recorder, tensors, pg, reduce_op, root_rank, *rest):
@@ -214,9 +233,9 @@ def _reduce(r: _Recorder, tensors, pg, reduce_op, root_rank, *rest):
     group, _ = r.group(pg)
     op = r.reduce_op(reduce_op)
     for t in tensors:
-        result = r.waited(functional.all_reduce.default, t, op, group)
+        result = r.waited(functional.all_reduce.default, r.memory(t), op, group)
         if r.rank(pg) == root_rank:
-            r.write(t, result)
+            r.write(t, result, memory=True)
         else:
             empty = r.op(aten.slice.Tensor, r.flat([result]), 0, 0, 0)
             r.op(aten.copy_.default, r.op(aten.slice.Tensor, r.flat([t]), 0, 0, 0), empty)
@@ -230,13 +249,21 @@ def _scatter(r: _Recorder, outputs, input_lists, pg, root_rank, *rest):
         n = output.numel()
         source = r.flat(input_lists[i]) if input_lists else r.op(aten.new_empty.default, output, [size * n])
         everything = r.waited(functional.broadcast.default, source, root_rank, group)
-        r.write(output, r.op(aten.slice.Tensor, everything, 0, rank * n, (rank + 1) * n))
+        r.write(output, r.op(aten.slice.Tensor, everything, 0, rank * n, (rank + 1) * n), memory=True)
 
 
 def _all_to_all_base(r: _Recorder, output, input, pg, output_splits, input_splits, *rest):
     group, size = r.group(pg)
     if _overlapping([output, input]):  # eager's backend writes rows the program would still read
         raise TracingError(f"dtcompile.jit: {r.call} into a tensor that shares memory with its input")
+    for what, t in (("input", input), ("output", output)):
+        if not t.is_contiguous():  # (eager: "Tensors must be contiguous" for the input, rows of memory for the output)
+            raise TracingError(f"dtcompile.jit: {r.call} with a non-contiguous {what}: pass a contiguous tensor")
+    if list(output.shape[1:]) != list(input.shape[1:]):
+        raise TracingError(
+            f"dtcompile.jit: {r.call} into an output of shape {list(output.shape)} from an input of shape "
+            f"{list(input.shape)}: rows of another shape are not recorded; give the output the input's rows"
+        )
     if not input_splits:
         input_splits = [input.shape[0] // size] * size
     if not output_splits:
@@ -247,6 +274,9 @@ def _all_to_all_base(r: _Recorder, output, input, pg, output_splits, input_split
 
 def _all_to_all(r: _Recorder, outputs, inputs, pg, *rest):
     group, _ = r.group(pg)
+    for what, t in [*(("each output", o) for o in outputs), *(("each input", i) for i in inputs[1:])]:
+        _expect(r, t, list(inputs[0].shape), inputs[0].dtype, what)  # Gloo's: all the same size
+    _contiguous(r, [*outputs, *inputs], "the outputs and inputs")
     result = r.waited(
         functional.all_to_all_single.default,
         r.flat(inputs),
@@ -255,6 +285,13 @@ def _all_to_all(r: _Recorder, outputs, inputs, pg, *rest):
         group,
     )
     r.scatter_rows(result, outputs)
+
+
+def _contiguous(r: _Recorder, tensors: list, what: str) -> None:
+    """The list forms' tensors are contiguous: Gloo copies a transposed one into its flat
+    buffer in a layout of its own, which the program does not reproduce."""
+    if not all(t.is_contiguous() for t in tensors):
+        raise TracingError(f"dtcompile.jit: {r.call} with a non-contiguous tensor among {what}: pass contiguous ones")
 
 
 def _expect(r: _Recorder, tensor, shape: list, dtype, what: str) -> None:

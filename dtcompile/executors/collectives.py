@@ -85,13 +85,15 @@ class StartCollective(Symbol):
     group: str = ""  # the process group's name
     in_place: bool = False
     exchange: bool = False  # an all_reduce of two ranks, run as a gather of both tensors
+    strided: bool = False  # an exchange of a tensor that is not contiguous (gathered as a contiguous copy)
 
     def lines(self, bsym: BoundSymbol) -> list[str]:
         source = bsym.args[0].label
         out, work = (proxy.label for proxy in bsym.output)
         async_args = f"group=process_group({self.group!r}), async_op=True"
         if self.exchange:
-            gather = f"allgather_into(process_group({self.group!r}), {out}.view(-1), {source}.view(-1))"
+            flat = f"{source}.contiguous().view(-1)" if self.strided else f"{source}.view(-1)"
+            gather = f"allgather_into(process_group({self.group!r}), {out}.view(-1), {flat})"
             return [f"{out} = {source}.new_empty((2, *{source}.shape))", f"{work} = {gather}"]
         if self.kind == "all_reduce":
             start = f"process_group({self.group!r}).allreduce([{{}}], allreduce_options[{_REDUCE_OPS[bsym.args[1]]!r}])"
@@ -206,10 +208,15 @@ def _start(bsym: BoundSymbol, index: int, context: LoweringContext, readers, tak
     reduce_op = bsym.args[1] if kind in ("all_reduce", "reduce_scatter_tensor") else "sum"
     contiguous = isinstance(source, TensorProxy) and is_contiguous_stride(source.shape, source.stride())
     known = _REDUCE_SCATTER_OPS if kind == "reduce_scatter_tensor" else _REDUCE_OPS
-    if not contiguous or reduce_op not in known or source.dtype.is_complex:
+    if reduce_op not in known or source.dtype.is_complex:
         return None
     group = group_name(bsym)
+    # Whether it is an exchange may not depend on this rank's strides: a peer whose tensor
+    # is laid out otherwise must run the same collective (an all_reduce met a gather: a hang).
+    # Its result is contiguous, as the functional op's is.
     exchange = kind == "all_reduce" and _exchange_fits(bsym, reduce_op, group, readers)
+    if not contiguous and not exchange:
+        return None
     in_place = kind == "all_reduce" and not exchange and context.dead_after(source, index)
     made_by = NoProvenance(str(bsym.op))
     work = FutureProxy(_fresh(f"{bsym.output.label}_work", taken), made_by)
@@ -225,6 +232,7 @@ def _start(bsym: BoundSymbol, index: int, context: LoweringContext, readers, tak
         group=group,
         in_place=in_place,
         exchange=exchange,
+        strided=exchange and not contiguous,
     )
     return BoundSymbol(symbol, bsym.args, bsym.kwargs, (tensor, work), bsym.note, bsym.op)
 
