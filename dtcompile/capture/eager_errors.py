@@ -47,6 +47,8 @@ def eager_failure(func, args: tuple, kwargs: dict) -> BaseException | None:
     raises none, or where it cannot be run on stand-ins."""
     if any(isinstance(x, (DTensor, torch.Generator)) for x in tree_flatten((args, kwargs))[0]):
         return None  # DTensor's own checks run while tracing, as in eager; a generator is the user's
+    if _communicates(func):
+        return None  # run for real, a collective would wait for peers that run no such thing
     try:
         real_args, real_kwargs = tree_map(_stand_in, (args, kwargs))
     except _GiveUp:
@@ -60,6 +62,16 @@ def eager_failure(func, args: tuple, kwargs: dict) -> BaseException | None:
     finally:
         torch.default_generator.set_state(random_state)
     return None
+
+
+def _communicates(func) -> bool:
+    """Whether ``func`` is one of torch.distributed's (``dist.broadcast``, a functional
+    collective, a c10d op)."""
+    module = getattr(func, "__module__", None) or ""
+    return module.startswith("torch.distributed") or getattr(func, "namespace", "") in _COLLECTIVE_NAMESPACES
+
+
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"})
 
 
 def _stand_in(value):
