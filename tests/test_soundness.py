@@ -985,3 +985,29 @@ def test_inputs_named_like_an_op_namespace(name, cache):
     for _ in range(2):
         x, y = torch.randn(3), torch.randn(3)
         torch.testing.assert_close(jitted(x, **{name: y}), x * 2 + y)
+
+
+_FROM_PYTHON_DATA = {
+    "frombuffer": lambda data: torch.frombuffer(bytearray(data.tobytes()), dtype=torch.float32),
+    "from_numpy": lambda data: torch.from_numpy(data.copy()),
+    "as_tensor": lambda data: torch.as_tensor(data.copy()),
+    "tensor": lambda data: torch.tensor(data),
+    "asarray": lambda data: torch.asarray(data.copy()),
+}
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("make", list(_FROM_PYTHON_DATA))
+def test_a_tensor_made_inside_from_python_data_and_written_in_place_is_fresh_at_each_call(make, cache):
+    """``torch.frombuffer`` is made by no torch op: the program held the first call's
+    tensor and doubled it again at every call."""
+    import numpy
+
+    def fn(x):
+        t = _FROM_PYTHON_DATA[make](numpy.float32([1, 2]))
+        t.mul_(2)
+        return x + t
+
+    jitted = dtcompile.jit(fn, cache=cache)
+    for _ in range(3):
+        assert_same_result(jitted(torch.zeros(2)), fn(torch.zeros(2)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -227,6 +228,32 @@ def parametrize_cache_off():
         yield
     finally:
         parametrize._cache_enabled, parametrize._cache = saved
+
+
+@contextlib.contextmanager
+def python_memory_copied():
+    """While tracing, ``torch.frombuffer`` (a tensor over Python memory, made by no torch
+    op: the program held the first call's, and wrote into it in place at every call)
+    gives a copy made at each call, as ``torch.tensor`` of the same data does; in the
+    tracing thread only."""
+    original, thread = torch.frombuffer, threading.get_ident()
+
+    def frombuffer(*args, **kwargs):
+        made = original(*args, **kwargs)
+        return torch.ops.aten.lift_fresh_copy.default(made) if threading.get_ident() == thread else made
+
+    torch.frombuffer = frombuffer
+    try:
+        yield
+    finally:
+        torch.frombuffer = original
+
+
+@contextlib.contextmanager
+def torch_caches_off():
+    """What tracing changes of torch's state while it runs (each put back after)."""
+    with autocast_cache_off(), parametrize_cache_off(), python_memory_copied():
+        yield
 
 
 _outer_autocast_cache: list[bool] = []  # while tracing: what the caller's code sees of the flag

@@ -30,11 +30,10 @@ from .fsdp import FSDPTracing, reaches_fsdp
 from .global_state import (
     GlobalState,
     RandomStates,
-    autocast_cache_off,
     modes_left_changed,
-    parametrize_cache_off,
     seeding_refused,
     state_put_back,
+    torch_caches_off,
 )
 from .grad_checks import gradient_refusal
 from .input_nodes import DictInput, DTensorInput, InputNode, ObjectInput, SequenceInput, brings_proxy, iter_leaves
@@ -221,8 +220,7 @@ def _capture(
         CallAnnotator(recording),
         OpRecorder(recording),
         seeding_refused(),
-        autocast_cache_off(),
-        parametrize_cache_off(),
+        torch_caches_off(),
         effects_refused(),
         symbolic_splits(),
     ):
