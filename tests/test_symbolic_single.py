@@ -423,3 +423,19 @@ def test_sizes_beyond_exact_floats_are_constants():
     for n in (10, 2**53 + 1, 2**60 + 3, 11):
         x = torch.ones(1).expand(n)
         assert jitted(x) == fn(x)
+
+
+def test_a_size_of_zero_after_an_entry_whose_guards_divide_by_a_size():
+    """The entry traced at length 5 checked ``(s * 4) % (2 * s) == 0`` before its range
+    ``s >= 2``: a call at length 0 raised ZeroDivisionError from the prologue."""
+
+    def fn(x):
+        if x.shape[0] == 0:
+            return x.clone()
+        return x.view(x.shape[0], -1, 2).sum(-1)
+
+    jitted = dtcompile.jit(fn, cache="symbolic values")
+    for n in (5, 0, 7, 0):
+        x = torch.randn(n, 4)
+        got, expected = jitted(x), fn(x)
+        assert got.shape == expected.shape and torch.equal(got, expected)

@@ -76,6 +76,85 @@ def test_a_head_the_loss_does_not_use_gets_no_grad_and_adamw_leaves_it(used):
     assert dtcompile.cache_misses(jitted) == 1
 
 
+class _Offset(torch.autograd.Function):
+    """A Function whose backward tells a missing gradient (None) from zeros."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.set_materialize_grads(False)
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.full((2, 4), 100.0) if g is None else g + 1
+
+
+def _offset_by_hook(h):
+    h.register_hook(lambda g: g + 1)
+    return h
+
+
+def _scaled_by_hook(h):
+    h.register_hook(lambda g: g * 3)
+    return h
+
+
+# How the second head's path runs code of the user's in the backward.
+_BACKWARD_CODE = {
+    "a tensor hook": lambda h: _offset_by_hook(h * 3),
+    "a Function": lambda h: _Offset.apply(h),
+    "a linear tensor hook": lambda h: _scaled_by_hook(h * 3),
+}
+
+
+def _heads_with_code(kind: str):
+    def fn(x, w):
+        h = x * w
+        return (h * 2).sum(), _BACKWARD_CODE[kind](h).sum()
+
+    return fn
+
+
+@torch.enable_grad()
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("kind", list(_BACKWARD_CODE))
+def test_code_of_the_user_s_on_the_path_of_an_unused_output_is_refused(kind, cache):
+    """Eager's autograd runs a hook or a Function's backward only where a gradient arrives;
+    the compiled backward ran it on zeros (``g + 1`` added to the shared input's gradient, a
+    Function branching on ``g is None`` took the other branch). Refused when it would run
+    so; with every output used, eager's gradients."""
+    fn = _heads_with_code(kind)
+    jitted = dtcompile.jit(fn, cache=cache)
+    x = torch.ones(2, 4)
+    for _ in range(2):  # a miss, then a hit
+        w, v = torch.ones(4, requires_grad=True), torch.ones(4, requires_grad=True)
+        a, b = fn(x, v)
+        (a + b).backward()
+        got_a, got_b = jitted(x, w)
+        (got_a + got_b).backward()
+        torch.testing.assert_close(w.grad, v.grad, rtol=0, atol=0)
+        w = torch.ones(4, requires_grad=True)
+        got_a, _ = jitted(x, w)
+        with pytest.raises(RuntimeError, match=r"code of yours .* outputs \[1\] only, which got none"):
+            got_a.backward()
+
+
+@torch.enable_grad()
+def test_code_of_the_user_s_on_a_path_some_gradient_reaches_runs_as_in_eager():
+    """A hook on a value both outputs read runs, in eager, on the gradient that arrives."""
+
+    def fn(x, w):
+        h = _offset_by_hook(x * w)
+        return (h * 2).sum(), (h * 3).sum()
+
+    jitted = dtcompile.jit(fn)
+    for used in (0, 1):
+        w, v = torch.ones(4, requires_grad=True), torch.ones(4, requires_grad=True)
+        fn(torch.ones(2, 4), v)[used].backward()
+        jitted(torch.ones(2, 4), w)[used].backward()
+        torch.testing.assert_close(w.grad, v.grad, rtol=0, atol=0)
+
+
 def _two_products(x, w1, w2):
     return x * w1, x * w2
 

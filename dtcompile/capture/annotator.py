@@ -379,6 +379,8 @@ class CallAnnotator(TorchFunctionMode):
             self.recording.current_call = outer_call
         new = self.recording.bound_symbols[start:]
         if new:
+            if self.in_backward:  # (only the user's calls reach here in a backward)
+                self.recording.users_backward += new
             proxies: list[TensorProxy] = []
             inputs = [d for d in (_describe(v, proxies) for v in (*args, *kwargs.values())) if d is not None]
             name = _short_name(func).replace("{", "{{").replace("}", "}}")

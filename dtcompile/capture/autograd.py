@@ -39,6 +39,10 @@ class BackwardCapture:
     # Per differentiable input, the cotangents (bit i: cotangents[i]) whose outputs reach it
     # in autograd's graph: its gradient is None, as eager's, where none of them arrives.
     grad_sources: list[int] | None = None
+    # For each symbol the user's code recorded in the backward (a hook, a Function's
+    # ``backward``), the cotangents (bit i: cotangents[i]) its inputs come from: eager runs
+    # that code only where one of them arrives (``users_code_reached``).
+    users_code: frozenset[int] = frozenset()
     # The saved_tensors_hooks (pack, unpack) active around the call: traced into the
     # programs, so the compiled step must not apply them again (jit/training.py).
     saved_hooks: tuple | None = None
@@ -111,6 +115,7 @@ def capture_backward(
                 "forward's numbers again, a compiled backward would draw new ones. Keep random ops (dropout) "
                 "out of the checkpointed function, or do not checkpoint it"
             )
+    users_code = _users_code(recording, forward_symbols, proxies)
     grad_locals, grad_specs = [], []
     for grad in grads:
         if isinstance(grad, DTensor):
@@ -128,9 +133,35 @@ def capture_backward(
         grad_locals,
         grad_specs,
         grad_sources=sources,
+        users_code=users_code,
         saved_hooks=saved_tensors_hooks(),
         dtensor_modes=needed,
     )
+
+
+def _users_code(recording: Recording, start: int, cotangents: list[TensorProxy]) -> frozenset[int]:
+    """The masks of cotangents each symbol the user's code recorded in the backward reads
+    from (through the symbols before it; see ``BackwardCapture.users_code``)."""
+    users = {id(b) for b in recording.users_backward}
+    masks = {p.label: 1 << i for i, p in enumerate(cotangents)}
+    found = set()
+    for bsym in recording.bound_symbols[start:]:
+        mask = 0
+        for proxy in bsym.input_proxies():
+            mask |= masks.get(proxy.label, 0)
+        if mask:
+            masks.update((proxy.label, mask | masks.get(proxy.label, 0)) for proxy in bsym.output_proxies())
+            if id(bsym) in users:
+                found.add(mask)
+    return frozenset(found)
+
+
+def users_code_reached(users_code: frozenset[int], arrived: int) -> bool:
+    """Whether the user's code in a backward is all reached by the cotangents that
+    ``arrived`` (bit i: cotangents[i]). Where some is reached only by others, eager's
+    autograd would not run it, and a compiled backward would, on zeros: a hook ``g + 1``,
+    a Function that branches on ``g is None``."""
+    return all(mask & arrived for mask in users_code)
 
 
 _MIXED = "got mixed torch.Tensor and DTensor"  # DTensor's error for a plain tensor among DTensors

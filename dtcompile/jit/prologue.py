@@ -181,15 +181,8 @@ class _Builder:
         """The relations between sizes, then what the trace assumed of them: the ShapeEnv's
         guards (equal sizes, divisibility, branches taken) and each symbol's range (sizes 0
         and 1 were traced as constants, so a symbol stands for 2 and more, up to
-        ``LARGEST_SYMBOLIC_SIZE``)."""
-        for item, expr in self.relations:
-            self.fail_if(f"{item} != {self.source(expr)}")
-        checked = set()
-        for expr in shape_guards(shape_env):
-            if expr is sympy.true or expr in checked:
-                continue
-            checked.add(expr)
-            self.fail_if(f"not ({self.source(expr)})")
+        ``LARGEST_SYMBOLIC_SIZE``). The ranges first: a guard may divide by a size that
+        another call has as 0 (``n % (2 * s)``)."""
         for symbol, var in self.symbols.items():
             bounds = symbol_range(shape_env, symbol)
             if bounds is not None and bounds.lower.is_Integer:
@@ -198,6 +191,14 @@ class _Builder:
             if bounds is not None and bounds.upper.is_Integer:
                 upper = min(upper, int(bounds.upper))
             self.fail_if(f"{var} > {upper}")
+        for item, expr in self.relations:
+            self.fail_if(f"{item} != {self.source(expr)}")
+        checked = set()
+        for expr in shape_guards(shape_env):
+            if expr is sympy.true or expr in checked:
+                continue
+            checked.add(expr)
+            self.fail_if(f"not ({self.source(expr)})")
 
     def source(self, expr) -> str:
         missing = expr.free_symbols - set(self.symbols)

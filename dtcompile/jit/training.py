@@ -23,6 +23,7 @@ import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
+from ..capture.autograd import users_code_reached
 from ..core import TensorProxy, TracingError
 from ..core.codegen import GeneratedFunction
 from ..core.symbolic import as_constant, is_symbolic
@@ -117,6 +118,10 @@ class TrainingProgram:
     returned_inputs: list[tuple[int, int]]
     saved_hooks: tuple | None = None  # the saved_tensors_hooks (pack, unpack) it was traced under
     dtensor_modes: tuple | None = None  # (DTensorModes its backward needs on, eager's error without)
+    users_code: frozenset = frozenset()  # ``BackwardCapture.users_code``
+
+    def __post_init__(self):
+        self.returned_slots = frozenset(slot for slot, _ in self.returned_inputs)
 
     @staticmethod
     def make(forward, backward, output, captured_inputs, backward_capture, slots: int, trace_output) -> TrainingProgram:
@@ -165,6 +170,7 @@ class TrainingProgram:
             ],
             saved_hooks=backward_capture.saved_hooks,
             dtensor_modes=backward_capture.dtensor_modes,
+            users_code=backward_capture.users_code,
         )
 
     def __call__(self, inputs: tuple):
@@ -173,8 +179,13 @@ class TrainingProgram:
             outs = CompiledStep.apply(self, *inputs)
         else:
             outs = self._apply_under_hooks(hooks, inputs)
+        outs = list(outs)
+        for slot in self.non_differentiable:
+            if outs[slot].requires_grad and slot not in self.returned_slots:
+                # A view of an input that requires grad, which the code detached first
+                # (``x.detach()[1:]``): eager's needs no gradient (autograd gave it the input's flag).
+                outs[slot] = outs[slot].detach()
         if self.returned_inputs:
-            outs = list(outs)
             for slot, position in self.returned_inputs:
                 # The caller's own tensor, as eager returns it (a DTensor that needs no gradient:
                 # the program has its local tensor, and returns it wrapped anew).
@@ -306,6 +317,14 @@ class CompiledStep(torch.autograd.Function):
         # The cotangents that arrived: an input only outputs without one reach gets no
         # gradient (None, not zeros), as in eager.
         arrived = sum(1 << i for i, c in enumerate(program.cotangents) if grad_outputs[c.slot] is not None)
+        if not users_code_reached(program.users_code, arrived):
+            missing = [c.slot for i, c in enumerate(program.cotangents) if not arrived >> i & 1]
+            raise RuntimeError(
+                f"dtcompile: the backward of a compiled call runs code of yours (a tensor hook, a module's backward "
+                f"hook, an autograd.Function's backward) on the gradient of outputs {missing} only, which got none "
+                "(the loss does not use them): eager would not run it, the compiled backward would run it on zeros. "
+                "Return only the outputs the loss uses, or give each a gradient (loss + out.sum() * 0)"
+            )
         with function_modes_off():  # (autograd's own backward runs none of them)
             grads = program.backward(inputs)
         result: list = [None] * (1 + program.inputs)
