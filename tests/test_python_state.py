@@ -1184,3 +1184,31 @@ def test_a_pytree_context_changed_in_place(names):
     bag.names[0] = "b"
     assert_same_tensor(jf(x, bag), reads_a_bag(x, bag))
     assert counts(jf) == (2, 0)
+
+
+_OFFSET = 1.0
+
+
+@functools.singledispatch
+def _scaled(t):
+    return t * 2
+
+
+def test_an_implementation_registered_on_a_singledispatch_function_after_compiling():
+    """The registry is functools' (library code, not followed): a new implementation was
+    not seen, and the first call's baked in."""
+    global _OFFSET
+
+    def fn(x):
+        return _scaled(x) + 0
+
+    jitted = dtcompile.jit(fn)
+    x = torch.ones(2)
+    assert torch.equal(jitted(x), fn(x))
+    _scaled.register(torch.Tensor)(lambda t: t * 100 + _OFFSET)
+    try:
+        assert torch.equal(jitted(x), fn(x))
+        _OFFSET = 5.0  # a global the registered implementation reads
+        assert torch.equal(jitted(x), fn(x))
+    finally:
+        _OFFSET = 1.0

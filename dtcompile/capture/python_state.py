@@ -32,7 +32,8 @@ hook), so what is guarded is what the code *can* read, found before tracing:
   for one no user code loads by name (guarding it would miss at every call).
 - **Plain objects and containers, all the way down**: the attributes of a plain object
   (a config; those in its ``__slots__`` too; an object the code calls, and an
-  ``lru_cache``'s wrapped function) held in such an attribute, global or cell
+  ``lru_cache``'s wrapped function; a ``singledispatch`` function's implementations)
+  held in such an attribute, global or cell
   (``self.config.scale``), the items of a container (and what a weak reference in one
   refers to), and what those hold in turn
   (``self.config.attention.rope.theta``, ``TABLE[0]["act"]``), each object once.
@@ -233,7 +234,16 @@ class PythonState(AfterTracing):
         if isinstance(value, torch.nn.Module):  # a model a function calls
             self.module_tree(value, where)
             return
-        if isinstance(value, types.FunctionType):
+        if isinstance(value, types.FunctionType) and isinstance(
+            getattr(value, "registry", None), types.MappingProxyType
+        ):
+            # ``functools.singledispatch``: its implementations by class (one registered later
+            # too), and the function it wraps
+            self._walked.add(id(value))
+            self._read(value, None, value.registry, f"the implementations of {where}", attribute="registry")
+            self.follow(value.registry, f"the implementations of {where}")
+            self.follow(getattr(value, "__wrapped__", None), where)
+        elif isinstance(value, types.FunctionType):
             self._function(value)
         elif isinstance(value, type):
             self._class(value)
