@@ -859,11 +859,13 @@ class _StoresOutputs(torch.nn.Module):
 
     def forward(self, x):
         y = self.lin(x)
-        self.last = [y]  # assigned, never read: not guarded
+        self.last = [y]  # assigned, never read: not guarded once it exists
         return y
 
 
-@pytest.mark.parametrize("cls, misses", [(_GrowsAList, 4), (_DeletesAnAttribute, 2), (_StoresOutputs, 1)])
+# _StoresOutputs: its attribute, absent before the first call (code may read it by a name
+# made at run time), compiles once more.
+@pytest.mark.parametrize("cls, misses", [(_GrowsAList, 4), (_DeletesAnAttribute, 2), (_StoresOutputs, 2)])
 def test_containers_and_deletions_the_forward_makes_are_guarded(cls, misses):
     torch.manual_seed(0)
     model = cls()
@@ -1190,7 +1192,7 @@ _OFFSET = 1.0
 
 
 @functools.singledispatch
-def _scaled(t):
+def _dispatched(t):
     return t * 2
 
 
@@ -1200,15 +1202,40 @@ def test_an_implementation_registered_on_a_singledispatch_function_after_compili
     global _OFFSET
 
     def fn(x):
-        return _scaled(x) + 0
+        return _dispatched(x) + 0
 
     jitted = dtcompile.jit(fn)
     x = torch.ones(2)
     assert torch.equal(jitted(x), fn(x))
-    _scaled.register(torch.Tensor)(lambda t: t * 100 + _OFFSET)
+    _dispatched.register(torch.Tensor)(lambda t: t * 100 + _OFFSET)
     try:
         assert torch.equal(jitted(x), fn(x))
         _OFFSET = 5.0  # a global the registered implementation reads
         assert torch.equal(jitted(x), fn(x))
     finally:
         _OFFSET = 1.0
+
+
+class _StateByComputedNames(torch.nn.Module):
+    """Per-slot state under names made at run time, as layer-indexed code keeps it."""
+
+    def forward(self, x):
+        outs = []
+        for i in range(2):
+            previous = getattr(self, f"state_{i}", None)
+            y = x * (i + 1) if previous is None else previous + x
+            setattr(self, f"state_{i}", y)
+            outs.append(y)
+        return torch.stack(outs)
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_state_the_forward_creates_under_names_made_at_run_time(cache):
+    """No code loads ``state_0`` by name, so its value was not guarded: every call got the
+    first call's branch (``previous is None``)."""
+    model, reference = _StateByComputedNames(), _StateByComputedNames()
+    jitted = dtcompile.jit(model, cache=cache)
+    with torch.no_grad():
+        for _ in range(4):
+            assert_same_tensor(jitted(torch.ones(2)), reference(torch.ones(2)))
+    assert dtcompile.cache_misses(jitted) == 2

@@ -48,14 +48,19 @@ class AfterTracing:
         again after each call), which the namespaces' lengths do not count. What one held
         before the call stays guarded where the program may have read it (``if self.cache
         is None``, ``self.pos + n``, ``hasattr(self, "cache")``): another value compiles a
-        new entry. Not guarded: an attribute no code reads (``self.last = n * 2`` in user
-        classes whose code never loads ``last``), which would compile at every call."""
+        new entry. Not guarded: an attribute no code loads by name (``self.last = n * 2``
+        in user classes whose code never loads ``last``), which would compile at every call,
+        once it exists (absent before, it is guarded absent: ``getattr(self, f"s{i}", None)``)."""
         unread = {
             (id(vars(u.module)), u.key)
             for u in module_updates
             if u.table == "__dict__"
             and u.key not in self._attribute_loads
             and not any(map(is_library, type(u.module).__mro__[: type(u.module).__mro__.index(torch.nn.Module)]))
+            # Absent before the call, it stays guarded: a name made at run time
+            # (``getattr(self, f"state_{i}", None)``) may read it; the next call compiles
+            # once more, with what this call assigned.
+            and u.key in vars(u.module)
         }
         self.forget(lambda read: (id(read.holder), read.key) not in unread)
         for u in module_updates:
