@@ -29,7 +29,8 @@ hook), so what is guarded is what the code *can* read, found before tracing:
   (parameters, buffers, submodules, hooks and the training flag are guarded elsewhere).
   An attribute the forward assigns stays guarded (``if self.cache is None``, then
   ``self.cache = ...``; ``self.calls + 1`` baked in; its absence, for ``hasattr``), but
-  for one no user code loads by name (guarding it would miss at every call).
+  for one no user code loads by name that exists before the call (guarding it would miss
+  at every call; absent before, it is guarded absent, for a name made at run time).
 - **Plain objects and containers, all the way down**: the attributes of a plain object
   (a config; those in its ``__slots__`` too; an object the code calls, and an
   ``lru_cache``'s wrapped function; a ``singledispatch`` function's implementations)
