@@ -494,3 +494,36 @@ def test_an_output_and_a_value_its_backward_reads_stay_apart():
         loss.backward()
         grads.append(w.grad)
     torch.testing.assert_close(grads[1], grads[0])
+
+
+def _saves_x_then_writes_x2(w, x, x2):
+    y = (w * x).sum()  # autograd saves x for w's gradient
+    x2.add_(1)
+    return y
+
+
+_SHARING = {
+    "x and a view of it": lambda: (lambda z: (z, z.view(3)))(torch.ones(3)),
+    "two slices of one base": lambda: (lambda z: (z[:3], z[3:]))(torch.ones(6)),
+    "x and x.detach()": lambda: (lambda z: (z, z.detach()))(torch.ones(3)),
+}
+
+
+@torch.enable_grad()
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("traced_first", ["apart", "sharing"])
+@pytest.mark.parametrize("sharing", list(_SHARING))
+def test_a_saved_input_written_through_another_that_shares_its_memory(sharing, traced_first, cache):
+    """Eager's backward raises (the inputs share a version counter); the compiled step gave
+    gradients of the changed value: traced apart and then called sharing memory, and traced
+    sharing it."""
+    jitted = dtcompile.jit(_saves_x_then_writes_x2, cache=cache)
+    if traced_first == "apart":
+        w = torch.ones(3, requires_grad=True)
+        jitted(w, torch.ones(3), torch.ones(3)).backward()
+        assert torch.equal(w.grad, torch.ones(3))
+    w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _saves_x_then_writes_x2(w, *_SHARING[sharing]()).backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        jitted(w, *_SHARING[sharing]()).backward()

@@ -115,6 +115,7 @@ def capture_backward(
                 "forward's numbers again, a compiled backward would draw new ones. Keep random ops (dropout) "
                 "out of the checkpointed function, or do not checkpoint it"
             )
+    _saved_alias_written(recording, forward_symbols)
     users_code = _users_code(recording, forward_symbols, proxies)
     grad_locals, grad_specs = [], []
     for grad in grads:
@@ -154,6 +155,39 @@ def _users_code(recording: Recording, start: int, cotangents: list[TensorProxy])
             if id(bsym) in users:
                 found.add(mask)
     return frozenset(found)
+
+
+def _saved_alias_written(recording: Recording, forward_end: int) -> None:
+    """Autograd's check that a value its backward reads was not changed in place after
+    it was saved, across the call's tensors that share memory (``x`` and ``x.view(3)``
+    passed both, ``w`` and ``w.detach()``): their proxies are tensors of their own, whose
+    version counters autograd does not share as it does the caller's; eager raises
+    autograd's error at the backward, the program would give gradients of the new value."""
+    inputs = {p.label: p for p in recording.input_proxies}
+    symbols = recording.bound_symbols
+    read_back = {p.label for b in symbols[forward_end:] for p in b.input_proxies()} & inputs.keys()
+    first_read: dict[str, int] = {}
+    for index, bsym in enumerate(symbols[:forward_end]):
+        for proxy in bsym.input_proxies():
+            if proxy.label in read_back:
+                first_read.setdefault(proxy.label, index)
+        schema = getattr(bsym.op, "_schema", None)
+        if schema is None or not schema.is_mutable:
+            continue
+        for argument, value in zip(schema.arguments, bsym.args):
+            if not (
+                argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, TensorProxy)
+            ):
+                continue
+            for label in read_back:
+                saved = inputs[label]
+                if label != value.label and first_read.get(label, index) < index and saved.memory == value.memory:
+                    raise TracingError(
+                        f"dtcompile.jit: the call changes {value.provenance} in place (one of the variables needed "
+                        "for gradient computation has been modified by an inplace operation): it shares memory "
+                        f"with {saved.provenance}, which the backward reads as it was before; eager raises "
+                        "autograd's error at the backward. Change a copy, or pass tensors that do not share memory"
+                    )
 
 
 def users_code_reached(users_code: frozenset[int], arrived: int) -> bool:

@@ -349,7 +349,7 @@ class CompiledFunction:
             inputs,
             backward,
             slots,
-            captured.trace.output,
+            captured.trace,
         )
         traces = [*joint_traces, *forward_traces, *forward_blocks, forward_execution]
         traces += [*backward_traces, *backward_blocks, backward_execution]

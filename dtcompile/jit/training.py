@@ -35,6 +35,7 @@ from ..core.torch_internals import (
     saved_tensors_hooks,
 )
 from ..core.trace import Zeros
+from ..transforms.effects import mutates
 from .epilogue import build_epilogue, build_output_wrapper, with_sizes
 
 
@@ -119,14 +120,21 @@ class TrainingProgram:
     saved_hooks: tuple | None = None  # the saved_tensors_hooks (pack, unpack) it was traced under
     dtensor_modes: tuple | None = None  # (DTensorModes its backward needs on, eager's error without)
     users_code: frozenset = frozenset()  # ``BackwardCapture.users_code``
+    # Positions of the inputs the backward reads as they were, which the forward does not
+    # write: their versions, unchanged through the forward unless through another input
+    # that shares their memory (``x`` and ``x.view(3)`` passed both; traced apart), as
+    # autograd checks the caller's tensors.
+    read_back: tuple = ()
 
     def __post_init__(self):
         self.returned_slots = frozenset(slot for slot, _ in self.returned_inputs)
 
     @staticmethod
-    def make(forward, backward, output, captured_inputs, backward_capture, slots: int, trace_output) -> TrainingProgram:
+    def make(forward, backward, output, captured_inputs, backward_capture, slots: int, joint) -> TrainingProgram:
         """The program of a captured training call: ``captured_inputs`` the computation's
-        input proxies, ``backward_capture`` what tracing the backward recorded."""
+        input proxies, ``backward_capture`` what tracing the backward recorded, ``joint``
+        the recorded trace (forward, then backward)."""
+        trace_output = joint.output
         position = {p.label: i for i, p in enumerate(captured_inputs)}
         cotangents = [
             Cotangent(slot, spec, tuple(as_constant(x) for x in proxy.shape), proxy.dtype, proxy.device)
@@ -171,6 +179,7 @@ class TrainingProgram:
             saved_hooks=backward_capture.saved_hooks,
             dtensor_modes=backward_capture.dtensor_modes,
             users_code=backward_capture.users_code,
+            read_back=_read_back(joint, captured_inputs),
         )
 
     def __call__(self, inputs: tuple):
@@ -279,8 +288,10 @@ class CompiledStep(torch.autograd.Function):
         local_inputs = list(inputs)
         for position in program.dtensor_inputs:
             local_inputs[position] = local_inputs[position]._local_tensor
+        versions = [local_inputs[i]._version for i in program.read_back]
         outs = program.forward(*local_inputs)
         ctx.program = program
+        ctx.written = [i for i, v in zip(program.read_back, versions) if local_inputs[i]._version != v]
         # As autograd's own saved tensors: freed after a backward without retain_graph (a
         # second one then raises), and checked for in-place changes before the backward.
         # Numbers (read from tensor data) are kept beside them, in their places.
@@ -304,6 +315,11 @@ class CompiledStep(torch.autograd.Function):
                 "create_graph=True, is not supported)"
             )
         program: TrainingProgram = ctx.program
+        if ctx.written:  # autograd's own error, as eager's backward raises it
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"input {ctx.written[0]} of the compiled call, through another input that shares its memory"
+            )
         if program.dtensor_modes is not None and not program.dtensor_modes[0].active():
             raise RuntimeError(program.dtensor_modes[1])  # eager's, outside loss_parallel() say
         inputs = list(ctx.saved_tensors)
@@ -332,3 +348,11 @@ class CompiledStep(torch.autograd.Function):
             if not gradient.sources or gradient.sources & arrived:
                 result[1 + gradient.position] = gradient.wrap(grad, shape)
         return tuple(result)
+
+
+def _read_back(joint, inputs: list) -> tuple:
+    """``TrainingProgram.read_back`` of the recorded ``joint`` trace."""
+    position = {p.label: i for i, p in enumerate(inputs)}
+    read = {p.label for b in joint.bound_symbols if b.in_backward for p in b.input_tensors()} & position.keys()
+    written = {p.memory for b in joint.bound_symbols if not b.in_backward and mutates(b) for p in b.input_tensors()}
+    return tuple(sorted(position[label] for label in read if inputs[position[label]].memory not in written))
