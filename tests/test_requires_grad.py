@@ -63,10 +63,10 @@ def _needs_grad():
 
 
 CASES = [
-    (_enables_grad, (_needs_grad,), True, "returns a tensor that requires grad"),
-    (_requires_grad_inside, (_plain,), False, "returns a tensor that requires grad"),
-    (_factory_requiring_grad, (_plain,), False, "returns a tensor that requires grad"),
-    (_parameter_made_inside, (_plain,), False, "returns a tensor that requires grad"),
+    (_enables_grad, (_needs_grad,), True, "a tensor that requires grad, made so inside"),
+    (_requires_grad_inside, (_plain,), False, "a tensor that requires grad, made so inside"),
+    (_factory_requiring_grad, (_plain,), False, "a tensor that requires grad, made so inside"),
+    (_parameter_made_inside, (_plain,), False, "a tensor that requires grad, made so inside"),
     (_makes_the_argument_require_grad, (_plain,), False, r"args\[0\] requires grad"),
     (_writes_a_value_that_requires_grad, (_plain, _needs_grad), False, r"args\[0\] requires grad"),
     (_returns_a_leaf_made_inside, (_plain, _needs_grad), False, "a leaf tensor that requires grad"),

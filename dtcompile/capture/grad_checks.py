@@ -81,14 +81,15 @@ def gradient_refusal(
                     "autograd rebuilds a DTensor that does not. Return the DTensor itself, or take the view outside"
                 )
             raise TracingError(
-                "dtcompile.jit: the call returns a tensor that requires grad, made so inside it "
-                "(torch.enable_grad() in a call made without gradients, requires_grad_(), a factory with "
-                "requires_grad=True) while no input needs gradients; it is compiled without autograd. Call it "
+                "dtcompile.jit: the call returns (or assigns to a module's attribute) a tensor that requires grad, "
+                "made so inside it (torch.enable_grad() in a call made without gradients, requires_grad_(), "
+                "a factory with requires_grad=True, nn.Parameter) while no input needs gradients; it is compiled without autograd. Call it "
                 "with gradients enabled and an input that requires grad, or turn gradients on outside"
             )
         if tensor.is_leaf:
             raise TracingError(
-                "dtcompile.jit: the call returns a leaf tensor that requires grad, made inside it (a factory "
+                "dtcompile.jit: the call returns (or assigns to a module's attribute) a leaf tensor that requires "
+                "grad, made inside it (a factory "
                 "with requires_grad=True, detach().requires_grad_(), nn.Parameter): eager gives it a .grad "
                 "after backward, a compiled call cannot. Make it outside the call and pass it in"
             )
