@@ -1239,3 +1239,86 @@ def test_state_the_forward_creates_under_names_made_at_run_time(cache):
         for _ in range(4):
             assert_same_tensor(jitted(torch.ones(2)), reference(torch.ones(2)))
     assert dtcompile.cache_misses(jitted) == 2
+
+
+def _knob(kind: str):
+    import ctypes
+
+    return {"memoryview": lambda: memoryview(bytearray([1])), "ctypes": lambda: ctypes.c_double(1.0)}[kind]()
+
+
+def _knob_value(knob) -> float:
+    return float(knob[0]) if isinstance(knob, memoryview) else knob.value
+
+
+def _set_knob(knob, value: int) -> None:
+    if isinstance(knob, memoryview):
+        knob[0] = value
+    else:
+        knob.value = value
+
+
+class _Knobbed(torch.nn.Module):
+    def __init__(self, knob):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.knob = knob
+
+    def forward(self, x):
+        return self.lin(x) * _knob_value(self.knob)
+
+
+@pytest.mark.parametrize("kind", ["memoryview", "ctypes"])
+def test_memory_a_module_reads_through_a_memoryview_or_ctypes_changed_between_calls(kind):
+    """Compared by identity only, the first call's value stayed baked in."""
+    torch.manual_seed(0)
+    model = _Knobbed(_knob(kind))
+    jitted = dtcompile.jit(model)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for value in (1, 5, 5, 2):
+            _set_knob(model.knob, value)
+            assert_same_tensor(jitted(x), model(x))
+
+
+@pytest.mark.parametrize("kind", ["memoryview", "ctypes"])
+def test_a_layer_s_memoryview_or_ctypes_value_a_parent_changes_between_layers(kind):
+    """Repeated blocks compared such a value by identity (the later layers were replayed
+    with the first one's), and the parent's writes to it went unseen."""
+    knob = _knob(kind)
+
+    class Parent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(_Knobbed(knob) for _ in range(4))
+
+        def forward(self, x):
+            for i, layer in enumerate(self.layers):
+                _set_knob(knob, i + 1)
+                x = layer(x).tanh()
+            return x
+
+    torch.manual_seed(0)
+    model = Parent()
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        expected = model(x)
+        _set_knob(knob, 1)
+        # The parent's writes would happen once, while tracing: refused, as a bytearray's are.
+        with pytest.raises(dtcompile.TracingError, match=r"changed the module attribute layers\.0\.knob"):
+            dtcompile.jit(model)(x)
+        assert _knob_value(knob) == 1  # put back
+        assert_same_tensor(model(x), expected)
+
+
+@pytest.mark.parametrize("kind", ["memoryview", "ctypes"])
+def test_a_memoryview_or_ctypes_value_the_code_changes_is_refused_and_put_back(kind):
+    knob = _knob(kind)
+
+    def fn(x):
+        _set_knob(knob, int(_knob_value(knob)) + 1)
+        return x * 2
+
+    with pytest.raises(dtcompile.TracingError, match="changed"):
+        dtcompile.jit(fn)(torch.ones(2))
+    assert _knob_value(knob) == 1

@@ -2,7 +2,6 @@
 
 from ..core import TracingError
 from .autograd import BackwardCapture
-from .data_branches import ranks_meet_before_live_collectives
 from .global_state import GlobalState
 from .input_nodes import (
     ConstantInput,
@@ -18,6 +17,7 @@ from .input_nodes import (
     iter_leaves,
 )
 from .inputs import UnsupportedInputError
+from .live_collectives import ranks_meet_before_live_collectives
 from .objects import AttributeUpdate, is_state_object, new_object
 from .outputs import (
     ConstantOutput,

@@ -17,6 +17,7 @@ from ..core.torch_internals import dict_version
 from .alike import SCALARS
 from .equivalence import TENSOR_TABLES
 from .objects import slot_names
+from .python_reads import memory_copy, raw_memory
 from .python_state import PythonState
 from .user_code import block_functions, is_library
 
@@ -95,9 +96,14 @@ def _cell_contents(cell) -> object:
 
 
 def is_buffer(value) -> bool:
-    """A NumPy array, an ``array`` or a bytearray: compared by a copy, not item by item."""
+    """A NumPy array, an ``array``, a bytearray, a memoryview or a ctypes object: compared
+    by a copy, not item by item."""
     numpy = sys.modules.get("numpy")
-    return isinstance(value, (bytearray, array.array)) or (numpy is not None and isinstance(value, numpy.ndarray))
+    return (
+        isinstance(value, (bytearray, array.array))
+        or raw_memory(value)
+        or (numpy is not None and isinstance(value, numpy.ndarray))
+    )
 
 
 def _reachable(values, found: dict[int, object], tree: set[int], levels: int) -> None:
@@ -145,6 +151,8 @@ def contents(container) -> tuple:
     meanwhile could leave its address to a new one)."""
     if isinstance(container, dict) and dict_version is not None:
         return ("version", dict_version(container))
+    if raw_memory(container):
+        return ("bytes", memory_copy(container))
     if is_buffer(container):
         return ("copy", container.copy() if hasattr(container, "copy") else container[:])
     if isinstance(container, (list, collections.deque)):
@@ -193,6 +201,8 @@ def changed(container, before: tuple) -> bool:
         return dict_version(container) != held
     if kind == "set":
         return container != held
+    if kind == "bytes":
+        return held is None or memory_copy(container) != held
     if kind == "copy":
         numpy = sys.modules.get("numpy")
         if numpy is not None and isinstance(held, numpy.ndarray):

@@ -46,6 +46,7 @@ from ..core.prims import _CHECK_GLOBALS, SHAPE, DataCheck, data_check
 from ..core.printing import NamedConstant
 from ..core.symbolic import SYMBOLIC_TYPES, Then, exact_float_checks, python_source, symbolic_expr
 from ..core.torch_internals import runtime_asserts, set_data_value, symbol_values
+from .live_collectives import ranks_meet
 from .size_text import folded, negative_zeros
 
 _ASSUMPTION = "propagate_real_tensors"  # how the ShapeEnv labels an assumption on a hint
@@ -172,8 +173,8 @@ def real_now(recording, source: TensorProxy, collectives: bool = True):
         if all(p.label in env for p in bsym.output_proxies()):
             continue  # computed for an earlier read
         args, kwargs = tree_map(real, (bsym.args, bsym.kwargs))
-        if _meetings and _is_collective(bsym.op) and (ranks := _group_ranks(bsym)) is not None:
-            _meetings[-1](ranks)
+        if _is_collective(bsym.op):
+            ranks_meet(bsym)
         # As eager runs them: under the Python dispatcher (on while tracing) a functional
         # all_gather never completes.
         with no_python_dispatcher():
@@ -186,39 +187,6 @@ def real_now(recording, source: TensorProxy, collectives: bool = True):
                     known.setdefault(symbol, sympy.Integer(size))
                     recording.sizes_now.setdefault(symbol, sympy.Integer(size))
     return env[source.label], cone
-
-
-_meetings: list = []  # while tracing: jit's rank agreement, called before each collective tracing runs
-
-
-@contextlib.contextmanager
-def ranks_meet_before_live_collectives(meet):
-    """While inside, ``meet(ranks)`` runs before each collective that tracing runs on real
-    values (a branch on a number a collective computes, in :func:`real_now`), with the
-    ranks of its group: they meet first (through the store), so that a peer that ran a
-    cached program, or failed, is not met in the collective (that hung, or paired this
-    rank's collective with another)."""
-    _meetings.append(meet)
-    try:
-        yield
-    finally:
-        _meetings.pop()
-
-
-def _group_ranks(bsym) -> tuple[int, ...] | None:
-    """The ranks of the process group a collective symbol runs on (None: a wait)."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    for arg in bsym.args:
-        if isinstance(arg, str):
-            try:
-                return tuple(dist.get_process_group_ranks(_resolve_process_group(arg)))
-            except (ValueError, RuntimeError, KeyError):
-                continue
-        if isinstance(arg, dist.ProcessGroup):
-            return tuple(dist.get_process_group_ranks(arg))
-    return None
 
 
 def _is_collective(op) -> bool:

@@ -8,6 +8,7 @@ the argument; the prologue's guards are generated from that tree.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import keyword
 import re
@@ -67,8 +68,8 @@ class UnsupportedInputError(TypeError):
 
 def _tensor_held(value, tensors: dict, depth: int = 3) -> str | None:
     """Where ``value`` (a container) holds, ``depth`` levels down, one of ``tensors`` (by id)."""
-    if depth <= 0:
-        return None
+    if depth <= 0 or not isinstance(value, (dict, list, tuple, set, frozenset, collections.deque)):
+        return None  # (a buffer of numbers: a NumPy array, a memoryview, a ctypes object)
     items = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
     for key, item in items:
         for x in (key, item) if isinstance(value, dict) else (item,):

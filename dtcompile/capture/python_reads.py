@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import array
 import collections
+import ctypes
 import decimal
 import fractions
 import math
@@ -65,6 +66,8 @@ def _container_key(value: object) -> object:
         key = (kind, items, _Same(getattr(value, "default_factory", None)))
     elif isinstance(value, (bytearray, array.array)):
         return (kind, getattr(value, "typecode", None), bytes(value))
+    elif raw_memory(value) and (held := memory_copy(value)) is not None:
+        return (kind, _Same(value), held)
     elif _numeric_array(value):
         return (kind, str(value.dtype), value.shape, value.tobytes())
     elif hasattr(value, "__array__"):  # a tensor (``==`` would compare its elements)
@@ -98,6 +101,24 @@ class _Same:
         return id(self.held)
 
 
+_CTYPES_DATA = (ctypes._SimpleCData, ctypes.Structure, ctypes.Union, ctypes.Array)
+
+
+def raw_memory(value: object) -> bool:
+    """A memoryview or a ctypes object (``c_double``, a ``Structure``): memory that code
+    changes in place (``knob.value = 3``), guarded by a copy of its bytes."""
+    return isinstance(value, memoryview) or isinstance(value, _CTYPES_DATA)
+
+
+def memory_copy(value: object) -> bytes | None:
+    """The bytes a :func:`raw_memory` object holds now; None where they cannot be read (a
+    released memoryview)."""
+    try:
+        return value.tobytes() if isinstance(value, memoryview) else bytes(memoryview(value))
+    except (ValueError, TypeError):
+        return None
+
+
 def _numeric_array(value: object) -> bool:
     """A NumPy array of numbers (``np.ones(3)``, a global table of scales)."""
     numpy = sys.modules.get("numpy")
@@ -110,7 +131,7 @@ def contents_guarded(value: object) -> bool:
     sets and deques of any class and size (a table of activation functions, a list of
     config objects, an ``OrderedDict`` of settings), tuples holding such or objects,
     bytearrays, arrays and NumPy arrays of numbers: an item replaced in place is seen."""
-    if _numeric_array(value) or isinstance(value, (bytearray, array.array)):
+    if _numeric_array(value) or isinstance(value, (bytearray, array.array)) or raw_memory(value):
         return True
     if type(value) is tuple:
         return not by_value(value)
@@ -227,7 +248,7 @@ class PythonGuards:
         for read in sorted(reads, key=lambda r: r.key is None):
             value = read.value
             if read.contents:
-                items = list(value.values()) if type(value) is dict else list(value)
+                items = list(value.values()) if type(value) is dict else list(value) if type(value) is list else ()
                 if (
                     type(value) not in (list, dict)
                     or not all(map(_plain_scalar, items))

@@ -52,7 +52,8 @@ by exact type and value (``1``, ``1.0`` and ``True`` are three values; so are ``
 ``-0.0``); anything that can change in place without becoming another object by identity
 and by its contents (``python_reads.value_key``), whatever its size: lists, dicts, sets
 and deques of any class (an ``OrderedDict``, a ``defaultdict`` and its factory, a list
-subclass and its attributes), tuples holding such or objects, bytearrays, arrays and
+subclass and its attributes), tuples holding such or objects, bytearrays, memoryviews and
+ctypes objects (by their bytes), arrays and
 NumPy arrays of numbers; the tensors in a container by identity (read at run time);
 anything else (functions, classes, tensors, modules, objects) by identity.
 
@@ -81,7 +82,7 @@ import torch
 from .input_nodes import ObjectInput, iter_nodes
 from .objects import attribute_holder, attribute_or_none, slot_names
 from .python_guards import AfterTracing
-from .python_reads import ABSENT, Read, by_value, contents_guarded, value_key
+from .python_reads import ABSENT, Read, by_value, contents_guarded, raw_memory, value_key
 from .user_code import class_namespace, code_names, is_library
 
 # nn.Module's own entries of a module's __dict__ (tables, hooks, the training flag):
@@ -202,7 +203,7 @@ class PythonState(AfterTracing):
             return
         if contents_guarded(value):  # what its items hold: a config in a list
             self._walked.add(id(value))
-            if not isinstance(value, bytearray) and not hasattr(value, "__array__"):
+            if not isinstance(value, bytearray) and not hasattr(value, "__array__") and not raw_memory(value):
                 items = value.items() if isinstance(value, (dict, types.MappingProxyType)) else enumerate(value)
                 for key, item in items:
                     self.follow(item, f"{where}[{key!r}]")

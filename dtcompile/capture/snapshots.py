@@ -22,7 +22,7 @@ import types
 import torch
 
 from .objects import is_rebuildable_object, object_state
-from .python_reads import value_key
+from .python_reads import memory_copy, raw_memory, value_key
 from .user_code import is_library
 
 # Tensors and modules are guarded apart; a logger's state changes when it is asked
@@ -50,6 +50,8 @@ def _state(value: object) -> tuple | None:
         return ("set", set(value))
     if isinstance(value, (bytearray, array.array)):
         return ("buffer", value[:])
+    if raw_memory(value):  # a memoryview, a ctypes object
+        return ("buffer", memory_copy(value))
     if hasattr(type(value), "__next__") and not hasattr(value, "__dict__"):
         position = _position(value)  # a generator, a list's iterator: where it stands, to tell whether it moved
         return None if position is None else ("iterator", position)
@@ -140,7 +142,7 @@ def _children(value: object) -> list[tuple[tuple, object]]:
         children = [(("[]", k), v) for k, v in items]
         state = getattr(value, "__dict__", None)  # a subclass's own attributes (``registry.calls``)
         return children + [((".", "__dict__"), state)] if type(state) is dict else children
-    if isinstance(value, (set, bytearray, array.array)):
+    if isinstance(value, (set, bytearray, array.array)) or raw_memory(value):
         return []
     return [((".", k), v) for k, v in object_state(value).items()]
 
@@ -267,7 +269,9 @@ class DataSnapshot:
                 changed.append(f"{_path(path)}, an iterator it advanced (not put back)")
                 continue
             changed.append(_path(path))
-            if kind in ("list", "buffer"):
+            if kind == "buffer" and raw_memory(value):  # its bytes written back
+                memoryview(value).cast("B")[:] = items
+            elif kind in ("list", "buffer"):
                 value[:] = items
             elif kind == "deque":
                 value.clear()

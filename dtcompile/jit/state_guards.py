@@ -22,7 +22,7 @@ import torch
 
 from ..capture.equivalence import GLOBAL_HOOKS
 from ..capture.global_state import GlobalState, torch_settings
-from ..capture.python_reads import ABSENT, PythonGuards, ReadGroup, value_key
+from ..capture.python_reads import ABSENT, PythonGuards, ReadGroup, raw_memory, value_key
 from ..capture.python_state import PythonState
 from ..core import dict_watch
 from ..core.printing import python_literal
@@ -374,5 +374,6 @@ def _containers(value: object, found: list, dicts: list) -> bool:
         return isinstance(value, torch.Tensor) or not (
             hasattr(value, "__array__")
             or isinstance(value, (list, tuple, dict, set, collections.deque, bytearray, array.array, MappingProxyType))
+            or raw_memory(value)  # (a memoryview, a ctypes object)
         )
     return all(_containers(item, found, dicts) for item in items)
