@@ -9,10 +9,10 @@ result into the tensor the call wrote. The passes and the collectives executor t
 it like any of DTensor's: the ranks compare it at compile time, the executor runs it on
 the group (in place when nothing else reads the input).
 
-The call returns a completed ``Work`` (c10d's ``FakeWork``): ``async_op=True`` with
-``work.wait()`` works, and the recorded collective is already complete at its
-``wait_tensor``, which comes right after it (eager lets code read the buffer only after
-``wait``, so waiting early changes no value).
+The call returns a completed ``Work`` whose ``result()`` and ``get_future()`` hold the
+tensors it wrote: ``async_op=True`` with ``work.wait()`` works, and the recorded
+collective is already complete at its ``wait_tensor``, which comes right after it (eager
+lets code read the buffer only after ``wait``, so waiting early changes no value).
 
 The rooted ``scatter`` and ``reduce`` (``torch.distributed.nn.functional`` uses them) are
 recorded as a ``broadcast`` of the root's list, of which each rank keeps its piece, and an
@@ -393,6 +393,6 @@ def record_c10d(recording, func, args: tuple, kwargs: dict):
     for bsym in recording.bound_symbols[start:]:
         if bsym.note is None:
             bsym.note = note
-    work = completed_work()
+    work = completed_work(flat, recording.works)
     returns = func._schema.returns
     return work if len(returns) == 1 else (written, work)

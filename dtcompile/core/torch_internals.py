@@ -19,7 +19,7 @@ import types
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import FakeWork, ProcessGroup
+from torch._C._distributed_c10d import ProcessGroup
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 
@@ -84,10 +84,39 @@ def unboxed_process_group(boxed) -> ProcessGroup:
     return ProcessGroup.unbox(boxed) if isinstance(boxed, torch.ScriptObject) else boxed
 
 
-def completed_work():
+class _CompletedWork(dist.Work):
+    """A ``Work`` already done, whose ``result()`` and ``get_future()`` give the tensors the
+    collective wrote (as eager's do; the recorded collective is complete at its wait)."""
+
+    def __init__(self, tensors: list):
+        super().__init__()
+        self._tensors = tensors
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def result(self) -> list:
+        return self._tensors
+
+    def get_future(self):
+        future = torch.futures.Future()
+        future.set_result(self._tensors)
+        return future
+
+
+def completed_work(tensors: list, alive: list):
     """A completed ``Work``, boxed as c10d ops return one: what a recorded collective gives
-    back to ``dist.all_reduce(..., async_op=True)`` while tracing."""
-    return FakeWork().boxed()
+    back to ``dist.all_reduce(..., async_op=True)`` while tracing (``tensors``: what it wrote).
+    The Python object is kept in ``alive``: boxed alone, the C++ side would lose its methods."""
+    work = _CompletedWork(tensors)
+    alive.append(work)
+    return work.boxed()
 
 
 _FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE

@@ -144,7 +144,16 @@ def a_constant_on_one_rank(x):
     return y
 
 
+def all_reduce_future_and_result(x):
+    y = x * 2
+    work = dist.all_reduce(y, async_op=True)
+    doubled = work.get_future().then(lambda future: future.value()[0] * 2).wait()
+    assert work.is_completed()
+    return work.get_future().wait()[0] + work.result()[0] + doubled
+
+
 FUNCTIONS = [
+    all_reduce_future_and_result,
     scatter_from_last,
     reduce_to_last,
     all_to_all_rank_dependent_splits,
