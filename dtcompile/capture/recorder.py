@@ -272,12 +272,14 @@ class Recording:
 
     def record(self, func, args: tuple, kwargs: dict):
         flat = leaves((args, kwargs))
-        if self.dtensor_calls and not any(isinstance(x, TensorProxy) for x in flat):
+        if self.dtensor_calls and not any(isinstance(x, TensorProxy) for x in flat) and not _sized_by_symbols(flat):
             # DTensor's own bookkeeping while it handles an op: factory ops and arithmetic
             # on its own tensors (meta tensors for its sharding propagation, index
             # arithmetic it reads back: ``arange(n).tolist()`` of a _StridedShard). It needs
             # real values; where the program uses one, it is captured. (The user's code runs
-            # outside DTensor's handling: its ops on closed-over tensors are recorded.)
+            # outside DTensor's handling: its ops on closed-over tensors are recorded.) One
+            # sized by a symbolic size, but for its meta tensors, is recorded: run, it fixed the
+            # size (``loss_parallel``'s backward's ``arange(n)``: a compile per length).
             return func(*args, **kwargs)
         if is_c10d_op(func):  # ``dist.all_reduce(y)`` in the user's code
             self.c10d_calls += 1
@@ -383,3 +385,9 @@ class OpRecorder(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
         return self.recording.record(func, args, kwargs)
+
+
+def _sized_by_symbols(flat: list) -> bool:
+    """Whether an op's arguments hold a symbolic size and no meta device (DTensor's own
+    sharding propagation makes meta tensors of symbolic sizes, which it keeps)."""
+    return any(map(is_symbolic, flat)) and not any(str(x) == "meta" for x in flat if isinstance(x, (torch.device, str)))

@@ -486,3 +486,39 @@ def test_traces_compute_sizes_and_issue_eagers_collectives(ranks2):
         assert report["block-sp training"]["backward"].get("all_gather_into_tensor") == 2
         assert report["block-sp training"]["backward"].get("reduce_scatter_tensor") == 2
         assert report["mlp inference"]["forward"] == {"all_reduce": 1}
+
+
+def loss_parallel_inside_with_gradients(reduction: str):
+    import torch.nn.functional as F
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    head = parallelize_module(
+        torch.nn.Linear(12, 40, bias=False), mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    )
+
+    def loss_fn(x, labels):
+        with loss_parallel():
+            return F.cross_entropy(head(x), labels, reduction=reduction)
+
+    jitted = dtcompile.jit(loss_fn, cache="symbolic values")
+    for n in (8, 5, 17, 6):
+        generator = torch.Generator().manual_seed(n)
+        x, labels = torch.randn(n, 12, generator=generator), torch.randint(0, 40, (n,), generator=generator)
+        results = []
+        for fn in (loss_fn, jitted):
+            head.weight.grad = None
+            loss = fn(x, labels)
+            with loss_parallel():
+                loss.backward()
+            results.append((loss.detach(), head.weight.grad.full_tensor()))
+        assert_same(results[1], results[0], f"length {n}")
+    return dtcompile.cache_misses(jitted)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_loss_parallel_cross_entropy_inside_with_gradients_compiles_once(ranks2, reduction):
+    """Its backward's ``arange(n)`` (DTensor's own code) ran on real values and fixed the
+    length: a compile per length."""
+    assert ranks2.run(loss_parallel_inside_with_gradients, reduction) == [1, 1]
