@@ -98,9 +98,6 @@ class _CompletedWork(dist.Work):
     def is_completed(self) -> bool:
         return True
 
-    def is_success(self) -> bool:
-        return True
-
     def result(self) -> list:
         return self._tensors
 

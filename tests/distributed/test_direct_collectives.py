@@ -148,6 +148,7 @@ def all_reduce_future_and_result(x):
     y = x * 2
     work = dist.all_reduce(y, async_op=True)
     doubled = work.get_future().then(lambda future: future.value()[0] * 2).wait()
+    work.wait()  # (eager's result() needs it)
     return work.get_future().wait()[0] + work.result()[0] + doubled
 
 
