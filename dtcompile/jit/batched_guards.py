@@ -196,7 +196,7 @@ def module_tensors(b, module: torch.nn.Module, inputs: CallInputs, sources: dict
             b.lines.append("    HELD = HELD_NOW")
         else:
             b.lines.append("    HELD = list(map(dict.get, HELD_TABLES, HELD_KEYS))")
-            b.lines.append("    HELD_IDS = set(map(id, HELD))")
+            b.lines.append("    HELD_IDS = {*map(id, HELD)}")
             # Tensors traced as distinct are distinct (code may ask ``self.a.weight is self.b.weight``).
             b.fail_if(f"len(HELD_IDS) != {distinct}")
         b.held_ids = True
@@ -268,8 +268,10 @@ def alike_objects(b, objects: list[ObjectInput], var: str) -> None:
     for j, name in enumerate(first.names):
         if all(isinstance(o.children[j], TensorInput) for o in objects):
             b.call_columns.append((columns[name], n))
+    b.object_columns.append((var, n))
     for i, obj in enumerate(objects):
         b.object_vars[id(obj)] = f"{var}[{i}]"
+        b.in_columns.add(id(obj))
         for name, child in zip(obj.names, obj.children):
             if isinstance(child, TensorInput):
                 item = f"{columns[name]}[{i}]"
@@ -314,8 +316,9 @@ def distinct_objects(b, reached: list) -> None:
     ``cache.keys is x``. The call's objects and tensors (arguments, objects', the
     module's), in one set, apart from the module's tensors read in one pass
     (``HELD_IDS``)."""
-    parts = [f"id({var})" for var in (*b.object_vars.values(), *b.call_tensors)]
-    parts += [f"*map(id, {column})" for column, _ in b.call_columns]
+    objects = [var for key, var in b.object_vars.items() if key not in b.in_columns]
+    parts = [f"id({var})" for var in (*objects, *b.call_tensors)]
+    parts += [f"*map(id, {column})" for column, _ in (*b.object_columns, *b.call_columns)]
     count = len(b.object_vars) + len(b.call_tensors) + sum(n for _, n in b.call_columns)
     held = b.held_ids
     if count > 1 or (count and (held or reached)):

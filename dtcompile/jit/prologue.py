@@ -77,6 +77,9 @@ class _Builder:
         # once; and columns of them (``alike_objects``: an expression, its length).
         self.call_tensors: list[str] = []
         self.call_columns: list[tuple[str, int]] = []
+        # Lists of alike objects (``alike_objects``: variable, length) and the ids of their nodes.
+        self.object_columns: list[tuple[str, int]] = []
+        self.in_columns: set[int] = set()
         self.held_ids = False  # the ids of the module's tensors read in one pass are bound (HELD_IDS)
         # Tensors with static metadata, checked together by one TensorGuards call (C++).
         self.batched: list[Batched] = []
