@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import itertools
 
-from torch.utils._pytree import tree_map
-
 from ..core import BoundSymbol, NoProvenance, TensorProxy, Trace, TracingError
 from ..core.prims import size_expression, size_query
 from ..core.proxy import NumberProxy
-from ..core.symbol import leaves
+from ..core.symbol import leaves, map_leaves
 from ..core.symbolic import SYMBOLIC_TYPES, as_constant, float_expr, is_symbolic
 
 
@@ -76,6 +74,8 @@ class _Materializer:
     def replace(self, value, preferred: list[TensorProxy]) -> tuple[object, bool]:
         """``value`` with each symbolic size replaced by a number of the trace, and
         whether anything was replaced."""
+        if not any(isinstance(x, SYMBOLIC_TYPES) for x in leaves(value)):
+            return value, False  # (most symbols: a walk, not a rebuild)
         changed = False
 
         def swap(x):
@@ -86,7 +86,7 @@ class _Materializer:
             x = as_constant(x)
             return self.number(float_expr(x), preferred) if is_symbolic(x) else x  # a float stays a float
 
-        return tree_map(swap, value), changed
+        return map_leaves(swap, value), changed
 
 
 def has_symbolic_sizes(trace: Trace) -> bool:
