@@ -876,3 +876,39 @@ def test_blocks_differing_in_settings_of_any_class_or_depth(kind):
     out, trace = compiled(model, x)
     assert_eager(model, (x,), out)
     assert not any("(1, 2, 3)" in line for line in replay_lines(trace))
+
+
+class KeyTyped(nn.Module):
+    """Reads the type of its dict argument's key: ``1``, ``1.0`` and ``True`` are one key
+    to a dict, not to this code."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, d):
+        return self.lin(x) * {int: 1.0, bool: 3.0, float: 5.0}[type(next(iter(d)))]
+
+
+class KeyedStack(nn.Module):
+    def __init__(self, keys):
+        super().__init__()
+        self.keys = keys
+        self.layers = nn.ModuleList(KeyTyped() for _ in keys)
+
+    def forward(self, x):
+        for key, layer in zip(self.keys, self.layers):
+            x = layer(x, {key: 0})
+        return x
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("keys", [[1, 1, True], [True, True, 1], [1, 1, 1.0], [0.0, 0.0, -0.0]])
+def test_dict_arguments_whose_keys_are_equal_but_of_other_types(keys, cache):
+    """The later block replayed the first's program: the arguments' structure compared
+    dict keys by ``==``."""
+    torch.manual_seed(0)
+    model = KeyedStack(keys)
+    x = torch.randn(3, 8)
+    out, _ = compiled(model, x, cache=cache)
+    assert_eager(model, (x,), out)

@@ -185,7 +185,7 @@ def flatten(value) -> tuple[list, object]:
         if kind is tuple or kind is list:
             return (kind, tuple(map(walk, x)))
         if kind is dict:
-            return (dict, tuple(x), tuple(map(walk, x.values())))
+            return (dict, tuple(map(_exact_key, x)), tuple(map(walk, x.values())))
         if _is_leaf(x):
             found.append(x)
             return None
@@ -195,6 +195,17 @@ def flatten(value) -> tuple[list, object]:
 
     structure = walk(value)
     return found, structure
+
+
+def _exact_key(key) -> object:
+    """A dict key as code reading it tells it apart: ``1``, ``1.0`` and ``True`` are one
+    key to a dict, not to ``type(next(iter(d)))``; floats by ``repr`` (``-0.0``, NaN)."""
+    kind = type(key)
+    if kind is float:
+        return (kind, repr(key))
+    if kind is tuple:
+        return (kind, tuple(map(_exact_key, key)))
+    return (kind, key)
 
 
 def map_leaves(fn, value):
