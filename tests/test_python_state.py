@@ -1322,3 +1322,79 @@ def test_a_memoryview_or_ctypes_value_the_code_changes_is_refused_and_put_back(k
     with pytest.raises(dtcompile.TracingError, match="changed"):
         dtcompile.jit(fn)(torch.ones(2))
     assert _knob_value(knob) == 1
+
+
+_READERS = {
+    "bound get": lambda settings: settings.get,
+    "bound __getitem__": lambda settings: settings.__getitem__,
+    "values view": lambda settings: (lambda view: lambda key: next(iter(view)))(settings.values()),
+}
+
+
+class _Looking(torch.nn.Module):
+    def __init__(self, lookup):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.lookup = lookup  # reads a dict no attribute of the tree holds
+
+    def forward(self, x):
+        return self.lin(x) * self.lookup("scale")
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("reader", list(_READERS))
+def test_a_dict_read_through_a_built_in_method_or_a_view_changed_between_calls(reader, cache):
+    """Only its method (``settings.get``) or view was held: by identity, with no guard
+    on the dict it reads, so its change kept the first call's value."""
+    settings = {"scale": 1.0}
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Looking(_READERS[reader](settings)), _Looking(_READERS[reader](settings)))
+    jitted = dtcompile.jit(model, cache=cache)
+    x = torch.randn(2, 4)
+    assert_same_tensor(jitted(x), model(x))
+    settings["scale"] = 3.0
+    assert_same_tensor(jitted(x), model(x))
+    assert counts(jitted) == (2, 0)
+
+
+@pytest.mark.parametrize("reader", list(_READERS))
+def test_layers_reading_a_dict_through_a_built_in_method_their_parent_changes(reader):
+    """Repeated blocks replayed the first layer for the others: what they can read did
+    not follow a built-in method's object or a view's dict."""
+
+    class Parent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.settings = {"scale": 1.0}
+            lookup = _READERS[reader](self.settings)  # one object, held by every layer
+            self.layers = torch.nn.ModuleList(_Looking(lookup) for _ in range(4))
+
+        def forward(self, x):
+            for i, layer in enumerate(self.layers):
+                self.settings["scale"] = float(i + 1)
+                x = layer(x)
+            self.settings["scale"] = 1.0
+            return x
+
+    torch.manual_seed(0)
+    model = Parent()
+    x = torch.randn(2, 4)
+    assert_same_tensor(dtcompile.jit(model)(x), model(x))
+
+
+def test_a_dict_changed_through_a_built_in_method_is_refused_and_put_back():
+    settings = {"scale": 1.0}
+
+    class Writing(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+            self.put = settings.__setitem__
+
+        def forward(self, x):
+            self.put("scale", 2.0)
+            return self.lin(x)
+
+    with pytest.raises(dtcompile.TracingError, match="changed"):
+        dtcompile.jit(Writing())(torch.ones(2))
+    assert settings == {"scale": 1.0}

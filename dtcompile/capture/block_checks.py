@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 from ..core.torch_internals import dict_version
 from .alike import SCALARS
 from .equivalence import TENSOR_TABLES
-from .objects import slot_names
+from .objects import read_through, slot_names
 from .python_reads import memory_copy, raw_memory
 from .python_state import PythonState
 from .user_code import block_functions, is_library
@@ -131,6 +131,8 @@ def _reachable(values, found: dict[int, object], tree: set[int], levels: int) ->
             _reachable((value.func, value.args, value.keywords, vars(value)), found, tree, levels - 1)
         elif isinstance(value, types.MethodType):
             _reachable((value.__func__, value.__self__), found, tree, levels)
+        elif (owner := read_through(value)) is not None:  # ``settings.get``, ``settings.values()``
+            _reachable((owner,), found, tree, levels)
         else:
             state = getattr(value, "__dict__", None)
             if isinstance(state, dict) and id(state) not in found:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import enum
 import functools
+import gc
 import types
 import weakref
 from dataclasses import dataclass
@@ -83,6 +84,25 @@ def plain_object(value: object) -> bool:
     ``types.SimpleNamespace``."""
     plain = is_rebuildable_object(value) or type(value) is types.SimpleNamespace
     return plain and isinstance(attribute_or_none(value, "__dict__"), dict)
+
+
+_DICT_VIEWS = (type({}.keys()), type({}.values()), type({}.items()))
+
+
+def read_through(value: object) -> object | None:
+    """What a built-in bound method (``settings.get``, ``d.__setitem__``, ``log.append``)
+    or a dict view (``settings.values()``) reads and writes: its object, or its dict. None
+    for anything else, and for a builtin of a Python module or a class (``math.sqrt``)."""
+    if isinstance(value, _DICT_VIEWS):
+        return next((d for d in gc.get_referents(value) if isinstance(d, dict)), None)
+    if isinstance(value, (types.BuiltinMethodType, types.MethodWrapperType)):
+        owner = value.__self__
+        return None if owner is None or isinstance(owner, (type, types.ModuleType)) else owner
+    return None
+
+
+def dict_view(value: object) -> bool:
+    return isinstance(value, _DICT_VIEWS)
 
 
 def attribute_holder(value: object) -> bool:

@@ -80,7 +80,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .input_nodes import ObjectInput, iter_nodes
-from .objects import attribute_holder, attribute_or_none, slot_names
+from .objects import attribute_holder, attribute_or_none, dict_view, read_through, slot_names
 from .python_guards import AfterTracing
 from .python_reads import ABSENT, Read, by_value, contents_guarded, raw_memory, value_key
 from .user_code import class_namespace, code_names, is_library
@@ -232,6 +232,15 @@ class PythonState(AfterTracing):
         if isinstance(value, types.MethodType):
             self.follow(value.__func__, where)
             self.follow(value.__self__, where)
+            return
+        if (owner := read_through(value)) is not None:  # ``settings.get``, ``settings.values()``
+            self._walked.add(id(value))
+            if dict_view(value):  # its dict, by what it holds (``mapping`` is a new proxy each time)
+                held, where = value.mapping, f"the dict of {where}"
+                self.reads.append(Read(value, None, held, where, True, value_key(held), attribute="mapping"))
+            else:
+                self._read(value, None, owner, f"the object of {where}", attribute="__self__")
+            self.follow(owner, where)
             return
         if isinstance(value, torch.nn.Module):  # a model a function calls
             self.module_tree(value, where)

@@ -21,7 +21,7 @@ import types
 
 import torch
 
-from .objects import is_rebuildable_object, object_state
+from .objects import is_rebuildable_object, object_state, read_through
 from .python_reads import memory_copy, raw_memory, value_key
 from .user_code import is_library
 
@@ -213,6 +213,10 @@ class DataSnapshot:
             self._depths[id(value)] = depth
             for index, child in enumerate(value):
                 self.add(child, (path, ("[]", index)), depth - 1)
+            return
+        owner = read_through(value)
+        if owner is not None:  # ``settings.get``, ``d.__setitem__``, ``d.values()``: what it reads and writes
+            self.add(owner, (path, (".", "__self__")), depth)
             return
         if id(value) not in self._taken:  # (met again from higher up: only what it holds is new)
             state = _state(value)
