@@ -527,3 +527,96 @@ def test_a_saved_input_written_through_another_that_shares_its_memory(sharing, t
         _saves_x_then_writes_x2(w, *_SHARING[sharing]()).backward()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         jitted(w, *_SHARING[sharing]()).backward()
+
+
+# ---------------------------------------------------------------------------------------
+# Python values the user's backward code reads, changed between the call and backward()
+
+GRAD_STATE = {"scale": 1.0}
+
+
+class _ScaledByOwner(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, owner):
+        ctx.owner = owner
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.owner.grad_scale, None
+
+
+class _ScaledByGlobal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * GRAD_STATE["scale"]
+
+
+class _BackwardReader(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind, self.grad_scale = kind, 1.0
+        self.up, self.down = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.up(x)
+        if self.kind == "module attribute":
+            h = _ScaledByOwner.apply(h, self)
+        elif self.kind == "global dict":
+            h = _ScaledByGlobal.apply(h)
+        else:
+            h = h * 1.0
+            h.register_hook(lambda g: g * GRAD_STATE["scale"])
+        return self.down(h.relu())
+
+
+def _set_scale(model, kind: str, value: float):
+    if kind == "module attribute":
+        model[1].grad_scale = value
+    else:
+        GRAD_STATE["scale"] = value
+
+
+@torch.enable_grad()
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("kind", ["module attribute", "global dict", "tensor hook"])
+def test_a_value_the_user_s_backward_reads_changed_after_the_call_is_refused(kind, cache):
+    """Eager's backward reads the new value; the compiled backward held the traced one,
+    and gave other gradients with no error."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(*(_BackwardReader(kind) for _ in range(3)))
+    model = copy.deepcopy(eager)
+    jitted = dtcompile.jit(model, cache=cache)
+    x = torch.randn(2, 4)
+    try:
+        for _ in range(2):  # unchanged: eager's gradients
+            eager(x).pow(2).sum().backward()
+            jitted(x).pow(2).sum().backward()
+            _assert_same_grads(_grads(model), _grads(eager))
+        out = jitted(x)
+        _set_scale(model, kind, 3.0)
+        with pytest.raises(RuntimeError, match="changed after the call"):
+            out.pow(2).sum().backward()
+        assert dtcompile.cache_misses(jitted) == 1
+    finally:
+        GRAD_STATE["scale"] = 1.0
+
+
+@torch.enable_grad()
+def test_detect_anomaly_checking_nan_is_refused_and_without_the_check_runs():
+    """Anomaly mode's NaN check reads every gradient's data: it was refused as Python
+    control flow on a number read from data, which the user's code had none of."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    model = copy.deepcopy(eager)
+    x = torch.randn(3, 8)
+    with torch.autograd.detect_anomaly(), pytest.raises(dtcompile.TracingError, match="detect_anomaly"):
+        dtcompile.jit(model)(x)
+    with pytest.warns(UserWarning), torch.autograd.detect_anomaly(check_nan=False):
+        dtcompile.jit(model)(x).pow(2).sum().backward()
+        eager(x).pow(2).sum().backward()
+    _assert_same_grads(_grads(model), _grads(eager))

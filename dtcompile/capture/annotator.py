@@ -231,8 +231,10 @@ class CallAnnotator(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.in_backward and not _user_frame():
-            return func(*args, **kwargs)  # torch's and DTensor's own code in a traced backward
+        if self.in_backward:
+            if not _user_frame():
+                return func(*args, **kwargs)  # torch's and DTensor's own code in a traced backward
+            self.recording.users_backward_ran = True  # (its Python state is checked at each backward)
         if func in CHECKED:
             answer = check_method(func, args, self.recording)
             if answer is not NOT_ANSWERED:

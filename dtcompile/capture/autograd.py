@@ -43,6 +43,9 @@ class BackwardCapture:
     # ``backward``), the cotangents (bit i: cotangents[i]) its inputs come from: eager runs
     # that code only where one of them arrives (``users_code_reached``).
     users_code: frozenset[int] = frozenset()
+    # Whether the user's code called torch in the backward: it read Python values then,
+    # which the compiled backward holds as they were (``TrainingProgram.backward_reads``).
+    users_code_ran: bool = False
     # The saved_tensors_hooks (pack, unpack) active around the call: traced into the
     # programs, so the compiled step must not apply them again (jit/training.py).
     saved_hooks: tuple | None = None
@@ -78,6 +81,12 @@ def capture_backward(
 ) -> BackwardCapture:
     """Record the backward of the forward just recorded. ``output_values`` are the values
     behind the computation's output slots (a DTensor, or a proxy)."""
+    if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
+        raise TracingError(
+            "dtcompile.jit: a call that needs gradients, under torch.autograd.detect_anomaly(): its backward "
+            "would check each gradient for NaN, reading tensor data at every node, which a compiled backward "
+            "does not do. Call it outside detect_anomaly(), or under detect_anomaly(check_nan=False)"
+        )
     forward_symbols = len(recording.bound_symbols)
     outputs, cotangents, proxies, slots, specs = [], [], [], [], []
     for slot, value in enumerate(output_values):
@@ -135,6 +144,7 @@ def capture_backward(
         grad_specs,
         grad_sources=sources,
         users_code=users_code,
+        users_code_ran=recording.users_backward_ran,
         saved_hooks=saved_tensors_hooks(),
         dtensor_modes=needed,
     )

@@ -83,6 +83,7 @@ class Recording:
         self.retained: set[str] = set()  # labels of the proxies the traced code called retain_grad() on
         self.grad_reads: list[tuple[torch.Tensor, object]] = []  # (a closed-over tensor, its .grad when read)
         self.users_backward: list = []  # symbols the user's code recorded in a backward (a hook, a Function's)
+        self.users_backward_ran = False  # the user's code called torch in a backward
         self.works: list = []  # the Works recorded collectives returned, alive while tracing (c10d.py)
         self.current_call: str | None = None  # the torch-level call of the user's code running now
         self.snapshot = None  # a DataSnapshot of the user's data the traced code must not change

@@ -351,6 +351,7 @@ class CompiledFunction:
             slots,
             captured.trace,
         )
+        program.backward_reads = tuple(captured.python_state.reads) if backward.users_code_ran else ()
         traces = [*joint_traces, *forward_traces, *forward_blocks, forward_execution]
         traces += [*backward_traces, *backward_blocks, backward_execution]
         to_check = [pipelines.before_finish(forward_traces), pipelines.before_finish(backward_traces)]

@@ -125,6 +125,10 @@ class TrainingProgram:
     # that shares their memory (``x`` and ``x.view(3)`` passed both; traced apart), as
     # autograd checks the caller's tensors.
     read_back: tuple = ()
+    # The Python values the call's code read while traced (``Read``), where its backward
+    # runs code of the user's: checked before each backward, since eager's backward reads
+    # them then (a Function's ``ctx.mod.scale`` changed between the call and backward()).
+    backward_reads: tuple = ()
 
     def __post_init__(self):
         self.returned_slots = frozenset(slot for slot, _ in self.returned_inputs)
@@ -319,6 +323,14 @@ class CompiledStep(torch.autograd.Function):
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace operation: "
                 f"input {ctx.written[0]} of the compiled call, through another input that shares its memory"
+            )
+        changed = next((read for read in program.backward_reads if not read.unchanged()), None)
+        if changed is not None:
+            raise RuntimeError(
+                f"dtcompile: the backward of a compiled call runs code of yours (a hook, an autograd.Function's "
+                f"backward) that may read {changed.where}, which changed after the call: the compiled backward "
+                "holds the value it had when traced, where eager's backward would read the new one. Change it "
+                "before the call (a change then compiles anew), or after the backward"
             )
         if program.dtensor_modes is not None and not program.dtensor_modes[0].active():
             raise RuntimeError(program.dtensor_modes[1])  # eager's, outside loss_parallel() say
