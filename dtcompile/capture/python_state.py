@@ -62,7 +62,7 @@ library class's attributes other than a module's ``forward`` (and ``nn.Module``'
 values read inside library code (a global of ``transformers`` changed),
 names reached only through strings (``getattr(cfg, name)``), the contents of NumPy arrays
 of objects, objects of C types other than the containers above (their state is not in
-Python attributes). A global, class attribute or closure variable the traced code
+Python attributes; a built-in bound method's object and a dict view's dict are followed). A global, class attribute or closure variable the traced code
 rebinds is refused and put back: the rebinding would happen once, while tracing.
 """
 
