@@ -269,6 +269,32 @@ def test_checkpoint_without_restoring_the_random_state_matches_eager():
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+def _checkpointed_attention(dropout_p: float):
+    def attention(q):
+        return F.scaled_dot_product_attention(q, q * 2, q.tanh(), dropout_p=dropout_p, is_causal=True)
+
+    return lambda q: checkpoint(attention, q, use_reentrant=False).pow(2).sum()
+
+
+@torch.enable_grad()
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_checkpointed_attention_without_dropout_matches_eager(cache):
+    """Attention is a seeded op whatever its ``dropout_p``: checkpointed, it was refused
+    as a random op recomputed, though with ``dropout_p=0`` it draws nothing."""
+    f = _checkpointed_attention(0.0)
+    results = []
+    for fn in (f, dtcompile.jit(f, cache=cache)):
+        torch.manual_seed(0)
+        q = torch.randn(2, 4, 6, 8, requires_grad=True)
+        y = fn(q)
+        y.backward()
+        results.append((y.detach(), q.grad))
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected)
+    with pytest.raises(dtcompile.TracingError, match=r"checkpoint.*random op"):
+        dtcompile.jit(_checkpointed_attention(0.5))(torch.randn(2, 4, 6, 8, requires_grad=True))
+
+
 @torch.enable_grad()
 @pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
 def test_reentrant_checkpoint_is_refused_clearly_and_leaves_the_module_as_it_was(cache):

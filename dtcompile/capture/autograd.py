@@ -17,6 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..core import InputPath, TensorProxy, TracingError
+from ..core.op_classes import draws_random_numbers
 from ..core.proxy import contiguous_strides
 from ..core.torch_internals import DTensorSpec, TensorMeta, make_dtensor, saved_tensors_hooks
 from .recorder import Recording
@@ -116,7 +117,7 @@ def capture_backward(
             needed = (modes, str(error))
     for bsym in recording.bound_symbols[forward_symbols:]:
         bsym.in_backward = True
-        if state_reads and bsym.op is not None and torch.Tag.nondeterministic_seeded in bsym.op.tags:
+        if state_reads and bsym.op is not None and draws_random_numbers(bsym):
             raise TracingError(
                 f"dtcompile.jit: torch.utils.checkpoint recomputes a random op ({bsym.op}"
                 f"{f', from {bsym.note}' if bsym.note is not None else ''}) in the backward with the "

@@ -13,6 +13,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_flatten
 
+from ..core.op_classes import draws_random_numbers
 from ..core.torch_internals import dict_version
 from .alike import SCALARS
 from .equivalence import TENSOR_TABLES
@@ -226,25 +227,11 @@ def unreplayable(symbols: list) -> str | None:
     for bsym in symbols:
         if bsym.op is None:
             return f"it records {bsym.symbol.name}, which is not an aten op"
-        if torch.Tag.nondeterministic_seeded in bsym.op.tags and not _without_dropout(bsym):
+        if draws_random_numbers(bsym):  # (DTensor's random ops on shards take offsets from Python state)
             return f"it draws random numbers ({bsym.op})"
         if any(free_unbacked_symbols(p.meta.shape) for p in bsym.output_tensors()):
             return f"its sizes come from data ({bsym.op}): each block has its own"
     return None
-
-
-def _without_dropout(bsym) -> bool:
-    """Whether a seeded op draws nothing: attention with ``dropout_p`` 0. Other random ops
-    are not replayed: DTensor's random ops on shards take their offsets from Python state
-    at trace time, which a replay would not advance."""
-    for index, argument in enumerate(bsym.op._schema.arguments):
-        if argument.name == "dropout_p":
-            if argument.kwarg_only or index >= len(bsym.args):
-                value = bsym.kwargs.get("dropout_p", argument.default_value)
-            else:
-                value = bsym.args[index]
-            return type(value) in (int, float) and value == 0
-    return False
 
 
 _GRAPH_NODES = 2000  # the most autograd nodes walked back from a block's inputs

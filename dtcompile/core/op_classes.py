@@ -77,3 +77,18 @@ def group_name(bsym) -> object:
 def is_row_major(proxy: TensorProxy) -> bool:
     """Strides exactly row-major, size-1 dims included (what ``view`` gives such a tensor)."""
     return known_shape_equal(proxy.stride(), contiguous_strides(proxy.shape))
+
+
+def draws_random_numbers(bsym) -> bool:
+    """Whether a symbol's op draws random numbers: a seeded op (its tag), but attention
+    with ``dropout_p`` 0, which draws none."""
+    if torch.Tag.nondeterministic_seeded not in bsym.op.tags:
+        return False
+    for index, argument in enumerate(bsym.op._schema.arguments):
+        if argument.name == "dropout_p":
+            if argument.kwarg_only or index >= len(bsym.args):
+                value = bsym.kwargs.get("dropout_p", argument.default_value)
+            else:
+                value = bsym.args[index]
+            return not (type(value) in (int, float) and value == 0)
+    return True
