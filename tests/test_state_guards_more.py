@@ -767,3 +767,26 @@ def test_parametrize_cached_region_leaves_no_proxy_and_bakes_in_no_entry(cache):
             torch.testing.assert_close(jitted(torch.ones(5, 3)), model(torch.ones(5, 3)))  # compiles again
         model.parametrizations.weight.original.add_(1.0)  # outside the region: computed anew
         torch.testing.assert_close(jitted(x), model(x))
+
+
+@pytest.mark.parametrize("when", ["before compiling", "after compiling"])
+def test_a_backend_s_own_float32_precision_set(when):
+    """Set through torch's per-backend API, torch refuses to summarize the matmul
+    precision, which the prologue asked at every call: every compiled call raised."""
+    matmul = torch.backends.mkldnn.matmul
+    if getattr(matmul, "fp32_precision", None) is None:
+        pytest.skip("this torch has no per-backend float32 precision")
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    jitted = dtcompile.jit(model)
+    x = torch.randn(2, 4)
+    try:
+        with torch.no_grad():
+            if when == "after compiling":
+                jitted(x)
+            matmul.fp32_precision = "tf32"
+            torch.testing.assert_close(jitted(x), model(x), rtol=0, atol=0)
+            matmul.fp32_precision = "none"
+            torch.testing.assert_close(jitted(x), model(x), rtol=0, atol=0)
+    finally:
+        matmul.fp32_precision = "none"
+    torch.get_float32_matmul_precision()  # (torch's summary, given again)

@@ -67,7 +67,7 @@ def torch_settings() -> tuple:
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
         torch.utils.deterministic.fill_uninitialized_memory,
-        torch.get_float32_matmul_precision(),
+        _matmul_precision(),
         torch.is_anomaly_enabled(),
         torch.is_anomaly_check_nan_enabled(),
         torch.is_warn_always_enabled(),
@@ -89,6 +89,35 @@ def torch_settings() -> tuple:
         backends.opt_einsum.strategy,
         _autocast_cache_enabled(),
     )
+
+
+# torch's per-backend float32 precisions (``torch.backends.mkldnn.matmul.fp32_precision``).
+_PRECISION_BACKENDS = ("", "cuda.matmul", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn", "cudnn.conv", "cudnn.rnn")
+
+
+def _backend(path: str):
+    found = torch.backends
+    for part in filter(None, path.split(".")):
+        found = getattr(found, part)
+    return found
+
+
+def _matmul_precision() -> str | tuple:
+    """The float32 matmul precision: torch's summary, or, where torch refuses to give
+    one (a backend's own precision set apart from it), each backend's."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return tuple(getattr(_backend(path), "fp32_precision", None) for path in _PRECISION_BACKENDS)
+
+
+def _set_matmul_precision(precision: str | tuple) -> None:
+    if isinstance(precision, str):
+        torch.set_float32_matmul_precision(precision)
+        return
+    for path, value in zip(_PRECISION_BACKENDS, precision):
+        if value is not None:
+            _backend(path).fp32_precision = value
 
 
 def state_put_back(grad_enabled: bool, state: GlobalState) -> list[str]:
@@ -115,7 +144,7 @@ def _put_settings_back(settings: tuple) -> None:
     backends, matmul = torch.backends, torch.backends.cuda.matmul
     torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
     torch.utils.deterministic.fill_uninitialized_memory = fill
-    torch.set_float32_matmul_precision(precision)
+    _set_matmul_precision(precision)
     torch.autograd.set_detect_anomaly(anomaly, check_nan)
     torch.set_warn_always(warn_always)
     torch.set_num_threads(threads)
