@@ -12,6 +12,9 @@ FUNCTIONS = {
     "imag": lambda x: x.imag * 2,
     "real": lambda x: x.real + 1,
     "view_as_real": lambda x: torch.view_as_real(x.resolve_conj()),
+    # ``resolve_conj`` records a clone that clears the bit: not a copy to remove
+    "view_as_real_used": lambda x: torch.view_as_real(x.resolve_conj()) + 0,
+    "resolve_neg_used": lambda x: torch.view_as_real(x.conj().imag.resolve_neg().to(x.dtype)) + 0,
     "asks_is_conj": lambda x: x * int(x.is_conj()) + 1,
     "conj_again": lambda x: x.conj(),
     "returned_view": lambda x: x[1:],

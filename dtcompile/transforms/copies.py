@@ -51,6 +51,8 @@ def _same_tensor_metadata(a: TensorProxy, b: TensorProxy) -> bool:
         and known_shape_equal(a.shape, b.shape)
         and known_shape_equal(a.stride(), b.stride())
         and known_equal(a.storage_offset(), 0)
+        and a.is_conj() == b.is_conj()  # (``resolve_conj`` is a clone that clears the bit)
+        and a.is_neg() == b.is_neg()
     )
 
 

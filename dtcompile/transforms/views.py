@@ -63,6 +63,8 @@ def _is_identity_view(bsym) -> bool:
         and known_shape_equal(result.shape, source.shape)
         and known_shape_equal(result.stride(), source.stride())
         and known_equal(result.storage_offset(), source.storage_offset())
+        and result.is_conj() == source.is_conj()
+        and result.is_neg() == source.is_neg()
     )
 
 
