@@ -34,6 +34,10 @@ _SETTINGS = {
     ),
     "anomaly detection": (torch.is_anomaly_enabled, lambda on: torch.autograd.set_detect_anomaly(on)),
     "mkldnn": (lambda: torch.backends.mkldnn.enabled, lambda on: setattr(torch.backends.mkldnn, "enabled", on)),
+    "quantized engine": (
+        lambda: torch.backends.quantized.engine == "qnnpack",
+        lambda on: setattr(torch.backends.quantized, "engine", "qnnpack" if on else "x86"),
+    ),
     "opt_einsum strategy": (
         lambda: torch.backends.opt_einsum.strategy == "auto",
         lambda on: setattr(torch.backends.opt_einsum, "strategy", "auto" if on else "greedy"),
@@ -790,3 +794,16 @@ def test_a_backend_s_own_float32_precision_set(when):
     finally:
         matmul.fp32_precision = "none"
     torch.get_float32_matmul_precision()  # (torch's summary, given again)
+
+
+@pytest.mark.parametrize("read", ["initial_seed", "get_rng_state"])
+def test_reading_the_generator_s_seed_or_state_is_refused(read):
+    """The value read while tracing was held by the program (``x + torch.initial_seed()``
+    kept the first seed after ``manual_seed``)."""
+
+    def fn(x):
+        value = getattr(torch, read)()  # (looked up at the call, as ``torch.initial_seed()``)
+        return x + float(value.sum() if read == "get_rng_state" else value)
+
+    with pytest.raises(dtcompile.TracingError, match=f"torch.{read}"):
+        dtcompile.jit(fn)(torch.ones(2))

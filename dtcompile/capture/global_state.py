@@ -77,6 +77,7 @@ def torch_settings() -> tuple:
         backends.mkldnn.enabled,
         getattr(backends.mkldnn, "deterministic", None),
         backends.mha.get_fastpath_enabled(),
+        backends.quantized.engine,
         backends.cudnn.enabled,
         backends.cudnn.deterministic,
         backends.cudnn.benchmark,
@@ -150,12 +151,13 @@ def _put_settings_back(settings: tuple) -> None:
     torch.set_num_threads(threads)
     torch.set_autocast_dtype("cpu", cpu_dtype)
     torch.set_autocast_dtype("cuda", cuda_dtype)
-    mkldnn, mkldnn_deterministic, fastpath, *cudnn, tf32, fp16, bf16, sdpa = settings[10:-3]
+    mkldnn, mkldnn_deterministic, fastpath, quantized, *cudnn, tf32, fp16, bf16, sdpa = settings[10:-3]
     *opt_einsum, autocast_cache = settings[-3:]
     backends.mkldnn.enabled = mkldnn
     if mkldnn_deterministic is not None:
         backends.mkldnn.deterministic = mkldnn_deterministic
     backends.mha.set_fastpath_enabled(fastpath)
+    backends.quantized.engine = quantized
     for name, value in zip(("enabled", "deterministic", "benchmark", "allow_tf32"), cudnn):
         setattr(backends.cudnn, name, value)
     matmul.allow_tf32, matmul.allow_fp16_reduced_precision_reduction = tf32, fp16
@@ -297,6 +299,11 @@ def _set_autocast_cache_enabled(enabled: bool) -> None:
 
 
 _SEEDING = ("manual_seed", "seed", "set_rng_state", "fork_rng")  # in torch and torch.random
+_SEED_READS = ("initial_seed", "get_rng_state")  # the values they give would be held by the program
+
+
+def _ours(module: str) -> bool:
+    return module.startswith("dtcompile.") and not module.startswith("dtcompile.testing")
 
 
 @contextlib.contextmanager
@@ -308,14 +315,23 @@ def seeding_refused():
     saved = [
         (owner, name, getattr(owner, name))
         for owner in (torch, torch.random)
-        for name in _SEEDING
+        for name in (*_SEEDING, *_SEED_READS)
         if hasattr(owner, name)
     ]
 
     def refuse(name, original):
         def refused(*args, **kwargs):
-            if sys._getframe(1).f_globals.get("__name__", "").partition(".")[0] == "torch":
+            caller = sys._getframe(1)
+            while _ours(caller.f_globals.get("__name__", "")):  # (a wrapper of ours)
+                caller = caller.f_back
+            if caller.f_globals.get("__name__", "").partition(".")[0] == "torch":
                 return original(*args, **kwargs)
+            if name in _SEED_READS:
+                raise TracingError(
+                    f"dtcompile.jit: the traced code called torch.{name}: a compiled program runs the Python "
+                    "code once, while tracing, so it would hold the value read then; read it outside the call "
+                    "and pass it in"
+                )
             raise TracingError(
                 f"dtcompile.jit: the traced code called torch.{name}: a compiled program runs the Python code "
                 "once, while tracing, so it would set the generator once, not at each call; seed outside the call"
