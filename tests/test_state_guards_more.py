@@ -807,3 +807,29 @@ def test_reading_the_generator_s_seed_or_state_is_refused(read):
 
     with pytest.raises(dtcompile.TracingError, match=f"torch.{read}"):
         dtcompile.jit(fn)(torch.ones(2))
+
+
+def _scaling_hook(module, args, *rest):  # called with (kwargs, output) or (output,); a pre hook: (kwargs,) or ()
+    if rest and isinstance(rest[-1], torch.Tensor):
+        return rest[-1] * (2 if len(rest) == 2 else 3)
+    return ((args[0] * 5,), rest[0]) if rest else (args[0] * 7,)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("kind", ["forward hook", "forward pre hook"])
+def test_a_hook_s_with_kwargs_flag_set_after_compiling(kind, cache):
+    """The flag tables (``_forward_hooks_with_kwargs``) were not guarded: the hook kept
+    being called the way it was traced."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    register = model[1].register_forward_hook if kind == "forward hook" else model[1].register_forward_pre_hook
+    handle = register(_scaling_hook)
+    flags = vars(model[1])["_forward_hooks_with_kwargs" if kind == "forward hook" else "_forward_pre_hooks_with_kwargs"]
+    jitted = dtcompile.jit(model, cache=cache)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(jitted(x), model(x), rtol=0, atol=0)
+        flags[handle.id] = True
+        torch.testing.assert_close(jitted(x), model(x), rtol=0, atol=0)
+        del flags[handle.id]
+        torch.testing.assert_close(jitted(x), model(x), rtol=0, atol=0)
+    assert dtcompile.cache_misses(jitted) == 2

@@ -37,6 +37,11 @@ from .training import same_saved_hooks
 from .unchanged_dicts import unless_dicts_changed
 
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_FLAG_TABLES = (  # (hook table, a table of flags by hook id)
+    ("_forward_hooks", "_forward_hooks_with_kwargs"),
+    ("_forward_hooks", "_forward_hooks_always_called"),
+    ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"),
+)
 
 
 def state_checks(b, module: torch.nn.Module | None, python_state: PythonState) -> dict[str, str]:
@@ -193,6 +198,10 @@ def module_table_checks(b, modules: list[torch.nn.Module]) -> None:
                     empty_tables.append(table)
                     empty_keys.append(key)
     hook_tables = [hooks for m in modules for hooks in map(vars(m).get, _HOOK_TABLES)]
+    # Which hooks take keyword arguments or run always (``_forward_hooks_with_kwargs``), of
+    # the modules with hooks: each flag changes how a hook is called.
+    flags = [vars(m)[f] for m in modules for hooks, f in _FLAG_TABLES if vars(m).get(hooks) and f in vars(m)]
+    hook_tables += flags
     # Told of changes, these need not run while none of the tables has changed; else a
     # ``len`` costs less than a dict's version, and they run at every call.
     with unless_dicts_changed(b, tables + hook_tables) if dict_watch.available else nullcontext():
@@ -206,7 +215,7 @@ def module_table_checks(b, modules: list[torch.nn.Module]) -> None:
     # Each module's class, as traced (``m.lin.__class__ = Quantized`` changes no dict).
     b.globals.update(STATE_MODULES=modules, STATE_MODULE_TYPES=list(map(type, modules)))
     b.fail_if("list(map(type, STATE_MODULES)) != STATE_MODULE_TYPES")
-    ordered = [hooks for hooks in hook_tables if len(hooks) > 1]
+    ordered = [hooks for hooks in hook_tables if len(hooks) > 1 or (hooks and any(hooks is f for f in flags))]
     if ordered:  # their hooks in order (``move_to_end`` tells no watcher, changes no version)
         b.globals.update(HOOK_TABLES=ordered, HOOKS_IN_ORDER=[tuple(h.items()) for h in ordered])
         b.globals["ITEMS"] = operator.methodcaller("items")
