@@ -790,7 +790,7 @@ def _numpy_random(x):
     "fn, generator",
     [
         (_seeds_inside, "torch.manual_seed"),
-        (_restores_generator_state, "torch.set_rng_state"),
+        (_restores_generator_state, "torch.get_rng_state"),  # (its state read, to be set back)
         (_seeds_the_generator_object, "torch's default random generator"),
         (_forks_the_generator, "torch.fork_rng"),
         (_python_random, "Python's random module"),
