@@ -522,3 +522,25 @@ def test_slices_and_ellipsis_are_guarded_constants():
     assert dtcompile.cache_misses(jitted) == 4  # one per distinct index
     with pytest.raises(dtcompile.UnsupportedInputError, match="args.1. is a slice"):
         dtcompile.jit(fn)(x, slice(torch.tensor(1), 3))  # a slice of tensors is not a constant
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_parameters_can_be_swapped_after_compiling(grad):
+    """The fake mode kept weak references to the parameters it made fakes of, and torch
+    refuses to swap a tensor anything refers to weakly: ``swap_tensors`` raised, and so
+    did ``module.to()`` under ``set_swap_module_params_on_conversion(True)``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    jitted = dtcompile.jit(model)
+    x = torch.randn(2, 4)
+    with torch.set_grad_enabled(grad):
+        jitted(x)
+        torch.utils.swap_tensors(model[0].weight, nn.Parameter(torch.randn(4, 4)))
+        torch.testing.assert_close(jitted(x), model(x), rtol=0, atol=0)
+        previous = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            model.to(torch.float64)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(previous)
+        torch.testing.assert_close(jitted(x.double()), model(x.double()), rtol=0, atol=0)

@@ -33,6 +33,15 @@ class InputFakes:
         self.fake_mode = fake_mode
         self._storages: dict[int, object] = {}  # storage id -> the fake made here first, or _CONVERTED
 
+    def forget(self) -> None:
+        """Let go of the weak references the converter holds to the real tensors: torch
+        refuses to swap a tensor anything refers to weakly (``torch.utils.swap_tensors``,
+        ``module.to()`` under ``set_swap_module_params_on_conversion``). Called once the
+        program is built: nothing converts them again."""
+        describer = self.fake_mode.fake_tensor_converter.meta_converter.describer
+        describer.lookup_tensor.clear()
+        describer.lookup_storage.clear()
+
     def deferred(self, real: torch.Tensor):
         """For a tensor whose fake :meth:`static` would make from its metadata: a function
         making that fake, which can be called later (the storage waits for it); else None."""

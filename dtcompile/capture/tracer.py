@@ -36,6 +36,7 @@ from .global_state import (
     torch_caches_off,
 )
 from .grad_checks import gradient_refusal
+from .input_fakes import InputFakes
 from .input_nodes import DictInput, DTensorInput, InputNode, ObjectInput, SequenceInput, brings_proxy, iter_leaves
 from .inputs import InputProxifier
 from .method_checks import effects_refused, retained_outputs
@@ -88,6 +89,7 @@ class CapturedCall:
     updates: list[AttributeUpdate] = field(default_factory=list)
     # Attributes the forward assigned on the module's submodules, made again after each call.
     module_updates: list[ModuleUpdate] = field(default_factory=list)
+    input_fakes: InputFakes | None = None  # the fakes of the real tensors that entered the trace
 
     @property
     def python_state(self) -> PythonState:
@@ -321,11 +323,7 @@ def _capture(
         globals={label: (constant.value, None) for label, constant in recording.constants.items()},
     )
     verify(trace)
-    meshes = []
-    for node in proxifier.dtensor_inputs:
-        if not any(node.spec.mesh is m for m in meshes):
-            meshes.append(node.spec.mesh)
-    shape_env = recording.fake_mode.shape_env
+    meshes = list({id(node.spec.mesh): node.spec.mesh for node in proxifier.dtensor_inputs}.values())
     return CapturedCall(
         trace,
         inputs,
@@ -334,11 +332,12 @@ def _capture(
         grad_enabled,
         global_state,
         meshes,
-        shape_env,
+        recording.fake_mode.shape_env,
         backward,
         proxifier.objects.needed,
         updates,
         module_updates,
+        recording.fakes,
     )
 
 

@@ -258,6 +258,7 @@ class CompiledFunction:
             group_labels=labels,
             python_reads=captured.python_state.reads,
         )
+        captured.input_fakes.forget()  # (the program built: the real tensors are the caller's again)
         # Last, so that every way this rank can fail comes before the ranks meet.
         guards = list(map(str, shape_guards(captured.shape_env))) if symbolic else []
         entry.ranks, entry.digest = agreement.check(to_check, captured.meshes, labels, guards)
@@ -385,9 +386,7 @@ def _computation_inputs(captured: CapturedCall) -> list[str]:
 
 def _slot_count(captured: CapturedCall) -> int:
     """How many local outputs the forward returns before its saved values."""
-    backward = captured.backward
-    grads = sum(1 for g in backward.grads if g is not None)
-    return len(captured.trace.output) - grads
+    return len(captured.trace.output) - sum(1 for g in captured.backward.grads if g is not None)
 
 
 def _run(entry, inputs: tuple):
