@@ -311,11 +311,11 @@ class PythonState(AfterTracing):
         if global_names & _DYNAMIC_LOOKUPS:  # ``globals()["K"]``, ``eval("K")``: any global, not followed
             for name in sorted(set(module_globals) - global_names):
                 if not name.startswith("__"):
-                    self._read(module_globals, name, module_globals[name], f"global {name!r} of {fn.__qualname__}")
+                    self._read(module_globals, name, module_globals[name], f"global {name!r} read by {fn.__qualname__}")
         builtins = module_globals.get("__builtins__", {})
         builtins = vars(builtins) if isinstance(builtins, types.ModuleType) else builtins
         for name in sorted(global_names):
-            where = f"global {name!r} of {fn.__qualname__}"
+            where = f"global {name!r} read by {fn.__qualname__}"
             # Absent: a builtin (read from the builtins then: ``builtins.abs`` patched is seen),
             # or a NameError the code caught. Defining it later shadows the builtin, or ends the
             # error: guarded as absent.
