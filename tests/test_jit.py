@@ -544,3 +544,29 @@ def test_parameters_can_be_swapped_after_compiling(grad):
         finally:
             torch.__future__.set_swap_module_params_on_conversion(previous)
         torch.testing.assert_close(jitted(x.double()), model(x.double()), rtol=0, atol=0)
+
+
+_IDLE_DROPOUTS = {
+    "eval": lambda x: F.dropout(x, 0.5, training=False),
+    "p 0 in training": lambda x: F.dropout(x, 0.0, training=True),
+    "in place, eval": lambda x: F.dropout(x, 0.3, False, True),
+    "module in eval": nn.Dropout(0.5).eval(),
+    "torch.dropout": lambda x: torch.dropout(x, p=0.2, train=False),
+}
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("name", list(_IDLE_DROPOUTS))
+def test_a_dropout_that_drops_nothing_returns_its_input_itself(name, cache):
+    """Eager's kernel returns the input itself; the compiled call returned a copy (torch's
+    decomposition clones), so writes through it missed the input, and a strided input's
+    copy had other strides."""
+    fn = _IDLE_DROPOUTS[name]
+    jitted = dtcompile.jit(fn, cache=cache)
+    for x in (torch.randn(3, 4), torch.randn(5, 6)[1:, ::2]):
+        assert fn(x) is x
+        assert jitted(x) is x
+    with torch.enable_grad():
+        x = torch.randn(3, 4, requires_grad=True)
+        jitted(x).sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(3, 4))

@@ -236,7 +236,7 @@ class CallAnnotator(TorchFunctionMode):
                 return func(*args, **kwargs)  # torch's and DTensor's own code in a traced backward
             self.recording.users_backward_ran = True  # (its Python state is checked at each backward)
         if func in CHECKED:
-            answer = check_method(func, args, self.recording)
+            answer = check_method(func, args, self.recording, kwargs)
             if answer is not NOT_ANSWERED:
                 return answer
         if func is torch.autograd.grad:

@@ -36,8 +36,17 @@ _STORAGE_READS = {torch.Tensor.untyped_storage} | (
     {torch.Tensor.storage, torch.Tensor._typed_storage} if hasattr(torch.Tensor, "_typed_storage") else set()
 )
 _CALLER_READS = {torch.Tensor._is_view, torch.Tensor.is_shared}
+# ``F.dropout`` and the ops it calls (p, training as defaulted, the training argument's
+# name): eager's kernel returns the input itself, not a copy, where nothing is dropped (p
+# 0, not training, no element); torch's decomposition, which tracing runs, copies it.
+_DROPOUTS = {
+    torch.nn.functional.dropout: (0.5, True, "training"),
+    torch.dropout: (None, None, "train"),
+    torch.dropout_: (None, None, "train"),
+}
 CHECKED = (
-    _BACKWARDS
+    set(_DROPOUTS)
+    | _BACKWARDS
     | _STORAGE_READS
     | _CALLER_READS
     | {torch.Tensor.register_hook, torch.Tensor.retain_grad, torch.Tensor.is_inference, torch.Tensor.is_set_to}
@@ -81,9 +90,12 @@ def received_base(value, recording) -> InputPath | None:
     return next((p.provenance for p in found if isinstance(p.provenance, InputPath)), None)
 
 
-def check_method(func, args: tuple, recording) -> object:
+def check_method(func, args: tuple, recording, kwargs: dict) -> object:
     """Refuse ``func`` where the traced code calls it on a traced tensor and a compiled
-    call could not do what it does; the answer of ``is_inference``; else NOT_ANSWERED."""
+    call could not do what it does; the answer of ``is_inference``, or a dropout's that
+    drops nothing (its input); else NOT_ANSWERED."""
+    if func in _DROPOUTS:
+        return _dropped_nothing(func, args, kwargs)
     if func in _BACKWARDS:
         if _called_by_user(func):
             raise _backward_refusal(func)
@@ -270,3 +282,17 @@ def _called_by_user(func) -> bool:
         frame = frame.f_back
     module = frame.f_globals.get("__name__", "") if frame is not None else ""
     return module.partition(".")[0] not in ("torch", "dtcompile")
+
+
+def _dropped_nothing(func, args: tuple, kwargs: dict) -> object:
+    """The input of a dropout that drops nothing, as eager's kernel returns it; else
+    NOT_ANSWERED (a probability out of range: eager's error, as eager raises it)."""
+    default_p, default_training, training_name = _DROPOUTS[func]
+    tensor = args[0] if args else kwargs.get("input")
+    p = args[1] if len(args) > 1 else kwargs.get("p", default_p)
+    training = args[2] if len(args) > 2 else kwargs.get(training_name, default_training)
+    if not isinstance(tensor, torch.Tensor) or type(p) not in (int, float) or not 0 <= p <= 1:
+        return NOT_ANSWERED
+    empty = any(type(size) is int and size == 0 for size in tensor.shape)
+    idle = type(training) in (bool, int) and not training
+    return tensor if p == 0 or idle or empty else NOT_ANSWERED
