@@ -646,3 +646,45 @@ def test_detect_anomaly_checking_nan_is_refused_and_without_the_check_runs():
         dtcompile.jit(model)(x).pow(2).sum().backward()
         eager(x).pow(2).sum().backward()
     _assert_same_grads(_grads(model), _grads(eager))
+
+
+# ---------------------------------------------------------------------------------------
+# Outputs that view the program's own intermediates, changed in place by the caller
+
+_VIEWS_OF_INTERMEDIATES = {
+    "transpose": lambda x: (x * 2).t(),
+    "slice": lambda x: (x * 2)[1:],
+    "copying reshape": lambda x: x.t().reshape(-1),
+    "two views": lambda x: ((x * 2)[1:], (x * 3)[:1]),
+}
+
+
+def _changed_in_place_then_backward(fn, x):
+    out = fn(x)
+    outs = out if isinstance(out, tuple) else (out,)
+    outs[-1].mul_(3)
+    sum(t.sum() for t in outs).backward()
+    return x.grad
+
+
+@torch.enable_grad()
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("name", list(_VIEWS_OF_INTERMEDIATES))
+def test_a_returned_view_of_an_intermediate_changed_in_place(name, cache):
+    """Eager's output views an intermediate, and may be changed in place before backward;
+    the compiled step's was a view made inside a custom Function, which autograd refuses."""
+    fn = _VIEWS_OF_INTERMEDIATES[name]
+    x = torch.randn(3, 4)
+    expected = _changed_in_place_then_backward(fn, x.clone().requires_grad_())
+    got = _changed_in_place_then_backward(dtcompile.jit(fn, cache=cache), x.clone().requires_grad_())
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@torch.enable_grad()
+def test_a_returned_view_of_a_value_the_backward_reads_changed_in_place_raises_as_in_eager():
+    """Eager raises at the backward (the saved value was changed); the compiled step keeps
+    the view its backward's saved value shares, and autograd refuses the change then."""
+    fn = lambda x: x.exp().t()  # noqa: E731 (exp's backward reads its output)
+    for f in (fn, dtcompile.jit(fn)):
+        with pytest.raises(RuntimeError, match="inplace"):
+            _changed_in_place_then_backward(f, torch.randn(3, 4, requires_grad=True))

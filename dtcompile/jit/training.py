@@ -16,6 +16,7 @@ other hooks than traced is refused.
 
 from __future__ import annotations
 
+import collections
 import types
 from dataclasses import dataclass
 
@@ -293,7 +294,7 @@ class CompiledStep(torch.autograd.Function):
         for position in program.dtensor_inputs:
             local_inputs[position] = local_inputs[position]._local_tensor
         versions = [local_inputs[i]._version for i in program.read_back]
-        outs = program.forward(*local_inputs)
+        outs = _views_made_own(program.forward(*local_inputs), program.slots, local_inputs)
         ctx.program = program
         ctx.written = [i for i, v in zip(program.read_back, versions) if local_inputs[i]._version != v]
         # As autograd's own saved tensors: freed after a backward without retain_graph (a
@@ -360,6 +361,26 @@ class CompiledStep(torch.autograd.Function):
             if not gradient.sources or gradient.sources & arrived:
                 result[1 + gradient.position] = gradient.wrap(grad, shape)
         return tuple(result)
+
+
+def _views_made_own(outs, slots: int, inputs: list):
+    """``outs`` with each output that views memory nothing else the step has or returns
+    holds (``(x * 2).t()``: its base was the program's own) made a tensor of its own on that
+    memory. Eager's is a view of an intermediate, which the caller may change in place;
+    a custom Function's output that is a view may not be."""
+    views = [i for i in range(slots) if isinstance(outs[i], torch.Tensor) and outs[i]._base is not None]
+    if not views:
+        return outs
+    outs, memory = list(outs), collections.Counter()
+    for t in (*outs, *inputs):
+        if isinstance(t, torch.Tensor):
+            memory[t.untyped_storage()._cdata] += 1
+    for i in views:
+        t = outs[i]
+        if memory[t.untyped_storage()._cdata] == 1 and not (t.is_conj() or t.is_neg()):
+            own = torch.empty(0, dtype=t.dtype, device=t.device)
+            outs[i] = own.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    return outs
 
 
 def _read_back(joint, inputs: list) -> tuple:
