@@ -570,3 +570,12 @@ def test_a_dropout_that_drops_nothing_returns_its_input_itself(name, cache):
         x = torch.randn(3, 4, requires_grad=True)
         jitted(x).sum().backward()
     torch.testing.assert_close(x.grad, torch.ones(3, 4))
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_adaptive_average_pooling_to_one_of_a_channels_last_input(cache):
+    """Eager's kernel restrides its mean in place (``as_strided_``, dims of size 1 only):
+    refused as a change of a traced tensor's sizes or strides."""
+    pool = nn.AdaptiveAvgPool2d(1)
+    x = torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last)
+    assert_same_tensor(dtcompile.jit(pool, cache=cache)(x), pool(x))

@@ -85,6 +85,18 @@ def _layout_key(t: torch.Tensor) -> tuple:
     return (tuple(map(key, t.shape)), tuple(map(key, t.stride())), key(t.storage_offset()))
 
 
+def _only_free_strides(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """Whether only strides of dims of size 1 changed, which address nothing: the same
+    memory, read the same (eager's ``adaptive_avg_pool2d(x, 1)`` restrides its channels-last
+    mean in place so)."""
+    (sizes, strides, offset), (new_sizes, new_strides, new_offset) = _layout_key(before), _layout_key(after)
+    return (
+        sizes == new_sizes
+        and offset == new_offset
+        and all(size == 1 or a == b for size, a, b in zip(sizes, strides, new_strides))
+    )
+
+
 def refuse_metadata_changes(func, proxies: list, call: str | None) -> None:
     """Refuse an op that changed the sizes or strides of a traced tensor in place
     (``y.unsqueeze_(0)``, ``x.t_()``, ``resize_``, ``set_``, an ``out=`` tensor resized): a
@@ -93,7 +105,7 @@ def refuse_metadata_changes(func, proxies: list, call: str | None) -> None:
         return
     with torch._C.DisableTorchFunction():
         for proxy in proxies:
-            if _layout_key(proxy) != _layout_key(proxy.fake):
+            if _layout_key(proxy) != _layout_key(proxy.fake) and not _only_free_strides(proxy, proxy.fake):
                 path = proxy.provenance if isinstance(proxy.provenance, InputPath) else None
                 what = "a traced tensor" if path is None else f"{path}, a tensor of the call,"
                 if path is not None and path.root == "captured":
