@@ -97,8 +97,19 @@ def _clone_of_a_view(x):
         (lambda x: ((x * 2).var(-1), F.layer_norm(x * 2, (8,))), torch.randn(3, 8, dtype=torch.bfloat16)),
         (lambda x: torch.add(x * 2, 2, alpha=3) - torch.sub(x, 1.5, alpha=2), torch.randn(5)),
         (lambda x: (x * 2).sum(0) + 1, torch.tensor(3.0)),
+        # a softmax over an empty dim is empty (the reference's max over no element raised)
+        (lambda x: x.softmax(-1) * 2, torch.randn(1, 0)),
+        (lambda x: x.log_softmax(0) + 1, torch.randn(0, 3)),
     ],
-    ids=["clone-of-a-view", "half-compared-with-a-scalar", "bf16-var-and-layer-norm", "scalar-alpha", "0-d-sum"],
+    ids=[
+        "clone-of-a-view",
+        "half-compared-with-a-scalar",
+        "bf16-var-and-layer-norm",
+        "scalar-alpha",
+        "0-d-sum",
+        "softmax-over-an-empty-dim",
+        "log-softmax-over-an-empty-dim",
+    ],
 )
 def test_nvfuser_edge_cases_match_eager(fn, x):
     jitted = dtcompile.jit(fn, executors=[FusionExecutor("reference", min_ops=1), "torch"])

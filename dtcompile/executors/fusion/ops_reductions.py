@@ -40,7 +40,15 @@ def _sum_mean(t: Translator, bsym: BoundSymbol):
     return total
 
 
-@handles(aten.amax.default, aten.amin.default)
+def _reduces_elements(bsym: BoundSymbol) -> bool:
+    """A max or min over dims none of which is known empty (torch raises there; a fusion
+    gives the reduction's identity)."""
+    x = bsym.args[0]
+    dims = normalized_dims(argument(bsym, "dim", 1, []), x.dim())
+    return not any(as_constant(x.shape[d]) == 0 for d in dims)
+
+
+@handles(aten.amax.default, aten.amin.default, check=_reduces_elements)
 def _amax_amin(t: Translator, bsym: BoundSymbol):
     x = t.value(bsym.args[0])
     dims = normalized_dims(argument(bsym, "dim", 1, []), t.rank(x))

@@ -59,10 +59,10 @@ def _statement(op: Op) -> str:
         return f"torch.where({a[0]}, {a[1]}, {a[2]})"
     if p == "cast":
         return f"{a[0]}.to({args[1]})"
-    if p in ("sum", "max", "min"):
-        fn = {"sum": "torch.sum", "max": "torch.amax", "min": "torch.amin"}[p]
-        dtype = f", dtype={op.dtype}" if p == "sum" else ""
-        return f"{fn}({a[0]}, {a[1]}, keepdim={args[2]}{dtype})"
+    if p == "sum":
+        return f"torch.sum({a[0]}, {a[1]}, keepdim={args[2]}, dtype={op.dtype})"
+    if p in ("max", "min"):
+        return f"extreme(torch.a{p}, {a[0]}, {a[1]}, {args[2]})"
     if p == "broadcast":
         index = ", ".join("None" if new else ":" for new in args[1])
         return f"{a[0]}[{index}]"
@@ -85,6 +85,20 @@ def _statement(op: Op) -> str:
     raise NotImplementedError(f"reference backend: no primitive {p}")
 
 
+def _extreme(amax_or_amin, x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
+    """A max or min reduction as nvFuser's: over no element, the reduction's identity
+    (a softmax over an empty dim is empty), where torch's raises."""
+    if all(x.shape[d] for d in dims):
+        return amax_or_amin(x, dims, keepdim=keepdim)
+    shape = [1 if d in dims else n for d, n in enumerate(x.shape) if keepdim or d not in dims]
+    maximum = amax_or_amin is torch.amax
+    if x.dtype.is_floating_point:
+        identity = -float("inf") if maximum else float("inf")
+    else:
+        identity = torch.iinfo(x.dtype).min if maximum else torch.iinfo(x.dtype).max
+    return torch.full(shape, identity, dtype=x.dtype, device=x.device)
+
+
 def source(program: FusionProgram, fn_name: str = "fusion") -> str:
     """The Python function that runs ``program``."""
     lines = [f"def {fn_name}({', '.join(i.name for i in program.inputs)}):"]
@@ -99,7 +113,7 @@ class ReferenceFusion:
 
     def __init__(self, program: FusionProgram):
         self.source = source(program)
-        self.fn = compile_function(self.source, "fusion", {"torch": torch})
+        self.fn = compile_function(self.source, "fusion", {"torch": torch, "extreme": _extreme})
 
     def __call__(self, inputs):
         return self.fn(*inputs)
