@@ -391,3 +391,21 @@ def test_a_fusion_that_fails_to_build_runs_on_torch_with_a_note():
     execution = str(dtcompile.last_traces(jitted)[-1])
     assert "left unfused: unbuildable could not build it (RuntimeError: cannot build this fusion)" in execution
     assert not _fusions(jitted)
+
+
+def test_nvfuser_leaves_arithmetic_on_booleans_to_torch():
+    """torch keeps ``b + True`` and ``b * b`` bool; nvFuser's frontend computes them as
+    integers (its own build, on CPU, disagreed with the program's dtype)."""
+    fn = lambda b: ((b + True).logical_not(), b * b, (b * 2).float() + 1)  # noqa: E731
+    jitted = dtcompile.jit(fn, executors=[FusionExecutor("reference", min_ops=1), "torch"])
+    b = torch.tensor([[True, False], [False, True]])
+    with torch.no_grad():
+        assert_same_result(jitted(b), fn(b))
+    fused = [op.primitive for program in _fused_programs(jitted) for op in program.ops]
+    assert fused and "add" in fused  # the integer arithmetic (b * 2 + 1) is fused
+    assert all(
+        op.dtype is not torch.bool
+        for program in _fused_programs(jitted)
+        for op in program.ops
+        if op.primitive in ("add", "mul")
+    )

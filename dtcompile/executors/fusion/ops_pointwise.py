@@ -60,13 +60,19 @@ def _no_kwargs(bsym: BoundSymbol) -> bool:
     return not bsym.kwargs
 
 
+def _arithmetic(bsym: BoundSymbol) -> bool:
+    """Not arithmetic on booleans (``b + True``, ``b * b``): torch keeps bool where
+    nvFuser computes an integer."""
+    return bsym.output.dtype is not torch.bool
+
+
 @handles(*_UNARY, check=_no_kwargs)
 def _unary(t: Translator, bsym: BoundSymbol):
     out = bsym.output
     return t.math(_UNARY[bsym.op], t.value(bsym.args[0]), dtype=compute_dtype(out.dtype))
 
 
-@handles(*_BINARY, check=_no_kwargs)
+@handles(*_BINARY, check=lambda b: _no_kwargs(b) and _arithmetic(b))
 def _binary(t: Translator, bsym: BoundSymbol):
     a, b = (t.value(x) for x in bsym.args[:2])
     return t.math(_BINARY[bsym.op], a, b, dtype=compute_dtype(bsym.output.dtype))
@@ -96,7 +102,7 @@ def _scaled(t: Translator, value, alpha, dtype):
     return value * alpha if not isinstance(value, Ref) else t.math("mul", value, alpha, dtype=dtype)
 
 
-@handles(aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar)
+@handles(aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, check=_arithmetic)
 def _add_sub(t: Translator, bsym: BoundSymbol):
     dtype = compute_dtype(bsym.output.dtype)
     a, b = (t.value(x) for x in bsym.args[:2])
