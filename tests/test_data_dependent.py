@@ -326,3 +326,24 @@ def test_each_element_of_a_tensor_sized_by_data_read_as_a_number(case, cache):
     for ids in ([0, 3, 4, 5], [5, 5, 5, 5], [1, 2, 3, 9, 4, 7], [0, 0, 0, 0], [0, 3, 4, 5]):
         ids = torch.tensor(ids)
         assert jitted(ids) == fn(ids)
+
+
+def _divmod_of_data(x, t):
+    q, r = divmod(t.item(), 3)
+    fq, fr = divmod(t.float().item() / 2, 1.5)
+    return x[:q] * r + fq - fr
+
+
+def _divmod_of_a_size(x):
+    q, r = divmod(x.shape[0], 3)
+    return x[:q] * r, divmod(7, x.shape[0] // 2)
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_divmod_of_a_number_read_from_data_or_a_size(cache):
+    """torch's SymInt and SymFloat have no ``__divmod__``: a TypeError while tracing."""
+    jitted, sized = dtcompile.jit(_divmod_of_data, cache=cache), dtcompile.jit(_divmod_of_a_size, cache=cache)
+    for n, k in ((10, 7), (12, 8), (9, 2)):
+        x = torch.arange(float(n))
+        assert_same(jitted(x, torch.tensor(k)), _divmod_of_data(x, torch.tensor(k)))
+        assert_same(sized(x), _divmod_of_a_size(x))

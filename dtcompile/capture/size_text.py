@@ -52,8 +52,27 @@ def sizes_as_values_in_user_text():
     with contextlib.ExitStack() as stack:
         for cls, kind in ((torch.SymInt, int), (torch.SymFloat, float), (torch.SymBool, bool)):
             stack.enter_context(_values_in_user_text(cls, kind))
+        for cls in (torch.SymInt, torch.SymFloat):
+            stack.enter_context(_divmod(cls))
         stack.enter_context(_exact_float_arithmetic())
         yield
+
+
+@contextlib.contextmanager
+def _divmod(cls: type):
+    """``divmod`` of a size or a number read from data: torch's SymInt and SymFloat have
+    none (a TypeError, where eager's numbers give ``(a // b, a % b)``)."""
+    saved = {name: vars(cls)[name] for name in ("__divmod__", "__rdivmod__") if name in vars(cls)}
+    cls.__divmod__ = lambda self, other: (self // other, self % other)
+    cls.__rdivmod__ = lambda self, other: (other // self, other % self)
+    try:
+        yield
+    finally:
+        for name in ("__divmod__", "__rdivmod__"):
+            if name in saved:
+                setattr(cls, name, saved[name])
+            else:
+                delattr(cls, name)
 
 
 @contextlib.contextmanager
