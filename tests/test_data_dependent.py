@@ -347,3 +347,18 @@ def test_divmod_of_a_number_read_from_data_or_a_size(cache):
         x = torch.arange(float(n))
         assert_same(jitted(x, torch.tensor(k)), _divmod_of_data(x, torch.tensor(k)))
         assert_same(sized(x), _divmod_of_a_size(x))
+
+
+@torch.enable_grad()
+def test_a_slice_by_a_number_read_from_data_with_gradients_names_narrow():
+    """The backward needs the slice's size, which no tensor of the trace holds; the error
+    spoke only of masks."""
+
+    def sliced(x, t):
+        return x[: t.item()].sum()
+
+    with pytest.raises(dtcompile.TracingError, match=r"narrow\(0, 0, k\)"):
+        dtcompile.jit(sliced)(torch.randn(6, requires_grad=True), torch.tensor(3))
+    x = torch.randn(6, requires_grad=True)
+    dtcompile.jit(lambda x, t: x.narrow(0, 0, t.item()).sum())(x, torch.tensor(3)).backward()
+    assert torch.equal(x.grad, torch.tensor([1.0, 1, 1, 0, 0, 0]))

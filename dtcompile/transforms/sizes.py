@@ -64,7 +64,8 @@ class _Materializer:
             raise UnmaterializableSizeError(
                 f"dtcompile.jit: the size {expr} is not held by any tensor of the trace, so the compiled "
                 "program cannot compute it (a size read from data that the backward needs: x[mask].sum() "
-                "with gradients; (x * mask).sum() computes the same without it)"
+                "with gradients, where (x * mask).sum() computes the same without it; x[:k] of a number k "
+                "read from data, where x.narrow(0, 0, k) holds it)"
             )
         args = tuple(self.number(symbol, preferred) for symbol in symbols)
         number = self._number(expr, "prims.size")
