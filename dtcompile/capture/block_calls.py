@@ -45,7 +45,7 @@ def block_program(template, free: dict[str, TensorProxy], path: str, taken: set[
     outputs = _outputs(template, free)
     if outputs is None or not _callable(template.symbols, inputs, outputs):
         return None
-    name = _name(path, taken)
+    name = program_name(path, taken)
     notes = {p.label: _source_note(template.sources[p.label]) for p in inputs}
     title = f"block program {name}: {path or 'the module'}'s first call, called for every block like it"
     return _program(name, inputs, list(template.symbols), outputs, title, notes, path)
@@ -66,9 +66,9 @@ def training_programs(template, path: str, taken: set[str]) -> tuple[BlockProgra
     _, bases = _saved_bases(template, backward.symbols)
     returned = {p.label for p in (*inputs, *outputs)}
     outputs += [p for p in bases if p.label not in returned]
-    if not _fresh(outputs, inputs) or not _callable(template.symbols, inputs, outputs):
+    if not fresh(outputs, inputs) or not _callable(template.symbols, inputs, outputs):
         return None
-    name = _name(path, taken)
+    name = program_name(path, taken)
     notes = {p.label: _source_note(template.sources[p.label]) for p in inputs}
     title = f"block program {name}: {path or 'the module'}'s first forward, called for every block like it"
     forward = _program(name, inputs, list(template.symbols), outputs, title, notes, path)
@@ -93,11 +93,11 @@ def backward_program(template, forward: BlockProgram, backward, taken: set[str])
             local = local_proxy(grad)
             grads.setdefault(local.label, local)
     outputs = list(grads.values())
-    if not _defined_in_order(symbols, inputs, outputs) or not _fresh(outputs, inputs):
+    if not _defined_in_order(symbols, inputs, outputs) or not fresh(outputs, inputs):
         return None
     if not _callable(symbols, inputs, outputs):
         return None
-    name = _name(f"{forward.source}_backward", taken)
+    name = program_name(f"{forward.source}_backward", taken)
     given = forward.trace.input_notes  # the block's own tensors and the call's arguments
     notes = {p.label: given.get(p.label, f"a value {forward.name} returns") for p in bases}
     notes.update({c.label: "the incoming gradient" for c in inputs[len(bases) :]})
@@ -160,7 +160,7 @@ def _defined_in_order(symbols: list, inputs: list, outputs: list) -> bool:
 
 
 def _callable(symbols: list, inputs: list[TensorProxy], outputs: list[TensorProxy]) -> bool:
-    return _pure(symbols, inputs, outputs) and _sizes_held(symbols, inputs)
+    return _pure(symbols, inputs, outputs) and sizes_held(symbols, inputs)
 
 
 def first_call(recording, program: BlockProgram) -> bool:
@@ -201,10 +201,10 @@ def _outputs(template, free: dict[str, TensorProxy]) -> list[TensorProxy] | None
     for entry in template.output[1]:
         if entry[0] in ("dtensor", "tensor") and entry[1].label not in free:
             outputs.setdefault(entry[1].label, entry[1])
-    return list(outputs.values()) if _fresh(list(outputs.values()), list(free.values())) else None
+    return list(outputs.values()) if fresh(list(outputs.values()), list(free.values())) else None
 
 
-def _fresh(outputs: list[TensorProxy], inputs: list[TensorProxy]) -> bool:
+def fresh(outputs: list[TensorProxy], inputs: list[TensorProxy]) -> bool:
     """Whether each output is in memory of its own (shared with no input nor other
     output), from its start, with no value tracing knows."""
     storages = [p.memory for p in outputs]
@@ -225,7 +225,7 @@ def _pure(symbols: list, inputs: list[TensorProxy], outputs: list[TensorProxy]) 
     return bool(outputs)
 
 
-def _sizes_held(symbols: list, inputs: list[TensorProxy]) -> bool:
+def sizes_held(symbols: list, inputs: list[TensorProxy]) -> bool:
     """Every size the block uses can be computed from its inputs, as its program's passes
     will (``transforms/sizes.py``): it is one of their sizes, strides or offsets, or each
     of its symbols is (a block given a sequence's local shard, ``ceil(s/2)``, that gathers
@@ -241,7 +241,7 @@ def _sizes_held(symbols: list, inputs: list[TensorProxy]) -> bool:
     )
 
 
-def _name(path: str, taken: set[str]) -> str:
+def program_name(path: str, taken: set[str]) -> str:
     base = "block_" + (re.sub(r"\W", "_", path) or "module")
     name, n = base, 1
     while name in taken:

@@ -10,9 +10,9 @@ recorded again, each through the recording (so each op's output metadata comes f
 fake tensors again, and names are given in the same order), with the later block's
 tensors in place of the first one's, and the outputs are rebuilt around the new proxies
 with the first call's DTensor specs. The trace is the one the Python would have recorded
-(the tests compare the printed programs).
-
-Which blocks and arguments are equivalent is ``equivalence.py``'s to say.
+(the tests compare the printed programs). Which blocks and arguments are equivalent is
+``equivalence.py``'s to say. A block traced as it is has its stretch of the recording
+noted (``outlining.py`` makes alike stretches calls of one program once the call is traced).
 
 What a template may hold (else the block is only ever traced, ``BlockTemplate.refused``):
 tensors from the block's own parameters, buffers and attributes and from its arguments
@@ -50,6 +50,7 @@ from .equivalence import (
     same_blocks,
     tensors_key,
 )
+from .outlining import Stretches
 from .replay import ReplayDiverged, output_aliases, record_again
 from .tensor_attributes import user_attributes
 
@@ -123,6 +124,9 @@ class RepeatedBlocks:
         self.recording_depth = 0
         self.replayed: dict[str, list[str]] = {}  # path of a recorded block -> the blocks replayed from it
         self.program_names: set[str] = set()
+        self.stretches = Stretches(
+            recording.bound_symbols, self.program_names
+        )  # the blocks traced as they are (``outlining.py``)
         self._original = None
 
     def __enter__(self) -> RepeatedBlocks:
@@ -148,29 +152,30 @@ class RepeatedBlocks:
         ):
             return original(module, *args, **kwargs)
         key = arguments_key(args, kwargs)
-        if key is None:
-            return original(module, *args, **kwargs)
+        if key is None:  # (a Hugging Face decoder layer: it takes the KV cache object)
+            return self.stretches.traced(module, self.paths[id(module)], lambda: original(module, *args, **kwargs))
         templates = self.templates.get(type(module), ())
         with torch._C.DisableTorchFunction():  # metadata reads only: not the annotator's to see
             template = next((t for t in templates if t.key == key and same_blocks(t.state, module)), None)
         if template is not None:
-            if template.refused is not None:
-                return original(module, *args, **kwargs)
-            replayed = self._replay(template, module, args, kwargs)
+            replayed = _FAILED if template.refused is not None else self._replay(template, module, args, kwargs)
             if replayed is not _FAILED:
                 self.replayed.setdefault(self.paths[id(template.module)], []).append(self.paths[id(module)])
                 return replayed
-            return original(module, *args, **kwargs)
+            return self.stretches.traced(module, self.paths[id(module)], lambda: original(module, *args, **kwargs))
         alike = [t for t in templates if t.key == key]
         tensors = tensors_key(module) if alike else None
         if alike and (len(alike) >= TEMPLATES_PER_KEY or any(t.tensors == tensors for t in alike)):
             # Another block of this class and arguments and tensors, that differs (a layer's
             # index): traced as it is, so that its submodules can be replayed. One of other
             # tensors (a layer's k_proj beside its q_proj) becomes a template of its own.
-            return original(module, *args, **kwargs)
+            return self.stretches.traced(module, self.paths[id(module)], lambda: original(module, *args, **kwargs))
         template = BlockTemplate(module, key, block_state(module), tensors if alike else tensors_key(module))
         self.templates.setdefault(type(module), []).append(template)
-        return self._record(template, original, module, args, kwargs)
+        out = self._record(template, original, module, args, kwargs)
+        if template.refused is not None:
+            self.stretches.recorded(module, self.paths[id(module)], template.symbols)
+        return out
 
     def notes(self) -> list[str]:
         """The trace's header lines on what was replayed."""
@@ -178,20 +183,15 @@ class RepeatedBlocks:
         for first, later in self.replayed.items():
             shown = ", ".join(later[:3]) + (", ..." if len(later) > 3 else "")
             lines.append(f"{first} recorded once, replayed for {len(later)} more ({shown})")
-        for template in (t for templates in self.templates.values() for t in templates):
-            if not template.replayed:
-                continue
+        for template in (t for templates in self.templates.values() for t in templates if t.replayed):
             if template.program is not None:
                 program = template.program
                 lines.append(f"{program.name}: one program for {program.source} and the blocks replayed from it")
             if template.forward_program is not None:
                 program = template.forward_program
                 lines.append(f"{program.name}: one forward program for the blocks replayed from {program.source}")
-                lines += [
-                    f"{backward.name}: their backward, one program"
-                    for backward in template.backward_programs.values()
-                    if backward is not None
-                ]
+                backwards = [b for b in template.backward_programs.values() if b is not None]
+                lines += [f"{backward.name}: their backward, one program" for backward in backwards]
         return lines
 
     def _record(self, template: BlockTemplate, original, module, args: tuple, kwargs: dict):

@@ -70,8 +70,8 @@ GLOBAL_HOOKS = (
 )
 
 
-def _size_key(size) -> object:
-    return size.node.expr if isinstance(size, torch.SymInt) else size
+def size_key(size) -> object:
+    return size.node.expr if isinstance(size, (torch.SymInt, torch.SymFloat, torch.SymBool)) else size
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
@@ -80,9 +80,9 @@ def tensor_key(t: torch.Tensor) -> tuple:
     conjugate and negative bits."""
     fake = t.meta if isinstance(t, TensorProxy) else t
     return (
-        tuple(map(_size_key, fake.shape)),
-        tuple(map(_size_key, fake.stride())),
-        _size_key(fake.storage_offset()),
+        tuple(map(size_key, fake.shape)),
+        tuple(map(size_key, fake.stride())),
+        size_key(fake.storage_offset()),
         fake.dtype,
         fake.device,
         fake.layout,
@@ -120,8 +120,8 @@ def traced_key(value) -> tuple | None:
             "dtensor",
             id(spec.mesh),
             tuple(spec.placements),
-            tuple(map(_size_key, meta.shape)),
-            tuple(map(_size_key, meta.stride)),
+            tuple(map(size_key, meta.shape)),
+            tuple(map(size_key, meta.stride)),
             value.requires_grad,
             tensor_key(local),
             attributes_key(value),

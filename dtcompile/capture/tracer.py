@@ -42,6 +42,7 @@ from .inputs import InputProxifier
 from .method_checks import effects_refused, retained_outputs
 from .module_state import ModuleState, ModuleUpdate
 from .objects import AttributeUpdate, respec_refusal
+from .outlining import outline
 from .outputs import OutputCollector, OutputNode
 from .placements import describe_placements
 from .python_state import PythonState
@@ -211,7 +212,7 @@ def _capture(
             snapshot.add(vars(reached), f"the attributes of the module {path}")
     module_updates: list[ModuleUpdate] = []
     backward = None
-    replay_notes: list[str] = []
+    replay_notes, stretches = [], None
     _tracing.append(recording)
     # Libraries see a compiler tracing them, as under torch.compile (core/torch_internals.py).
     with (
@@ -235,7 +236,7 @@ def _capture(
                 ):
                     result = module(*proxy_args, **proxy_kwargs)
                     if blocks is not None:
-                        replay_notes = blocks.notes()
+                        replay_notes, stretches = blocks.notes(), blocks.stretches
                     closed = recording.closed_over_differentiable()
                     training = grad_enabled and bool(proxifier.differentiable or closed)
                     if not training:
@@ -312,13 +313,14 @@ def _capture(
     if backward is not None:
         proxies += backward.cotangents
         outputs += tuple(g for g in backward.grads if g is not None)
+    symbols, outlined = outline(recording.bound_symbols, outputs, stretches if not backward else None, proxies)
     trace = Trace(
         fn_name="computation",
         inputs=proxies,
-        bound_symbols=recording.bound_symbols,
+        bound_symbols=symbols,
         output=outputs,
         title="computation, as recorded below DTensor" + (" (forward, then backward)" if backward else ""),
-        header_notes=[_rank_line(), *replay_notes],
+        header_notes=[_rank_line(), *replay_notes, *outlined],
         input_notes={n.proxy.label: _input_note(n) for n in leaves},
         globals={label: (constant.value, None) for label, constant in recording.constants.items()},
     )

@@ -5,8 +5,11 @@ tensors it reads (its parameters, its arguments), its outputs the tensors it ret
 :class:`BlockCall` is the symbol a trace calls it by, once per equivalent block, with that
 block's tensors: ``t57, = block_0(t20, t21, t22)``. The passes and the lowering run on
 the block's program once (``jit/compiled.py``); to the passes of the trace that calls it,
-a call is one pure op (its outputs are fresh tensors, and it writes none of its inputs:
-``capture/block_calls.py`` makes calls only of such blocks).
+a call is one op whose outputs are fresh tensors. It is pure where the program writes
+none of its inputs (``capture/block_calls.py`` makes calls only of such blocks); a
+program that writes some (a layer updating its KV cache in place, ``capture/outlining.py``)
+names them (``BlockProgram.writes``), and its calls are in-place ops on those arguments
+(``transforms/effects.py``). A program may call other block programs.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ class BlockProgram:
     """One block's program and what the compilation made of it: the traces of its passes
     and its execution trace (``traces``), and the function that runs it (``function``)."""
 
-    def __init__(self, name: str, trace: Trace, source: str, steals: bool = False):
+    def __init__(self, name: str, trace: Trace, source: str, steals: bool = False, writes: tuple[int, ...] = ()):
         self.name = name
         self.trace = trace  # as recorded
         self.source = source  # the path of the block it was recorded from
+        self.writes = writes  # the positions of the inputs it writes in place
         # Takes its arguments as one list, which it empties (``Trace.steals_inputs``): a
         # backward's saved values are then freed as it goes, not when it returns.
         self.steals = steals
@@ -69,6 +73,7 @@ class BlockCall(Symbol):
     block: BlockProgram | None = field(default=None, compare=False)
     pure: bool = True
     steals: bool = False  # the call takes its arguments as one list (``BlockProgram.steals``)
+    writes: tuple[int, ...] = ()  # the arguments it writes in place (then it is not pure)
 
     def lines(self, bsym: BoundSymbol) -> list[str]:
         if not self.steals:
@@ -90,7 +95,9 @@ class BlockCall(Symbol):
 
 def block_call(block: BlockProgram) -> BlockCall:
     globals_ = ((block.name, _Run(block), None),)
-    return BlockCall(name=block.name, block=block, globals=globals_, steals=block.steals)
+    return BlockCall(
+        name=block.name, block=block, globals=globals_, steals=block.steals, writes=block.writes, pure=not block.writes
+    )
 
 
 def with_block_symbols(symbols, lowered: bool = False) -> Iterator[BoundSymbol]:
@@ -106,9 +113,12 @@ def with_block_symbols(symbols, lowered: bool = False) -> Iterator[BoundSymbol]:
 
 
 def block_programs(trace: Trace) -> list[BlockProgram]:
-    """The block programs ``trace`` calls, each once, in order of first call."""
+    """The block programs ``trace`` calls, each once, in order of first call; a program
+    another calls comes before it."""
     found: dict[int, BlockProgram] = {}
     for bsym in trace.bound_symbols:
-        if isinstance(bsym.symbol, BlockCall):
+        if isinstance(bsym.symbol, BlockCall) and id(bsym.symbol.block) not in found:
+            for inner in block_programs(bsym.symbol.block.trace):
+                found.setdefault(id(inner), inner)
             found.setdefault(id(bsym.symbol.block), bsym.symbol.block)
     return list(found.values())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .proxy import TensorProxy, contiguous_strides
+from .symbol import BoundSymbol
 from .symbolic import known_shape_equal
 
 aten = torch.ops.aten
@@ -92,3 +93,28 @@ def draws_random_numbers(bsym) -> bool:
                 value = bsym.args[index]
             return not (type(value) in (int, float) and value == 0)
     return True
+
+
+def mutates(bsym: BoundSymbol) -> bool:
+    """True for in-place and ``out=`` ops, and block calls that write an argument
+    (``core/block_call.py``): they change a tensor other symbols may read."""
+    if bsym.op is None:
+        return bool(getattr(bsym.symbol, "writes", ()))
+    return bsym.op._schema.is_mutable
+
+
+def written_tensors(bsym: BoundSymbol) -> list[TensorProxy]:
+    """The tensors an in-place or ``out=`` op writes (its schema's ``Tensor(a!)`` arguments),
+    or a block call (the arguments its program writes)."""
+    if not mutates(bsym):
+        return []
+    if bsym.op is None:
+        return [bsym.args[i] for i in bsym.symbol.writes]
+    written = []
+    for position, argument in enumerate(bsym.op._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = bsym.args[position] if position < len(bsym.args) else bsym.kwargs.get(argument.name)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        written += [v for v in values if isinstance(v, TensorProxy)]
+    return written

@@ -137,7 +137,7 @@ class BoundSymbol:
         return self.but(args=renamed(self.args, mapping), kwargs=renamed(self.kwargs, mapping), note=note)
 
 
-_ATOMS = (int, float, bool, str, type(None), torch.dtype, torch.device)
+_ATOMS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.SymInt, torch.SymFloat, torch.SymBool)
 # Leaves by exact type (most of what symbols hold), found with one set lookup.
 _LEAF_TYPES = frozenset({*_ATOMS, *PROXY_TYPES})
 

@@ -215,7 +215,8 @@ def module_table_checks(b, modules: list[torch.nn.Module]) -> None:
     # Each module's class, as traced (``m.lin.__class__ = Quantized`` changes no dict).
     b.globals.update(STATE_MODULES=modules, STATE_MODULE_TYPES=list(map(type, modules)))
     b.fail_if("list(map(type, STATE_MODULES)) != STATE_MODULE_TYPES")
-    ordered = [hooks for hooks in hook_tables if len(hooks) > 1 or (hooks and any(hooks is f for f in flags))]
+    flag_ids = set(map(id, flags))
+    ordered = [hooks for hooks in hook_tables if len(hooks) > 1 or (hooks and id(hooks) in flag_ids)]
     if ordered:  # their hooks in order (``move_to_end`` tells no watcher, changes no version)
         b.globals.update(HOOK_TABLES=ordered, HOOKS_IN_ORDER=[tuple(h.items()) for h in ordered])
         b.globals["ITEMS"] = operator.methodcaller("items")

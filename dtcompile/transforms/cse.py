@@ -5,9 +5,9 @@ from __future__ import annotations
 from torch.utils._pytree import tree_flatten, tree_structure
 
 from ..core import TensorProxy, Trace, is_proxy, renamed
-from ..core.op_classes import is_communication
+from ..core.op_classes import is_communication, written_tensors
 from ..core.printing import Unprintable, python_literal
-from .effects import has_side_effects, mutates, storage_bases, written_tensors
+from .effects import has_side_effects, mutates, storage_bases
 
 
 def _key(bsym) -> str | None:

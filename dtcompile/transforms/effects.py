@@ -5,25 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..core import BoundSymbol, TensorProxy
-
-
-def mutates(bsym: BoundSymbol) -> bool:
-    """True for in-place and ``out=`` ops: they change a tensor other symbols may read."""
-    return bsym.op is not None and bsym.op._schema.is_mutable
-
-
-def written_tensors(bsym: BoundSymbol) -> list[TensorProxy]:
-    """The tensors an in-place or ``out=`` op writes (its schema's ``Tensor(a!)`` arguments)."""
-    if not mutates(bsym):
-        return []
-    written = []
-    for position, argument in enumerate(bsym.op._schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = bsym.args[position] if position < len(bsym.args) else bsym.kwargs.get(argument.name)
-        values = value if isinstance(value, (list, tuple)) else [value]
-        written += [v for v in values if isinstance(v, TensorProxy)]
-    return written
+from ..core.op_classes import mutates
 
 
 def is_random(bsym: BoundSymbol) -> bool:
