@@ -12,6 +12,7 @@ its traced stand-in.
 from __future__ import annotations
 
 import sys
+from functools import partial
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, is_fake
@@ -21,6 +22,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_map
 
 from ..core import Note, TensorProxy, TracingError, data_dependent_error
+from ..core.proxy import PASSING_FRAMES
 from ..core.symbol import leaves as leaves_of
 from ..core.torch_internals import dtensor_implicit_replication
 from . import closed_over
@@ -38,7 +40,7 @@ from .method_checks import (
     received_base,
 )
 from .op_memo import MISSED, OpMemo, state
-from .placements import describe_placements
+from .placements import describe_argument, describe_output
 from .recorder import Recording
 
 # Tensor methods that hand the caller a tensor's data outside torch (NumPy, Python lists).
@@ -118,34 +120,6 @@ def _short_name(func) -> str:
         if name.startswith(prefix):
             return short + name[len(prefix) :]
     return name
-
-
-def _describe(value, proxies: list) -> str | None:
-    """A note template for one argument; the proxies it names are appended to ``proxies``."""
-    if isinstance(value, DTensor):
-        local = value._local_tensor
-        placements = describe_placements(value.placements)
-        if not isinstance(local, TensorProxy):
-            return f"<constant>: {placements}"
-        proxies.append(local)
-        return f"{{{len(proxies) - 1}}}: {placements}"
-    if isinstance(value, TensorProxy):
-        proxies.append(value)
-        return f"{{{len(proxies) - 1}}}"
-    if isinstance(value, (list, tuple)):
-        inner = [d for d in (_describe(v, proxies) for v in value) if d is not None]
-        return f"[{', '.join(inner)}]" if inner else None
-    return None
-
-
-def _describe_output(value) -> str:
-    if isinstance(value, DTensor):
-        return describe_placements(value.placements)
-    if isinstance(value, (list, tuple)):
-        return "(" + ", ".join(_describe_output(v) for v in value) + ")"
-    if isinstance(value, torch.Tensor):
-        return "Tensor"
-    return type(value).__name__
 
 
 # Tensor attributes whose assignment changes the tensor outside any op, and what to do instead.
@@ -285,7 +259,6 @@ class CallAnnotator(TorchFunctionMode):
                     "gradient as an argument"
                 )
             return func(*args, **kwargs)
-        start = len(self.recording.bound_symbols)
         leaves = leaves_of((args, kwargs))
         if func in _DATA_READS and any(_is_traced(x) for x in leaves):
             raise data_dependent_error(_short_name(func), "the data leaves torch")
@@ -300,6 +273,12 @@ class CallAnnotator(TorchFunctionMode):
             writes = closed_over.writes_in_place(func, kwargs)
             args, kwargs = tree_map(lambda v: closed_over.stand_in(self.recording, v, writes), (args, kwargs))
             leaves = leaves_of((args, kwargs))
+        if self.recording.call_log is not None:  # a layer's calls logged, or checked (``verified.py``)
+            return self.recording.call_log.call(func, args, kwargs, partial(self._dispatch, func, args, kwargs, leaves))
+        return self._dispatch(func, args, kwargs, leaves)
+
+    def _dispatch(self, func, args: tuple, kwargs: dict, leaves: list):
+        start = len(self.recording.bound_symbols)
         memo_key = self.memo.key(func, args, kwargs, leaves)
         if memo_key is not None:
             out = self.memo.replay(memo_key, leaves)
@@ -384,9 +363,9 @@ class CallAnnotator(TorchFunctionMode):
             if self.in_backward:  # (only the user's calls reach here in a backward)
                 self.recording.users_backward += new
             proxies: list[TensorProxy] = []
-            inputs = [d for d in (_describe(v, proxies) for v in (*args, *kwargs.values())) if d is not None]
+            inputs = [d for d in (describe_argument(v, proxies) for v in (*args, *kwargs.values())) if d is not None]
             name = _short_name(func).replace("{", "{{").replace("}", "}}")
-            note = Note(f"{name}({', '.join(inputs)}) -> {_describe_output(out)}", tuple(proxies))
+            note = Note(f"{name}({', '.join(inputs)}) -> {describe_output(out)}", tuple(proxies))
             for bsym in new:
                 if bsym.note is None:
                     bsym.note = note
@@ -395,3 +374,6 @@ class CallAnnotator(TorchFunctionMode):
         if memo_key is not None:
             self.memo.keep(memo_key, leaves, specs, start, before, out)
         return out
+
+
+PASSING_FRAMES.add(CallAnnotator._dispatch.__code__)

@@ -124,9 +124,7 @@ class RepeatedBlocks:
         self.recording_depth = 0
         self.replayed: dict[str, list[str]] = {}  # path of a recorded block -> the blocks replayed from it
         self.program_names: set[str] = set()
-        self.stretches = Stretches(
-            recording.bound_symbols, self.program_names
-        )  # the blocks traced as they are (``outlining.py``)
+        self.stretches = Stretches(recording, self)  # the blocks traced as they are (``outlining.py``)
         self._original = None
 
     def __enter__(self) -> RepeatedBlocks:

@@ -74,6 +74,42 @@ def size_key(size) -> object:
     return size.node.expr if isinstance(size, (torch.SymInt, torch.SymFloat, torch.SymBool)) else size
 
 
+def proxy_metadata(proxy) -> tuple | None:
+    """A proxy's sizes and strides (symbolic ones by expression), offset, dtype, device
+    and layout, read from the proxy itself (its fake may not be made); None for another
+    value."""
+    if not isinstance(proxy, TensorProxy):
+        return None
+    return (
+        tuple(map(size_key, proxy.shape)),
+        tuple(map(size_key, proxy.stride())),
+        size_key(proxy.storage_offset()),
+        proxy.dtype,
+        proxy.device,
+        proxy.layout,
+    )
+
+
+# A size may be a symbol in one call, a number in another.
+_NUMBER_KINDS = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
+
+
+def same_value(x, y) -> bool:
+    """Whether two arguments that are not proxies are the same to an op: by exact type (a
+    symbolic size as a number), floats by ``repr`` (``-0.0``, NaN), symbolic sizes by
+    expression."""
+    kind = _NUMBER_KINDS.get(type(x), type(x))
+    if kind is not _NUMBER_KINDS.get(type(y), type(y)):
+        return False
+    if kind is float and type(x) is float and type(y) is float:
+        return repr(x) == repr(y)
+    if kind in (int, float, bool) and (type(x) in _NUMBER_KINDS or type(y) in _NUMBER_KINDS):
+        return size_key(x) == size_key(y)
+    if isinstance(x, torch.Tensor):
+        return x is y
+    return x == y
+
+
 def tensor_key(t: torch.Tensor) -> tuple:
     """What a proxy's metadata is compared by: sizes and strides (symbolic ones by
     expression, so comparing adds no guard), offset, dtype, device, layout, grad, the
@@ -129,10 +165,12 @@ def traced_key(value) -> tuple | None:
     return ("tensor", tensor_key(local), attributes_key(value))
 
 
-def arguments_key(args: tuple, kwargs: dict) -> tuple | None:
+def arguments_key(args: tuple, kwargs: dict, grad: bool = True) -> tuple | None:
     """The key equivalent arguments share: their structure, each leaf's key and which
     leaves are the same object; None where a leaf cannot be compared (an object, a real
-    tensor), so the call is traced as it is."""
+    tensor), so the call is traced as it is. Without ``grad`` (a call made without
+    gradients, ``op_memo.py``), what ``is_leaf`` answers is left out: no op it makes
+    records autograd's graph."""
     flat, spec = flatten((args, kwargs))
     keys = []
     first: dict[int, int] = {}
@@ -141,7 +179,7 @@ def arguments_key(args: tuple, kwargs: dict) -> tuple | None:
             key = traced_key(leaf)
             if key is None or user_attributes(leaf):
                 return None  # not traced, or an attribute of its own (``x.tag``) the block may read
-            if leaf.requires_grad:  # what ``is_leaf`` answers: the caller's, for a tensor the call received
+            if grad and leaf.requires_grad:  # what ``is_leaf`` answers: the caller's, for a tensor the call received
                 with torch._C.DisableTorchFunction():
                     key = (key, received(leaf) or leaf.is_leaf)
         elif type(leaf) in SCALARS:

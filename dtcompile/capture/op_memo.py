@@ -139,7 +139,7 @@ def call_key(func, args: tuple, kwargs: dict, flat: list) -> tuple | None:
     tensors = _tensor_leaves(flat)
     if not tensors or any(local_proxy(t) is None or local_proxy(t).value is not None for t in tensors):
         return None
-    arguments = arguments_key(args, kwargs)
+    arguments = arguments_key(args, kwargs, grad=False)
     if arguments is None:
         return None
     proxies, storages = {}, {}

@@ -30,16 +30,15 @@ trace that calls them (``transforms/effects.py``). Only without gradients.
 
 from __future__ import annotations
 
-import torch
-
-from ..core import BoundSymbol, TensorProxy, Trace
+from ..core import BoundSymbol, NoProvenance, TensorProxy, Trace
 from ..core.block_call import BlockCall, BlockProgram, block_call
 from ..core.op_classes import written_tensors
 from ..core.proxy import is_proxy
 from ..core.symbol import flatten, leaves
 from . import block_calls
 from .block_calls import SMALLEST_CALLED_BLOCK, fresh, program_name, sizes_held
-from .equivalence import size_key
+from .equivalence import local_proxy, proxy_metadata, same_value
+from .verified import LayerCalls, StandIn, VerifyFailed, fresh_like, verifiable
 
 ENABLED = True  # False leaves every traced block's symbols in the trace (tests compare the two)
 TEMPLATES_PER_CLASS = 8  # each stretch is compared with the first stretch of each way a class recorded
@@ -49,94 +48,182 @@ class Stretches:
     """Where the block calls traced as they are recorded their symbols: for each, its
     class, the symbol before it and its last symbol (the recording's list changes before
     and after it, where a template's first block becomes a call), and its path. Calls
-    inside such calls too (a layer inside a model that takes a KV cache object)."""
+    inside such calls too (a layer inside a model that takes a KV cache object). Later
+    calls of a class may be checked rather than traced (``verified.py``)."""
 
-    def __init__(self, symbols: list, taken: set[str]):
-        self.symbols = symbols  # the recording's own list
-        self.taken = taken  # the names of the block programs made so far
+    def __init__(self, recording, blocks):
+        self.symbols = recording.bound_symbols  # the recording's own list
+        self.taken = blocks.program_names  # the names of the block programs made so far
+        self.recording = recording
+        self.layers = LayerCalls(recording, blocks)
         self.found: list[tuple[type, BoundSymbol | None, BoundSymbol, str]] = []
+        self._logs: dict[type, list] = {}
 
     def traced(self, module, path: str, call):
-        """``call()``: the block's call, traced as it is; its stretch noted."""
+        """``call()``: the block's call, traced as it is (or checked); its stretch noted."""
         before = self.symbols[-1] if self.symbols else None
-        out = call()
-        if self.symbols and self.symbols[-1] is not before:
+        outlined = ENABLED and block_calls.BLOCK_CALLS  # (checked calls need the programs outlining makes)
+        out, log, stand_in = self.layers.run(module, call) if outlined else (call(), None, None)
+        if stand_in is not None:
+            self.symbols.append(stand_in)
+        elif self.symbols and self.symbols[-1] is not before:
             self.found.append((type(module), before, self.symbols[-1], path))
+            if log is not None:
+                self._logged(type(module), log, self.found[-1])
         return out
 
     def recorded(self, module, path: str, symbols: list) -> None:
         """A template's first call, recorded and refused (``blocks.py``): its stretch too."""
         if symbols:
             start = len(self.symbols) - len(symbols)
-            self.found.append((type(module), self.symbols[start - 1] if start else None, symbols[-1], path))
+            self.found.append(
+                (
+                    type(module),
+                    self.symbols[start - 1] if start else None,
+                    symbols[-1],
+                    path,
+                )
+            )
+
+    def _logged(self, cls, log, stretch: tuple) -> None:
+        """A logged call's stretch; at the second, whether later calls may be checked."""
+        logs = self._logs.setdefault(cls, [])
+        logs.append((log, stretch))
+        if len(logs) < 2:
+            return
+        (first, where), (second, _) = logs
+        stand_in = self._stand_in(first, where) if first.alike(second) else None
+        if stand_in is None:
+            self.layers.calls[cls] = None
+        else:
+            self.layers.ready[cls] = stand_in
+
+    def _stand_in(self, log, stretch: tuple) -> StandIn | None:
+        where = {id(bsym): index for index, bsym in enumerate(self.symbols)}
+        _, before, last, _ = stretch
+        start = 0 if before is None else where.get(id(before), -2) + 1
+        end = where.get(id(last), -1) + 1
+        own = _own(self.symbols[start:end]) if 0 <= start < end else None
+        if own is None or not verifiable(self.symbols[start:end]):
+            return None
+        outside, made = own
+        labels = {p.label for p in made}
+        if not all(getattr(local_proxy(x), "label", None) in labels for x in log.made):
+            return None  # a call returned a tensor the symbols did not make
+        places = {id(local_proxy(x)): k for k, x in enumerate(log.outside) if local_proxy(x) is not None}
+        if not all(isinstance(p, TensorProxy) and p.value is None and id(p) in places for p in outside):
+            return None  # it reads a tensor no call took (a number, a captured one)
+        return StandIn(
+            log,
+            [places[id(p)] for p in outside],
+            {p.label: i for i, p in enumerate(made)},
+            stretch,
+        )
 
 
 class _Stretch:
     """A stretch's symbols, the values it takes from outside (in order of first use) and
     the proxies its symbols make (in order)."""
 
-    def __init__(self, start: int, end: int, path: str, symbols: list, outside: list, made: list):
+    def __init__(
+        self,
+        start: int,
+        end: int,
+        path: str,
+        symbols: list,
+        outside: list,
+        made: list,
+        found: tuple,
+    ):
         self.start, self.end, self.path = start, end, path
         self.symbols, self.outside, self.made = symbols, outside, made
+        self.found = found  # its entry in ``Stretches.found``
 
 
 def outline(symbols: list, output, stretches: Stretches | None, inputs: list) -> tuple[list, list[str]]:
     """``symbols`` (the recording's) with alike stretches made calls of one program each
-    (see the module docstring), and the trace's header lines saying which. ``inputs``: the
-    trace's; ``stretches``: None where nothing is outlined (a call with gradients)."""
+    (see the module docstring), and with checked calls (``verified.py``) calls of the
+    program of the stretch they were checked against; and the trace's header lines saying
+    which. ``inputs``: the trace's; ``stretches``: None where nothing is outlined (a call
+    with gradients, which checks no call)."""
     if stretches is None or not ENABLED or not block_calls.BLOCK_CALLS:
         return symbols, []
-    groups = _alike(symbols, stretches)
-    if not groups:
-        return symbols, []
-    returned = _read_after(symbols, output, groups)
-    replaced: list[tuple[_Stretch, BoundSymbol]] = []
+    pending = stretches.layers.pending
+    groups = _alike(symbols, stretches, {id(stand_in.stretch) for _, stand_in, _ in pending})
+    group_of = {id(s.found): index for index, group in enumerate(groups) for s in group}
+    if any(id(stand_in.stretch) not in group_of for _, stand_in, _ in pending):
+        raise VerifyFailed("the layer checked calls stood for is not in the trace as it recorded it")
+    returned = _read_after(symbols, output, groups, [(group_of[id(s.stretch)], places) for _, s, places in pending])
+    replaced: list[tuple[int, int, BoundSymbol]] = []
     notes = []
     input_labels = {p.label for p in inputs}
+    where = {id(bsym): index for index, bsym in enumerate(symbols)}
     for index, group in enumerate(groups):
-        program = _program(group, sorted(returned[index]), input_labels, stretches.taken)
+        positions = sorted(returned[index])
+        program = _program(group, positions, input_labels, stretches.taken)
+        checked = [(bsym, places) for bsym, stand_in, places in pending if group_of[id(stand_in.stretch)] == index]
         if program is None:
+            if checked:
+                raise VerifyFailed("the layer checked calls stood for cannot be a program")
             continue
         call = block_call(program)
-        positions = sorted(returned[index])
         for stretch in group:
             outputs = tuple(stretch.made[p] for p in positions)
-            replaced.append((stretch, BoundSymbol(call, tuple(stretch.outside), {}, outputs)))
-        shown = ", ".join(s.path for s in group[:3]) + (", ..." if len(group) > 3 else "")
-        notes.append(f"{program.name}: one program for {len(group)} blocks traced alike ({shown})")
+            replaced.append(
+                (
+                    stretch.start,
+                    stretch.end,
+                    BoundSymbol(call, tuple(stretch.outside), {}, outputs),
+                )
+            )
+        for bsym, places in checked:
+            made_by = NoProvenance("a checked layer's output nothing reads")
+            outputs = tuple(
+                places[p] if p in places else fresh_like(stretches.recording, group[0].made[p], made_by)
+                for p in positions
+            )
+            at = where[id(bsym)]
+            replaced.append((at, at + 1, BoundSymbol(call, bsym.args, {}, outputs)))
+        count = len(group) + len(checked)
+        shown = ", ".join(s.path for s in group[:3]) + (", ..." if count > 3 else "")
+        notes.append(f"{program.name}: one program for {count} blocks traced alike ({shown})")
     if not replaced:
         return symbols, []
     result = list(symbols)
-    for stretch, bsym in sorted(replaced, key=lambda pair: pair[0].start, reverse=True):
-        result[stretch.start : stretch.end] = [bsym]
+    for start, end, bsym in sorted(replaced, key=lambda entry: entry[0], reverse=True):
+        result[start:end] = [bsym]
     return result, notes
 
 
-def _alike(symbols: list, stretches: Stretches) -> list[list[_Stretch]]:
-    """The groups of two or more alike stretches, each led by its first; where stretches
-    overlap (a layer's attention, inside the layer), the longer ones' groups first."""
+def _alike(symbols: list, stretches: Stretches, needed: set[int]) -> list[list[_Stretch]]:
+    """The groups of two or more alike stretches (or one that checked calls stood for:
+    ``needed``, by id of their entries), each led by its first; where stretches overlap (a
+    layer's attention, inside the layer), the longer ones' groups first."""
     where = {id(bsym): index for index, bsym in enumerate(symbols)}
     spans = []
-    for cls, before, last, path in stretches.found:
+    for found in stretches.found:
+        cls, before, last, path = found
         start = 0 if before is None else where.get(id(before), -2) + 1
         end = where.get(id(last), -1) + 1
         if start >= 0 and end - start >= SMALLEST_CALLED_BLOCK:  # (else changed since, or too small)
-            spans.append((start, end, cls, path))
+            spans.append((start, end, cls, path, found))
     by_class: dict[type, list[list[_Stretch]]] = {}
-    for start, end, cls, path in sorted(spans, key=lambda span: span[:2]):
+    for start, end, cls, path, found in sorted(spans, key=lambda span: span[:2]):
         span = symbols[start:end]
         groups = by_class.setdefault(cls, [])
         for group in groups:
-            found = _match(group[0], span)
-            if found is not None:
-                group.append(_Stretch(start, end, path, span, *found))
+            matched = _match(group[0], span)
+            if matched is not None:
+                group.append(_Stretch(start, end, path, span, *matched, found))
                 break
         else:
             if len(groups) < TEMPLATES_PER_CLASS:
                 own = _own(span)
                 if own is not None:
-                    groups.append([_Stretch(start, end, path, span, *own)])
-    candidates = [group for groups in by_class.values() for group in groups if len(group) > 1]
+                    groups.append([_Stretch(start, end, path, span, *own, found)])
+    candidates = [
+        g for groups in by_class.values() for g in groups if len(g) > 1 or any(id(s.found) in needed for s in g)
+    ]
     taken: list[tuple[int, int]] = []
     kept = []
     for group in sorted(candidates, key=lambda g: g[0].end - g[0].start, reverse=True):
@@ -197,12 +284,12 @@ def _match(first: _Stretch, span: list) -> tuple[list, list] | None:
                 elif x.label in outside:
                     if outside[x.label] is not y:
                         return None
-                elif y.label in taken or not isinstance(y, TensorProxy) or _metadata(x) != _metadata(y):
+                elif y.label in taken or not isinstance(y, TensorProxy) or proxy_metadata(x) != proxy_metadata(y):
                     return None
                 else:
                     outside[x.label] = y
                     taken.add(y.label)
-            elif not _same_value(x, y):
+            elif not same_value(x, y):
                 return None
         xs, ys = leaves(a.output), leaves(b.output)
         if len(xs) != len(ys):
@@ -214,62 +301,28 @@ def _match(first: _Stretch, span: list) -> tuple[list, list] | None:
                 inside[x.label] = y
                 taken.add(y.label)
                 made.append(y)
-            elif not _same_value(x, y):
+            elif not same_value(x, y):
                 return None
     return [outside[p.label] for p in first.outside], made
 
 
-def _metadata(proxy) -> tuple | None:
-    """What a value from outside is compared by: sizes and strides (symbolic ones by
-    expression), offset, dtype, device (from the proxy itself: its fake may not be made)."""
-    if not isinstance(proxy, TensorProxy):
-        return None
-    return (
-        tuple(map(size_key, proxy.shape)),
-        tuple(map(size_key, proxy.stride())),
-        size_key(proxy.storage_offset()),
-        proxy.dtype,
-        proxy.device,
-        proxy.layout,
-    )
-
-
-_KINDS = {
-    torch.SymInt: int,
-    torch.SymFloat: float,
-    torch.SymBool: bool,
-}  # a size may be a symbol in one, a number in another
-
-
-def _same_value(x, y) -> bool:
-    """Whether two arguments that are not proxies are the same to the op: by exact type
-    (a symbolic size as a number), floats by ``repr`` (``-0.0``, NaN), symbolic sizes by
-    expression."""
-    kind = _KINDS.get(type(x), type(x))
-    if kind is not _KINDS.get(type(y), type(y)):
-        return False
-    if kind is float and type(x) is float and type(y) is float:
-        return repr(x) == repr(y)
-    if kind in (int, float, bool) and (type(x) in _KINDS or type(y) in _KINDS):
-        return size_key(x) == size_key(y)
-    if isinstance(x, torch.Tensor):
-        return x is y
-    return x == y
-
-
-def _read_after(symbols: list, output, groups: list[list[_Stretch]]) -> list[set[int]]:
+def _read_after(symbols: list, output, groups: list[list[_Stretch]], checked: list[tuple[int, dict]]) -> list[set[int]]:
     """For each group, the places (in its stretches' made proxies) of the values that
-    something outside their stretch reads, in any of them."""
-    owner: dict[str, tuple[int, int, _Stretch]] = {}  # label -> (group, place, stretch)
+    something outside their stretch reads, in any of them, or that anything reads of a
+    checked call's (``checked``: its group, and its tensors by place)."""
+    owner: dict[str, tuple[int, int, _Stretch | None]] = {}  # label -> (group, place, stretch)
     for index, group in enumerate(groups):
         for stretch in group:
             for place, proxy in enumerate(stretch.made):
                 owner[proxy.label] = (index, place, stretch)
+    for index, places in checked:
+        for place, proxy in places.items():
+            owner[proxy.label] = (index, place, None)
     returned: list[set[int]] = [set() for _ in groups]
     for position, bsym in enumerate(symbols):
         for proxy in bsym.input_proxies():
             found = owner.get(proxy.label)
-            if found is not None and not found[2].start <= position < found[2].end:
+            if found is not None and (found[2] is None or not found[2].start <= position < found[2].end):
                 returned[found[0]].add(found[1])
     for leaf in leaves(output):
         found = owner.get(leaf.label) if is_proxy(leaf) else None

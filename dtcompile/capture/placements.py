@@ -1,8 +1,12 @@
-"""Short, readable names of DTensor placements: ``Shard(0)``, ``Replicate()``, ``Partial(sum)``."""
+"""Short, readable names of DTensor placements (``Shard(0)``, ``Replicate()``, ``Partial(sum)``),
+and of a torch-level call's arguments and result in the notes of its symbols."""
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Partial, Replicate, Shard
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from ..core import TensorProxy
 
 
 def describe_placement(placement) -> str:
@@ -19,3 +23,31 @@ def describe_placements(placements) -> str:
     if len(placements) == 1:
         return describe_placement(placements[0])
     return "(" + ", ".join(describe_placement(p) for p in placements) + ")"
+
+
+def describe_argument(value, proxies: list) -> str | None:
+    """A bound symbol's note template for one argument of its torch-level call; the proxies it names are appended to ``proxies``."""
+    if isinstance(value, DTensor):
+        local = value._local_tensor
+        placements = describe_placements(value.placements)
+        if not isinstance(local, TensorProxy):
+            return f"<constant>: {placements}"
+        proxies.append(local)
+        return f"{{{len(proxies) - 1}}}: {placements}"
+    if isinstance(value, TensorProxy):
+        proxies.append(value)
+        return f"{{{len(proxies) - 1}}}"
+    if isinstance(value, (list, tuple)):
+        inner = [d for d in (describe_argument(v, proxies) for v in value) if d is not None]
+        return f"[{', '.join(inner)}]" if inner else None
+    return None
+
+
+def describe_output(value) -> str:
+    if isinstance(value, DTensor):
+        return describe_placements(value.placements)
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(describe_output(v) for v in value) + ")"
+    if isinstance(value, torch.Tensor):
+        return "Tensor"
+    return type(value).__name__

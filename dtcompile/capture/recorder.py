@@ -92,6 +92,7 @@ class Recording:
         self.captured_flags: list[tuple[torch.Tensor, str, tuple]] = []
         self._captured_dtensors: dict[int, DTensor] = {}  # id of a closed-over DTensor -> its traced stand-in
         self.dtensor_modes = DTensorModes()  # entered inside the call (loss_parallel): kept for the backward
+        self.call_log = None  # a layer's torch-level calls logged, or checked against a log (``verified.py``)
 
     @contextlib.contextmanager
     def names_apart(self, prefix: str):

@@ -214,6 +214,11 @@ class TextRefusals:
     refused: list[TracingError] = []
 
 
+# The code of dtcompile's own frames between a dispatch mode and torch (the annotator's
+# dispatch, a layer's call log: ``capture/verified.py``): they ask for no text.
+PASSING_FRAMES: set = set()
+
+
 def _refuse_user_text(proxy: TensorProxy) -> None:
     """The user's code turning a traced tensor into text while tracing (``print(x)``,
     ``f"{x.sum():.2f}"``, a DTensor's repr, a log line): eager's text shows the data,
@@ -226,7 +231,7 @@ def _refuse_user_text(proxy: TensorProxy) -> None:
     frame = sys._getframe(2)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
-        passing = module.partition(".")[0] == "torch" or standard_library(module)
+        passing = module.partition(".")[0] == "torch" or standard_library(module) or frame.f_code in PASSING_FRAMES
         if not passing and frame.f_code.co_name not in ("__torch_function__", "__torch_dispatch__"):
             break
         frame = frame.f_back

@@ -244,3 +244,55 @@ def test_blocks_that_gather_a_sequence_sharded_input_under_symbolic_values(grad,
     its inputs' (once a crash in the block program's passes); eager's results."""
     lines = ranks2.run(gathering_case, grad)[0]
     assert any("recorded once, replayed for" in line for line in lines), lines
+
+
+def hf_layers_case(cache):
+    """A generation with six decoder layers: each layer picks its KV-cache layer by its
+    ``layer_idx`` and updates it in place, so it is traced as it is; the second and third
+    are logged, the later ones checked (``capture/verified.py``), and all six call one
+    program (``capture/outlining.py``)."""
+    from transformers import StaticCache
+
+    from dtcompile.capture import outlining, verified
+    from dtcompile.testing.models import parallel_hf_llama
+
+    mesh = init_device_mesh("cpu", (2,))
+    model, config = parallel_hf_llama(mesh, vocab=128, hidden=64, layers=6, heads=4, kv_heads=2, max_positions=64)
+    prompt = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for outlined in (True, False):
+        saved = outlining.ENABLED, verified.ENABLED
+        outlining.ENABLED = verified.ENABLED = outlined
+        try:
+            static = StaticCache(config=config, max_cache_len=16)
+            jitted = dtcompile.jit(model, cache=cache)
+            tokens, outs = prompt, []
+            with torch.no_grad():
+                for _ in range(4):  # the prefill, then decode steps
+                    outs.append(_local(jitted(input_ids=tokens, cache=static, use_cache=True).logits))
+                    tokens = outs[-1][:, -1:].argmax(-1)
+        finally:
+            outlining.ENABLED, verified.ENABLED = saved
+        runs.append((outs, static, str(dtcompile.last_traces(jitted)[0]), dtcompile.cache_misses(jitted)))
+    (outs, static, trace, misses), (traced_outs, traced_static, traced, _) = runs
+    for got, want in zip(outs, traced_outs):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same ops, in the same order
+    for layer, want in zip(static.layers, traced_static.layers):
+        torch.testing.assert_close(layer.keys, want.keys, rtol=0, atol=0)
+        torch.testing.assert_close(layer.values, want.values, rtol=0, atol=0)
+    eager_cache, tokens = StaticCache(config=config, max_cache_len=16), prompt
+    with torch.no_grad():
+        for got in outs:
+            expected = _local(model(input_ids=tokens, cache=eager_cache, use_cache=True).logits)
+            torch.testing.assert_close(got, expected)  # as test_hf_llama.py: not bit-equal
+            tokens = expected[:, -1:].argmax(-1)
+    return re.findall(r"= (block_\w+)\(", trace.split("\n\n# ")[0]), misses, re.findall(r"= (block_\w+)\(", traced)
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_hugging_face_decoder_layers_are_one_program(cache, ranks2):
+    for calls, misses, traced_calls in ranks2.run(hf_layers_case, cache):
+        assert calls.count(calls[0]) == 6, calls  # the six decoder layers
+        assert all(name.startswith("block_model_layers_") for name in calls)
+        assert not any(name.startswith("block_model_layers_0(") for name in traced_calls)
+        assert misses == 2  # the prefill and the decode steps

@@ -1,0 +1,173 @@
+"""Layers checked rather than traced (``capture/verified.py``): once two calls of a layer
+class traced as they are made the same torch-level calls, a later call runs its Python
+with each call checked against the logged one, nothing dispatched, and becomes a call of
+the program outlining makes.
+
+Every result must be eager's, bit for bit, and so must every cache tensor, also where a
+later layer does something else than the logged ones (the call is then traced again,
+every block traced).
+"""
+
+import pytest
+import torch
+from test_block_calls import calls_in
+from test_outlining import CACHES, Layer, Model, assert_like_eager
+
+from dtcompile.capture import tracer, verified
+
+SETTINGS = {"scale": {}}
+
+
+class Differs(Layer):
+    """Its fifth call (checked) does something the logged ones did not."""
+
+    how = ""
+
+    def forward(self, x, cache):
+        if self.layer_idx == 4 and self.how == "fewer calls":
+            cache.update(self.key(x), self.layer_idx)  # writes its cache layer, and no more
+            return x
+        out = super().forward(x, cache)
+        if self.layer_idx != 4:
+            return out
+        if self.how == "another op":
+            return out * 2
+        if self.how == "another argument":
+            return out + SETTINGS["scale"].get(self.layer_idx, 1.0)
+        if self.how == "text":
+            return out + len(f"{out}")  # the traced tensor turned into text: refused
+        if self.how == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return out + self.out(out).float()
+        raise AssertionError(self.how)
+
+
+@pytest.mark.parametrize("how", ["another op", "another argument", "autocast", "fewer calls"])
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_later_layer_that_differs_is_traced(how, cache, monkeypatch):
+    monkeypatch.setattr(Differs, "how", how)
+    SETTINGS["scale"] = {4: 0.5}
+    traced = []
+    capture = tracer._capture
+
+    def counted(*args):
+        traced.append(args[-1])  # replay, or every block traced
+        return capture(*args)
+
+    monkeypatch.setattr(tracer, "_capture", counted)
+    assert_like_eager(Model(6, layer=Differs), 6, mode=cache)
+    assert False in traced  # traced again with every block traced, at a compile
+
+
+class Keeps(Layer):
+    """Keeps a tensor of its own where the caller reads it later."""
+
+    def forward(self, x, cache, kept=None):
+        hidden = self.key(x).relu()
+        if kept is not None:
+            kept.append(hidden)
+        return super().forward(x, cache)
+
+
+def test_a_checked_layers_tensor_read_later_comes_from_its_call():
+    class Keeping(Model):
+        def forward(self, x, cache):
+            kept = []
+            for layer in self.layers:
+                x = layer(x, cache, kept=kept)
+            return x + torch.stack(kept).sum(0)
+
+    program = assert_like_eager(Keeping(7, layer=Keeps), 7)
+    assert len(calls_in(program)) == 7, program
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_checked_and_traced_layers_compute_alike(cache, monkeypatch):
+    model = Model(7)
+    monkeypatch.setattr(verified, "ENABLED", False)
+    assert_like_eager(model, 7, mode=cache)
+    monkeypatch.setattr(verified, "ENABLED", True)
+    assert_like_eager(model, 7, mode=cache)
+
+
+def test_a_cache_layer_of_another_shape_is_traced():
+    from test_outlining import Cache, generate
+
+    model = Model(6)
+    cache, expected_cache = Cache(6), Cache(6)
+    for c in (cache, expected_cache):
+        c.layers[5].keys = torch.zeros(1, 12, 8)  # the last layer's cache is shorter
+    import dtcompile
+
+    expected = generate(model, expected_cache)
+    got = generate(dtcompile.jit(model), cache)
+    for out, want in zip(got, expected):
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(cache.layers[5].keys, expected_cache.layers[5].keys, rtol=0, atol=0)
+
+
+class KeepsOnItself(Layer):
+    def forward(self, x, cache):
+        out = super().forward(x, cache)
+        self.last = out * 2  # a module attribute the caller reads after the layers
+        return out
+
+
+def test_a_tensor_a_checked_layer_sets_on_its_module_is_its_own():
+    class Reading(Model):
+        def forward(self, x, cache):
+            x = super().forward(x, cache)
+            return x + sum(layer.last for layer in self.layers)
+
+    assert_like_eager(Reading(6, layer=KeepsOnItself), 6)
+
+
+class ReturnsAView(Layer):
+    def forward(self, x, cache):
+        out = super().forward(x, cache)
+        return out, cache.layers[self.layer_idx].keys[:, :2]  # a view of its cache layer
+
+
+def test_a_layer_returning_a_view_of_its_cache_is_traced():
+    class Viewing(Model):
+        def forward(self, x, cache):
+            views = []
+            for layer in self.layers:
+                x, view = layer(x, cache)
+                views.append(view)
+            return x + torch.cat(views, 1).sum(1, keepdim=True)
+
+    assert_like_eager(Viewing(6, layer=ReturnsAView), 6)
+
+
+LOG = []
+
+
+class Logging(Layer):
+    def forward(self, x, cache):
+        LOG.append(self.layer_idx)  # a side effect on a global: refused, checked or not
+        return super().forward(x, cache)
+
+
+def test_a_checked_layers_side_effect_is_refused_as_a_traced_ones():
+    from test_outlining import Cache, generate
+
+    import dtcompile
+
+    with pytest.raises(dtcompile.TracingError, match="LOG"):
+        generate(dtcompile.jit(Model(6, layer=Logging)), Cache(6))
+
+
+def test_a_hook_on_one_later_layer_is_run():
+    model = Model(6)
+    model.layers[5].register_forward_hook(lambda module, args, out: out * 3)
+    assert_like_eager(model, 6)
+
+
+def test_a_checked_layer_turning_a_tensor_into_text_is_refused(monkeypatch):
+    import dtcompile
+    from test_outlining import Cache, generate
+
+    monkeypatch.setattr(Differs, "how", "text")
+    with pytest.raises(dtcompile.TracingError, match="into text"):
+        generate(dtcompile.jit(Model(6, layer=Differs)), Cache(6))
