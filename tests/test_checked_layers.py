@@ -34,6 +34,12 @@ class Differs(Layer):
             return out * 2
         if self.how == "another argument":
             return out + SETTINGS["scale"].get(self.layer_idx, 1.0)
+        if self.how == "a torch setting":  # changed, then put back before the layer returns
+            torch.use_deterministic_algorithms(True)
+            try:
+                return out + self.out(out)
+            finally:
+                torch.use_deterministic_algorithms(False)
         if self.how == "text":
             return out + len(f"{out}")  # the traced tensor turned into text: refused
         if self.how == "autocast":
@@ -42,7 +48,7 @@ class Differs(Layer):
         raise AssertionError(self.how)
 
 
-@pytest.mark.parametrize("how", ["another op", "another argument", "autocast", "fewer calls"])
+@pytest.mark.parametrize("how", ["another op", "another argument", "autocast", "a torch setting", "fewer calls"])
 @pytest.mark.parametrize("cache", CACHES)
 def test_a_later_layer_that_differs_is_traced(how, cache, monkeypatch):
     monkeypatch.setattr(Differs, "how", how)
@@ -165,8 +171,9 @@ def test_a_hook_on_one_later_layer_is_run():
 
 
 def test_a_checked_layer_turning_a_tensor_into_text_is_refused(monkeypatch):
-    import dtcompile
     from test_outlining import Cache, generate
+
+    import dtcompile
 
     monkeypatch.setattr(Differs, "how", "text")
     with pytest.raises(dtcompile.TracingError, match="into text"):

@@ -4,25 +4,28 @@
 Tracing a layer that cannot be replayed costs DTensor's dispatch and the fake tensors of
 each torch-level call; outlining then finds the layers alike and calls one program. Once
 two calls of a block class have made the same torch-level calls (:class:`CallLog`: the
-same functions, arguments alike but for their tensors, which map one to one, and the
-same dispatch state), a later call of the class is *checked*: its Python runs as always,
-so each decision it makes is its own, but each torch-level call it makes is compared
-with the logged one at its place (:class:`Checker`), and answered with the logged call's
-result, nothing dispatched. A tensor from outside (the layer's weights, its cache layer,
-the hidden state it is given) must be, at its first use, like the logged one at that
-place (DTensor spec, sizes, strides, dtype), and the same at every later use. Where every
-call matched, the layer is one call of the program outlining makes of the logged layer's
-symbols, with this layer's tensors, and the Python gets fresh tensors for what it returns.
+same functions, DTensor's ``from_local``, ``redistribute`` and ``to_local`` each as one
+call, arguments alike but for their tensors, which map one to one, and the same dispatch
+state, torch's settings included), a later call of the class is *checked*: its Python
+runs as always, so each decision it makes is its own, but each torch-level call it makes
+is compared with the logged one at its place (:class:`Checker`) and answered with a
+fresh tensor for each the logged call made (a proxy whose fake is made only when read),
+nothing dispatched or recorded. A tensor from outside (the layer's weights, its cache
+layer, the hidden state it is given) must be, at its first use, like the logged one at
+that place (DTensor spec, sizes, strides, dtype, attributes), and the same at every later
+use. Where every call matched, the layer stands in the recording as one symbol, which
+``outlining.outline`` makes a call of the logged layer's program, with this layer's
+tensors from outside; a fresh tensor anything reads later (the layer's result, one it
+left on the cache object, a module or a list) is one the program returns.
 
-A check that fails (another call, another argument, a call missing or left over) cannot
-be undone, since the Python ran with the logged layer's tensors: the call is traced again
-with every block traced (``VerifyFailed``). So does a checked layer that keeps one of the
-logged tensors (in a Python object or a module's attribute: its reference count grew), or
-records anything (a collective called directly, a number read from data). Only without
-gradients; a block class whose logged layers drew random numbers, read numbers from data
-or changed a DTensor's spec in place is traced at every layer. Not seen: a torch setting
-(``torch_settings``: matmul precision, deterministic algorithms) changed inside one layer
-and put back before it returns; those are compared where the layer starts and ends.
+A check that fails (another call, argument or dispatch state, a call missing or left
+over, a tensor unlike the logged one) cannot be undone, since the Python ran with the
+answers: the call is traced again with every block traced (``VerifyFailed``); a failure
+the user's code catches is raised again at its next call and where the layer returns. So
+is a checked layer that records anything itself (a collective called directly, a number
+read from data). Only without gradients; a block class whose logged layers drew random
+numbers, read numbers from data, changed a DTensor's spec in place or met a tensor that is
+not traced is traced at every layer.
 """
 
 from __future__ import annotations
@@ -62,8 +65,7 @@ class VerifyFailed(BlockReplayFailed):
 
 
 def _state() -> tuple:
-    """What decides how an op runs besides its arguments, as each call is checked (but
-    ``torch_settings``, 18 us to read: see the module docstring)."""
+    """What decides how an op runs besides its arguments, compared at each call."""
     handlers = dtensor_op_handlers()
     return (
         torch.is_grad_enabled(),
@@ -79,6 +81,7 @@ def _state() -> tuple:
         dtensor_implicit_replication(),
         id(handlers),
         saved_tensors_hooks(),
+        torch_settings(),  # (matmul precision, deterministic algorithms, backends' flags)
     )
 
 
@@ -118,7 +121,6 @@ class CallLog:
         self.made: list = []  # tensors the calls returned, new (kept: ids stay theirs)
         self._index: dict[int, tuple] = {}
         self.unloggable = False  # a call changed a DTensor's spec in place, or met an untraced tensor
-        self.settings = torch_settings()
 
     def call(self, func, args: tuple, kwargs: dict, dispatch):
         """Dispatch the call, and log it."""
@@ -159,7 +161,7 @@ class CallLog:
 
     def alike(self, other: CallLog) -> bool:
         """Whether ``other`` made the calls this log made, its tensors in place of these."""
-        if len(self.calls) != len(other.calls) or self.keys != other.keys or self.settings != other.settings:
+        if len(self.calls) != len(other.calls) or self.keys != other.keys:
             return False
         made = {}
         for mine, theirs in zip(self.calls, other.calls):
@@ -255,8 +257,6 @@ class Checker:
             return self.failed
         if self.at != len(self.log.calls):
             return "it made fewer calls than the logged one"
-        if torch_settings() != self.log.settings:
-            return "a torch setting differs"
         return None
 
 
