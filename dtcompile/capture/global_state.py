@@ -61,12 +61,14 @@ class GlobalState:
 def torch_settings() -> tuple:
     """torch's global settings that the traced code may read (``if
     torch.are_deterministic_algorithms_enabled():``) or that choose its kernels: read
-    while tracing, they are baked into the program, so the prologue compares them."""
-    backends, matmul = torch.backends, torch.backends.cuda.matmul
+    while tracing, they are baked into the program, so the prologue compares them (and a
+    checked layer at each call: ``verified.py``). Read from torch's own getters where
+    ``torch.backends``' modules would look each up by name."""
+    C, backends = torch._C, torch.backends
     return (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-        torch.utils.deterministic.fill_uninitialized_memory,
+        C._get_deterministic_algorithms(),
+        C._get_deterministic_algorithms_warn_only(),
+        C._get_deterministic_fill_uninitialized_memory(),
         _matmul_precision(),
         torch.is_anomaly_enabled(),
         torch.is_anomaly_check_nan_enabled(),
@@ -74,17 +76,17 @@ def torch_settings() -> tuple:
         torch.get_num_threads(),
         torch.get_autocast_dtype("cpu"),
         torch.get_autocast_dtype("cuda"),
-        backends.mkldnn.enabled,
-        getattr(backends.mkldnn, "deterministic", None),
+        C._get_mkldnn_enabled(),
+        C._get_mkldnn_deterministic(),
         backends.mha.get_fastpath_enabled(),
         backends.quantized.engine,
-        backends.cudnn.enabled,
-        backends.cudnn.deterministic,
-        backends.cudnn.benchmark,
-        backends.cudnn.allow_tf32,
-        matmul.allow_tf32,
-        matmul.allow_fp16_reduced_precision_reduction,
-        matmul.allow_bf16_reduced_precision_reduction,
+        C._get_cudnn_enabled(),
+        C._get_cudnn_deterministic(),
+        C._get_cudnn_benchmark(),
+        C._get_cudnn_allow_tf32(),
+        C._get_cublas_allow_tf32(),
+        C._get_cublas_allow_fp16_reduced_precision_reduction()[0],
+        C._get_cublas_allow_bf16_reduced_precision_reduction()[0],
         sdpa_backends(),
         backends.opt_einsum.enabled,
         backends.opt_einsum.strategy,
