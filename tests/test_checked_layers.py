@@ -178,3 +178,33 @@ def test_a_checked_layer_turning_a_tensor_into_text_is_refused(monkeypatch):
     monkeypatch.setattr(Differs, "how", "text")
     with pytest.raises(dtcompile.TracingError, match="into text"):
         generate(dtcompile.jit(Model(6, layer=Differs)), Cache(6))
+
+
+class Converts(Layer):
+    """Turns any error of its ops into its own."""
+
+    def forward(self, x, cache):
+        try:
+            out = super().forward(x, cache)
+            return out * 3 if self.layer_idx == 4 else out
+        except Exception as error:
+            raise ValueError("the layer failed") from error
+
+
+@pytest.mark.parametrize("catch", [Exception, BaseException])
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_failed_check_the_users_code_catches_still_traces_again(catch, cache):
+    """A check that fails raises inside the layer: code that catches it and goes on (the
+    parent around each layer, the layer around its ops) must not leave the program with
+    the logged layer's answers."""
+
+    class Catching(Model):
+        def forward(self, x, cache):
+            for layer in self.layers:
+                try:
+                    x = layer(x, cache)
+                except catch:  # never taken in eager
+                    x = x * 0
+            return x
+
+    assert_like_eager(Catching(6, layer=Converts), 6, mode=cache)

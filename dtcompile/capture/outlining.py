@@ -140,13 +140,17 @@ class _Stretch:
         self.found = found  # its entry in ``Stretches.found``
 
 
-def outline(symbols: list, output, stretches: Stretches | None, inputs: list) -> tuple[list, list[str]]:
+def outline(symbols: list, output, stretches: Stretches | None, inputs: list, training: bool) -> tuple[list, list[str]]:
     """``symbols`` (the recording's) with alike stretches made calls of one program each
     (see the module docstring), and with checked calls (``verified.py``) calls of the
     program of the stretch they were checked against; and the trace's header lines saying
-    which. ``inputs``: the trace's; ``stretches``: None where nothing is outlined (a call
-    with gradients, which checks no call)."""
-    if stretches is None or not ENABLED or not block_calls.BLOCK_CALLS:
+    which. ``inputs``: the trace's; ``stretches``: None where no block was traced as it
+    is; with ``training`` (a call with gradients), nothing is outlined. Raises
+    ``VerifyFailed`` where a check failed and the user's code went on past it, or a
+    call with gradients checked a layer (inside ``no_grad``)."""
+    if stretches is not None and (stretches.layers.failed or (training and stretches.layers.pending)):
+        raise VerifyFailed(f"a layer checked against a logged one: {stretches.layers.failed or 'with gradients'}")
+    if stretches is None or training or not ENABLED or not block_calls.BLOCK_CALLS:
         return symbols, []
     pending = stretches.layers.pending
     groups = _alike(symbols, stretches, {id(stand_in.stretch) for _, stand_in, _ in pending})

@@ -50,6 +50,7 @@ from .recorder import OpRecorder, Recording
 from .size_text import sizes_as_values_in_user_text
 from .snapshots import ALL_LEVELS, DataSnapshot
 from .tensor_attributes import attribute_writes_refused
+from .verified import VerifyFailed
 
 
 @dataclass
@@ -148,7 +149,7 @@ def capture_call(
 def _capture_replaying(fn, args: tuple, kwargs: dict, module, symbolic: bool) -> CapturedCall:
     try:
         return _capture(fn, args, kwargs, module, symbolic, REPLAY_BLOCKS)
-    except BlockReplayFailed:
+    except (BlockReplayFailed, VerifyFailed):
         return _capture(fn, args, kwargs, module, symbolic, False)
 
 
@@ -313,7 +314,7 @@ def _capture(
     if backward is not None:
         proxies += backward.cotangents
         outputs += tuple(g for g in backward.grads if g is not None)
-    symbols, outlined = outline(recording.bound_symbols, outputs, stretches if not backward else None, proxies)
+    symbols, outlined = outline(recording.bound_symbols, outputs, stretches, proxies, training=backward is not None)
     trace = Trace(
         fn_name="computation",
         inputs=proxies,

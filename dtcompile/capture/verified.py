@@ -52,7 +52,6 @@ from ..core.torch_internals import (
     sdpa_backends,
 )
 from .block_checks import recording_counts
-from .block_training import BlockReplayFailed
 from .equivalence import holds_data, local_proxy, proxy_metadata, same_value, size_key
 from .global_state import torch_settings
 from .tensor_attributes import attributes_key
@@ -60,8 +59,11 @@ from .tensor_attributes import attributes_key
 ENABLED = True  # False traces every layer (tests compare the two)
 
 
-class VerifyFailed(BlockReplayFailed):
-    """A checked layer did not do what the logged one did: trace every block instead."""
+class VerifyFailed(BaseException):
+    """A checked layer did not do what the logged one did: trace every block instead. Not
+    an ``Exception``: the user's code must not catch it (``except Exception``) and go on
+    with answers that were the logged layer's (one that does is found where the capture
+    ends: ``LayerCalls.failed``)."""
 
 
 def _state() -> tuple:
@@ -275,6 +277,7 @@ class LayerCalls:
         self.calls: dict[type, int | None] = {}  # class -> its calls so far; None: traced at every call
         self.ready: dict[type, StandIn] = {}
         self.pending: list[tuple[BoundSymbol, StandIn, dict]] = []  # a checked call's symbol, and its outputs
+        self.failed: str | None = None  # why a check failed, where the user's code went on past it
 
     def run(self, module, call):
         """``call()`` as the class's place calls for: (its result, its log where it was
@@ -318,17 +321,22 @@ class LayerCalls:
         recording = self.recording
         checker = Checker(stand_in, recording)
         counts, length = recording_counts(recording), len(recording.bound_symbols)
-        out = self._inside(checker, call)
+        try:
+            out = self._inside(checker, call)
+        finally:
+            self.failed = self.failed or checker.failed
         why = checker.finish()
         if why is None and (recording_counts(recording) != counts or len(recording.bound_symbols) != length):
             why = "it recorded symbols of its own"
         if why is not None:
+            self.failed = self.failed or why
             raise VerifyFailed(f"a layer checked against a logged one: {why}")
         args = []
         for place in stand_in.inputs:
             value = checker.outside.get(place)
             if value is None:
-                raise VerifyFailed("a layer checked against a logged one did not use a tensor the logged one used")
+                self.failed = "it did not use a tensor the logged one used"
+                raise VerifyFailed(f"a layer checked against a logged one: {self.failed}")
             args.append(local_proxy(value))
         bsym = BoundSymbol(PENDING, tuple(args), {}, tuple(checker.outputs.values()))
         self.pending.append((bsym, stand_in, checker.outputs))
