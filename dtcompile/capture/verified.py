@@ -49,7 +49,6 @@ from ..core.torch_internals import (
     function_modes,
     make_dtensor,
     saved_tensors_hooks,
-    sdpa_backends,
 )
 from .block_checks import recording_counts
 from .equivalence import holds_data, local_proxy, proxy_metadata, same_value, size_key
@@ -74,16 +73,13 @@ def _state() -> tuple:
         torch.is_inference_mode_enabled(),
         torch.is_autocast_enabled("cpu"),
         torch.is_autocast_enabled("cuda"),
-        torch.get_autocast_dtype("cpu"),
-        torch.get_autocast_dtype("cuda"),
         torch.get_default_dtype(),
         tuple(function_modes()),
         tuple(dispatch_modes()),
-        sdpa_backends(),
         dtensor_implicit_replication(),
         id(handlers),
         saved_tensors_hooks(),
-        torch_settings(),  # (matmul precision, deterministic algorithms, backends' flags)
+        torch_settings(),  # (autocast's dtypes, attention backends, matmul precision, backends' flags)
     )
 
 
