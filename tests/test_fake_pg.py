@@ -561,3 +561,24 @@ def test_a_dtensors_local_tensor_passed_too_is_guarded_by_identity(fake_world, c
     with torch.no_grad():
         for y in (torch.ones(4), dt._local_tensor, torch.ones(4)):
             torch.testing.assert_close(jitted(dt, y), f(dt, y), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_a_tensor_parallel_model_under_inference_mode_compiles_once_for_every_length(fake_world, cache):
+    """Under ``inference_mode`` DTensor's sharding propagation computes on meta tensors
+    outside its fake mode: those ops are not the program's (they were once recorded, their
+    meta tensors captured as inputs sized by the first call, and a symbolic program
+    compiled again for every length; the prologue's autocast check then raised on them)."""
+    fake_world(2)
+    mesh = init_device_mesh("cpu", (2,))
+    model = parallel_block(mesh, dim=32, n_heads=4, hidden=64)
+    jitted = dtcompile.jit(model, cache=cache)
+    for length in (6, 9, 4):
+        x = torch.randn(2, length, 32)
+        with torch.inference_mode():
+            got = jitted(x)
+        with torch.no_grad():
+            expected = model(x)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert dtcompile.cache_misses(jitted) == (1 if cache == "symbolic values" else 3)
+    assert not any("captured" in str(p.provenance) for p in dtcompile.last_traces(jitted)[0].inputs)

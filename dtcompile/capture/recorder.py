@@ -380,13 +380,18 @@ class OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if fake_mode_active():
-            # DTensor's sharding propagation computing metadata under its own fake mode:
-            # not part of the program.
+        if fake_mode_active() or _meta_only((args, kwargs)):
+            # DTensor's sharding propagation computing metadata, under its own fake mode or
+            # (under inference_mode) on meta tensors: not part of the program.
             return func(*args, **kwargs)
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
         return self.recording.record(func, args, kwargs)
+
+
+def _meta_only(arguments) -> bool:
+    tensors = [x for x in leaves(arguments) if isinstance(x, torch.Tensor)]
+    return bool(tensors) and all(t.device.type == "meta" and not isinstance(t, TensorProxy) for t in tensors)
 
 
 def _sized_by_symbols(flat: list) -> bool:

@@ -379,7 +379,7 @@ def build_prologue(
     attribute_checks(b, inputs.nodes())
     if shape_env is not None:
         b.symbolic_guards(shape_env)
-    for device in sorted(b.devices):
+    for device in sorted(d for d in b.devices if torch.amp.is_autocast_available(d)):  # (not "meta")
         # Autocast inserts casts while tracing: a program traced with it differs from one without.
         enabled = torch.is_autocast_enabled(device)
         check = f"torch.is_autocast_enabled({device!r}) is not {enabled}"
