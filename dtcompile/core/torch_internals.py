@@ -219,7 +219,8 @@ def dtensor_refused_symbols(error: BaseException) -> bool:
     spec it hashes), or an assertion there (``argmax`` asserts its shard offsets are
     ints): what eager, with no symbols, never meets. (Traced again with the call's sizes,
     an error that is not about symbols is met again, and raised.)"""
-    if not isinstance(error, AssertionError) and not any(word in str(error) for word in ("symbolic", "SymInt")):
+    words = ("symbolic", "SymInt", "Size must be int")  # (the last: torch 2.10's reshape under inference_mode)
+    if not isinstance(error, AssertionError) and not any(word in str(error) for word in words):
         return False
     frame = error.__traceback__
     while frame is not None:
