@@ -208,3 +208,28 @@ def test_a_failed_check_the_users_code_catches_still_traces_again(catch, cache):
             return x
 
     assert_like_eager(Catching(6, layer=Converts), 6, mode=cache)
+
+
+class Retries(Layer):
+    """A call that raises, caught and done otherwise: in every layer, eagerly too."""
+
+    def forward(self, x, cache):
+        try:
+            x = x.view(-1, 5)  # 8 features: no view of 5 columns
+        except RuntimeError:
+            x = x * 1
+        return super().forward(x, cache)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_layer_whose_call_raises_is_traced_at_every_layer(cache, monkeypatch):
+    checked = []
+    original = verified.LayerCalls._checked
+
+    def counted(self, stand_in, call):
+        checked.append(1)
+        return original(self, stand_in, call)
+
+    monkeypatch.setattr(verified.LayerCalls, "_checked", counted)
+    assert_like_eager(Model(6, layer=Retries), 6, mode=cache)
+    assert not checked  # a logged call raised: no later layer answered from the log

@@ -118,14 +118,18 @@ class CallLog:
         self.keys: list = []  # their keys
         self.made: list = []  # tensors the calls returned, new (kept: ids stay theirs)
         self._index: dict[int, tuple] = {}
-        self.unloggable = False  # a call changed a DTensor's spec in place, or met an untraced tensor
+        self.unloggable = False  # a call raised, changed a DTensor's spec in place, or met an untraced tensor
 
     def call(self, func, args: tuple, kwargs: dict, dispatch):
         """Dispatch the call, and log it."""
         leaves, structure = flatten((args, kwargs))
         specs = [getattr(x, "_spec", None) for x in leaves]
         state = _state()
-        out = dispatch()
+        try:
+            out = dispatch()
+        except BaseException:
+            self.unloggable = True  # a call that raised is no call to answer later ones with
+            raise
         described = []
         for leaf, spec in zip(leaves, specs):
             if isinstance(leaf, torch.Tensor):
