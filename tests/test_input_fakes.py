@@ -113,3 +113,34 @@ def test_an_attribute_named_as_a_traced_tensor_s_own_is_refused():
     model.w.label = "mine"  # a traced tensor's own attribute: reading it would give the trace's
     with pytest.raises(dtcompile.TracingError, match=r"params\['w'\] holds the Python attribute 'label'"):
         dtcompile.jit(model)(torch.randn(4))
+
+
+def _alike_inputs(a, b, c, d):
+    """Under symbolic values, ``b`` and ``c`` are like ``a`` (equal sizes and strides)
+    and take its symbols; ``d`` is ``c[1:]`` or a tensor like it."""
+    c.add_(1)
+    return a * 2 + b, (c[1:] + d).sum(0), b.t().contiguous()
+
+
+@pytest.mark.parametrize("view", ["a view of c", "its own"])
+def test_inputs_alike_under_symbolic_values_are_guarded_alike(view):
+    """Tensors with one another's sizes and strides share symbols (the fake mode's duck
+    sizing, made once for all of them): a later call where they differ must not run the
+    program that assumed them equal, and in-place writes and views keep eager's values."""
+    jitted = dtcompile.jit(_alike_inputs, cache="symbolic values")
+    calls = [((4, 8), (4, 8), (4, 8)), ((6, 8), (6, 8), (6, 8)), ((4, 8), (6, 8), (4, 8)), ((5, 3), (5, 3), (5, 6))]
+    for shapes in calls:
+        args = [torch.randn(s) for s in shapes]
+        mine, theirs = [t.clone() for t in args], [t.clone() for t in args]
+        for inputs in (mine, theirs):
+            inputs.append(inputs[2][1:] if view == "a view of c" else inputs[2][1:].clone().mul_(3))
+        if args[0].shape != args[1].shape:
+            with pytest.raises(RuntimeError):  # eager's own error, where the sizes differ
+                _alike_inputs(*theirs)
+            with pytest.raises(RuntimeError):
+                jitted(*mine)
+            continue
+        expected, got = _alike_inputs(*theirs), jitted(*mine)
+        for e, g in zip(expected, got):
+            assert g.shape == e.shape and g.stride() == e.stride() and torch.equal(g, e)
+        assert all(torch.equal(m, t) for m, t in zip(mine, theirs))

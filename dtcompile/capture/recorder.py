@@ -144,11 +144,10 @@ class Recording:
         self.used_names.add(name)
         self.real_of[name] = real
         if dynamic and self.fake_mode.shape_env is not None:
-            dynamic_sizes = [
-                DimDynamic.STATIC if size > LARGEST_SYMBOLIC_SIZE else DimDynamic.DUCK for size in real.shape
-            ]
-            context = StatelessSymbolicContext(dynamic_sizes=dynamic_sizes)
-            fake = self.fakes.converted(real, symbolic_context=context)
+            sizes = [DimDynamic.STATIC if size > LARGEST_SYMBOLIC_SIZE else DimDynamic.DUCK for size in real.shape]
+            fake = self.fakes.symbolic(real, StatelessSymbolicContext(dynamic_sizes=sizes))
+            if not isinstance(fake, torch.Tensor):  # (one like an earlier tensor: that one's symbols, made later)
+                return TensorProxy.deferred(fake.like, fake, name, provenance, real.requires_grad)
             proxy = TensorProxy(fake, name, provenance, requires_grad=real.requires_grad)
             for dim, size in enumerate(fake.shape):
                 if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
