@@ -34,10 +34,9 @@ from ..core.torch_internals import (
     function_modes,
     mask_buffer,
     saved_tensors_hooks,
-    sdpa_backends,
 )
 from .alike import SCALARS, Equivalence
-from .global_state import torch_settings
+from .global_state import sdpa_backends, torch_settings
 from .method_checks import received
 from .python_reads import value_key
 from .tensor_attributes import attributes_key, user_attributes

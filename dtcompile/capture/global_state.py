@@ -20,7 +20,6 @@ from ..core.torch_internals import (
     dtensor_op_handlers,
     function_mode_count,
     saved_tensors_hooks,
-    sdpa_backends,
 )
 
 
@@ -79,7 +78,7 @@ def torch_settings() -> tuple:
         C._get_mkldnn_enabled(),
         C._get_mkldnn_deterministic(),
         backends.mha.get_fastpath_enabled(),
-        backends.quantized.engine,
+        C._get_qengine(),  # (``torch.backends.quantized.engine``, as torch's enum)
         C._get_cudnn_enabled(),
         C._get_cudnn_deterministic(),
         C._get_cudnn_benchmark(),
@@ -88,9 +87,33 @@ def torch_settings() -> tuple:
         C._get_cublas_allow_fp16_reduced_precision_reduction()[0],
         C._get_cublas_allow_bf16_reduced_precision_reduction()[0],
         sdpa_backends(),
-        backends.opt_einsum.enabled,
-        backends.opt_einsum.strategy,
+        *_opt_einsum(),
         _autocast_cache_enabled(),
+    )
+
+
+def sdpa_backends() -> tuple[bool, ...]:
+    """Which attention kernels ``scaled_dot_product_attention`` may pick now
+    (``sdpa_kernel`` sets them): the op it records depends on them. (What
+    ``torch.backends.cuda``'s ``flash_sdp_enabled()`` and the others return.)"""
+    C = torch._C
+    return (
+        C._get_flash_sdp_enabled(),
+        C._get_mem_efficient_sdp_enabled(),
+        C._get_math_sdp_enabled(),
+        C._get_cudnn_sdp_enabled(),
+    )
+
+
+def _opt_einsum() -> tuple:
+    """``torch.backends.opt_einsum``'s ``enabled`` and ``strategy``. Its module object looks
+    both up through a failed attribute lookup (1.4 us each): one set on it is in its own
+    dict, else the module it wraps has them."""
+    flags = torch.backends.opt_einsum
+    own, wrapped = vars(flags), getattr(flags, "m", flags)
+    return (
+        own["enabled"] if "enabled" in own else wrapped.enabled,
+        own["strategy"] if "strategy" in own else wrapped.strategy,
     )
 
 
@@ -159,7 +182,7 @@ def _put_settings_back(settings: tuple) -> None:
     if mkldnn_deterministic is not None:
         backends.mkldnn.deterministic = mkldnn_deterministic
     backends.mha.set_fastpath_enabled(fastpath)
-    backends.quantized.engine = quantized
+    torch._C._set_qengine(quantized)
     for name, value in zip(("enabled", "deterministic", "benchmark", "allow_tf32"), cudnn):
         setattr(backends.cudnn, name, value)
     matmul.allow_tf32, matmul.allow_fp16_reduced_precision_reduction = tf32, fp16

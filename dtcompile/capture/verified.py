@@ -67,7 +67,6 @@ class VerifyFailed(BaseException):
 
 def _state() -> tuple:
     """What decides how an op runs besides its arguments, compared at each call."""
-    handlers = dtensor_op_handlers()
     return (
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
@@ -77,7 +76,7 @@ def _state() -> tuple:
         tuple(function_modes()),
         tuple(dispatch_modes()),
         dtensor_implicit_replication(),
-        id(handlers),
+        id(dtensor_op_handlers()),
         saved_tensors_hooks(),
         torch_settings(),  # (autocast's dtypes, attention backends, matmul precision, backends' flags)
     )
@@ -197,6 +196,10 @@ class Checker:
         self.failed: str | None = None
 
     def call(self, func, args: tuple, kwargs: dict, dispatch):
+        with torch._C.DisableTorchFunction():  # (no metadata read of its own for the annotator to see)
+            return self._answer(func, args, kwargs)
+
+    def _answer(self, func, args: tuple, kwargs: dict):
         leaves, structure = flatten((args, kwargs))
         why = self.failed or self._check(func, leaves, structure)
         if why is not None:
@@ -220,10 +223,11 @@ class Checker:
         if made is None:
             old = local_proxy(logged)
             place = self.stand_in.made[old.label]
-            local = self.outputs.get(place)  # (a DTensor's local tensor, returned by another call)
+            made = local = self.outputs.get(place)  # (a DTensor's local tensor, returned by another call)
             if local is None:
-                local = self.outputs[place] = fresh_like(self.recording, old, _CHECKED)
-            made = make_dtensor(local, copy.copy(logged._spec), False) if isinstance(logged, DTensor) else local
+                made = local = self.outputs[place] = fresh_like(self.recording, old, _CHECKED)
+            if isinstance(logged, DTensor):  # (its storage's size given: with symbolic sizes, sympy's to compute)
+                made = make_dtensor(local, copy.copy(logged._spec), False, logged.untyped_storage().nbytes())
             self.fresh[id(logged)] = made
             self.made_here.add(id(made))
         return made

@@ -60,10 +60,19 @@ __all__ = [
 ]
 
 
-def make_dtensor(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> DTensor:
-    """A DTensor around ``local`` with exactly ``spec``: the constructor DTensor's own ops
-    use. ``DTensor.from_local`` is differentiable, checks and may communicate."""
-    return DTensor(local, spec, requires_grad=requires_grad)
+def make_dtensor(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool, storage_size=None) -> DTensor:
+    """A DTensor around ``local`` with exactly ``spec``: DTensor's constructor (``from_local``
+    is differentiable, checks and may communicate), or, given the size of another such
+    DTensor's storage, what it makes (its slots) without computing that (sympy operations)."""
+    if storage_size is None:
+        return DTensor(local, spec, requires_grad=requires_grad)
+    meta = spec.tensor_meta
+    made = torch.Tensor._make_wrapper_subclass(
+        DTensor, meta.shape, strides=meta.stride, dtype=local.dtype, device=local.device, layout=local.layout,
+        requires_grad=requires_grad, storage_size=storage_size,
+    )  # fmt: skip
+    made._spec, made._local_tensor = spec, local
+    return made
 
 
 # The process group registered under a name (what functional collectives take). Programs
@@ -126,14 +135,12 @@ def dtensor_implicit_replication() -> bool:
 
 
 def dtensor_op_handlers() -> dict:
-    """DTensor's table of handlers that replace an op's dispatch (``loss_parallel()`` adds
-    and removes some; context parallelism swaps the table)."""
+    """DTensor's handlers replacing ops' dispatch (``loss_parallel()``'s, context parallelism's)."""
     return DTensor._op_dispatcher._custom_op_handlers
 
 
 def function_mode_count() -> int:
-    """How many torch function modes are active: a default device
-    (``torch.set_default_device``, ``with torch.device(...)``) is one."""
+    """How many torch function modes are active (a default device is one)."""
     return torch._C._len_torch_function_stack()
 
 
@@ -200,18 +207,6 @@ def dispatch_modes() -> list:
 def saved_tensors_hooks() -> tuple | None:
     """The innermost ``saved_tensors_hooks`` (pack, unpack) active now; None without."""
     return torch._C._autograd._top_saved_tensors_default_hooks(True)
-
-
-def sdpa_backends() -> tuple[bool, ...]:
-    """Which attention kernels ``scaled_dot_product_attention`` may pick now
-    (``sdpa_kernel`` sets them): the op it records depends on them."""
-    backends = torch.backends.cuda
-    return (
-        backends.flash_sdp_enabled(),
-        backends.mem_efficient_sdp_enabled(),
-        backends.math_sdp_enabled(),
-        backends.cudnn_sdp_enabled(),
-    )
 
 
 def dtensor_refused_symbols(error: BaseException) -> bool:
