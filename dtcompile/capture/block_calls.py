@@ -180,17 +180,18 @@ def call_again(recording, program: BlockProgram, mapping: dict[str, TensorProxy]
     """Record a call of ``program`` for a later block: ``mapping`` gives the block's tensor
     for each of the program's inputs, and learns its new outputs (fresh tensors like the
     first call's)."""
-    made_by, mode = NoProvenance(program.name), recording.fake_mode
-    outputs = []
-    for old in program.trace.output:
-        # Its fake is made only if something reads it: most are only passed to another call.
-        like = old.fake
-        make = partial(fake_like, mode, like, None, False)
-        outputs.append(
-            mapping.setdefault(old.label, TensorProxy.deferred(like, make, recording.new_name(), made_by, False))
-        )
+    made_by = NoProvenance(program.name)
+    # Each one's fake is made only if something reads it: most are only passed to another call.
+    outputs = [mapping.setdefault(old.label, fresh_like(recording, old, made_by)) for old in program.trace.output]
     args = tuple(mapping[p.label] for p in program.trace.inputs)
     recording.bound_symbols.append(BoundSymbol(block_call(program), args, {}, tuple(outputs)))
+
+
+def fresh_like(recording, old: TensorProxy, made_by) -> TensorProxy:
+    """A new tensor like ``old``, in memory of its own; its fake made only when read."""
+    like = old.fake
+    make = partial(fake_like, recording.fake_mode, like, None, False)
+    return TensorProxy.deferred(like, make, recording.new_name(), made_by, False)
 
 
 def _outputs(template, free: dict[str, TensorProxy]) -> list[TensorProxy] | None:

@@ -38,6 +38,7 @@ from ..core.torch_internals import make_dtensor
 from .block_calls import block_program, call_again, first_call, training_programs
 from .block_checks import Held, arguments_changed, inputs_depend, python_state, recording_counts, unreplayable
 from .block_identity import identity_read
+from .block_template import NOT_REPLAYED, BlockTemplate
 from .block_training import BlockReplayFailed, GradReplay, backward_template
 from .equivalence import (
     GLOBAL_HOOKS,
@@ -53,59 +54,6 @@ from .equivalence import (
 from .outlining import Stretches
 from .replay import ReplayDiverged, output_aliases, record_again
 from .tensor_attributes import user_attributes
-
-
-class BlockTemplate:
-    """The symbols the first call of a block recorded, and how to record them again for an
-    equivalent block (see the module docstring)."""
-
-    def __init__(self, module: torch.nn.Module, key: tuple, state: list, tensors: tuple):
-        self.module = module
-        self.key = key
-        self.tensors = tensors  # ``equivalence.tensors_key`` of the block as it was recorded
-        self.state = state  # the block as it was recorded (``equivalence.block_state``)
-        self.python_state: Held | None = None  # the containers the block could read, as recorded
-        self.symbols: list = []
-        self.sources: dict[str, list[tuple[str, object]]] = {}  # free proxy label -> where each block has it
-        self.output = None  # (treespec, leaves described)
-        self.aliases: list = []  # per symbol: what ``replay.output_aliases`` found
-        # With gradients (``block_training.py``): which output leaves require grad, the first
-        # block's values that do (and where each block has them), its backward templates.
-        self.grad_outputs: list[int] = []
-        self.grad_output_values: list = []
-        self.grad_input_sources: list = []
-        self.grad_input_values: list = []
-        self.backwards: dict = {}
-        self.saved_sources: list = []  # where each block has the inputs its backward reads
-        self.saved_outputs: list[int] = []  # the output leaves its backward reads
-        self.refused: str | None = None  # why the block is only traced
-        self.free: dict[str, TensorProxy] = {}  # the tensors it reads from outside, by label
-        self.replayed = False
-        self.program = None  # without gradients, the program each equivalent block calls (``block_calls.py``)
-        # With gradients, the forward program later blocks call, and the backward programs
-        # by incoming gradients' key (``block_calls.training_programs``); None: recorded again.
-        self.forward_program = None
-        self.backward_programs: dict = {}
-
-    def sources_in(self, held: dict, flat_args: list) -> dict[str, TensorProxy] | None:
-        """The later block's proxy for each free proxy of the template; None where one has
-        none, or two sources disagree. ``held``: the block's ``named_tensors``."""
-        found: dict[str, TensorProxy] = {}
-        for label, sources in self.sources.items():
-            for kind, where in sources:
-                proxy = local_proxy(held.get(where) if kind == "module" else flat_args[where])
-                if proxy is None or found.setdefault(label, proxy) is not proxy:
-                    return None
-        return found
-
-    def grad_inputs_in(self, held: dict, flat_args: list) -> list | None:
-        """The later block's values that require grad, as the first block's; None where
-        one does not. ``held``: the block's ``named_tensors``."""
-        found = [held.get(where) if kind == "module" else flat_args[where] for kind, where in self.grad_input_sources]
-        if not all(isinstance(v, torch.Tensor) and v.requires_grad for v in found):
-            return None
-        return found
-
 
 TEMPLATES_PER_KEY = 8  # each is compared with every later block of its class and arguments
 
@@ -156,8 +104,8 @@ class RepeatedBlocks:
         with torch._C.DisableTorchFunction():  # metadata reads only: not the annotator's to see
             template = next((t for t in templates if t.key == key and same_blocks(t.state, module)), None)
         if template is not None:
-            replayed = _FAILED if template.refused is not None else self._replay(template, module, args, kwargs)
-            if replayed is not _FAILED:
+            replayed = NOT_REPLAYED if template.refused is not None else self._replay(template, module, args, kwargs)
+            if replayed is not NOT_REPLAYED:
                 self.replayed.setdefault(self.paths[id(template.module)], []).append(self.paths[id(module)])
                 return replayed
             return self.stretches.traced(module, self.paths[id(module)], lambda: original(module, *args, **kwargs))
@@ -335,12 +283,12 @@ class RepeatedBlocks:
         recording = self.recording
         with torch._C.DisableTorchFunction():  # metadata reads and a call symbol: nothing for the annotator
             if template.python_state.changed():
-                return _FAILED  # the code changed Python state the first block read, since
+                return NOT_REPLAYED  # the code changed Python state the first block read, since
             flat_args, _ = tree_flatten((args, kwargs))
             held = dict(named_tensors(module))
             mapping = template.sources_in(held, flat_args)
             if mapping is None:
-                return _FAILED
+                return NOT_REPLAYED
             spec = template.output[0]
             if template.program is not None and not template.replayed and not first_call(recording, template.program):
                 template.program = None  # the first block becomes a call too, now that it repeats; else none does
@@ -364,7 +312,7 @@ class RepeatedBlocks:
                 return tree_unflatten(forward()[1], spec)
             inputs = template.grad_inputs_in(held, flat_args)
             if inputs is None:
-                return _FAILED
+                return NOT_REPLAYED
             saved = [
                 held[where] if kind == "module" else flat_args[where]
                 for sources in template.saved_sources
@@ -376,7 +324,7 @@ class RepeatedBlocks:
         except (ReplayDiverged, ValueError):
             del recording.bound_symbols[base:]
             recording.forget_names_since(names)
-            return _FAILED
+            return NOT_REPLAYED
 
     @staticmethod
     def _outputs(template: BlockTemplate, mapping: dict, flat_args: list) -> list:
@@ -393,6 +341,3 @@ class RepeatedBlocks:
             else:
                 result.append(entry[1])
         return result
-
-
-_FAILED = object()

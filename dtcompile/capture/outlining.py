@@ -36,9 +36,9 @@ from ..core.op_classes import written_tensors
 from ..core.proxy import is_proxy
 from ..core.symbol import flatten, leaves
 from . import block_calls
-from .block_calls import SMALLEST_CALLED_BLOCK, fresh, program_name, sizes_held
+from .block_calls import SMALLEST_CALLED_BLOCK, fresh, fresh_like, program_name, sizes_held
 from .equivalence import local_proxy, proxy_metadata, same_value
-from .verified import LayerCalls, StandIn, VerifyFailed, fresh_like, verifiable
+from .verified import LayerCalls, StandIn, VerifyFailed, verifiable
 
 ENABLED = True  # False leaves every traced block's symbols in the trace (tests compare the two)
 TEMPLATES_PER_CLASS = 8  # each stretch is compared with the first stretch of each way a class recorded

@@ -45,11 +45,11 @@ from ..core.torch_internals import (
     dispatch_modes,
     dtensor_implicit_replication,
     dtensor_op_handlers,
-    fake_like,
     function_modes,
     make_dtensor,
     saved_tensors_hooks,
 )
+from .block_calls import fresh_like
 from .block_checks import recording_counts
 from .equivalence import holds_data, local_proxy, proxy_metadata, same_value, size_key
 from .global_state import torch_settings
@@ -379,13 +379,6 @@ def _unlogged(recording, function, args: tuple, kwargs: dict):
         return function(*args, **kwargs)
     finally:
         recording.call_log = log
-
-
-def fresh_like(recording, old: TensorProxy, made_by) -> TensorProxy:
-    """A new tensor like ``old``, in memory of its own; its fake made only when read."""
-    like = old.fake
-    make = partial(fake_like, recording.fake_mode, like, None, False)
-    return TensorProxy.deferred(like, make, recording.new_name(), made_by, False)
 
 
 def verifiable(symbols: list) -> bool:
