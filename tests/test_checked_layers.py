@@ -8,10 +8,13 @@ later layer does something else than the logged ones (the call is then traced ag
 every block traced).
 """
 
+import contextlib
+
 import pytest
 import torch
 from test_block_calls import calls_in
 from test_outlining import CACHES, Layer, Model, assert_like_eager
+from torch.distributed.tensor import DTensor
 
 from dtcompile.capture import tracer, verified
 
@@ -19,7 +22,8 @@ SETTINGS = {"scale": {}}
 
 
 class Differs(Layer):
-    """Its fifth call (checked) does something the logged ones did not."""
+    """Its fifth call (checked) does something the logged ones did not; where ``how`` names
+    a state, every layer makes the same calls, the fifth under that state."""
 
     how = ""
 
@@ -28,27 +32,49 @@ class Differs(Layer):
             cache.update(self.key(x), self.layer_idx)  # writes its cache layer, and no more
             return x
         out = super().forward(x, cache)
+        if self.how in _STATES:
+            with _STATES[self.how]() if self.layer_idx == 4 else contextlib.nullcontext():
+                return out + self.out(out).float()
         if self.layer_idx != 4:
             return out
         if self.how == "another op":
             return out * 2
         if self.how == "another argument":
             return out + SETTINGS["scale"].get(self.layer_idx, 1.0)
-        if self.how == "a torch setting":  # changed, then put back before the layer returns
-            torch.use_deterministic_algorithms(True)
-            try:
-                return out + self.out(out)
-            finally:
-                torch.use_deterministic_algorithms(False)
         if self.how == "text":
             return out + len(f"{out}")  # the traced tensor turned into text: refused
-        if self.how == "autocast":
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                return out + self.out(out).float()
         raise AssertionError(self.how)
 
 
-@pytest.mark.parametrize("how", ["another op", "another argument", "autocast", "a torch setting", "fewer calls"])
+@contextlib.contextmanager
+def _deterministic():  # changed, then put back before the layer returns
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@contextlib.contextmanager
+def _dtensor_handler():  # DTensor's table changed in place and put back, as loss_parallel() does
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handlers[torch.ops.aten.hardsigmoid.default] = lambda op, args, kwargs: op(*args, **kwargs)
+    try:
+        yield
+    finally:
+        del handlers[torch.ops.aten.hardsigmoid.default]
+
+
+_STATES = {
+    "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+    "a torch setting": _deterministic,
+    "a DTensor op handler": _dtensor_handler,
+}
+
+
+@pytest.mark.parametrize(
+    "how", ["another op", "another argument", "autocast", "a torch setting", "a DTensor op handler", "fewer calls"]
+)
 @pytest.mark.parametrize("cache", CACHES)
 def test_a_later_layer_that_differs_is_traced(how, cache, monkeypatch):
     monkeypatch.setattr(Differs, "how", how)

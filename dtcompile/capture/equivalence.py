@@ -28,15 +28,10 @@ from torch.distributed.tensor import DTensor
 from ..core import TensorProxy
 from ..core.symbol import flatten
 from ..core.torch_internals import (
-    dispatch_modes,
-    dtensor_implicit_replication,
-    dtensor_op_handlers,
-    function_modes,
     mask_buffer,
-    saved_tensors_hooks,
 )
 from .alike import SCALARS, Equivalence
-from .global_state import sdpa_backends, torch_settings
+from .global_state import dispatch_state
 from .method_checks import received
 from .python_reads import value_key
 from .tensor_attributes import attributes_key, user_attributes
@@ -171,6 +166,8 @@ def arguments_key(args: tuple, kwargs: dict, grad: bool = True) -> tuple | None:
     gradients, ``op_memo.py``), what ``is_leaf`` answers is left out: no op it makes
     records autograd's graph."""
     flat, spec = flatten((args, kwargs))
+    if not all(map(_keyed_kind, flat)):
+        return None  # (before any tensor's key: a decoder layer's KV cache object, after four tensors)
     keys = []
     first: dict[int, int] = {}
     for index, leaf in enumerate(flat):
@@ -197,34 +194,18 @@ def arguments_key(args: tuple, kwargs: dict, grad: bool = True) -> tuple | None:
     return (spec, tuple(keys), dispatch_state())
 
 
+def _keyed_kind(leaf) -> bool:  # (what ``arguments_key`` keys, checked before any key is made)
+    return type(leaf) in _KEYED or leaf is Ellipsis or isinstance(leaf, (torch.Tensor, torch.SymInt))
+
+
+_KEYED = frozenset({*SCALARS, slice, torch.memory_format})
+
+
 def _bound_key(bound) -> object:
     """A slice bound's key; None where it cannot be compared."""
     if isinstance(bound, torch.SymInt):
         return ("symint", bound.node.expr)
     return value_key(bound) if bound is None or type(bound) is int else None
-
-
-def dispatch_state() -> tuple:
-    """What decides how an op runs besides its arguments, which a forward could change
-    between its layers: grad and inference mode, autocast, the default dtype, the torch
-    function modes (a default device), DTensor's implicit replication and op handlers,
-    the saved tensors hooks."""
-    handlers = dtensor_op_handlers()
-    return (
-        torch.is_grad_enabled(),
-        torch.is_inference_mode_enabled(),
-        tuple((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")),
-        torch.get_default_dtype(),
-        tuple(function_modes()),  # by identity (held, so no later mode takes its id): a layer's own mode differs
-        sdpa_backends(),
-        torch.are_deterministic_algorithms_enabled(),
-        dtensor_implicit_replication(),
-        id(handlers),
-        tuple(handlers),
-        saved_tensors_hooks(),  # what autograd saves for the backward, and gives back
-        torch_settings(),  # (deterministic algorithms, matmul precision, ... around one layer)
-        tuple(dispatch_modes()),  # a user's dispatch mode around one layer
-    )
 
 
 def named_tensors(module: torch.nn.Module) -> list[tuple[str, object]]:

@@ -15,10 +15,12 @@ import torch
 
 from ..core import TracingError
 from ..core.torch_internals import (
+    dispatch_modes,
     dispatch_modes_off,
     dtensor_implicit_replication,
     dtensor_op_handlers,
     function_mode_count,
+    function_modes,
     saved_tensors_hooks,
 )
 
@@ -89,6 +91,30 @@ def torch_settings() -> tuple:
         sdpa_backends(),
         *_opt_einsum(),
         _autocast_cache_enabled(),
+    )
+
+
+def dispatch_state() -> tuple:
+    """What decides how an op runs besides its arguments, which a forward could change
+    between its layers (compared where a block is replayed, ``equivalence.arguments_key``,
+    and at each call of a checked layer, ``verified.py``): grad and inference mode,
+    autocast, the default dtype, the torch function and dispatch modes (a default device, a
+    user's mode around one layer), DTensor's implicit replication and op handlers (a table
+    ``loss_parallel()`` changes in place), the saved tensors hooks, torch's settings."""
+    handlers = dtensor_op_handlers()
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        torch.is_autocast_enabled("cpu"),
+        torch.is_autocast_enabled("cuda"),
+        torch.get_default_dtype(),
+        tuple(function_modes()),  # by identity (held, so no later mode takes its id): a layer's own mode differs
+        tuple(dispatch_modes()),
+        dtensor_implicit_replication(),
+        id(handlers),
+        tuple(handlers),
+        saved_tensors_hooks(),  # what autograd saves for the backward, and gives back
+        torch_settings(),  # (autocast's dtypes, attention backends, deterministic algorithms, matmul precision, ...)
     )
 
 

@@ -42,17 +42,12 @@ from ..core.op_classes import draws_random_numbers
 from ..core.proxy import PASSING_FRAMES
 from ..core.symbol import Symbol, flatten
 from ..core.torch_internals import (
-    dispatch_modes,
-    dtensor_implicit_replication,
-    dtensor_op_handlers,
-    function_modes,
     make_dtensor,
-    saved_tensors_hooks,
 )
 from .block_calls import fresh_like
 from .block_checks import recording_counts
 from .equivalence import holds_data, local_proxy, proxy_metadata, same_value, size_key
-from .global_state import torch_settings
+from .global_state import dispatch_state
 from .tensor_attributes import attributes_key
 
 ENABLED = True  # False traces every layer (tests compare the two)
@@ -63,23 +58,6 @@ class VerifyFailed(BaseException):
     an ``Exception``: the user's code must not catch it (``except Exception``) and go on
     with answers that were the logged layer's (one that does is found where the capture
     ends: ``LayerCalls.failed``)."""
-
-
-def _state() -> tuple:
-    """What decides how an op runs besides its arguments, compared at each call."""
-    return (
-        torch.is_grad_enabled(),
-        torch.is_inference_mode_enabled(),
-        torch.is_autocast_enabled("cpu"),
-        torch.is_autocast_enabled("cuda"),
-        torch.get_default_dtype(),
-        tuple(function_modes()),
-        tuple(dispatch_modes()),
-        dtensor_implicit_replication(),
-        id(dtensor_op_handlers()),
-        saved_tensors_hooks(),
-        torch_settings(),  # (autocast's dtypes, attention backends, matmul precision, backends' flags)
-    )
 
 
 def _key(value) -> tuple | None:
@@ -123,7 +101,7 @@ class CallLog:
         """Dispatch the call, and log it."""
         leaves, structure = flatten((args, kwargs))
         specs = [getattr(x, "_spec", None) for x in leaves]
-        state = _state()
+        state = dispatch_state()
         try:
             out = dispatch()
         except BaseException:
@@ -238,7 +216,7 @@ class Checker:
         logged, logged_structure, described, state, _, _ = self.log.calls[self.at]
         self.at += 1
         name = getattr(func, "__name__", func)
-        if func is not logged or structure != logged_structure or _state() != state:
+        if func is not logged or structure != logged_structure or dispatch_state() != state:
             return f"{name} where {getattr(logged, '__name__', logged)} was called, or called otherwise"
         for (kind, x), y in zip(described, leaves):
             if kind == "made":
