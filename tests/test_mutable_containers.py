@@ -509,3 +509,31 @@ def test_a_function_whose_code_is_replaced():
         assert jitted(x)[0].item() == 4.0
     finally:
         _helper.__code__ = original
+
+
+class _Counter:
+    """An object passed in each call whose count the code reads (a sliding-window KV
+    cache's ``cumulative_length``): guarded by value, so every count compiles anew."""
+
+    def __init__(self):
+        self.count = 0
+
+
+def _scaled_by_count(x, counter):
+    counter.count += 1
+    return x * counter.count
+
+
+def test_an_input_objects_counter_changing_at_every_call_is_named_when_entries_pile_up():
+    from dtcompile.jit.compiled import ENTRIES_WARNING
+
+    jitted, counter, expected_counter = dtcompile.jit(_scaled_by_count), _Counter(), _Counter()
+    x = torch.ones(3)
+    with pytest.warns(
+        UserWarning,
+        match=r"fails its first entry's guard `type\(args\[1\].__dict__\['count'\]\) is not int or args\[1\].__dict__\['count'\] != 0`",
+    ) as caught:
+        for _ in range(ENTRIES_WARNING):
+            torch.testing.assert_close(jitted(x, counter), _scaled_by_count(x, expected_counter), rtol=0, atol=0)
+    assert counter.count == expected_counter.count == ENTRIES_WARNING
+    assert "metadata of its inputs" not in str(caught[0].message)

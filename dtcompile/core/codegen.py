@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import linecache
+import re
 import weakref
 
 from .printing import Unprintable, python_literal
@@ -51,10 +52,32 @@ class GeneratedFunction:
         self.title = title
         self.fn = compile_function(self.source, fn_name, dict(globals))
 
+    def first_refusal(self, *args) -> str | None:
+        """For a function of checks (``if ...: return None``, a prologue's guards): the
+        condition of the first check that refuses ``args``, the names it binds written as
+        what they were bound to (``args[1].__dict__['count'] != 0``); None where none does."""
+        lines = self.source.splitlines()
+        marked = [
+            line[: -len(_REFUSAL)] + f": return {i}" if line.endswith(_REFUSAL) else line
+            for i, line in enumerate(lines)
+        ]
+        refused = compile_function("\n".join(marked) + "\n", self.fn_name, dict(self.globals))(*args)
+        if type(refused) is not int:
+            return None
+        bound = dict(re.findall(r"^\s+(\w+) = (.+)$", self.source, re.MULTILINE))
+        bound = {name: value if re.fullmatch(r"[\w.\[\]']+", value) else f"({value})" for name, value in bound.items()}
+        condition = lines[refused].strip().removeprefix("if ").removesuffix(_REFUSAL)
+        for _ in range(8):  # (a name bound from names bound before)
+            condition = re.sub(r"\b\w+\b", lambda m: bound.get(m[0], m[0]), condition)
+        return condition
+
     def __str__(self) -> str:
         header = [f"# {self.title}"] if self.title else []
         header += [f"# {name}: {_short_repr(obj)}" for name, obj in self.globals.items()]
         return "\n".join(header) + "\n" + self.source
+
+
+_REFUSAL = ": return None"
 
 
 def _short_repr(obj: object) -> str:

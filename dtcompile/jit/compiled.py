@@ -268,20 +268,21 @@ class CompiledFunction:
         if self.cache != "no caching":
             self.entries.append(entry)
             if len(self.entries) == ENTRIES_WARNING:
-                warnings.warn(self._many_entries(), stacklevel=3)
+                warnings.warn(self._many_entries(args, kwargs), stacklevel=3)
         return entry
 
-    def _many_entries(self) -> str:
-        """Why a function keeps compiling: the Python values its first entry read that have
-        changed since (a list the module holds that grows at every call), or else its inputs'
-        metadata."""
+    def _many_entries(self, args: tuple, kwargs: dict) -> str:
+        """Why a function keeps compiling: the Python values its first entry read that changed
+        since (a list the module holds, growing), or the first of its guards this call fails."""
         changed = [read.where for read in self.entries[0].python_reads if not read.unchanged()]
+        refused = None if changed else self.entries[0].prologue.first_refusal(self.module, args, kwargs)
         cause = (
             f"Python values its code can read keep changing ({', '.join(changed[:3])}"
             f"{', ...' if len(changed) > 3 else ''}): keep state that changes at every call off the module and "
             "out of the globals its code reads"
             if changed
-            else 'the metadata of its inputs keeps changing (new sizes? try cache="symbolic values")'
+            else f"this call fails its first entry's guard `{refused or 'on its inputs'}` (new sizes? try "
+            'cache="symbolic values"; a number that changes at every call, an input object\'s counter, is guarded)'
         )
         return f"dtcompile: {self.name} has compiled {ENTRIES_WARNING} entries: {cause}; each call tries every entry's guards"
 
