@@ -833,3 +833,34 @@ def test_a_hook_s_with_kwargs_flag_set_after_compiling(kind, cache):
         del flags[handle.id]
         torch.testing.assert_close(jitted(x), model(x), rtol=0, atol=0)
     assert dtcompile.cache_misses(jitted) == 2
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_the_math_attention_s_half_precision_reduction_between_calls_compiles_anew(cache):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def fn(q):
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+    q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
+    jitted = dtcompile.jit(fn, cache=cache)
+    allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    with sdpa_kernel(SDPBackend.MATH):
+        torch.testing.assert_close(jitted(q), fn(q), rtol=0, atol=0)
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(not allowed)
+        try:
+            torch.testing.assert_close(jitted(q), fn(q), rtol=0, atol=0)
+        finally:
+            torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
+    assert dtcompile.cache_misses(jitted) == 2
+
+
+def test_every_attention_flag_is_one_of_torch_s_settings_and_is_put_back():
+    from dtcompile.capture.torch_settings import _SDPA_FLAGS, put_settings_back, torch_settings
+
+    for getter, setter in _SDPA_FLAGS:
+        before, value = torch_settings(), getattr(torch._C, getter)()
+        getattr(torch._C, setter)(list(reversed(value)) if isinstance(value, list) else not value)
+        assert torch_settings() != before, getter
+        put_settings_back(before)
+        assert torch_settings() == before and getattr(torch._C, getter)() == value, getter

@@ -23,6 +23,13 @@ from ..core.torch_internals import (
     function_modes,
     saved_tensors_hooks,
 )
+from .torch_settings import (
+    autocast_cache_seen,
+    outer_autocast_cache,
+    put_settings_back,
+    set_autocast_cache_seen,
+    torch_settings,
+)
 
 
 @dataclass(frozen=True)
@@ -59,48 +66,12 @@ class GlobalState:
         )
 
 
-def torch_settings() -> tuple:
-    """torch's global settings that the traced code may read (``if
-    torch.are_deterministic_algorithms_enabled():``) or that choose its kernels: read
-    while tracing, they are baked into the program, so the prologue compares them (and a
-    checked layer at each call: ``verified.py``). Read from torch's own getters where
-    ``torch.backends``' modules would look each up by name."""
-    C, backends = torch._C, torch.backends
-    return (
-        C._get_deterministic_algorithms(),
-        C._get_deterministic_algorithms_warn_only(),
-        C._get_deterministic_fill_uninitialized_memory(),
-        _matmul_precision(),
-        torch.is_anomaly_enabled(),
-        torch.is_anomaly_check_nan_enabled(),
-        torch.is_warn_always_enabled(),
-        torch.get_num_threads(),
-        torch.get_autocast_dtype("cpu"),
-        torch.get_autocast_dtype("cuda"),
-        C._get_mkldnn_enabled(),
-        C._get_mkldnn_deterministic(),
-        backends.mha.get_fastpath_enabled(),
-        C._get_qengine(),  # (``torch.backends.quantized.engine``, as torch's enum)
-        C._get_cudnn_enabled(),
-        C._get_cudnn_deterministic(),
-        C._get_cudnn_benchmark(),
-        C._get_cudnn_allow_tf32(),
-        C._get_cublas_allow_tf32(),
-        C._get_cublas_allow_fp16_reduced_precision_reduction()[0],
-        C._get_cublas_allow_bf16_reduced_precision_reduction()[0],
-        sdpa_backends(),
-        *_opt_einsum(),
-        _autocast_cache_enabled(),
-    )
-
-
 def dispatch_state() -> tuple:
-    """What decides how an op runs besides its arguments, which a forward could change
-    between its layers (compared where a block is replayed, ``equivalence.arguments_key``,
-    and at each call of a checked layer, ``verified.py``): grad and inference mode,
-    autocast, the default dtype, the torch function and dispatch modes (a default device, a
-    user's mode around one layer), DTensor's implicit replication and op handlers (a table
-    ``loss_parallel()`` changes in place), the saved tensors hooks, torch's settings."""
+    """What decides how an op runs besides its arguments, which a forward could change between
+    its layers (compared where a block is replayed and at each call of a checked layer): grad
+    and inference mode, autocast, the default dtype, torch function and dispatch modes, DTensor's
+    implicit replication and op handlers (``loss_parallel()`` changes its table in place), the
+    saved tensors hooks, torch's settings."""
     handlers = dtensor_op_handlers()
     return (
         torch.is_grad_enabled(),
@@ -112,64 +83,10 @@ def dispatch_state() -> tuple:
         tuple(dispatch_modes()),
         dtensor_implicit_replication(),
         id(handlers),
-        tuple(handlers),
+        tuple(handlers.items()),  # (a handler replaced for an op it had, too)
         saved_tensors_hooks(),  # what autograd saves for the backward, and gives back
         torch_settings(),  # (autocast's dtypes, attention backends, deterministic algorithms, matmul precision, ...)
     )
-
-
-def sdpa_backends() -> tuple[bool, ...]:
-    """Which attention kernels ``scaled_dot_product_attention`` may pick now
-    (``sdpa_kernel`` sets them): the op it records depends on them. (What
-    ``torch.backends.cuda``'s ``flash_sdp_enabled()`` and the others return.)"""
-    C = torch._C
-    return (
-        C._get_flash_sdp_enabled(),
-        C._get_mem_efficient_sdp_enabled(),
-        C._get_math_sdp_enabled(),
-        C._get_cudnn_sdp_enabled(),
-    )
-
-
-def _opt_einsum() -> tuple:
-    """``torch.backends.opt_einsum``'s ``enabled`` and ``strategy``. Its module object looks
-    both up through a failed attribute lookup (1.4 us each): one set on it is in its own
-    dict, else the module it wraps has them."""
-    flags = torch.backends.opt_einsum
-    own, wrapped = vars(flags), getattr(flags, "m", flags)
-    return (
-        own["enabled"] if "enabled" in own else wrapped.enabled,
-        own["strategy"] if "strategy" in own else wrapped.strategy,
-    )
-
-
-# torch's per-backend float32 precisions (``torch.backends.mkldnn.matmul.fp32_precision``).
-_PRECISION_BACKENDS = ("", "cuda.matmul", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn", "cudnn.conv", "cudnn.rnn")
-
-
-def _backend(path: str):
-    found = torch.backends
-    for part in filter(None, path.split(".")):
-        found = getattr(found, part)
-    return found
-
-
-def _matmul_precision() -> str | tuple:
-    """The float32 matmul precision: torch's summary, or, where torch refuses to give
-    one (a backend's own precision set apart from it), each backend's."""
-    try:
-        return torch.get_float32_matmul_precision()
-    except RuntimeError:
-        return tuple(getattr(_backend(path), "fp32_precision", None) for path in _PRECISION_BACKENDS)
-
-
-def _set_matmul_precision(precision: str | tuple) -> None:
-    if isinstance(precision, str):
-        torch.set_float32_matmul_precision(precision)
-        return
-    for path, value in zip(_PRECISION_BACKENDS, precision):
-        if value is not None:
-            _backend(path).fp32_precision = value
 
 
 def state_put_back(grad_enabled: bool, state: GlobalState) -> list[str]:
@@ -184,46 +101,8 @@ def state_put_back(grad_enabled: bool, state: GlobalState) -> list[str]:
         torch.set_default_dtype(state.dtype)
     if torch_settings() != state.settings:
         changes.append("torch's settings (torch.use_deterministic_algorithms, set_num_threads, a backend's flags...)")
-        _put_settings_back(state.settings)
+        put_settings_back(state.settings)
     return changes
-
-
-def _put_settings_back(settings: tuple) -> None:
-    """Set what :func:`torch_settings` reads back to ``settings``."""
-    (deterministic, warn_only, fill, precision, anomaly, check_nan, warn_always, threads, cpu_dtype, cuda_dtype) = (
-        settings[:10]
-    )
-    backends, matmul = torch.backends, torch.backends.cuda.matmul
-    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
-    torch.utils.deterministic.fill_uninitialized_memory = fill
-    _set_matmul_precision(precision)
-    torch.autograd.set_detect_anomaly(anomaly, check_nan)
-    torch.set_warn_always(warn_always)
-    torch.set_num_threads(threads)
-    torch.set_autocast_dtype("cpu", cpu_dtype)
-    torch.set_autocast_dtype("cuda", cuda_dtype)
-    mkldnn, mkldnn_deterministic, fastpath, quantized, *cudnn, tf32, fp16, bf16, sdpa = settings[10:-3]
-    *opt_einsum, autocast_cache = settings[-3:]
-    backends.mkldnn.enabled = mkldnn
-    if mkldnn_deterministic is not None:
-        backends.mkldnn.deterministic = mkldnn_deterministic
-    backends.mha.set_fastpath_enabled(fastpath)
-    torch._C._set_qengine(quantized)
-    for name, value in zip(("enabled", "deterministic", "benchmark", "allow_tf32"), cudnn):
-        setattr(backends.cudnn, name, value)
-    matmul.allow_tf32, matmul.allow_fp16_reduced_precision_reduction = tf32, fp16
-    matmul.allow_bf16_reduced_precision_reduction = bf16
-    for enable, on in zip(
-        (backends.cuda.enable_flash_sdp, backends.cuda.enable_mem_efficient_sdp, backends.cuda.enable_math_sdp)
-        + (backends.cuda.enable_cudnn_sdp,),
-        sdpa,
-    ):
-        enable(on)
-    backends.opt_einsum.enabled, backends.opt_einsum.strategy = opt_einsum
-    if _outer_autocast_cache:  # while tracing (``autocast_cache_off``)
-        _outer_autocast_cache[-1] = autocast_cache
-    else:
-        torch._C.set_autocast_cache_enabled(autocast_cache)
 
 
 def modes_left_changed(state: GlobalState) -> list[str]:
@@ -284,15 +163,15 @@ def autocast_cache_off():
     set it (put back after the call, as torch's other settings are)."""
     enabled = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)
-    _outer_autocast_cache.append(enabled)
+    outer_autocast_cache.append(enabled)
     original_get, original_set = torch.is_autocast_cache_enabled, torch.set_autocast_cache_enabled
-    torch.is_autocast_cache_enabled = _autocast_cache_enabled
-    torch.set_autocast_cache_enabled = _set_autocast_cache_enabled
+    torch.is_autocast_cache_enabled = autocast_cache_seen
+    torch.set_autocast_cache_enabled = set_autocast_cache_seen
     try:
         yield
     finally:
         torch.is_autocast_cache_enabled, torch.set_autocast_cache_enabled = original_get, original_set
-        torch.set_autocast_cache_enabled(_outer_autocast_cache.pop())
+        torch.set_autocast_cache_enabled(outer_autocast_cache.pop())
 
 
 @contextlib.contextmanager
@@ -336,17 +215,6 @@ def torch_caches_off():
     """What tracing changes of torch's state while it runs (each put back after)."""
     with autocast_cache_off(), parametrize_cache_off(), python_memory_copied():
         yield
-
-
-_outer_autocast_cache: list[bool] = []  # while tracing: what the caller's code sees of the flag
-
-
-def _autocast_cache_enabled() -> bool:
-    return _outer_autocast_cache[-1] if _outer_autocast_cache else torch._C.is_autocast_cache_enabled()
-
-
-def _set_autocast_cache_enabled(enabled: bool) -> None:
-    _outer_autocast_cache[-1] = enabled
 
 
 _SEEDING = ("manual_seed", "seed", "set_rng_state", "fork_rng")  # in torch and torch.random

@@ -21,9 +21,10 @@ from types import MappingProxyType
 import torch
 
 from ..capture.equivalence import GLOBAL_HOOKS
-from ..capture.global_state import GlobalState, torch_settings
+from ..capture.global_state import GlobalState
 from ..capture.python_reads import ABSENT, PythonGuards, ReadGroup, raw_memory, value_key
 from ..capture.python_state import PythonState
+from ..capture.torch_settings import torch_settings
 from ..core import dict_watch
 from ..core.printing import python_literal
 from ..core.torch_internals import (

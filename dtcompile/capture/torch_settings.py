@@ -1,0 +1,152 @@
+"""torch's global settings that traced code may read or that choose its kernels: read
+(:func:`torch_settings`: the prologue compares them, and a checked layer at each call), and
+put back where the traced code left one changed (:func:`put_settings_back`)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def torch_settings() -> tuple:
+    """torch's global settings that the traced code may read (``if
+    torch.are_deterministic_algorithms_enabled():``) or that choose its kernels: read
+    while tracing, they are baked into the program, so the prologue compares them (and a
+    checked layer at each call: ``verified.py``). Read from torch's own getters where
+    ``torch.backends``' modules would look each up by name."""
+    C, backends = torch._C, torch.backends
+    return (
+        C._get_deterministic_algorithms(),
+        C._get_deterministic_algorithms_warn_only(),
+        C._get_deterministic_fill_uninitialized_memory(),
+        _matmul_precision(),
+        torch.is_anomaly_enabled(),
+        torch.is_anomaly_check_nan_enabled(),
+        torch.is_warn_always_enabled(),
+        torch.get_num_threads(),
+        torch.get_autocast_dtype("cpu"),
+        torch.get_autocast_dtype("cuda"),
+        C._get_mkldnn_enabled(),
+        C._get_mkldnn_deterministic(),
+        backends.mha.get_fastpath_enabled(),
+        C._get_qengine(),  # (``torch.backends.quantized.engine``, as torch's enum)
+        C._get_cudnn_enabled(),
+        C._get_cudnn_deterministic(),
+        C._get_cudnn_benchmark(),
+        C._get_cudnn_allow_tf32(),
+        C._get_cublas_allow_tf32(),
+        C._get_cublas_allow_fp16_reduced_precision_reduction()[0],
+        C._get_cublas_allow_bf16_reduced_precision_reduction()[0],
+        sdpa_backends(),
+        *_opt_einsum(),
+        autocast_cache_seen(),
+    )
+
+
+def sdpa_backends() -> tuple:
+    """Which attention kernels ``scaled_dot_product_attention`` may pick, in which order, and
+    whether its math kernel may reduce in half precision (``sdpa_kernel``, ``torch.backends.cuda``
+    set them): the op it records, or what it computes where recorded whole, depends on them."""
+    return tuple(tuple(v) if type(v) is list else v for v in (getattr(torch._C, g)() for g, _ in _SDPA_FLAGS))
+
+
+# torch's getter and setter of each attention flag (fa3's since torch 2.11).
+_SDPA_FLAGS = [
+    (f"_get_{name}", f"_set_{setter}")
+    for name, setter in (
+        ("flash_sdp_enabled", "sdp_use_flash"),
+        ("mem_efficient_sdp_enabled", "sdp_use_mem_efficient"),
+        ("math_sdp_enabled", "sdp_use_math"),
+        ("cudnn_sdp_enabled", "sdp_use_cudnn"),
+        ("overrideable_sdp_enabled", "sdp_use_overrideable"),
+        ("fa3_sdp_enabled", "sdp_use_fa3"),
+        ("math_sdp_allow_fp16_bf16_reduction", "math_sdp_allow_fp16_bf16_reduction"),
+        ("sdp_priority_order", "sdp_priority_order"),
+    )
+    if hasattr(torch._C, f"_get_{name}")
+]
+
+
+def _opt_einsum() -> tuple:
+    """``torch.backends.opt_einsum``'s ``enabled`` and ``strategy``. Its module object looks
+    both up through a failed attribute lookup (1.4 us each): one set on it is in its own
+    dict, else the module it wraps has them."""
+    flags = torch.backends.opt_einsum
+    own, wrapped = vars(flags), getattr(flags, "m", flags)
+    return (
+        own["enabled"] if "enabled" in own else wrapped.enabled,
+        own["strategy"] if "strategy" in own else wrapped.strategy,
+    )
+
+
+# torch's per-backend float32 precisions (``torch.backends.mkldnn.matmul.fp32_precision``).
+_PRECISION_BACKENDS = ("", "cuda.matmul", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn", "cudnn.conv", "cudnn.rnn")
+
+
+def _backend(path: str):
+    found = torch.backends
+    for part in filter(None, path.split(".")):
+        found = getattr(found, part)
+    return found
+
+
+def _matmul_precision() -> str | tuple:
+    """The float32 matmul precision: torch's summary, or, where torch refuses to give
+    one (a backend's own precision set apart from it), each backend's."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return tuple(getattr(_backend(path), "fp32_precision", None) for path in _PRECISION_BACKENDS)
+
+
+def _set_matmul_precision(precision: str | tuple) -> None:
+    if isinstance(precision, str):
+        torch.set_float32_matmul_precision(precision)
+        return
+    for path, value in zip(_PRECISION_BACKENDS, precision):
+        if value is not None:
+            _backend(path).fp32_precision = value
+
+
+def put_settings_back(settings: tuple) -> None:
+    """Set what :func:`torch_settings` reads back to ``settings``."""
+    (deterministic, warn_only, fill, precision, anomaly, check_nan, warn_always, threads, cpu_dtype, cuda_dtype) = (
+        settings[:10]
+    )
+    backends, matmul = torch.backends, torch.backends.cuda.matmul
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+    _set_matmul_precision(precision)
+    torch.autograd.set_detect_anomaly(anomaly, check_nan)
+    torch.set_warn_always(warn_always)
+    torch.set_num_threads(threads)
+    torch.set_autocast_dtype("cpu", cpu_dtype)
+    torch.set_autocast_dtype("cuda", cuda_dtype)
+    mkldnn, mkldnn_deterministic, fastpath, quantized, *cudnn, tf32, fp16, bf16, sdpa = settings[10:-3]
+    *opt_einsum, autocast_cache = settings[-3:]
+    backends.mkldnn.enabled = mkldnn
+    if mkldnn_deterministic is not None:
+        backends.mkldnn.deterministic = mkldnn_deterministic
+    backends.mha.set_fastpath_enabled(fastpath)
+    torch._C._set_qengine(quantized)
+    for name, value in zip(("enabled", "deterministic", "benchmark", "allow_tf32"), cudnn):
+        setattr(backends.cudnn, name, value)
+    matmul.allow_tf32, matmul.allow_fp16_reduced_precision_reduction = tf32, fp16
+    matmul.allow_bf16_reduced_precision_reduction = bf16
+    for (_, setter), value in zip(_SDPA_FLAGS, sdpa):
+        getattr(torch._C, setter)(list(value) if type(value) is tuple else value)
+    backends.opt_einsum.enabled, backends.opt_einsum.strategy = opt_einsum
+    if outer_autocast_cache:  # while tracing (``autocast_cache_off``)
+        outer_autocast_cache[-1] = autocast_cache
+    else:
+        torch._C.set_autocast_cache_enabled(autocast_cache)
+
+
+outer_autocast_cache: list[bool] = []  # while tracing: what the caller's code sees of the flag
+
+
+def autocast_cache_seen() -> bool:
+    return outer_autocast_cache[-1] if outer_autocast_cache else torch._C.is_autocast_cache_enabled()
+
+
+def set_autocast_cache_seen(enabled: bool) -> None:
+    outer_autocast_cache[-1] = enabled
