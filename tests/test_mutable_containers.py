@@ -537,3 +537,39 @@ def test_an_input_objects_counter_changing_at_every_call_is_named_when_entries_p
             torch.testing.assert_close(jitted(x, counter), _scaled_by_count(x, expected_counter), rtol=0, atol=0)
     assert counter.count == expected_counter.count == ENTRIES_WARNING
     assert "metadata of its inputs" not in str(caught[0].message)
+
+
+class _TwoNames:
+    """A KV-cache-like object whose two attributes are one list (``cache.values = cache.keys``)."""
+
+    def __init__(self, items):
+        self.keys = items
+        self.values = items
+
+
+def _same_container_twice(a, b, holder):
+    first = a[0] if isinstance(a, list) else a["x"]
+    return first + (a is b) + 2 * (holder.keys is holder.values) + holder.values[0]
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("kind", ["list", "dict"])
+def test_one_container_passed_twice_is_one_container(cache, kind):
+    """The same list or dict reached at two places of the call (two arguments, two attributes
+    of an object) is one object, as in eager (``a is b``); a later call with two distinct
+    ones compiles anew. It was two to the trace, and the prologue refused the very call it
+    was compiled for."""
+    jitted = dtcompile.jit(_same_container_twice, cache=cache)
+    for shared in (True, True, False):
+        made = []
+        for _ in range(2):
+            x = torch.arange(3.0)
+            a = [x] if kind == "list" else {"x": x}
+            b = a if shared else ([x.clone()] if kind == "list" else {"x": x.clone()})
+            made.append((a, b, _TwoNames([x + 1])))
+        expected, got = _same_container_twice(*made[0]), jitted(*made[1])
+        assert torch.equal(got, expected)
+        for want, have in zip(made[0], made[1]):
+            want, have = (vars(want), vars(have)) if isinstance(want, _TwoNames) else (want, have)
+            assert str(want) == str(have)
+    assert dtcompile.cache_misses(jitted) == 2

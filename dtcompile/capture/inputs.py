@@ -116,7 +116,7 @@ class InputProxifier:
         # the proxy itself for a tensor, the DTensor around it for a DTensor.
         self.differentiable: list[tuple[TensorProxy, object]] = []
         self.objects = StateObjects()
-        self._stand_ins: dict[int, tuple[object, ObjectInput]] = {}  # id of a real object -> its stand-in
+        self._stand_ins: dict[int, tuple[object, InputNode]] = {}  # id of a real object or container -> its stand-in
         # Tensors met so far, so that one met again is the same input (``f(z, z)``, tied
         # weights, a DTensor's local tensor passed too): id of the real tensor (a plain
         # tensor, a DTensor or a DTensor's local) -> (what the program got, its node, the
@@ -177,6 +177,10 @@ class InputProxifier:
             return proxy, node
         if isinstance(value, CONSTANT_TYPES) or type(value) is torch.Size or _constant_slice(value):
             return value, ConstantInput(path, value)
+        container = type(value) in (tuple, list, dict) or pytree.is_namedtuple_instance(value)
+        if container and path.steps and id(value) in self._stand_ins:  # (``f(l, l)``: one list, seen twice)
+            seen = self._stand_ins[id(value)]
+            return seen[0], SameObjectInput(path, seen[1])
         if type(value) in (tuple, list) or pytree.is_namedtuple_instance(value):
             pairs = [self.proxify(v, path.index(i), f"{name_hint}_{i}") for i, v in enumerate(value)]
             items = [p for p, _ in pairs]
@@ -184,12 +188,15 @@ class InputProxifier:
             node = SequenceInput(path, type(value), [n for _, n in pairs])
             if path.steps:  # (not ``args`` itself)
                 self.objects.add_container(path, values, node)
+                self._stand_ins[id(value)] = (values, node)
             return values, node
         if type(value) is dict:
             pairs = [self.proxify(v, path.key(k), f"{name_hint}_{k}") for k, v in value.items()]
             values = dict(zip(value.keys(), (p for p, _ in pairs)))
             node = DictInput(path, tuple(value.keys()), [n for _, n in pairs])
             self.objects.add_container(path, values, node)
+            if path.steps:
+                self._stand_ins[id(value)] = (values, node)
             return values, node
         if type(value) in pytree.SUPPORTED_NODES:
             node = pytree.SUPPORTED_NODES[type(value)]

@@ -303,7 +303,7 @@ class _Builder:
                 self.node(child, f"{state}[{name!r}]")
             self.in_object -= 1
         elif isinstance(node, SameObjectInput):
-            if isinstance(node.first, ObjectInput):
+            if isinstance(node.first, (ObjectInput, SequenceInput, DictInput)):  # (an object, a list met again)
                 same = self.object_vars[id(node.first)]
             else:
                 same = (self.local_vars if node.local else self.tensor_vars)[id(node.first)]
