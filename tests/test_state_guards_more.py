@@ -442,6 +442,29 @@ def test_a_tensor_made_under_inference_mode_inside_and_returned_is_refused(cache
         assert dtcompile.jit(fn, cache=cache)(torch.ones(3))[1].is_inference()
 
 
+def _views_under_inference_mode(x, keys):
+    with torch.inference_mode():  # a view of a normal tensor is a normal one, as in eager
+        keys.add_(1)
+        view = keys.transpose(1, 2)
+    return (view * x.sum()).sum(1), view
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_view_taken_under_inference_mode_inside_is_eager_s(cache, grad):
+    """It raised torch's "Cannot set version_counter for inference tensor": the view's proxy
+    (or the fake its input made when first read there) was made an inference tensor."""
+    keys, expected_keys = torch.zeros(1, 3, 4), torch.zeros(1, 3, 4)
+    x = torch.randn(1, 1, 4)
+    with torch.set_grad_enabled(grad):
+        expected = _views_under_inference_mode(x, expected_keys)
+        got = dtcompile.jit(_views_under_inference_mode, cache=cache)(x, keys)
+    for want, have in zip(expected, got):
+        assert torch.equal(have, want) and have.stride() == want.stride()
+        assert have.is_inference() == want.is_inference()
+    assert torch.equal(keys, expected_keys)
+
+
 @pytest.mark.parametrize("cache", CACHES)
 def test_detach_in_place_of_a_view_raises_eagers_error(cache):
     def fn(x):

@@ -131,7 +131,7 @@ class _Pending:
 
     def __call__(self) -> torch.Tensor:
         if self.fake is None:
-            with _untraced():
+            with _untraced(), torch.inference_mode(False):  # (first read inside the call's inference mode)
                 self.fake = self.fakes._made(self.real, None, self.like)
         return self.fake
 
