@@ -47,12 +47,12 @@ class Differs(Layer):
 
 
 @contextlib.contextmanager
-def _deterministic():  # changed, then put back before the layer returns
-    torch.use_deterministic_algorithms(True)
+def _warn_always():  # a setting code may read, changed, then put back before the layer returns
+    torch.set_warn_always(True)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(False)
+        torch.set_warn_always(False)
 
 
 @contextlib.contextmanager
@@ -78,7 +78,7 @@ def _dtensor_handler_replaced():  # another handler for an op the table has: its
 
 _STATES = {
     "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
-    "a torch setting": _deterministic,
+    "a torch setting": _warn_always,
     "a DTensor op handler": _dtensor_handler,
     "a DTensor op handler replaced": _dtensor_handler_replaced,
 }

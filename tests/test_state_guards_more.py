@@ -4,6 +4,7 @@ reaches. And what the traced code cannot do to its tensors or return. Each case 
 stale or wrong result, or an internal error, with no TracingError."""
 
 import collections
+import contextlib
 import dataclasses
 import math
 import types
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 import dtcompile
+from dtcompile.capture.torch_settings import torch_settings
 
 CACHES = ["constant values", "symbolic values"]
 
@@ -546,24 +548,31 @@ def test_blocks_told_apart_by_a_setting_their_parent_toggles(cache):
             self.lin = nn.Linear(2, 2)
 
         def forward(self, x):
-            return self.lin(x) * (2.0 if torch.get_float32_matmul_precision() == "highest" else 1.0)
+            return self.lin(x) * (2.0 if torch.is_warn_always_enabled() else 1.0)
 
     class Parent(nn.Module):
-        def __init__(self):
+        def __init__(self, kernels: bool):
             super().__init__()
             self.layers = nn.ModuleList(Layer() for _ in range(3))
+            self.kernels = kernels
 
         def forward(self, x):
             for index, layer in enumerate(self.layers):
-                torch.set_float32_matmul_precision("high" if index == 1 else "highest")
+                if self.kernels:  # a setting the matmul's kernel reads when it runs
+                    torch.set_float32_matmul_precision("high" if index == 1 else "highest")
+                torch.set_warn_always(index == 1)
                 x = layer(x)
             torch.set_float32_matmul_precision("highest")
+            torch.set_warn_always(False)
             return x
 
     torch.manual_seed(0)
-    model, x = Parent(), torch.randn(3, 2)
+    model, x = Parent(kernels=False), torch.randn(3, 2)
     with torch.no_grad():
-        torch.testing.assert_close(dtcompile.jit(model, cache=cache)(x), model(x))
+        torch.testing.assert_close(dtcompile.jit(model, cache=cache)(x), model(x), rtol=0, atol=0)
+        model.kernels = True
+        with pytest.raises(dtcompile.TracingError, match="the float32 matmul precision"):
+            dtcompile.jit(model, cache=cache)(x)
 
 
 @pytest.mark.parametrize("cache", CACHES)
@@ -879,7 +888,7 @@ def test_the_math_attention_s_half_precision_reduction_between_calls_compiles_an
 
 
 def test_every_attention_flag_is_one_of_torch_s_settings_and_is_put_back():
-    from dtcompile.capture.torch_settings import _SDPA_FLAGS, put_settings_back, torch_settings
+    from dtcompile.capture.torch_settings import _SDPA_FLAGS, put_settings_back
 
     for getter, setter in _SDPA_FLAGS:
         before, value = torch_settings(), getattr(torch._C, getter)()
@@ -887,3 +896,41 @@ def test_every_attention_flag_is_one_of_torch_s_settings_and_is_put_back():
         assert torch_settings() != before, getter
         put_settings_back(before)
         assert torch_settings() == before and getattr(torch._C, getter)() == value, getter
+
+
+@contextlib.contextmanager
+def _kernel_setting(name):
+    """A setting a kernel reads when it runs, changed and put back."""
+    if name == "mkldnn":
+        with torch.backends.mkldnn.flags(enabled=not torch.backends.mkldnn.enabled):
+            yield
+        return
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(1 if threads > 1 else 2) if name == "threads" else torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("name", ["mkldnn", "threads", "deterministic"])
+def test_an_op_run_under_a_kernel_setting_changed_inside_the_call_is_refused(cache, name):
+    """The program runs every op under the caller's settings: one changed inside (and put
+    back) would be baked in for tracing but not for the kernels (a convolution's mkldnn
+    path, a reduction's threads, ``torch.empty``'s fill under deterministic algorithms)."""
+
+    def fn(x):
+        with _kernel_setting(name):
+            return torch.nn.functional.conv1d(x, x[:1]).sum() + torch.empty(2).numel()
+
+    before = torch_settings()
+    with pytest.raises(dtcompile.TracingError, match="ran under torch's settings the traced code changed"):
+        dtcompile.jit(fn, cache=cache)(torch.ones(1, 1, 4))
+    assert torch_settings() == before
+    with _kernel_setting(name):  # set around the call: compiled under it, and eager's
+        x = torch.ones(1, 1, 4)
+        expected = torch.nn.functional.conv1d(x, x[:1]).sum() + 2
+        got = dtcompile.jit(lambda x: torch.nn.functional.conv1d(x, x[:1]).sum() + 2, cache=cache)(x)
+        assert torch.equal(got, expected)

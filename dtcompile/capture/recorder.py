@@ -44,6 +44,7 @@ from .fake_calls import fake_errors_unlogged, refuse_metadata_changes, run_on_fa
 from .grad_checks import grad_state
 from .input_fakes import InputFakes
 from .objects import same_spec
+from .torch_settings import kernel_settings, kernel_settings_changed
 
 _DATA_DEPENDENT_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
 
@@ -58,8 +59,8 @@ class Recording:
     def __init__(self, fake_mode: FakeTensorMode):
         self.fake_mode = fake_mode
         self.fakes = InputFakes(fake_mode)  # the fake of each real tensor entering the trace
-        # The call's default dtype: the compiled program runs every op under it.
-        self.default_dtype = torch.get_default_dtype()
+        # The call's default dtype and kernel settings: the compiled program runs every op under them.
+        self.default_dtype, self.kernel_settings = torch.get_default_dtype(), kernel_settings()
         self.bound_symbols: list[BoundSymbol] = []
         self.captured: list[torch.Tensor] = []  # real tensors the program closes over
         self.captured_proxies: list[TensorProxy] = []
@@ -74,8 +75,7 @@ class Recording:
         self.real_of: dict[str, torch.Tensor] = {}  # input label -> the call's real tensor (while tracing)
         self.input_proxies: list[TensorProxy] = []
         self.cones: dict[int, list[int]] = {}  # index of a read computed now -> indices of its cone
-        # A size read from data valued now (size_values_now) -> (index, the output, its dim)
-        self.size_reads: dict = {}
+        self.size_reads: dict = {}  # a size read from data valued now (size_values_now) -> (index, output, dim)
         self.input_sizes: dict = {}  # a symbol of an input's size -> (the input's proxy, its dim)
         self.values_now: dict = {}  # label -> its real value, computed now (data_branches.real_now)
         self.sizes_now: dict = {}  # a size read from data met computing them -> its value
@@ -88,8 +88,7 @@ class Recording:
         self.current_call: str | None = None  # the torch-level call of the user's code running now
         self.snapshot = None  # a DataSnapshot of the user's data the traced code must not change
         self.captured_held: list[torch.Tensor] = []  # what the program holds of each: the tensor, or its DTensor
-        # (a tensor the traced code closed over, as the code uses it, where, its grad_state when met)
-        self.captured_flags: list[tuple[torch.Tensor, str, tuple]] = []
+        self.captured_flags: list[tuple[torch.Tensor, str, tuple]] = []  # (a closed-over tensor, where, grad_state)
         self._captured_dtensors: dict[int, DTensor] = {}  # id of a closed-over DTensor -> its traced stand-in
         self.dtensor_modes = DTensorModes()  # entered inside the call (loss_parallel): kept for the backward
         self.call_log = None  # a layer's torch-level calls logged, or checked against a log (``verified.py``)
@@ -292,6 +291,8 @@ class Recording:
                 "with Python floats follow it, and the compiled program runs every op under the call's own. Pass "
                 "dtype= explicitly, or set the default dtype before the call"
             )
+        if kernel_settings() != self.kernel_settings:
+            raise kernel_settings_changed(self.current_call or func, self.kernel_settings)
         if func is _LIFT_FRESH:
             # ``torch.tensor([1., 2.])``: a new tensor at each eager call. The program holds the
             # value as a constant, so it lifts a copy: an in-place change (by the program or by

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ..core import TracingError
+
 
 def torch_settings() -> tuple:
     """torch's global settings that the traced code may read (``if
@@ -150,3 +152,41 @@ def autocast_cache_seen() -> bool:
 
 def set_autocast_cache_seen(enabled: bool) -> None:
     outer_autocast_cache[-1] = enabled
+
+
+def kernel_settings() -> tuple:
+    """The settings kernels read when they run, not when tracing records them: a program's
+    ops run under the caller's (deterministic algorithms, float32 matmul precision, threads,
+    mkldnn's and cudnn's flags, cuBLAS's reductions)."""
+    C = torch._C
+    return (
+        C._get_deterministic_algorithms(),
+        C._get_deterministic_algorithms_warn_only(),
+        C._get_deterministic_fill_uninitialized_memory(),
+        _matmul_precision(),
+        torch.get_num_threads(),
+        C._get_mkldnn_enabled(),
+        C._get_mkldnn_deterministic(),
+        C._get_cudnn_enabled(),
+        C._get_cudnn_deterministic(),
+        C._get_cudnn_benchmark(),
+        C._get_cudnn_allow_tf32(),
+        C._get_cublas_allow_tf32(),
+        C._get_cublas_allow_fp16_reduced_precision_reduction()[0],
+        C._get_cublas_allow_bf16_reduced_precision_reduction()[0],
+    )
+
+
+def kernel_settings_changed(call, before: tuple) -> TracingError:
+    """The error for an op the traced code ran under kernel settings it changed (and may
+    put back before the call returns)."""
+    names = ("deterministic algorithms", "their warn_only", "their fill of uninitialized memory")
+    names += ("the float32 matmul precision", "the number of threads", "mkldnn's enabled flag")
+    names += ("mkldnn's deterministic flag", "cudnn's enabled flag", "cudnn's deterministic flag")
+    names += ("cudnn's benchmark flag", "cudnn's allow_tf32", "cuBLAS's allow_tf32", "cuBLAS's fp16 reduction")
+    changed = [n for n, a, b in zip((*names, "cuBLAS's bf16 reduction"), before, kernel_settings()) if a != b]
+    return TracingError(
+        f"dtcompile.jit: {call} ran under torch's settings the traced code changed ({', '.join(changed)}). Its "
+        "kernel reads them when it runs, and the compiled program runs every op under the call's own settings, "
+        "even where the code puts them back before returning. Set them before the call"
+    )
