@@ -934,3 +934,24 @@ def test_an_op_run_under_a_kernel_setting_changed_inside_the_call_is_refused(cac
         expected = torch.nn.functional.conv1d(x, x[:1]).sum() + 2
         got = dtcompile.jit(lambda x: torch.nn.functional.conv1d(x, x[:1]).sum() + 2, cache=cache)(x)
         assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_attention_kernels_chosen_inside_the_call_are_eager_s_or_refused(cache, mode):
+    """``sdpa_kernel`` inside the call: without grad the kernel chosen is what tracing
+    records; under inference mode the attention is recorded whole and would pick its kernel
+    when it runs, under the caller's flags: refused."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def fn(q):
+        with sdpa_kernel([SDPBackend.MATH]):
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+    q = torch.randn(1, 1, 3, 8, dtype=torch.bfloat16)
+    with getattr(torch, mode)():
+        if mode == "inference_mode":
+            with pytest.raises(dtcompile.TracingError, match="the attention kernels allowed"):
+                dtcompile.jit(fn, cache=cache)(q)
+        else:
+            assert torch.equal(dtcompile.jit(fn, cache=cache)(q), fn(q))

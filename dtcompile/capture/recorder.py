@@ -44,7 +44,7 @@ from .fake_calls import fake_errors_unlogged, refuse_metadata_changes, run_on_fa
 from .grad_checks import grad_state
 from .input_fakes import InputFakes
 from .objects import same_spec
-from .torch_settings import kernel_settings, kernel_settings_changed
+from .torch_settings import kernel_settings, kernel_settings_changed, kernel_settings_differ
 
 _DATA_DEPENDENT_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
 
@@ -291,7 +291,7 @@ class Recording:
                 "with Python floats follow it, and the compiled program runs every op under the call's own. Pass "
                 "dtype= explicitly, or set the default dtype before the call"
             )
-        if kernel_settings() != self.kernel_settings:
+        if kernel_settings_differ(func, self.kernel_settings):
             raise kernel_settings_changed(self.current_call or func, self.kernel_settings)
         if func is _LIFT_FRESH:
             # ``torch.tensor([1., 2.])``: a new tensor at each eager call. The program holds the

@@ -157,7 +157,8 @@ def set_autocast_cache_seen(enabled: bool) -> None:
 def kernel_settings() -> tuple:
     """The settings kernels read when they run, not when tracing records them: a program's
     ops run under the caller's (deterministic algorithms, float32 matmul precision, threads,
-    mkldnn's and cudnn's flags, cuBLAS's reductions)."""
+    mkldnn's and cudnn's flags, cuBLAS's reductions); last, the attention flags, which only
+    an attention recorded whole reads then (under inference mode: ``kernel_settings_differ``)."""
     C = torch._C
     return (
         C._get_deterministic_algorithms(),
@@ -174,7 +175,17 @@ def kernel_settings() -> tuple:
         C._get_cublas_allow_tf32(),
         C._get_cublas_allow_fp16_reduced_precision_reduction()[0],
         C._get_cublas_allow_bf16_reduced_precision_reduction()[0],
+        sdpa_backends(),
     )
+
+
+def kernel_settings_differ(func, before: tuple) -> bool:
+    """Whether ``func`` would run under kernel settings other than ``before`` (the call's)."""
+    now = kernel_settings()
+    return now[:-1] != before[:-1] or (func is _WHOLE_ATTENTION and now[-1] != before[-1])
+
+
+_WHOLE_ATTENTION = torch.ops.aten.scaled_dot_product_attention.default  # (it picks its kernel when it runs)
 
 
 def kernel_settings_changed(call, before: tuple) -> TracingError:
@@ -184,7 +195,8 @@ def kernel_settings_changed(call, before: tuple) -> TracingError:
     names += ("the float32 matmul precision", "the number of threads", "mkldnn's enabled flag")
     names += ("mkldnn's deterministic flag", "cudnn's enabled flag", "cudnn's deterministic flag")
     names += ("cudnn's benchmark flag", "cudnn's allow_tf32", "cuBLAS's allow_tf32", "cuBLAS's fp16 reduction")
-    changed = [n for n, a, b in zip((*names, "cuBLAS's bf16 reduction"), before, kernel_settings()) if a != b]
+    names += ("cuBLAS's bf16 reduction", "the attention kernels allowed")
+    changed = [n for n, a, b in zip(names, before, kernel_settings()) if a != b]
     return TracingError(
         f"dtcompile.jit: {call} ran under torch's settings the traced code changed ({', '.join(changed)}). Its "
         "kernel reads them when it runs, and the compiled program runs every op under the call's own settings, "
