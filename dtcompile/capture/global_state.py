@@ -79,13 +79,14 @@ def dispatch_state() -> tuple:
         torch.is_autocast_enabled("cpu"),
         torch.is_autocast_enabled("cuda"),
         torch.get_default_dtype(),
-        tuple(function_modes()),  # by identity (held, so no later mode takes its id): a layer's own mode differs
-        tuple(dispatch_modes()),
+        *function_modes(),  # by identity (held, so no later mode takes its id): a layer's own mode differs
+        None,  # (where the function modes end)
+        *dispatch_modes(),
         dtensor_implicit_replication(),
         id(handlers),
-        tuple(handlers.items()),  # (a handler replaced for an op it had, too)
+        *handlers.items(),  # (a handler replaced for an op it had, too)
         saved_tensors_hooks(),  # what autograd saves for the backward, and gives back
-        torch_settings(),  # (autocast's dtypes, attention backends, deterministic algorithms, matmul precision, ...)
+        *torch_settings(),  # (autocast's dtypes, attention backends, deterministic algorithms, matmul precision, ...)
     )
 
 

@@ -13,42 +13,35 @@ def torch_settings() -> tuple:
     """torch's global settings that the traced code may read (``if
     torch.are_deterministic_algorithms_enabled():``) or that choose its kernels: read
     while tracing, they are baked into the program, so the prologue compares them (and a
-    checked layer at each call: ``verified.py``). Read from torch's own getters where
-    ``torch.backends``' modules would look each up by name."""
-    C, backends = torch._C, torch.backends
+    checked layer at each call: ``verified.py``). Read from torch's own getters, bound once,
+    where ``torch.backends``' modules would look each up by name (about 1.5 us in all): the
+    kernels' settings first (:func:`kernel_settings`), then those only code reads."""
+    C = torch._C
     return (
-        C._get_deterministic_algorithms(),
-        C._get_deterministic_algorithms_warn_only(),
-        C._get_deterministic_fill_uninitialized_memory(),
-        _matmul_precision(),
-        torch.is_anomaly_enabled(),
-        torch.is_anomaly_check_nan_enabled(),
-        torch.is_warn_always_enabled(),
-        torch.get_num_threads(),
-        torch.get_autocast_dtype("cpu"),
-        torch.get_autocast_dtype("cuda"),
-        C._get_mkldnn_enabled(),
-        C._get_mkldnn_deterministic(),
-        backends.mha.get_fastpath_enabled(),
+        *kernel_settings(),
+        C.is_anomaly_enabled(),
+        C.is_anomaly_check_nan_enabled(),
+        C._get_warnAlways(),
+        C.get_autocast_dtype("cpu"),
+        C.get_autocast_dtype("cuda"),
+        _mha_fastpath(),
         C._get_qengine(),  # (``torch.backends.quantized.engine``, as torch's enum)
-        C._get_cudnn_enabled(),
-        C._get_cudnn_deterministic(),
-        C._get_cudnn_benchmark(),
-        C._get_cudnn_allow_tf32(),
-        C._get_cublas_allow_tf32(),
-        C._get_cublas_allow_fp16_reduced_precision_reduction()[0],
-        C._get_cublas_allow_bf16_reduced_precision_reduction()[0],
-        sdpa_backends(),
         *_opt_einsum(),
         autocast_cache_seen(),
     )
+
+
+_mha_fastpath = torch.backends.mha.get_fastpath_enabled
 
 
 def sdpa_backends() -> tuple:
     """Which attention kernels ``scaled_dot_product_attention`` may pick, in which order, and
     whether its math kernel may reduce in half precision (``sdpa_kernel``, ``torch.backends.cuda``
     set them): the op it records, or what it computes where recorded whole, depends on them."""
-    return tuple(tuple(v) if type(v) is list else v for v in (getattr(torch._C, g)() for g, _ in _SDPA_FLAGS))
+    values = [get() for get in _SDPA_GETTERS]
+    if _SDPA_ORDER is not None:
+        values[_SDPA_ORDER] = tuple(values[_SDPA_ORDER])  # (a list)
+    return tuple(values)
 
 
 # torch's getter and setter of each attention flag (fa3's since torch 2.11).
@@ -66,6 +59,8 @@ _SDPA_FLAGS = [
     )
     if hasattr(torch._C, f"_get_{name}")
 ]
+_SDPA_GETTERS = [getattr(torch._C, getter) for getter, _ in _SDPA_FLAGS]
+_SDPA_ORDER = next((i for i, (getter, _) in enumerate(_SDPA_FLAGS) if getter == "_get_sdp_priority_order"), None)
 
 
 def _opt_einsum() -> tuple:
@@ -111,31 +106,30 @@ def _set_matmul_precision(precision: str | tuple) -> None:
 
 def put_settings_back(settings: tuple) -> None:
     """Set what :func:`torch_settings` reads back to ``settings``."""
-    (deterministic, warn_only, fill, precision, anomaly, check_nan, warn_always, threads, cpu_dtype, cuda_dtype) = (
-        settings[:10]
-    )
+    (deterministic, warn_only, fill, precision, threads, mkldnn, mkldnn_deterministic, *cudnn) = settings[:11]
+    tf32, fp16, bf16, sdpa = settings[11:15]
+    (anomaly, check_nan, warn_always, cpu_dtype, cuda_dtype, fastpath, quantized, *opt_einsum) = settings[15:-1]
+    autocast_cache = settings[-1]
     backends, matmul = torch.backends, torch.backends.cuda.matmul
     torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
     torch.utils.deterministic.fill_uninitialized_memory = fill
     _set_matmul_precision(precision)
-    torch.autograd.set_detect_anomaly(anomaly, check_nan)
-    torch.set_warn_always(warn_always)
     torch.set_num_threads(threads)
-    torch.set_autocast_dtype("cpu", cpu_dtype)
-    torch.set_autocast_dtype("cuda", cuda_dtype)
-    mkldnn, mkldnn_deterministic, fastpath, quantized, *cudnn, tf32, fp16, bf16, sdpa = settings[10:-3]
-    *opt_einsum, autocast_cache = settings[-3:]
     backends.mkldnn.enabled = mkldnn
     if mkldnn_deterministic is not None:
         backends.mkldnn.deterministic = mkldnn_deterministic
-    backends.mha.set_fastpath_enabled(fastpath)
-    torch._C._set_qengine(quantized)
     for name, value in zip(("enabled", "deterministic", "benchmark", "allow_tf32"), cudnn):
         setattr(backends.cudnn, name, value)
     matmul.allow_tf32, matmul.allow_fp16_reduced_precision_reduction = tf32, fp16
     matmul.allow_bf16_reduced_precision_reduction = bf16
     for (_, setter), value in zip(_SDPA_FLAGS, sdpa):
         getattr(torch._C, setter)(list(value) if type(value) is tuple else value)
+    torch.autograd.set_detect_anomaly(anomaly, check_nan)
+    torch.set_warn_always(warn_always)
+    torch.set_autocast_dtype("cpu", cpu_dtype)
+    torch.set_autocast_dtype("cuda", cuda_dtype)
+    backends.mha.set_fastpath_enabled(fastpath)
+    torch._C._set_qengine(quantized)
     backends.opt_einsum.enabled, backends.opt_einsum.strategy = opt_einsum
     if outer_autocast_cache:  # while tracing (``autocast_cache_off``)
         outer_autocast_cache[-1] = autocast_cache

@@ -182,7 +182,8 @@ def storage_id(t: torch.Tensor) -> int:
 
 def function_modes() -> list:
     """The torch function modes active now, innermost last."""
-    return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+    count = torch._C._len_torch_function_stack()
+    return [torch._C._get_function_stack_at(i) for i in range(count)] if count else []
 
 
 @contextlib.contextmanager
@@ -201,7 +202,8 @@ def function_modes_off():
 def dispatch_modes() -> list:
     """The torch dispatch modes active now, innermost last (a user's: dtcompile's own
     recording modes are among them while it traces)."""
-    return [torch._C._get_dispatch_stack_at(i) for i in range(torch._C._len_torch_dispatch_stack())]
+    count = torch._C._len_torch_dispatch_stack()
+    return [torch._C._get_dispatch_stack_at(i) for i in range(count)] if count else []
 
 
 def saved_tensors_hooks() -> tuple | None:
