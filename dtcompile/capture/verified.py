@@ -135,6 +135,7 @@ class CallLog:
                 results.append(self._index[id(leaf)])  # a tensor it made before, or one from outside
             else:
                 results.append(("value", leaf))
+        treespec = None if treespec.is_leaf() else treespec  # (one tensor, most calls' result: given as it is)
         self.calls.append((func, structure, described, state, treespec, results))
         return out
 
@@ -192,7 +193,7 @@ class Checker:
                 out.append(self._fresh(x))
             else:
                 out.append(self.outside[x] if kind == "outside" else x)  # (one it took before, returned)
-        return tree_unflatten(out, treespec)
+        return out[0] if treespec is None else tree_unflatten(out, treespec)
 
     def _fresh(self, logged: torch.Tensor) -> torch.Tensor:
         """This call's tensor for one the logged call made: a new proxy (its fake made
@@ -212,27 +213,26 @@ class Checker:
 
     def _check(self, func, leaves: list, structure) -> str | None:
         if self.at >= len(self.log.calls):
-            return f"{getattr(func, '__name__', func)} is called after the logged calls"
+            return f"{_name(func)} is called after the logged calls"
         logged, logged_structure, described, state, _, _ = self.log.calls[self.at]
         self.at += 1
-        name = getattr(func, "__name__", func)
         if func is not logged or structure != logged_structure or dispatch_state() != state:
-            return f"{name} where {getattr(logged, '__name__', logged)} was called, or called otherwise"
+            return f"{_name(func)} where {_name(logged)} was called, or called otherwise"
         for (kind, x), y in zip(described, leaves):
             if kind == "made":
                 if self.fresh.get(id(x)) is not y:
-                    return f"{name} takes another tensor"
+                    return f"{_name(func)} takes another tensor"
             elif kind == "outside":
                 known = self.outside.get(x)
                 if known is None:
                     if id(y) in self.taken or id(y) in self.made_here or self.log.keys[x] != _key(y):
-                        return f"{name} takes a tensor unlike the logged one"
+                        return f"{_name(func)} takes a tensor unlike the logged one"
                     self.outside[x] = y
                     self.taken.add(id(y))
                 elif known is not y:
-                    return f"{name} takes another tensor"
+                    return f"{_name(func)} takes another tensor"
             elif not same_value(x, y):
-                return f"{name} takes another argument ({x!r}, {y!r})"
+                return f"{_name(func)} takes another argument ({x!r}, {y!r})"
         return None
 
     def finish(self) -> str | None:
@@ -245,6 +245,10 @@ class Checker:
 
 
 _CHECKED = NoProvenance("a checked layer")
+
+
+def _name(func) -> str:
+    return getattr(func, "__name__", func)
 
 
 class LayerCalls:
