@@ -269,3 +269,30 @@ def test_a_layer_whose_call_raises_is_traced_at_every_layer(cache, monkeypatch):
     monkeypatch.setattr(verified.LayerCalls, "_checked", counted)
     assert_like_eager(Model(6, layer=Retries), 6, mode=cache)
     assert not checked  # a logged call raised: no later layer answered from the log
+
+
+class TakesAComplexTensor(Layer):
+    def forward(self, x, cache, f):
+        # resolve_conj() is the tensor itself where its conjugate bit is not set: a logged
+        # call returns its argument, where the call with a conjugated one makes a tensor.
+        return super().forward(x, cache) + torch.view_as_real(f.resolve_conj()).sum(-1)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_layer_given_a_conjugated_tensor_is_traced(cache):
+    class Conjugating(Model):
+        def forward(self, x, cache, f):
+            for layer in self.layers:
+                x = layer(x, cache, f.conj() if layer.layer_idx == 4 else f)
+            return x
+
+    from test_outlining import Cache
+
+    import dtcompile
+
+    model = Conjugating(6, layer=TakesAComplexTensor)
+    x, f = torch.randn(1, 3, 8), torch.randn(1, 3, 8, dtype=torch.complex64)
+    with torch.no_grad():
+        expected = model(x, Cache(6), f)
+        got = dtcompile.jit(model, cache=cache)(x, Cache(6), f)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

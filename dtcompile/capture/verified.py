@@ -46,9 +46,8 @@ from ..core.torch_internals import (
 )
 from .block_calls import fresh_like
 from .block_checks import recording_counts
-from .equivalence import holds_data, local_proxy, proxy_metadata, same_value, size_key
+from .equivalence import local_proxy, same_value, traced_key
 from .global_state import dispatch_state
-from .tensor_attributes import attributes_key
 
 ENABLED = True  # False traces every layer (tests compare the two)
 
@@ -58,29 +57,6 @@ class VerifyFailed(BaseException):
     an ``Exception``: the user's code must not catch it (``except Exception``) and go on
     with answers that were the logged layer's (one that does is found where the capture
     ends: ``LayerCalls.failed``)."""
-
-
-def _key(value) -> tuple | None:
-    """What a tensor from outside is compared by: a DTensor's mesh, placements and global
-    metadata, its local tensor's metadata (from the proxy: its fake may not be made), and
-    the tensor's own attributes; None where it is not traced."""
-    local = local_proxy(value)
-    if local is None:
-        return None
-    own = (proxy_metadata(local), local.requires_grad, attributes_key(value))
-    if not isinstance(value, DTensor):
-        return ("tensor", own)
-    spec = value._spec
-    if holds_data(spec):
-        return None
-    meta = spec.tensor_meta
-    return (
-        "dtensor",
-        id(spec.mesh),
-        tuple(spec.placements),
-        tuple(map(size_key, meta.shape)),
-        own,
-    )
 
 
 class CallLog:
@@ -112,7 +88,7 @@ class CallLog:
             if isinstance(leaf, torch.Tensor):
                 known = self._index.get(id(leaf))
                 if known is None:
-                    key = _key(leaf)
+                    key = traced_key(leaf)
                     self.unloggable |= key is None
                     known = self._index[id(leaf)] = ("outside", len(self.outside))
                     self.outside.append(leaf)
@@ -225,7 +201,7 @@ class Checker:
             elif kind == "outside":
                 known = self.outside.get(x)
                 if known is None:
-                    if id(y) in self.taken or id(y) in self.made_here or self.log.keys[x] != _key(y):
+                    if id(y) in self.taken or id(y) in self.made_here or self.log.keys[x] != traced_key(y):
                         return f"{_name(func)} takes a tensor unlike the logged one"
                     self.outside[x] = y
                     self.taken.add(id(y))
