@@ -260,3 +260,22 @@ def test_replayed_blocks_keep_dtypes_and_bits(cache):
     x = torch.randn(4, 6)
     out, trace = _compiled_traces(model, (x,), True, cache)
     assert_eager(model, (x,), out)
+
+
+def _views_and_versions(x):
+    out = []
+    for _ in range(3):  # the same calls three times: the later ones like the first
+        h = x * 1
+        view = h[:]
+        h.add_(0)
+        out.append(x * (2.0 if view._is_view() else 1.0) * (3.0 if view._base is h else 1.0) * (h._version + 1))
+    return out
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_calls_like_earlier_ones_make_views_and_count_writes_as_eager(cache):
+    # A view recorded again was a fresh tensor (no ``_base``), an in-place op recorded again
+    # left ``_version`` as it was: code branching on them went the other way.
+    x = torch.tensor([1.0, 2.0])
+    with torch.no_grad():
+        assert_same_result(dtcompile.jit(_views_and_versions, cache=cache)(x), _views_and_versions(x))

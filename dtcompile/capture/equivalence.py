@@ -27,9 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from ..core import TensorProxy
 from ..core.symbol import flatten
-from ..core.torch_internals import (
-    mask_buffer,
-)
+from ..core.torch_internals import dispatch_modes_off, mask_buffer
 from .alike import SCALARS, Equivalence
 from .global_state import dispatch_state
 from .method_checks import received
@@ -90,17 +88,19 @@ _NUMBER_KINDS = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
 
 def same_value(x, y) -> bool:
     """Whether two arguments that are not proxies are the same to an op: by exact type (a
-    symbolic size as a number), floats by ``repr`` (``-0.0``, NaN), symbolic sizes by
-    expression."""
+    symbolic size as a number), symbolic sizes by expression, floats and complex numbers by
+    ``repr`` (``-0.0``, NaN), NumPy's scalars and arrays by their bytes."""
     kind = _NUMBER_KINDS.get(type(x), type(x))
     if kind is not _NUMBER_KINDS.get(type(y), type(y)):
         return False
-    if kind is float and type(x) is float and type(y) is float:
-        return repr(x) == repr(y)
     if kind in (int, float, bool) and (type(x) in _NUMBER_KINDS or type(y) in _NUMBER_KINDS):
         return size_key(x) == size_key(y)
+    if kind is float or kind is complex:
+        return repr(x) == repr(y)
     if isinstance(x, torch.Tensor):
         return x is y
+    if hasattr(x, "tobytes") and hasattr(x, "dtype"):  # (``np.float64(-0.0) == 0.0``)
+        return value_key(x) == value_key(y)
     return x == y
 
 
@@ -155,8 +155,23 @@ def traced_key(value) -> tuple | None:
             value.requires_grad,
             tensor_key(local),
             attributes_key(value),
+            known_value_key(local),
         )
-    return ("tensor", tensor_key(local), attributes_key(value))
+    return ("tensor", tensor_key(local), attributes_key(value), known_value_key(local))
+
+
+def known_value_key(proxy: TensorProxy) -> object:
+    """What a value tracing knows of a tensor is compared by: code may read it as a number
+    (``int(t)``, ``t.item()``, ``x.roll(t)``) and the number is baked into what it records.
+    Its bytes; a large one by identity (its contents are not compared at each call)."""
+    value = proxy.value
+    if value is None:
+        return None
+    if value.numel() > 4096:
+        return ("the value of", id(value))
+    with torch._C.DisableTorchFunction(), dispatch_modes_off():  # (not ops of the trace)
+        data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        return (value.dtype, tuple(value.shape), bytes(data.numpy()))
 
 
 def arguments_key(args: tuple, kwargs: dict, grad: bool = True) -> tuple | None:

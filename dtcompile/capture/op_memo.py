@@ -94,7 +94,7 @@ class OpMemo:
         recorded again."""
         recording = self.recording
         symbols = recording.bound_symbols[start:]
-        if not symbols or state(recording) != before or unreplayable(symbols) or any(map(_view_in_place, symbols)):
+        if not symbols or state(recording) != before or unreplayable(symbols) or any(map(_writes, symbols)):
             return
         tensors = _tensor_leaves(flat)
         labels = [local_proxy(leaf).label for leaf in tensors]
@@ -104,6 +104,9 @@ class OpMemo:
                 return  # it reads a tensor that is not the call's (a captured one), or a number
             defined.update(p.label for p in bsym.output_proxies())
         flat_out, treespec = tree_flatten(out)
+        with torch._C.DisableTorchFunction():
+            if any(isinstance(leaf, torch.Tensor) and leaf._is_view() for leaf in flat_out):
+                return  # a view (``x[:]``, ``x.transpose(0, 1)``): made again, it would be none (``._base``)
         if len({id(leaf) for leaf in flat_out if isinstance(leaf, torch.Tensor)}) != len(_tensor_leaves(flat_out)):
             return  # one tensor returned twice: a replay would return two
         index_of = {id(leaf): i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)}
@@ -167,9 +170,10 @@ def _torch_own(func) -> bool:
     return isinstance(module, str) and (module == "torch" or module.startswith("torch."))
 
 
-def _view_in_place(bsym) -> bool:
-    """An op that changes its input's sizes or strides (``t_``, ``resize_``)."""
-    return torch.Tag.inplace_view in bsym.op.tags
+def _writes(bsym) -> bool:
+    """An op that writes to its inputs (``add_``, ``t_``): recorded again, it would neither
+    count the write in their version counters (``._version``) nor change their metadata."""
+    return bsym.op._schema.is_mutable
 
 
 def _tensor_leaves(flat: list) -> list:

@@ -312,22 +312,22 @@ class _Builder:
             raise TypeError(f"unknown input node {node!r}")
 
     def _constant(self, value: object, expr: str) -> None:
+        kind = type(value)
         if value is None:
             self.fail_if(f"{expr} is not None")
-        elif isinstance(value, float) and math.isnan(value):
+        elif kind is float and math.isnan(value):
             self.fail_if(f"type({expr}) is not float or {expr} == {expr}")
-        elif isinstance(value, float) and value == 0.0:
+        elif kind is float and value == 0.0:
             # 0.0 == -0.0, but 1 / x tells them apart.
             self.fail_if(
                 f"type({expr}) is not float or {expr} != 0.0 or math.copysign(1.0, {expr}) != {math.copysign(1.0, value)}"
             )
-        else:
-            kind = (
-                type(value).__name__
-                if type(value) in (bool, int, float, complex, str)
-                else self.constant(type(value), "TYPE")
+        elif kind in (bool, int, float, str):
+            self.fail_if(f"type({expr}) is not {kind.__name__} or {expr} != {self.constant(value, 'CONST')}")
+        else:  # a complex number (``-0j``), a NumPy scalar (a float by type), an enum, a slice: by exact type and key
+            self.fail_if(
+                f"type({expr}) is not {self.constant(kind, 'TYPE')} or VALUE_KEY({expr}) != {self.constant(value_key(value), 'CONST')}"
             )
-            self.fail_if(f"type({expr}) is not {kind} or {expr} != {self.constant(value, 'CONST')}")
 
 
 def build_prologue(
