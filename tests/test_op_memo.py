@@ -7,6 +7,8 @@ printed traces of every stage are compared), calls that differ in anything that 
 their result must be dispatched, and every result must be eager's.
 """
 
+import types
+
 import pytest
 import torch
 import torch.nn as nn
@@ -279,3 +281,49 @@ def test_calls_like_earlier_ones_make_views_and_count_writes_as_eager(cache):
     x = torch.tensor([1.0, 2.0])
     with torch.no_grad():
         assert_same_result(dtcompile.jit(_views_and_versions, cache=cache)(x), _views_and_versions(x))
+
+
+class _Writes(nn.Module):
+    """Writes a tensor it made and one it was given, returns views: ``index`` read nowhere
+    (its blocks replayed) or by a cache object's update (its calls checked)."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.lin, self.layer_idx = nn.Linear(4, 4), index
+
+    def forward(self, x, given, cache=None):
+        h = self.lin(x)  # (a view, in eager: a linear of a 3-d input)
+        h.add_(1)
+        given.add_(1)
+        if cache is not None:
+            cache.seen.append(self.layer_idx)
+        return h, h.transpose(1, 2)
+
+
+class _History(nn.Module):
+    def __init__(self, per_layer: bool, reads: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(_Writes(i if per_layer else 0) for i in range(6))
+        self.per_layer, self.reads = per_layer, reads
+
+    def forward(self, x):
+        given, read = x * 1, []
+        for layer in self.layers:
+            x, view = layer(x, given, types.SimpleNamespace(seen=[]) if self.per_layer else None)
+            if self.reads == "versions":
+                read.append(x._version + given._version * 10)
+            else:
+                read.append(int(view._is_view()) + 2 * int(view._base is x) + 4 * int(x._is_view()))
+        return x + torch.tensor(read).sum()
+
+
+@pytest.mark.parametrize("reads", ["versions", "views"])
+@pytest.mark.parametrize("per_layer", [False, True], ids=["replayed blocks", "checked layers"])
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_views_and_versions_of_tensors_later_blocks_made_are_eagers(reads, per_layer, cache):
+    # A replayed block's or checked layer's tensors are made again, not dispatched: its
+    # writes are counted again (``_version``), and code reading whether one is a view is traced.
+    model, x = _History(per_layer, reads), torch.randn(1, 3, 4)
+    with torch.no_grad():
+        assert_same_result(dtcompile.jit(model, cache=cache)(x), model(x))

@@ -42,6 +42,7 @@ from .method_checks import (
 from .op_memo import MISSED, OpMemo, state
 from .placements import describe_argument, describe_output
 from .recorder import Recording
+from .verified import VerifyFailed
 
 # Tensor methods that hand the caller a tensor's data outside torch (NumPy, Python lists).
 _DATA_READS = {torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.data_ptr, torch.Tensor.__dlpack__}
@@ -209,6 +210,8 @@ class CallAnnotator(TorchFunctionMode):
             if not _user_frame():
                 return func(*args, **kwargs)  # torch's and DTensor's own code in a traced backward
             self.recording.users_backward_ran = True  # (its Python state is checked at each backward)
+        if self.recording.made_again and (history := _history_read(func)) and id(args[0]) in self.recording.made_again:
+            raise VerifyFailed(f"{history} of a tensor made again, not dispatched")  # (none is a view: traced again)
         if func in CHECKED:
             answer = check_method(func, args, self.recording, kwargs)
             if answer is not NOT_ANSWERED:
@@ -377,3 +380,14 @@ class CallAnnotator(TorchFunctionMode):
 
 
 PASSING_FRAMES.add(CallAnnotator._dispatch.__code__)
+
+
+def _history_read(func) -> str | None:
+    """``_is_view()``, ``._base`` or ``._version``, where ``func`` reads one of a tensor."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        name = getattr(getattr(func, "__self__", None), "__name__", "")
+    return f".{name}" if name in _HISTORY else None
+
+
+_HISTORY = frozenset({"_is_view", "_base"})

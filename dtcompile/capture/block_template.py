@@ -37,6 +37,7 @@ class BlockTemplate:
         self.refused: str | None = None  # why the block is only traced
         self.free: dict[str, TensorProxy] = {}  # the tensors it reads from outside, by label
         self.replayed = False
+        self.writes: tuple = ([], [])  # ``tensor_versions.writes`` to its arguments, and to the outputs it made
         self.program = None  # without gradients, the program each equivalent block calls (``block_calls.py``)
         # With gradients, the forward program later blocks call, and the backward programs
         # by incoming gradients' key (``block_calls.training_programs``); None: recorded again.

@@ -54,6 +54,7 @@ from .equivalence import (
 from .outlining import Stretches
 from .replay import ReplayDiverged, output_aliases, record_again
 from .tensor_attributes import user_attributes
+from .tensor_versions import count_writes, made_again, versions, writes
 
 TEMPLATES_PER_KEY = 8  # each is compared with every later block of its class and arguments
 
@@ -147,11 +148,13 @@ class RepeatedBlocks:
         template.python_state = held = Held(python_state(module), module)
         flat_args, treespec = tree_flatten((args, kwargs))
         specs = [(leaf, leaf._spec) for leaf in flat_args if isinstance(leaf, DTensor)]
+        before = versions(flat_args)
         self.recording_depth += 1
         try:
             out = original(module, *args, **kwargs)
         finally:
             self.recording_depth -= 1
+        template.writes = writes(before, versions(flat_args)), _writes_to_made(flat_args, tree_flatten(out)[0])
         template.symbols = recording.bound_symbols[start:]
         template.refused = (
             "it changed the recording's other state"
@@ -289,13 +292,12 @@ class RepeatedBlocks:
             mapping = template.sources_in(held, flat_args)
             if mapping is None:
                 return NOT_REPLAYED
-            spec = template.output[0]
             if template.program is not None and not template.replayed and not first_call(recording, template.program):
                 template.program = None  # the first block becomes a call too, now that it repeats; else none does
             if template.program is not None:
                 template.replayed = True
                 call_again(recording, template.program, mapping)
-                return tree_unflatten(self._outputs(template, mapping, flat_args), spec)
+                return _written(recording, template, flat_args, self._outputs(template, mapping, flat_args))
         base, names = len(recording.bound_symbols), recording.names_given()
 
         def forward():
@@ -309,7 +311,7 @@ class RepeatedBlocks:
 
         try:
             if not template.grad_outputs:
-                return tree_unflatten(forward()[1], spec)
+                return _written(recording, template, flat_args, forward()[1])
             inputs = template.grad_inputs_in(held, flat_args)
             if inputs is None:
                 return NOT_REPLAYED
@@ -318,8 +320,11 @@ class RepeatedBlocks:
                 for sources in template.saved_sources
                 for kind, where in sources[:1]
             ]
-            return tree_unflatten(
-                GradReplay(recording, template, forward, inputs, saved, self.program_names).apply(), spec
+            return _written(
+                recording,
+                template,
+                flat_args,
+                GradReplay(recording, template, forward, inputs, saved, self.program_names).apply(),
             )
         except (ReplayDiverged, ValueError):
             del recording.bound_symbols[base:]
@@ -341,3 +346,22 @@ class RepeatedBlocks:
             else:
                 result.append(entry[1])
         return result
+
+
+def _writes_to_made(flat_args: list, flat_out: list) -> list:
+    """:func:`writes` to the output tensors a block made (``h = f(x); h += x``), since made."""
+    received = {id(leaf) for leaf in flat_args}
+    after = versions(flat_out)
+    made = [None if v is None or id(leaf) in received else (0, v[1] and 0) for leaf, v in zip(flat_out, after)]
+    return writes(made, after)
+
+
+def _written(recording, template: BlockTemplate, flat_args: list, flat_out: list):
+    """A replayed block's output, its first call's writes counted on its tensors (``_version``),
+    those it made noted as made again."""
+    to_args, to_made = template.writes
+    count_writes(flat_args, to_args)
+    count_writes(flat_out, to_made)
+    received = {id(leaf) for leaf in flat_args}
+    made_again(recording, [leaf for leaf in flat_out if id(leaf) not in received])
+    return tree_unflatten(flat_out, template.output[0])

@@ -47,8 +47,6 @@ from .objects import same_spec
 from .torch_settings import kernel_settings, kernel_settings_changed, kernel_settings_differ
 
 _DATA_DEPENDENT_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
-
-
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 _LIFT_FRESH_COPY = torch.ops.aten.lift_fresh_copy.default
 
@@ -92,6 +90,7 @@ class Recording:
         self._captured_dtensors: dict[int, DTensor] = {}  # id of a closed-over DTensor -> its traced stand-in
         self.dtensor_modes = DTensorModes()  # entered inside the call (loss_parallel): kept for the backward
         self.call_log = None  # a layer's torch-level calls logged, or checked against a log (``verified.py``)
+        self.made_again: set[int] = set()  # ids of tensors made, not dispatched (``tensor_versions``)
 
     @contextlib.contextmanager
     def names_apart(self, prefix: str):

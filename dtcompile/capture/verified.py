@@ -48,6 +48,7 @@ from .block_calls import fresh_like
 from .block_checks import recording_counts
 from .equivalence import local_proxy, same_value, traced_key
 from .global_state import dispatch_state
+from .tensor_versions import count_writes, made_again, versions, writes
 
 ENABLED = True  # False traces every layer (tests compare the two)
 
@@ -77,7 +78,7 @@ class CallLog:
         """Dispatch the call, and log it."""
         leaves, structure = flatten((args, kwargs))
         specs = [getattr(x, "_spec", None) for x in leaves]
-        state = dispatch_state()
+        state, before = dispatch_state(), versions(leaves)
         try:
             out = dispatch()
         except BaseException:
@@ -112,7 +113,10 @@ class CallLog:
             else:
                 results.append(("value", leaf))
         treespec = None if treespec.is_leaf() else treespec  # (one tensor, most calls' result: given as it is)
-        self.calls.append((func, structure, described, state, treespec, results))
+        written = writes(before, versions(leaves))
+        # A write through a view counts in its base's version too, which a check's fresh tensor has not.
+        self.unloggable |= any(leaves[index]._is_view() for index, _, _ in written)
+        self.calls.append((func, structure, described, state, treespec, results, written))
         return out
 
     def alike(self, other: CallLog) -> bool:
@@ -121,7 +125,7 @@ class CallLog:
             return False
         made = {}
         for mine, theirs in zip(self.calls, other.calls):
-            if mine[0] is not theirs[0] or mine[1] != theirs[1] or mine[3] != theirs[3] or mine[4] != theirs[4]:
+            if mine[0] is not theirs[0] or mine[1] != theirs[1] or mine[3:5] != theirs[3:5] or mine[6] != theirs[6]:
                 return False
             for (kind, x), (other_kind, y) in zip([*mine[2], *mine[5]], [*theirs[2], *theirs[5]]):
                 if kind != other_kind:
@@ -160,7 +164,8 @@ class Checker:
         if why is not None:
             self.failed = why
             raise VerifyFailed(f"a layer checked against a logged one: {why}")
-        treespec, results = self.log.calls[self.at - 1][4:]
+        treespec, results, written = self.log.calls[self.at - 1][4:]
+        count_writes(leaves, written)  # (``_version``, as the logged call's dispatch counted them)
         out = []
         for kind, x in results:
             if kind == "arg":
@@ -185,12 +190,13 @@ class Checker:
                 made = make_dtensor(local, copy.copy(logged._spec), False, logged.untyped_storage().nbytes())
             self.fresh[id(logged)] = made
             self.made_here.add(id(made))
+            made_again(self.recording, (made, local))
         return made
 
     def _check(self, func, leaves: list, structure) -> str | None:
         if self.at >= len(self.log.calls):
             return f"{_name(func)} is called after the logged calls"
-        logged, logged_structure, described, state, _, _ = self.log.calls[self.at]
+        logged, logged_structure, described, state, _, _, _ = self.log.calls[self.at]
         self.at += 1
         if func is not logged or structure != logged_structure or dispatch_state() != state:
             return f"{_name(func)} where {_name(logged)} was called, or called otherwise"
