@@ -66,22 +66,6 @@ def size_key(size) -> object:
     return size.node.expr if isinstance(size, (torch.SymInt, torch.SymFloat, torch.SymBool)) else size
 
 
-def proxy_metadata(proxy) -> tuple | None:
-    """A proxy's sizes and strides (symbolic ones by expression), offset, dtype, device
-    and layout, read from the proxy itself (its fake may not be made); None for another
-    value."""
-    if not isinstance(proxy, TensorProxy):
-        return None
-    return (
-        tuple(map(size_key, proxy.shape)),
-        tuple(map(size_key, proxy.stride())),
-        size_key(proxy.storage_offset()),
-        proxy.dtype,
-        proxy.device,
-        proxy.layout,
-    )
-
-
 # A size may be a symbol in one call, a number in another.
 _NUMBER_KINDS = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
 

@@ -37,7 +37,7 @@ from ..core.proxy import is_proxy
 from ..core.symbol import flatten, leaves
 from . import block_calls
 from .block_calls import SMALLEST_CALLED_BLOCK, fresh, fresh_like, program_name, sizes_held
-from .equivalence import local_proxy, proxy_metadata, same_value
+from .equivalence import local_proxy, same_value, tensor_key
 from .verified import LayerCalls, StandIn, VerifyFailed, verifiable
 
 ENABLED = True  # False leaves every traced block's symbols in the trace (tests compare the two)
@@ -288,7 +288,7 @@ def _match(first: _Stretch, span: list) -> tuple[list, list] | None:
                 elif x.label in outside:
                     if outside[x.label] is not y:
                         return None
-                elif y.label in taken or not isinstance(y, TensorProxy) or proxy_metadata(x) != proxy_metadata(y):
+                elif y.label in taken or not isinstance(y, TensorProxy) or tensor_key(x) != tensor_key(y):
                     return None
                 else:
                     outside[x.label] = y
