@@ -8,7 +8,6 @@ or ``None`` as soon as one assumption fails, so the next cache entry can be trie
 
 from __future__ import annotations
 
-import math
 import operator
 
 import sympy
@@ -312,22 +311,24 @@ class _Builder:
             raise TypeError(f"unknown input node {node!r}")
 
     def _constant(self, value: object, expr: str) -> None:
+        """Guard a constant input by exact type and value: a float's zero by its sign and NaN as
+        itself, a complex number (``-0j``), a NumPy float (a float by type), an enum by its key."""
         kind = type(value)
         if value is None:
             self.fail_if(f"{expr} is not None")
-        elif kind is float and math.isnan(value):
-            self.fail_if(f"type({expr}) is not float or {expr} == {expr}")
-        elif kind is float and value == 0.0:
-            # 0.0 == -0.0, but 1 / x tells them apart.
-            self.fail_if(
-                f"type({expr}) is not float or {expr} != 0.0 or math.copysign(1.0, {expr}) != {math.copysign(1.0, value)}"
-            )
-        elif kind in (bool, int, float, str):
+        elif kind in (bool, int, str) or (kind is float and value == value and value != 0.0):
             self.fail_if(f"type({expr}) is not {kind.__name__} or {expr} != {self.constant(value, 'CONST')}")
-        else:  # a complex number (``-0j``), a NumPy scalar (a float by type), an enum, a slice: by exact type and key
-            self.fail_if(
-                f"type({expr}) is not {self.constant(kind, 'TYPE')} or VALUE_KEY({expr}) != {self.constant(value_key(value), 'CONST')}"
+        else:
+            by_value = kind in _EQUAL_BY_VALUE  # (a dtype, a device: equal only to their like)
+            compared = (
+                f"{expr} != {self.constant(value, 'CONST')}"
+                if by_value
+                else f"VALUE_KEY({expr}) != {self.constant(value_key(value), 'CONST')}"
             )
+            self.fail_if(f"type({expr}) is not {self.constant(kind, 'TYPE')} or {compared}")
+
+
+_EQUAL_BY_VALUE = (torch.dtype, torch.device, torch.layout, torch.memory_format, type(Ellipsis))
 
 
 def build_prologue(
