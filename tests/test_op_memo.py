@@ -327,3 +327,48 @@ def test_views_and_versions_of_tensors_later_blocks_made_are_eagers(reads, per_l
     model, x = _History(per_layer, reads), torch.randn(1, 3, 4)
     with torch.no_grad():
         assert_same_result(dtcompile.jit(model, cache=cache)(x), model(x))
+
+
+def _detached_writes(x, w):
+    out = []
+    for _ in range(3):  # the same product three times: the later ones like the first
+        h = x @ w
+        detached = h.detach()  # (no view, but it shares h's version counter)
+        detached.add_(1)
+        out.append(h * (1 + h._version + 10 * detached._version))
+    return out
+
+
+def test_a_detached_alias_of_a_call_like_an_earlier_one_shares_its_version():
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 3), torch.randn(3, 3)
+    with torch.no_grad():
+        assert_same_result(dtcompile.jit(_detached_writes)(x, w), _detached_writes(x, w))
+
+
+class _Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x + self.lin(x)
+
+
+class _ReadsNodes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(_Residual() for _ in range(3))
+
+    def forward(self, x):
+        names = []
+        for layer in self.layers:
+            x = layer(x)
+            names.append(x.grad_fn.name())  # eager's node, not a replayed block's
+        return x * (2.0 if names == ["AddBackward0"] * 3 else 3.0)
+
+
+def test_the_autograd_node_of_a_replayed_blocks_output_is_eagers():
+    model, x = _ReadsNodes(), torch.randn(2, 4, requires_grad=True)
+    assert_same_result(dtcompile.jit(model)(x), model(x))

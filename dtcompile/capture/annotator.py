@@ -210,7 +210,12 @@ class CallAnnotator(TorchFunctionMode):
             if not _user_frame():
                 return func(*args, **kwargs)  # torch's and DTensor's own code in a traced backward
             self.recording.users_backward_ran = True  # (its Python state is checked at each backward)
-        if self.recording.made_again and (history := _history_read(func)) and id(args[0]) in self.recording.made_again:
+        if (
+            self.recording.made_again
+            and (history := _history_read(func))
+            and id(args[0]) in self.recording.made_again
+            and _user_frame()
+        ):
             raise VerifyFailed(f"{history} of a tensor made again, not dispatched")  # (none is a view: traced again)
         if func in CHECKED:
             answer = check_method(func, args, self.recording, kwargs)
@@ -383,11 +388,13 @@ PASSING_FRAMES.add(CallAnnotator._dispatch.__code__)
 
 
 def _history_read(func) -> str | None:
-    """``_is_view()``, ``._base`` or ``._version``, where ``func`` reads one of a tensor."""
+    """``_is_view()``, ``._base``, ``._version`` or ``.grad_fn``, where ``func`` reads one of a
+    tensor: a tensor made again (``tensor_versions``) has autograd's history of none (a
+    ``detach()`` of it shares no version counter, its node is the replay's)."""
     name = getattr(func, "__name__", "")
     if name == "__get__":
         name = getattr(getattr(func, "__self__", None), "__name__", "")
     return f".{name}" if name in _HISTORY else None
 
 
-_HISTORY = frozenset({"_is_view", "_base"})
+_HISTORY = frozenset({"_is_view", "_base", "_version", "grad_fn"})

@@ -104,9 +104,10 @@ class OpMemo:
                 return  # it reads a tensor that is not the call's (a captured one), or a number
             defined.update(p.label for p in bsym.output_proxies())
         flat_out, treespec = tree_flatten(out)
+        memories = {local_proxy(leaf).memory for leaf in tensors}
         with torch._C.DisableTorchFunction():
-            if any(isinstance(leaf, torch.Tensor) and leaf._is_view() for leaf in flat_out):
-                return  # a view (``x[:]``, ``x.transpose(0, 1)``): made again, it would be none (``._base``)
+            if any(_aliasing(leaf, memories) for leaf in flat_out):
+                return  # made again, it would be no view, nor share a version counter (``._base``, ``._version``)
         if len({id(leaf) for leaf in flat_out if isinstance(leaf, torch.Tensor)}) != len(_tensor_leaves(flat_out)):
             return  # one tensor returned twice: a replay would return two
         index_of = {id(leaf): i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)}
@@ -174,6 +175,12 @@ def _writes(bsym) -> bool:
     """An op that writes to its inputs (``add_``, ``t_``): recorded again, it would neither
     count the write in their version counters (``._version``) nor change their metadata."""
     return bsym.op._schema.is_mutable
+
+
+def _aliasing(leaf, memories: set) -> bool:
+    """A view (``x[:]``, a linear of a 3-d input), or an alias of an argument (``x.detach()``)."""
+    local = local_proxy(leaf)
+    return isinstance(leaf, torch.Tensor) and (leaf._is_view() or (local is not None and local.memory in memories))
 
 
 def _tensor_leaves(flat: list) -> list:
