@@ -168,10 +168,10 @@ class CallAnnotator(TorchFunctionMode):
     recording when DTensor is handling a call (its factory ops are then its own). A
     DTensor the code closes over is replaced by its traced stand-in (``capture_dtensor``)."""
 
-    def __init__(self, recording: Recording):
+    def __init__(self, recording: Recording, memo: bool = True):
         super().__init__()
         self.recording = recording
-        self.memo = OpMemo(recording)
+        self.memo = OpMemo(recording, memo)
         self.in_backward = 0  # inside torch.autograd.grad (closed_over.grad_under)
 
     def __enter__(self):

@@ -37,6 +37,7 @@ from ..core.torch_internals import make_dtensor
 from .block_checks import recording_counts, unreplayable
 from .equivalence import SCALARS, arguments_key, holds_data, local_proxy
 from .replay import ReplayDiverged, output_aliases, record_again
+from .tensor_versions import made_again
 
 
 @dataclass
@@ -51,6 +52,7 @@ class _Call:
     outputs: list
     treespec: object
     specs: list  # its arguments' DTensor specs: the meshes the key names by id stay alive
+    aliasing: bool  # it returned a view, or an alias of an argument (``tensor_versions.made_again``)
 
 
 MISSED = object()
@@ -60,8 +62,9 @@ ENABLED = True  # False dispatches every call (tests compare the two)
 class OpMemo:
     """The calls of one trace recorded so far, by :func:`call_key`."""
 
-    def __init__(self, recording):
+    def __init__(self, recording, aliases_kept: bool):
         self.recording = recording
+        self.aliases_kept = aliases_kept  # (not where a call is traced again: no tensor is made again there)
         self.calls: dict[tuple, _Call] = {}
 
     def key(self, func, args: tuple, kwargs: dict, flat: list) -> tuple | None:
@@ -86,7 +89,10 @@ class OpMemo:
             del recording.bound_symbols[base:]
             recording.forget_names_since(names)
             return MISSED
-        return tree_unflatten([_output(entry, flat, mapping) for entry in call.outputs], call.treespec)
+        out = [_output(entry, flat, mapping) for entry in call.outputs]
+        if call.aliasing:  # made again, a view is none, an alias shares no version counter: noted, with its arguments
+            made_again(recording, [*out, *mapping.values(), *_tensor_leaves(flat)])
+        return tree_unflatten(out, call.treespec)
 
     def keep(self, key: tuple, flat: list, specs: list, start: int, before: tuple, out) -> None:
         """Keep the call just run (its symbols from ``start``; ``before``: :func:`state`
@@ -106,8 +112,9 @@ class OpMemo:
         flat_out, treespec = tree_flatten(out)
         memories = {local_proxy(leaf).memory for leaf in tensors}
         with torch._C.DisableTorchFunction():
-            if any(_aliasing(leaf, memories) for leaf in flat_out):
-                return  # made again, it would be no view, nor share a version counter (``._base``, ``._version``)
+            aliasing = any(_aliasing(leaf, memories) for leaf in flat_out)
+        if aliasing and not self.aliases_kept:
+            return
         if len({id(leaf) for leaf in flat_out if isinstance(leaf, torch.Tensor)}) != len(_tensor_leaves(flat_out)):
             return  # one tensor returned twice: a replay would return two
         index_of = {id(leaf): i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)}
@@ -131,7 +138,7 @@ class OpMemo:
             else:
                 return  # a size (a SymInt), or an object
         aliases = [output_aliases(bsym) for bsym in symbols]
-        self.calls[key] = _Call(list(symbols), aliases, labels, outputs, treespec, specs)
+        self.calls[key] = _Call(list(symbols), aliases, labels, outputs, treespec, specs, aliasing)
 
 
 def call_key(func, args: tuple, kwargs: dict, flat: list) -> tuple | None:

@@ -221,7 +221,7 @@ def _capture(
         sizes_as_values_in_user_text(),
         assumptions_unlogged(),
         enable_python_dispatcher(),
-        CallAnnotator(recording),
+        CallAnnotator(recording, replay),  # (traced again where a replay or check failed: no alias made again)
         OpRecorder(recording),
         seeding_refused(),
         torch_caches_off(),
