@@ -883,6 +883,43 @@ def test_global_module_hooks_added_and_removed_after_compiling(cache):
     assert dtcompile.cache_misses(jitted) == 2  # the hooks, then none: the first entry again
 
 
+_HOOK_SCALE = [1.0]
+_HOOK_OUTPUTS = []
+
+
+def _scale_by_a_global(module, args, output):
+    return output * _HOOK_SCALE[0] if isinstance(module, torch.nn.Linear) else output
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("kind", ["module", "function"])
+def test_what_a_global_module_hook_reads_is_guarded_and_what_it_changes_refused(cache, kind):
+    """A global module hook runs around every module call, as a module's own hooks do: a
+    global it reads changed between calls is seen, and a list it appends tensors to is
+    the user's data, which a compiled call cannot change at each call (refused, never a
+    proxy left in it)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()) for _ in range(4)))
+    program = model if kind == "module" else (lambda x: model(x) + 1)
+    jitted, x = dtcompile.jit(program, cache=cache), torch.randn(2, 4)
+    handle = torch.nn.modules.module.register_module_forward_hook(_scale_by_a_global)
+    try:
+        for scale in (1.0, 2.0, -0.5, 2.0):
+            _HOOK_SCALE[0] = scale
+            assert_same_result(jitted(x), program(x))
+    finally:
+        handle.remove()
+        _HOOK_SCALE[0] = 1.0
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, out: _HOOK_OUTPUTS.append(out))
+    try:
+        with pytest.raises(dtcompile.TracingError, match="_HOOK_OUTPUTS"):
+            jitted(x)
+        assert not any(isinstance(t, TensorProxy) for t in _HOOK_OUTPUTS)
+    finally:
+        handle.remove()
+        _HOOK_OUTPUTS.clear()
+
+
 def _patched_relu(x, inplace=False):
     return x * 100
 

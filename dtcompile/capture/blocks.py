@@ -41,7 +41,6 @@ from .block_identity import identity_read
 from .block_template import NOT_REPLAYED, BlockTemplate
 from .block_training import BlockReplayFailed, GradReplay, backward_template
 from .equivalence import (
-    GLOBAL_HOOKS,
     SCALARS,
     arguments_key,
     block_state,
@@ -51,6 +50,7 @@ from .equivalence import (
     same_blocks,
     tensors_key,
 )
+from .global_state import GLOBAL_HOOKS
 from .outlining import Stretches
 from .replay import ReplayDiverged, output_aliases, record_again
 from .tensor_attributes import user_attributes

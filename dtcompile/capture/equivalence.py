@@ -52,14 +52,6 @@ _HOOK_TABLES = frozenset(
 )
 TENSOR_TABLES = ("_parameters", "_buffers")
 _TABLES = _HOOK_TABLES | {"_modules", *TENSOR_TABLES}  # copied by block_state
-GLOBAL_HOOKS = (
-    "_global_forward_hooks",
-    "_global_forward_pre_hooks",
-    "_global_backward_hooks",
-    "_global_backward_pre_hooks",
-    "_global_forward_hooks_always_called",
-    "_global_forward_hooks_with_kwargs",
-)
 
 
 def size_key(size) -> object:

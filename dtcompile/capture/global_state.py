@@ -266,3 +266,38 @@ def seeding_refused():
     finally:
         for owner, name, original in saved:
             setattr(owner, name, original)
+
+
+GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_forward_hooks_always_called",
+    "_global_forward_hooks_with_kwargs",
+)
+_GLOBAL_HOOK_TABLES = [vars(torch.nn.modules.module)[name] for name in GLOBAL_HOOKS]
+
+
+def user_global_hooks() -> tuple:
+    """The global module hooks (``register_module_forward_hook``) not from torch itself,
+    with their keys, table by table (torch's own observers, ``CommDebugMode``'s module
+    tracker, change nothing)."""
+    return tuple(
+        tuple(item for item in table.items() if not getattr(item[1], "__module__", "").startswith("torch."))
+        if table
+        else ()
+        for table in _GLOBAL_HOOK_TABLES
+    )
+
+
+def user_global_hook_functions() -> list[tuple[str, object]]:
+    """``(description, hook)`` for each global module hook not from torch: they run around
+    every module call, so what they read is guarded and what they change is the user's
+    data, as a module's own hooks."""
+    return [
+        (f"the global module hook {getattr(hook, '__qualname__', hook)} ({table.strip('_')})", hook)
+        for table, items in zip(GLOBAL_HOOKS, user_global_hooks())
+        for _, hook in items
+        if table != "_global_forward_hooks_with_kwargs" and table != "_global_forward_hooks_always_called"
+    ]

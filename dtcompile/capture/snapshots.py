@@ -21,6 +21,8 @@ import types
 
 import torch
 
+from ..core.torch_internals import saved_tensors_hooks
+from .global_state import user_global_hook_functions
 from .objects import is_rebuildable_object, object_state, read_through
 from .python_reads import memory_copy, raw_memory, value_key
 from .user_code import is_library
@@ -295,3 +297,34 @@ class DataSnapshot:
                 for name, item in items:
                     object.__setattr__(value, name, item)
         return changed
+
+
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_NOT_SNAPSHOTTED = frozenset({bool, int, float, str, type(None)})  # a module's flags and sizes: nothing held
+
+
+def user_data(fn, modules: list | None, paths: dict) -> DataSnapshot:
+    """A snapshot of the Python data the traced code can change without receiving it: the
+    containers and objects the module tree holds (``modules``, by their ``paths``; not
+    their tensors and tables, which ``ModuleState`` swaps and reads), and what the function,
+    the modules' hooks and the global module hooks reach."""
+    snapshot = DataSnapshot()
+    for hook in saved_tensors_hooks() or ():  # (they run while tracing only: a count they keep would stop)
+        snapshot.add_callable(hook, f"the saved tensors hook {getattr(hook, '__qualname__', hook)}")
+    for where, hook in user_global_hook_functions():
+        snapshot.add_callable(hook, where)
+    if modules is None:
+        snapshot.add_callable(fn, getattr(fn, "__qualname__", "the function"))
+        return snapshot
+    for module in modules:
+        prefix = paths[id(module)]
+        owner = f"the module attribute {prefix}"  # the path of each attribute, written out if reported
+        for name, value in vars(module).items():
+            if type(value) not in _NOT_SNAPSHOTTED and name not in ("_parameters", "_buffers"):
+                snapshot.add(value, (owner, (".", name)) if prefix else f"{owner}{name}")
+        for table in _HOOK_TABLES:
+            for hook in getattr(module, table).values():
+                kind = table.strip("_")[:-1].replace("_", " ")
+                owner = f"module {prefix!r}" if prefix else "the module"
+                snapshot.add_callable(hook, f"the {kind} {getattr(hook, '__qualname__', hook)} of {owner}")
+    return snapshot

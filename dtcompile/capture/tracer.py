@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
 from ..core import InputPath, Trace, TracingError, data_dependent_error, verify
-from ..core.torch_internals import compiling, dtensor_refused_symbols, saved_tensors_hooks
+from ..core.torch_internals import compiling, dtensor_refused_symbols
 from .annotator import CallAnnotator
 from .autograd import BackwardCapture, capture_backward
 from .block_training import BlockReplayFailed
@@ -34,6 +34,7 @@ from .global_state import (
     seeding_refused,
     state_put_back,
     torch_caches_off,
+    user_global_hook_functions,
 )
 from .grad_checks import gradient_refusal
 from .input_fakes import InputFakes
@@ -48,7 +49,7 @@ from .placements import describe_placements
 from .python_state import PythonState
 from .recorder import OpRecorder, Recording
 from .size_text import sizes_as_values_in_user_text
-from .snapshots import ALL_LEVELS, DataSnapshot
+from .snapshots import ALL_LEVELS, user_data
 from .tensor_attributes import attribute_writes_refused
 from .verified import VerifyFailed
 
@@ -106,9 +107,6 @@ def is_tracing() -> bool:
     """Whether a call is being traced now: a jitted function called by the traced code then
     runs inline, as part of the outer program."""
     return bool(_tracing)
-
-
-_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
 def _parameter_names(fn) -> list[str]:
@@ -191,7 +189,9 @@ def _capture(
     held_flags = proxifier.held_flags()
     collector = OutputCollector(proxifier.objects)
     module_state = ModuleState(module, state) if module is not None else None
-    recording.snapshot = snapshot = _user_data(fn, module_state)
+    recording.snapshot = snapshot = user_data(
+        fn, module_state and module_state.modules, module_state and module_state.paths
+    )
     if module_state is not None:
         inputs.python_state = PythonState.of_module(module)
     else:
@@ -201,6 +201,8 @@ def _capture(
                 "dtcompile.jit: the function calls a module managed by FSDP2's fully_shard; compile the module "
                 "itself (dtcompile.jit(model)) and compute the loss outside it"
             )
+    for where, hook in user_global_hook_functions():
+        inputs.python_state.follow(hook, where)
     inputs.python_state.follow_inputs(inputs.nodes())
     proxifier.refuse_other_paths(inputs.python_state.reads)
     for read in inputs.python_state.reads:
@@ -353,33 +355,6 @@ def _repeated_blocks(recording: Recording, module_state: ModuleState, fsdp: FSDP
 
 
 REPLAY_BLOCKS = True  # False traces every block (tests compare the two programs)
-
-
-def _user_data(fn, module_state: ModuleState | None) -> DataSnapshot:
-    """A snapshot of the Python data the traced code can change without receiving it: the
-    containers and objects the module tree holds (not its tensors and tables, which
-    ``ModuleState`` swaps and reads), and what the function and the module's hooks reach."""
-    snapshot = DataSnapshot()
-    for hook in saved_tensors_hooks() or ():  # (they run while tracing only: a count they keep would stop)
-        snapshot.add_callable(hook, f"the saved tensors hook {getattr(hook, '__qualname__', hook)}")
-    if module_state is None:
-        snapshot.add_callable(fn, getattr(fn, "__qualname__", "the function"))
-        return snapshot
-    for module in module_state.modules:
-        prefix = module_state.paths[id(module)]
-        owner = f"the module attribute {prefix}"  # the path of each attribute, written out if reported
-        for name, value in vars(module).items():
-            if type(value) not in _NOT_SNAPSHOTTED and name not in ("_parameters", "_buffers"):
-                snapshot.add(value, (owner, (".", name)) if prefix else f"{owner}{name}")
-        for table in _HOOK_TABLES:
-            for hook in getattr(module, table).values():
-                kind = table.strip("_")[:-1].replace("_", " ")
-                owner = f"module {prefix!r}" if prefix else "the module"
-                snapshot.add_callable(hook, f"the {kind} {getattr(hook, '__qualname__', hook)} of {owner}")
-    return snapshot
-
-
-_NOT_SNAPSHOTTED = frozenset({bool, int, float, str, type(None)})  # a module's flags and sizes: nothing held
 
 
 def _tensor_attributes(module: torch.nn.Module):

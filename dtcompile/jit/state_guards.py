@@ -20,8 +20,7 @@ from types import MappingProxyType
 
 import torch
 
-from ..capture.equivalence import GLOBAL_HOOKS
-from ..capture.global_state import GlobalState
+from ..capture.global_state import GlobalState, user_global_hooks
 from ..capture.python_reads import ABSENT, PythonGuards, ReadGroup, raw_memory, value_key
 from ..capture.python_state import PythonState
 from ..capture.torch_settings import torch_settings
@@ -108,19 +107,6 @@ def global_hook_checks(b) -> None:
     own observers (``CommDebugMode``'s module tracker) are left out: they change nothing."""
     b.globals.update(user_global_hooks=user_global_hooks, GLOBAL_HOOK_ITEMS=user_global_hooks())
     b.fail_if("user_global_hooks() != GLOBAL_HOOK_ITEMS")
-
-
-_GLOBAL_HOOK_TABLES = [vars(torch.nn.modules.module)[name] for name in GLOBAL_HOOKS]
-
-
-def user_global_hooks() -> tuple:
-    """The global module hooks not from torch itself, with their keys, table by table."""
-    return tuple(
-        tuple(item for item in table.items() if not getattr(item[1], "__module__", "").startswith("torch."))
-        if table
-        else ()
-        for table in _GLOBAL_HOOK_TABLES
-    )
 
 
 def module_tree_checks(b, module: torch.nn.Module, modules: list, unique: list, watched: list[dict]) -> dict[str, str]:
