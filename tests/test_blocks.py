@@ -912,3 +912,50 @@ def test_dict_arguments_whose_keys_are_equal_but_of_other_types(keys, cache):
     x = torch.randn(3, 8)
     out, _ = compiled(model, x, cache=cache)
     assert_eager(model, (x,), out)
+
+
+class _HookedLayer(nn.Module):
+    """A layer whose forward registers a gradient hook, scaling by the layer's index, on
+    its output, on its input, or through a partial."""
+
+    def __init__(self, index: int, where: str):
+        super().__init__()
+        self.index, self.where = index, where
+        self.lin = nn.Linear(8, 8)
+
+    def scale(self, grad):
+        return grad * (self.index + 1)
+
+    def forward(self, x):
+        if self.where == "input":
+            x = x * 1.0
+            x.register_hook(lambda grad: grad * (self.index + 2))
+        y = torch.tanh(self.lin(x))
+        if self.where == "output":
+            y.register_hook(lambda grad: grad * (self.index + 1))
+        elif self.where == "bound method":
+            y.register_hook(self.scale)
+        return y
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("where", ["output", "input", "bound method"])
+def test_gradient_hooks_each_layer_registers_run_in_its_own_backward(where, cache):
+    """A hook a layer registers on a tensor runs in the backward: each layer's is its own
+    Python (here its index), so neither a block that registers one nor the backward of a
+    block whose input holds one is replayed for the next layers."""
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(*(_HookedLayer(i, where) for i in range(4)))
+
+    eager, traced = model(), model()
+    jitted = dtcompile.jit(traced, cache=cache)
+    for rows in (2, 3):
+        x = torch.randn(rows, 8)
+        x_eager, x_traced = x.clone().requires_grad_(), x.clone().requires_grad_()
+        eager(x_eager).pow(2).sum().backward()
+        jitted(x_traced).pow(2).sum().backward()
+        for (name, want), got in zip(eager.named_parameters(), traced.parameters()):
+            torch.testing.assert_close(got.grad, want.grad, msg=name)
+        torch.testing.assert_close(x_traced.grad, x_eager.grad)

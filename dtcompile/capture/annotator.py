@@ -191,8 +191,8 @@ class CallAnnotator(TorchFunctionMode):
                 f"dtcompile.jit: {_short_name(func)} on a traced tensor: such a hook runs when a gradient is "
                 "accumulated into a leaf, which a compiled call's traced backward never does"
             )
-        hook = args[1] if len(args) > 1 else None
-        if self.recording.snapshot is not None and hook is not None:
+        self.recording.tensor_hooks += 1  # (no block registering one is replayed)
+        if self.recording.snapshot is not None and (hook := args[1] if len(args) > 1 else None) is not None:
             self.recording.snapshot.add_callable(hook, f"the tensor hook {getattr(hook, '__qualname__', hook)}")
 
     def _non_leaf_argument(self, leaves: list) -> str | None:

@@ -29,6 +29,7 @@ def recording_counts(recording) -> tuple:
         len(recording.read_by),
         len(recording.cones),
         recording.c10d_calls,
+        recording.tensor_hooks,  # (a block's backward runs the hook it registered: its own Python)
     )
 
 

@@ -68,6 +68,7 @@ class Recording:
         self.used_names: set[str] = set()
         self.dtensor_calls = 0  # how many torch-level calls with DTensor arguments run now (CallAnnotator)
         self.c10d_calls = 0  # c10d collectives the user's code called (``dist.all_reduce``)
+        self.tensor_hooks = 0  # hooks the user's code registered on traced tensors (they run in the backward)
         self.valued: list[TensorProxy] = []  # proxies whose trace-time value is known
         self.read_by: dict[object, str] = {}  # symbol of a number read from data -> the call that read it
         self.real_of: dict[str, torch.Tensor] = {}  # input label -> the call's real tensor (while tracing)
