@@ -4,6 +4,7 @@ with ``async_op=True``, in functions, hand-written tensor-parallel modules (forw
 backward) and a Hugging Face model loaded with ``tp_plan="auto"``; what cannot be
 recorded is refused with a TracingError naming the call (issue 11, item 0)."""
 
+import functools
 import os
 import time
 
@@ -487,6 +488,47 @@ def splits_a_collective_exchanged():
         assert torch.equal(got, expected), (got, expected)
         results.append(got.shape[0])
     return results
+
+
+def _reduce_scatter_tensor_of(y):
+    out = torch.empty(y.shape[0] // dist.get_world_size(), *y.shape[1:])
+    dist.reduce_scatter_tensor(out, y)
+    return out
+
+
+def _reduce_scatter_list_of(y):
+    out = torch.empty(y.shape[0] // dist.get_world_size(), *y.shape[1:])
+    dist.reduce_scatter(out, list(y.chunk(dist.get_world_size())))
+    return out
+
+
+def _all_gather_into_tensor_of(y):
+    out = torch.empty(y.shape[0] * dist.get_world_size(), *y.shape[1:])
+    dist.all_gather_into_tensor(out, y)
+    return out
+
+
+def _of_a_product(collective, weight, x):
+    return collective(x @ weight)
+
+
+def collectives_whose_eager_gradient_is_the_backends():
+    """A reduce-scatter or all-gather into another tensor, of one that requires grad: Gloo's
+    kernel writes the output with copies autograd records (a gradient through the rank's
+    own rows), NCCL's writes it with none; refused under grad mode, compiled without."""
+    weight = torch.nn.Parameter(torch.ones(3, 3))
+    x = torch.ones(4, 3) * (dist.get_rank() + 1)
+    for collective in (_reduce_scatter_tensor_of, _reduce_scatter_list_of, _all_gather_into_tensor_of):
+        program = functools.partial(_of_a_product, collective, weight)
+        with pytest.raises(dtcompile.TracingError, match="requires grad: eager's gradient through it"):
+            dtcompile.jit(program)(x)
+        with torch.no_grad():
+            assert_same(dtcompile.jit(program)(x), program(x))
+    return True
+
+
+def test_collectives_whose_eager_gradient_is_the_backends_are_refused_with_gradients(ranks2):
+    assert all(ranks2.run(collectives_whose_eager_gradient_is_the_backends))
 
 
 def test_all_to_all_with_split_sizes_a_collective_exchanged(ranks2):
