@@ -808,6 +808,55 @@ def test_random_generators_used_by_python_code_are_refused_and_put_back(fn, gene
     assert (numpy.random.get_state()[1] == before[2]).all()
 
 
+class _DrawingLayer(torch.nn.Module):
+    """Draws from a torch.Generator: one it holds (``held``; reseeded in the forward:
+    ``reseeded``), one the forward makes (``made``), or one of its Python module."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind, self.lin, self.generator = kind, torch.nn.Linear(4, 4), torch.Generator().manual_seed(3)
+
+    def forward(self, x):
+        generator = {"made": torch.Generator, "global": lambda: _GLOBAL_GENERATOR}.get(
+            self.kind, lambda: self.generator
+        )()
+        if self.kind in ("made", "reseeded"):
+            generator.manual_seed(7)
+        return x + self.lin(x) * torch.rand(x.shape, generator=generator)
+
+
+_GLOBAL_GENERATOR = torch.Generator()
+
+
+def _drawing_layers(kind: str, layers: int):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(_DrawingLayer(kind) for _ in range(layers)))
+
+
+@pytest.mark.parametrize("layers", [1, 4])
+@pytest.mark.parametrize("kind", ["held", "global", "made", "reseeded"])
+def test_torch_generators_made_or_seeded_in_the_forward_are_refused_and_held_ones_drawn_from(kind, layers):
+    """A generator made in the forward would be the one made while tracing at every call,
+    one seeded there seeded once: refused, its state put back. One the module holds, or a
+    global one, is drawn from at each call as in eager (the repeated layers' program too)."""
+    model, compiled = _drawing_layers(kind, layers), _drawing_layers(kind, layers)
+    jitted, x = dtcompile.jit(compiled), torch.randn(2, 3, 4)
+    with torch.no_grad():
+        if kind in ("made", "reseeded"):
+            before = [layer.generator.get_state() for layer in compiled]
+            with pytest.raises(dtcompile.TracingError, match="a torch.Generator it made|changed the module attribute"):
+                jitted(x)
+            assert all(torch.equal(layer.generator.get_state(), s) for layer, s in zip(compiled, before))
+            return
+        for call in range(3):
+            _GLOBAL_GENERATOR.manual_seed(5 + call)
+            expected = model(x)
+            _GLOBAL_GENERATOR.manual_seed(5 + call)
+            assert_same_result(jitted(x), expected)
+            for ours, theirs in zip(compiled, model):
+                assert torch.equal(ours.generator.get_state(), theirs.generator.get_state())
+
+
 def test_torch_random_ops_draw_anew_at_each_call():
     jitted = dtcompile.jit(lambda x: x + torch.rand(3) + torch.nn.functional.dropout(x, 0.5, training=True))
     x = torch.ones(3)

@@ -155,6 +155,39 @@ class RandomStates:
         return changes
 
 
+def generators_made(constants: dict, snapshot, reads: list) -> list[str]:
+    """The torch generators the program's random ops take (``constants``: the trace's named
+    constants) that are neither a default one nor one reached from the call's data before
+    it (``snapshot``, ``reads``: a generator held by a module, a global): one made in the
+    forward (``torch.Generator()``), which the program would draw from at every call where
+    eager makes a new one."""
+    known = [torch.default_generator, *(torch.cuda.default_generators if torch.cuda.is_initialized() else ())]
+    known += [read.value for read in reads if isinstance(read.value, torch.Generator)]
+    known += [value for value in snapshot.values() if isinstance(value, torch.Generator)]
+    with torch._C.DisableTorchFunction(), dispatch_modes_off():
+        return [
+            f"a torch.Generator it made ({constant.label}), which each call of eager makes anew"
+            for constant in constants.values()
+            if isinstance(constant.value, torch.Generator)
+            and not any(_same_generator(constant.value, other) for other in known)
+        ]
+
+
+def _same_generator(a: torch.Generator, b: torch.Generator) -> bool:
+    """Whether two generators are one: the ops' arguments are new Python objects around
+    the user's generator, so identity cannot tell; seeding one and reading the other can
+    (twice, in case the other was seeded so), then its state is put back."""
+    if a is b:
+        return True
+    if a.device != b.device:
+        return False
+    state = a.get_state()
+    try:
+        return all(torch.equal(a.manual_seed(seed).get_state(), b.get_state()) for seed in (0x5EED, 0xD1CE))
+    finally:
+        a.set_state(state)
+
+
 @contextlib.contextmanager
 def autocast_cache_off():
     """While tracing, autocast does not cache its casts of weights. An entry made then

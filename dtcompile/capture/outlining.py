@@ -33,6 +33,7 @@ from __future__ import annotations
 from ..core import BoundSymbol, NoProvenance, TensorProxy, Trace
 from ..core.block_call import BlockCall, BlockProgram, block_call
 from ..core.op_classes import written_tensors
+from ..core.printing import NamedConstant
 from ..core.proxy import is_proxy
 from ..core.symbol import flatten, leaves
 from . import block_calls
@@ -357,6 +358,13 @@ def _program(group: list[_Stretch], places: list[int], input_labels: set[str], t
         output=tuple(outputs),
         title=title,
         input_notes=notes,
+        # (a generator its random ops take: named in its source, given under that name)
+        globals={
+            c.label: (c.value, None)
+            for b in first.symbols
+            for c in leaves((b.args, b.kwargs))
+            if type(c) is NamedConstant
+        },
     )
     memory = {p.memory: i for i, p in reversed(list(enumerate(inputs)))}  # (a view shares its base's)
     writes = {memory[p.memory] for b in first.symbols for p in written_tensors(b) if p.memory in memory}

@@ -21,7 +21,7 @@ import types
 
 import torch
 
-from ..core.torch_internals import saved_tensors_hooks
+from ..core.torch_internals import dispatch_modes_off, saved_tensors_hooks
 from .global_state import user_global_hook_functions
 from .objects import is_rebuildable_object, object_state, read_through
 from .python_reads import memory_copy, raw_memory, value_key
@@ -67,8 +67,13 @@ def _state(value: object) -> tuple | None:
 
 def _generator_state(value: object) -> bytes | None:
     """The state of a random generator of its own (``random.Random(seed)``, a NumPy
-    ``Generator`` or ``RandomState``), which lives in C: a draw while tracing would happen
-    once, its number baked into the program."""
+    ``Generator`` or ``RandomState``, a ``torch.Generator``), which lives in C: a draw
+    while tracing would happen once, its number baked into the program; a torch one
+    seeded while tracing (``self.g.manual_seed(7)``) would be seeded once, not at each
+    call (the program's random ops draw from it at run time; tracing draws nothing)."""
+    if isinstance(value, torch.Generator):
+        with torch._C.DisableTorchFunction(), dispatch_modes_off():  # (taken again after tracing, in its modes)
+            return value.get_state().numpy().tobytes()
     if isinstance(value, random.Random):
         return pickle.dumps(value.getstate())
     numpy = sys.modules.get("numpy")
@@ -80,6 +85,10 @@ def _generator_state(value: object) -> bytes | None:
 
 
 def _set_generator_state(value: object, state: bytes) -> None:
+    if isinstance(value, torch.Generator):
+        with torch._C.DisableTorchFunction(), dispatch_modes_off():
+            value.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        return
     state = pickle.loads(state)
     if isinstance(value, random.Random):
         value.setstate(state)
@@ -258,6 +267,10 @@ class DataSnapshot:
         for name in code.co_names:
             if name in names:
                 self.add(names[name], f"{name!r} (a global of {path})", depth=2)
+
+    def values(self) -> list:
+        """The values recorded (reached from the roots before the trace)."""
+        return [value for value, _, _ in self._taken.values()]
 
     def put_back(self) -> list[str]:
         """Put every value recorded back in the state it had; the paths of those that

@@ -30,6 +30,7 @@ from .fsdp import FSDPTracing, reaches_fsdp
 from .global_state import (
     GlobalState,
     RandomStates,
+    generators_made,
     modes_left_changed,
     seeding_refused,
     state_put_back,
@@ -285,7 +286,7 @@ def _capture(
             collector.release_masks()
             changed = snapshot.put_back()
             left = state_put_back(grad_enabled, global_state)  # even where tracing failed
-            drawn = random_states.changed()
+            drawn = random_states.changed() + generators_made(recording.constants, snapshot, inputs.python_state.reads)
     if drawn:
         raise TracingError(
             f"dtcompile.jit: the traced code used {drawn[0]} (it is put back). A compiled program runs the "
