@@ -959,3 +959,39 @@ def test_gradient_hooks_each_layer_registers_run_in_its_own_backward(where, cach
         for (name, want), got in zip(eager.named_parameters(), traced.parameters()):
             torch.testing.assert_close(got.grad, want.grad, msg=name)
         torch.testing.assert_close(x_traced.grad, x_eager.grad)
+
+
+class _CheckpointedLayer(nn.Module):
+    """Two linears around a dropout, checkpointed without the RNG state: the backward's
+    recompute draws another mask, and every gradient is the recomputed values'."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.lin2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def body(self, x):
+        return x + self.lin2(torch.nn.functional.dropout(self.lin(x), 0.5, True))
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=False, preserve_rng_state=False)
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_blocks_under_activation_checkpointing_take_the_recomputed_values(cache):
+    """A replayed block's backward reads what its forward saved; under checkpointing's
+    saved-tensor hooks eager's reads what the recompute gives back: not replayed there."""
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(*(_CheckpointedLayer() for _ in range(4)))
+
+    eager, traced = model(), model()
+    jitted = dtcompile.jit(traced, cache=cache)
+    for rows in (2, 3):
+        x = torch.randn(rows, 3, 8)
+        torch.manual_seed(1)
+        eager(x).pow(2).sum().backward()
+        torch.manual_seed(1)
+        jitted(x).pow(2).sum().backward()
+        for (name, want), got in zip(eager.named_parameters(), traced.parameters()):
+            torch.testing.assert_close(got.grad, want.grad, msg=name)

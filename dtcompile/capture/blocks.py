@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..core import TensorProxy
-from ..core.torch_internals import make_dtensor
+from ..core.torch_internals import make_dtensor, saved_tensors_hooks
 from .block_calls import block_program, call_again, first_call, training_programs
 from .block_checks import Held, arguments_changed, inputs_depend, python_state, recording_counts, unreplayable
 from .block_identity import identity_read
@@ -96,6 +96,9 @@ class RepeatedBlocks:
             or id(module) not in self.paths
             or self.recording.dtensor_calls
             or any(getattr(torch.nn.modules.module, table) for table in GLOBAL_HOOKS)
+            # (a replayed block's backward reads what it saved itself, never what the hooks
+            # give back: activation checkpointing's recomputed values)
+            or (saved_tensors_hooks() is not None and torch.is_grad_enabled())
         ):
             return original(module, *args, **kwargs)
         key = arguments_key(args, kwargs)
