@@ -995,3 +995,38 @@ def test_blocks_under_activation_checkpointing_take_the_recomputed_values(cache)
         jitted(x).pow(2).sum().backward()
         for (name, want), got in zip(eager.named_parameters(), traced.parameters()):
             torch.testing.assert_close(got.grad, want.grad, msg=name)
+
+
+class _NormalizingLayer(nn.Module):
+    """Normalises its weight in place through ``.data`` (or ``detach()``), then applies it."""
+
+    def __init__(self, through: str):
+        super().__init__()
+        self.lin, self.through = nn.Linear(8, 8), through
+
+    def forward(self, x):
+        weight = self.lin.weight.data if self.through == "data" else self.lin.weight.detach()
+        weight.div_(weight.norm(dim=1, keepdim=True))
+        return x + self.lin(x)
+
+
+@pytest.mark.parametrize("through", ["data", "detach"])
+def test_blocks_writing_their_weights_through_a_detached_alias_in_training(through):
+    """A replayed ``detach`` was made like the first block's output, a view of a weight
+    that requires grad: the write through it raised torch's leaf error."""
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(*(_NormalizingLayer(through) for _ in range(4)))
+
+    eager, traced = model(), model()
+    jitted = dtcompile.jit(traced)
+    for _ in range(2):
+        x = torch.randn(2, 3, 8)
+        want, got = eager(x), jitted(x)
+        want.pow(2).sum().backward()
+        got.pow(2).sum().backward()
+        torch.testing.assert_close(got, want)
+        for (name, a), b in zip(eager.named_parameters(), traced.parameters()):
+            torch.testing.assert_close(b, a, msg=name)
+            torch.testing.assert_close(b.grad, a.grad, msg=name)

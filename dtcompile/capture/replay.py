@@ -15,12 +15,15 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..core import NoProvenance, TensorProxy
 from ..core.symbol import leaves, map_leaves
 from ..core.torch_internals import dispatch_modes_off, fake_like
 from .equivalence import tensor_key
+
+_DETACH = torch.ops.aten.detach.default
 
 
 def record_again(recording, symbols: list, aliases: list, mapping: dict[str, TensorProxy]) -> None:
@@ -67,6 +70,7 @@ def output_aliases(bsym) -> list[int | None] | None:
     outputs = leaves(bsym.output)
     if (
         bsym.op._schema.is_mutable
+        or bsym.op is _DETACH  # (made again, its fake would not be detached: a write to it hits a leaf)
         or any(isinstance(o, TensorProxy) and free_unbacked_symbols(o.meta.shape) for o in outputs)
         or not inputs
         or not outputs
