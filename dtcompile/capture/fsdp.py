@@ -241,6 +241,22 @@ class FSDPTracing:
                 table[key] = hook
         return self
 
+    def refusing_recomputes(self, capture_backward, *args):
+        """``capture_backward(*args)``, where activation checkpointing's recompute inside a
+        managed module fails (eager's FSDP2 unshards again for it; these hooks do not) with
+        a clear error."""
+        try:
+            return capture_backward(*args)
+        except Exception as error:
+            if self.managed and _recomputing(error.__traceback__):
+                raise TracingError(
+                    "dtcompile.jit: the backward runs the module's code again (activation checkpointing's "
+                    "recompute) inside a module FSDP2 manages, whose parameters are sharded again by then; this "
+                    f"is not supported yet ({type(error).__name__}: {error}). Compile without checkpointing inside "
+                    "fully_shard'ed modules"
+                ) from error
+            raise
+
     def __exit__(self, *exc) -> None:
         for table, key, hook in reversed(self._saved):
             table[key] = hook
@@ -282,3 +298,12 @@ class FSDPTracing:
             return fsdp_cast_output(managed.state, output)
 
         return hook
+
+
+def _recomputing(frames) -> bool:
+    """Whether an error's traceback passes through activation checkpointing's recompute."""
+    while frames is not None:
+        if frames.tb_frame.f_globals.get("__name__") == "torch.utils.checkpoint":
+            return True
+        frames = frames.tb_next
+    return False

@@ -265,7 +265,9 @@ def _capture(
                     f"({proxifier.objects.needed[0].path}); that is supported only without gradients"
                 )
             if training:
-                backward = capture_backward(recording, proxifier.differentiable + closed, collector.values)
+                backward = fsdp.refusing_recomputes(
+                    capture_backward, recording, proxifier.differentiable + closed, collector.values
+                )
                 if module_state is not None:
                     backward.recompute_from = frozenset(fsdp.recompute_from)
             checks_first(recording)  # branches taken on tensor data, checked before anything runs

@@ -201,7 +201,20 @@ def refusals():
     model = fully_shard(MLP(DIM, HIDDEN), mesh=mesh)
     with pytest.raises(dtcompile.TracingError, match="fully_shard"):
         dtcompile.jit(lambda x: model(x).sum())(torch.randn(4, DIM))
+    # Activation checkpointing inside the managed modules: its recompute in the backward.
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*(fully_shard(_CheckpointedMLP(), mesh=mesh) for _ in range(2)))
+    with pytest.raises(dtcompile.TracingError, match="activation checkpointing's recompute"):
+        dtcompile.jit(fully_shard(layers, mesh=mesh))(torch.randn(4, DIM))
     return messages
+
+
+class _CheckpointedMLP(MLP):
+    def __init__(self):
+        super().__init__(DIM, HIDDEN)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=False)
 
 
 def test_unsupported_fsdp_options_are_refused(ranks2):
