@@ -16,6 +16,7 @@ import threading
 import pytest
 import torch
 from torch import nn
+from torch._C._dynamo.guards import dict_version as raw_dict_version
 
 import dtcompile
 from dtcompile.core import dict_watch
@@ -68,8 +69,45 @@ class Model(nn.Module):
 
 
 def test_this_python_gives_dicts_versions_that_follow_changes():
-    # Without versions the checks run at every call and the tests below prove less.
-    assert dict_version is not None
+    # Without versions (or dict watchers) the checks run at every call and the tests
+    # below prove less. Python 3.12 keeps an empty dict's version when ``update`` fills
+    # it: versions are not used there, its dict watchers tell.
+    assert dict_version is not None if sys.version_info < (3, 12) else dict_watch.available
+
+
+_OPTIONS = {}
+
+
+class _Optioned(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.options = nn.Linear(4, 4), {}
+
+    def forward(self, x):
+        return self.lin(x) * self.options.get("scale", 1.0) + _OPTIONS.get("shift", 0.0)
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("fill", ["update", "|=", "global update"])
+def test_an_empty_dict_filled_by_update_after_compiling(fill, cache):
+    """``update`` of an empty dict copies the other's keys, and on Python 3.12 leaves its
+    version as it was: the compiled call kept the value traced."""
+    _OPTIONS.clear()
+    torch.manual_seed(0)
+    model = _Optioned()
+    jitted, x = dtcompile.jit(model, cache=cache), torch.randn(2, 4)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(jitted(x), model(x), rtol=0, atol=0)
+            if fill == "update":
+                model.options.update({"scale": 3.0})
+            elif fill == "|=":
+                model.options |= {"scale": 3.0}
+            else:
+                _OPTIONS.update({"shift": 1.0})
+            torch.testing.assert_close(jitted(x), model(x), rtol=0, atol=0)
+    finally:
+        _OPTIONS.clear()
 
 
 def test_the_checks_are_skipped_while_the_dicts_are_unchanged():
@@ -229,9 +267,9 @@ def test_hooks_reordered_without_a_new_version():
     settle(jitted, model, x)
     hooks = proj._forward_hooks
     assert isinstance(hooks, collections.OrderedDict)
-    before = dict_version(hooks)
+    before = raw_dict_version(hooks)
     hooks.move_to_end(second.id, last=False)  # (out + 1) * 2 now
-    assert dict_version(hooks) == before  # the order alone: no new version, checked anyway
+    assert raw_dict_version(hooks) == before  # the order alone: no new version, checked anyway
     torch.testing.assert_close(jitted(x), model(x))
     assert counts(jitted) == (2, 2)
 
@@ -385,6 +423,19 @@ def test_submodules_reordered():
     x = torch.randn(2, 4)
     settle(jitted, model, x)
     model._modules["0"] = model._modules.pop("0")  # runs last now
+    torch.testing.assert_close(jitted(x), model(x))
+
+
+def test_submodules_of_an_ordered_dict_table_moved_to_end():
+    """An older model unpickled holds its submodules in an OrderedDict, whose order
+    ``move_to_end`` changes with no new version and no watcher's notice."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(4))).eval()
+    model._modules = collections.OrderedDict(model._modules)
+    jitted = dtcompile.jit(model)
+    x = torch.randn(2, 4)
+    settle(jitted, model, x)
+    model._modules.move_to_end("0")
     torch.testing.assert_close(jitted(x), model(x))
 
 

@@ -100,7 +100,8 @@ def _watchers_follow_changes() -> bool:
     """Whether every change prologues rely on is told, on this Python: an attribute set or
     deleted through an instance whose ``__dict__`` was read (a module's, a tensor's), an
     item set, replaced or deleted in a dict and in an OrderedDict (a module's hook tables),
-    ``update`` and ``clear``. Where one is not, dict watchers are not used at all."""
+    ``update`` (of an empty dict too) and ``clear``. Where one is not, dict watchers are
+    not used at all."""
     import collections
 
     import torch
@@ -110,8 +111,8 @@ def _watchers_follow_changes() -> bool:
 
     probe, tensor = Probe(), torch.nn.Parameter(torch.zeros(1))
     probe.a = 1
-    state, table = probe.__dict__, collections.OrderedDict(a=1)
-    watch([state, table, vars(tensor)])
+    state, table, empty = probe.__dict__, collections.OrderedDict(a=1), {}
+    watch([state, table, vars(tensor), empty])
     for change in (
         lambda: setattr(probe, "a", 2),
         lambda: setattr(probe, "b", 1),
@@ -122,6 +123,7 @@ def _watchers_follow_changes() -> bool:
         lambda: table.pop("b"),
         lambda: state.update(a=4),
         lambda: table.clear(),
+        lambda: empty.update({"a": 1}),  # (3.12 copies the other's keys: its version stays)
         lambda: setattr(tensor, "tag", 1),  # a tensor's Python attributes
     ):
         before = changes.value

@@ -366,7 +366,9 @@ def _versions_follow_changes() -> bool:
     """Whether every change prologues rely on a dict's version for gives it a new one on
     this Python: an attribute set or deleted through the instance (its ``__dict__`` already
     made, as a module's is), an item set, replaced or deleted in a dict and an OrderedDict
-    (a module's hook tables). Where one does not, versions are not used at all."""
+    (a module's hook tables), an empty dict filled by ``update`` (Python 3.12 copies the
+    other's keys then, and keeps the version). Where one does not, versions are not used
+    at all."""
     import collections
 
     class Probe:
@@ -374,7 +376,7 @@ def _versions_follow_changes() -> bool:
 
     probe = Probe()
     probe.a = 1
-    state, table = probe.__dict__, collections.OrderedDict(a=1)
+    state, table, empty = probe.__dict__, collections.OrderedDict(a=1), {}
     changes = (
         lambda: setattr(probe, "a", 2),
         lambda: setattr(probe, "b", 1),
@@ -384,11 +386,12 @@ def _versions_follow_changes() -> bool:
         lambda: table.__setitem__("b", 2),
         lambda: table.pop("b"),
         lambda: state.update(a=4),
+        lambda: empty.update({"a": 1}),
     )
     for change in changes:
-        before = (dict_version(state), dict_version(table))
+        before = (dict_version(state), dict_version(table), dict_version(empty))
         change()
-        if (dict_version(state), dict_version(table)) == before:
+        if (dict_version(state), dict_version(table), dict_version(empty)) == before:
             return False
     return True
 

@@ -169,8 +169,9 @@ def module_table_checks(b, modules: list[torch.nn.Module]) -> None:
     (none added or removed), the empty slots (``Linear(bias=False)``'s ``bias``) are still
     empty, a parameter assigned there later must be used; the empty hook tables are still
     empty (at every call, unless dict watchers tell the changes); each module's class is
-    as traced, and the tables with several hooks hold them in the order traced, at every
-    call (an OrderedDict's order changes without a new version or a watcher's notice:
+    as traced, and the tables with several hooks (or tables of submodules, parameters or
+    buffers that are OrderedDicts) hold them in the order traced, at every call (an
+    OrderedDict's order changes without a new version or a watcher's notice:
     ``move_to_end``). The tensors in the other slots are read and guarded one by one
     (``batched_guards.py``)."""
     if not modules:
@@ -204,6 +205,8 @@ def module_table_checks(b, modules: list[torch.nn.Module]) -> None:
     b.fail_if("list(map(type, STATE_MODULES)) != STATE_MODULE_TYPES")
     flag_ids = set(map(id, flags))
     ordered = [hooks for hooks in hook_tables if len(hooks) > 1 or (hooks and id(hooks) in flag_ids)]
+    # (and an OrderedDict of submodules, parameters or buffers: an unpickled older model's)
+    ordered += [t for t in tables if type(t) is not dict and len(t) > 1]
     if ordered:  # their hooks in order (``move_to_end`` tells no watcher, changes no version)
         b.globals.update(HOOK_TABLES=ordered, HOOKS_IN_ORDER=[tuple(h.items()) for h in ordered])
         b.globals["ITEMS"] = operator.methodcaller("items")
