@@ -30,7 +30,7 @@ from ..core.proxy import contiguous_strides
 from ..core.torch_internals import DTensorSpec, TensorMeta, fake_like, make_dtensor
 from .block_calls import backward_program, call_again
 from .equivalence import local_proxy, traced_key
-from .replay import ReplayDiverged, output_aliases, record_again
+from .replay import ReplayDiverged, aliases_of, record_again
 
 
 class BlockReplayFailed(Exception):
@@ -110,7 +110,7 @@ def backward_template(recording, outputs: list, inputs: list, like: list | None)
         recording.valued[:] = [p for p, _ in valued]
     if (len(recording.captured), len(recording.read_by), recording.c10d_calls) != counts:
         raise BlockReplayFailed("the backward changed the recording's other state")
-    aliases = [output_aliases(b) for b in symbols]
+    aliases = aliases_of(symbols)
     return BackwardTemplate(gradient_key(arriving), locals_, symbols, aliases, list(grads))
 
 

@@ -52,7 +52,7 @@ from .equivalence import (
 )
 from .global_state import GLOBAL_HOOKS
 from .outlining import Stretches
-from .replay import ReplayDiverged, output_aliases, record_again
+from .replay import ReplayDiverged, aliases_of, record_again
 from .tensor_attributes import user_attributes
 from .tensor_versions import count_writes, made_again, versions, writes
 
@@ -239,7 +239,7 @@ class RepeatedBlocks:
             else:
                 return f"it returns a {type(leaf).__name__}"
         template.output = (spec, described)
-        template.aliases = [output_aliases(bsym) for bsym in template.symbols]
+        template.aliases = aliases_of(template.symbols)
         if training:
             return self._with_gradients(template, module, flat_args, flat_out, free)
         return None

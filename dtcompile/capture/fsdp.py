@@ -241,22 +241,6 @@ class FSDPTracing:
                 table[key] = hook
         return self
 
-    def refusing_recomputes(self, capture_backward, *args):
-        """``capture_backward(*args)``, where activation checkpointing's recompute inside a
-        managed module fails (eager's FSDP2 unshards again for it; these hooks do not) with
-        a clear error."""
-        try:
-            return capture_backward(*args)
-        except Exception as error:
-            if self.managed and _recomputing(error.__traceback__):
-                raise TracingError(
-                    "dtcompile.jit: the backward runs the module's code again (activation checkpointing's "
-                    "recompute) inside a module FSDP2 manages, whose parameters are sharded again by then; this "
-                    f"is not supported yet ({type(error).__name__}: {error}). Compile without checkpointing inside "
-                    "fully_shard'ed modules"
-                ) from error
-            raise
-
     def __exit__(self, *exc) -> None:
         for table, key, hook in reversed(self._saved):
             table[key] = hook
@@ -298,6 +282,23 @@ class FSDPTracing:
             return fsdp_cast_output(managed.state, output)
 
         return hook
+
+
+def refusing_recomputes(managed: bool, capture_backward, *args):
+    """``capture_backward(*args)``, where activation checkpointing's recompute inside a
+    module FSDP2 manages (``managed``: the call has some) fails with a clear error: eager's
+    FSDP2 unshards the parameters again for it, the hooks of :class:`FSDPTracing` do not."""
+    try:
+        return capture_backward(*args)
+    except Exception as error:
+        if managed and _recomputing(error.__traceback__):
+            raise TracingError(
+                "dtcompile.jit: the backward runs the module's code again (activation checkpointing's "
+                "recompute) inside a module FSDP2 manages, whose parameters are sharded again by then; this "
+                f"is not supported yet ({type(error).__name__}: {error}). Compile without checkpointing inside "
+                "fully_shard'ed modules"
+            ) from error
+        raise
 
 
 def _recomputing(frames) -> bool:

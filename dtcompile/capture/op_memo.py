@@ -36,7 +36,7 @@ from ..core import TensorProxy
 from ..core.torch_internals import make_dtensor
 from .block_checks import recording_counts, unreplayable
 from .equivalence import SCALARS, arguments_key, holds_data, local_proxy
-from .replay import ReplayDiverged, output_aliases, record_again
+from .replay import ReplayDiverged, aliases_of, record_again
 from .tensor_versions import made_again
 
 
@@ -137,7 +137,7 @@ class OpMemo:
                 outputs.append(("value", leaf))
             else:
                 return  # a size (a SymInt), or an object
-        aliases = [output_aliases(bsym) for bsym in symbols]
+        aliases = aliases_of(symbols)
         self.calls[key] = _Call(list(symbols), aliases, labels, outputs, treespec, specs, aliasing)
 
 

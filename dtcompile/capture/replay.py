@@ -19,6 +19,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..core import NoProvenance, TensorProxy
+from ..core.op_classes import written_tensors
 from ..core.symbol import leaves, map_leaves
 from ..core.torch_internals import dispatch_modes_off, fake_like
 from .equivalence import tensor_key
@@ -57,6 +58,23 @@ def record_again(recording, symbols: list, aliases: list, mapping: dict[str, Ten
             recording.bound_symbols[-1] = recording.bound_symbols[-1].but(note=bsym.note.renamed(mapping))
 
 
+def aliases_of(symbols: list) -> list:
+    """:func:`output_aliases` of each symbol, but a ``detach`` of a tensor from outside
+    whose memory a later one writes (``w.data.div_(...)``) is run again: made like the
+    first's output, a view of a weight that requires grad, a write through it would hit
+    autograd's leaf check."""
+    written = {p.memory for b in symbols for p in written_tensors(b)}
+    made = {p.label for b in symbols for p in b.output_tensors()}
+    return [
+        None
+        if b.op is _DETACH
+        and not any(i.label in made for i in b.input_tensors())
+        and any(o.memory in written for o in b.output_tensors())
+        else output_aliases(b)
+        for b in symbols
+    ]
+
+
 def output_aliases(bsym) -> list[int | None] | None:
     """For an op whose outputs can be made from the first block's without running it: for
     each output, the index of the input tensor whose storage it views (None: fresh
@@ -70,7 +88,6 @@ def output_aliases(bsym) -> list[int | None] | None:
     outputs = leaves(bsym.output)
     if (
         bsym.op._schema.is_mutable
-        or bsym.op is _DETACH  # (made again, its fake would not be detached: a write to it hits a leaf)
         or any(isinstance(o, TensorProxy) and free_unbacked_symbols(o.meta.shape) for o in outputs)
         or not inputs
         or not outputs

@@ -26,7 +26,7 @@ from .blocks import RepeatedBlocks
 from .c10d import object_collective_refusal, symbolic_splits
 from .data_branches import assumptions_unlogged, checks_first
 from .fake_calls import storage_refusal
-from .fsdp import FSDPTracing, reaches_fsdp
+from .fsdp import FSDPTracing, reaches_fsdp, refusing_recomputes
 from .global_state import (
     GlobalState,
     RandomStates,
@@ -265,8 +265,9 @@ def _capture(
                     f"({proxifier.objects.needed[0].path}); that is supported only without gradients"
                 )
             if training:
-                backward = fsdp.refusing_recomputes(
-                    capture_backward, recording, proxifier.differentiable + closed, collector.values
+                managed = module_state is not None and bool(fsdp.managed)
+                backward = refusing_recomputes(
+                    managed, capture_backward, recording, proxifier.differentiable + closed, collector.values
                 )
                 if module_state is not None:
                     backward.recompute_from = frozenset(fsdp.recompute_from)
