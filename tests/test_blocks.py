@@ -1030,3 +1030,45 @@ def test_blocks_writing_their_weights_through_a_detached_alias_in_training(throu
         for (name, a), b in zip(eager.named_parameters(), traced.parameters()):
             torch.testing.assert_close(b, a, msg=name)
             torch.testing.assert_close(b.grad, a.grad, msg=name)
+
+
+class _ShapeReturning(nn.Module):
+    """Returns its output with its input's ``torch.Size``; ``cache``: also given an
+    object (a KV cache's way), so that its calls are checked rather than replayed."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, cache=None):
+        return x + self.lin(x), (x.shape if cache is None else x.size())
+
+
+class _ShapeCollecting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_ShapeReturning() for _ in range(4))
+
+    def forward(self, x, cache=None):
+        shapes = []
+        for layer in self.layers:
+            x, shape = layer(x, cache)
+            shapes.append(shape)
+        return x, shapes
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("kind", ["replayed", "checked"])
+def test_a_torch_size_later_blocks_return_is_a_torch_size(kind, cache):
+    """torch's pytree rebuilds a ``torch.Size`` as a tuple: the later blocks' results were
+    tuples where eager's are sizes."""
+    torch.manual_seed(0)
+    model = _ShapeCollecting()
+    jitted = dtcompile.jit(model, cache=cache)
+    extra = () if kind == "replayed" else (types.SimpleNamespace(),)
+    with torch.no_grad():
+        for rows in (5, 6):
+            x = torch.randn(2, rows, 8)
+            (got, got_shapes), (want, want_shapes) = jitted(x, *extra), model(x, *extra)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            assert [type(s) for s in got_shapes] == [torch.Size] * 4 and got_shapes == want_shapes

@@ -45,6 +45,7 @@ from .equivalence import (
     arguments_key,
     block_state,
     holds_data,
+    holds_size,
     local_proxy,
     named_tensors,
     same_blocks,
@@ -212,6 +213,8 @@ class RepeatedBlocks:
             template.sources[label] = sources[label]
         template.free = free
         flat_out, spec = tree_flatten(out)
+        if holds_size(spec):
+            return "it returns a torch.Size (torch's pytree rebuilds a tuple)"
         described = []
         arg_ids = {id(leaf): index for index, leaf in enumerate(flat_args)}
         training = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in flat_out)

@@ -54,6 +54,12 @@ TENSOR_TABLES = ("_parameters", "_buffers")
 _TABLES = _HOOK_TABLES | {"_modules", *TENSOR_TABLES}  # copied by block_state
 
 
+def holds_size(spec) -> bool:
+    """Whether a pytree spec holds a ``torch.Size``, which torch's ``tree_unflatten``
+    rebuilds as a plain tuple: a result rebuilt from it would not be eager's."""
+    return spec.type is torch.Size or any(map(holds_size, spec.children_specs))
+
+
 def size_key(size) -> object:
     return size.node.expr if isinstance(size, (torch.SymInt, torch.SymFloat, torch.SymBool)) else size
 

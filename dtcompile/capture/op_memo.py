@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..core import TensorProxy
 from ..core.torch_internals import make_dtensor
 from .block_checks import recording_counts, unreplayable
-from .equivalence import SCALARS, arguments_key, holds_data, local_proxy
+from .equivalence import SCALARS, arguments_key, holds_data, holds_size, local_proxy
 from .replay import ReplayDiverged, aliases_of, record_again
 from .tensor_versions import made_again
 
@@ -110,6 +110,8 @@ class OpMemo:
                 return  # it reads a tensor that is not the call's (a captured one), or a number
             defined.update(p.label for p in bsym.output_proxies())
         flat_out, treespec = tree_flatten(out)
+        if holds_size(treespec):
+            return
         memories = {local_proxy(leaf).memory for leaf in tensors}
         with torch._C.DisableTorchFunction():
             aliasing = any(_aliasing(leaf, memories) for leaf in flat_out)

@@ -46,7 +46,7 @@ from ..core.torch_internals import (
 )
 from .block_calls import fresh_like
 from .block_checks import recording_counts
-from .equivalence import local_proxy, same_value, traced_key
+from .equivalence import holds_size, local_proxy, same_value, traced_key
 from .global_state import dispatch_state
 from .tensor_versions import count_writes, made_again, versions, writes
 
@@ -113,6 +113,7 @@ class CallLog:
             else:
                 results.append(("value", leaf))
         treespec = None if treespec.is_leaf() else treespec  # (one tensor, most calls' result: given as it is)
+        self.unloggable |= treespec is not None and holds_size(treespec)  # (rebuilt, a tuple)
         written = writes(before, versions(leaves))
         # A write through a view counts in its base's version too, which a check's fresh tensor has not.
         self.unloggable |= any(leaves[index]._is_view() for index, _, _ in written)
