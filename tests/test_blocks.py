@@ -1072,3 +1072,52 @@ def test_a_torch_size_later_blocks_return_is_a_torch_size(kind, cache):
             (got, got_shapes), (want, want_shapes) = jitted(x, *extra), model(x, *extra)
             torch.testing.assert_close(got, want, rtol=0, atol=0)
             assert [type(s) for s in got_shapes] == [torch.Size] * 4 and got_shapes == want_shapes
+
+
+class _ViewReturning(nn.Module):
+    """Returns a view of a tensor that requires grad and that it did not make: its own
+    bias (``own``) or an argument (``argument``); given an object too, checked."""
+
+    def __init__(self, of: str):
+        super().__init__()
+        self.lin, self.of = nn.Linear(8, 8), of
+
+    def forward(self, x, encoded, cache=None):
+        view = self.lin.bias.expand_as(x) if self.of == "own" else encoded[:, :1].transpose(0, 1)
+        return x + self.lin(x), view
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("of", ["own", "argument"])
+class _ViewsReturning(nn.Module):
+    def __init__(self, of: str):
+        super().__init__()
+        self.layers = nn.ModuleList(_ViewReturning(of) for _ in range(4))
+
+    def forward(self, x, encoded, cache=None):
+        views = []
+        for layer in self.layers:
+            x, view = layer(x, encoded, cache)
+            views.append(view)
+        return x, views
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("of", ["own", "argument"])
+@pytest.mark.parametrize("kind", ["replayed", "checked"])
+def test_views_that_require_grad_later_blocks_return_without_gradients(kind, of, cache):
+    """Under no_grad a view of a tensor that requires grad requires grad too; made again
+    (a replayed block's, a memoized op's), it was no view autograd knew, and the call was
+    refused as one returning a tensor made to require grad inside it."""
+    torch.manual_seed(0)
+    model = _ViewsReturning(of)
+    extra = () if kind == "replayed" else (types.SimpleNamespace(),)
+    jitted = dtcompile.jit(model, cache=cache)
+    encoded = torch.randn(2, 3, 8, requires_grad=True)
+    with torch.no_grad():
+        for rows in (3, 4):
+            x = torch.randn(2, rows, 8)
+            (got, got_views), (want, want_views) = jitted(x, encoded, *extra), model(x, encoded, *extra)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            for a, b in zip(got_views, want_views):
+                assert a.requires_grad == b.requires_grad and a.stride() == b.stride() and torch.equal(a, b)

@@ -225,6 +225,8 @@ class RepeatedBlocks:
                     return "it returns a tensor that is not traced"
                 if user_attributes(leaf):
                     return "it returns a tensor with attributes of its own"
+                if leaf.requires_grad and not torch.is_grad_enabled():  # (made again, no view autograd knows)
+                    return "it returns a view that requires grad without gradients (bias.expand_as(x))"
                 if id(leaf) in arg_ids:
                     if training:
                         return "it returns an argument, in a call that needs gradients"

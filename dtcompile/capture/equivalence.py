@@ -57,7 +57,8 @@ _TABLES = _HOOK_TABLES | {"_modules", *TENSOR_TABLES}  # copied by block_state
 def holds_size(spec) -> bool:
     """Whether a pytree spec holds a ``torch.Size``, which torch's ``tree_unflatten``
     rebuilds as a plain tuple: a result rebuilt from it would not be eager's."""
-    return spec.type is torch.Size or any(map(holds_size, spec.children_specs))
+    children = spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs
+    return spec.type is torch.Size or any(map(holds_size, children))
 
 
 def size_key(size) -> object:

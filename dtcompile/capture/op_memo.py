@@ -112,6 +112,8 @@ class OpMemo:
         flat_out, treespec = tree_flatten(out)
         if holds_size(treespec):
             return
+        if not torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in flat_out):
+            return  # a view of a weight under no_grad: made again, it would be none autograd knows
         memories = {local_proxy(leaf).memory for leaf in tensors}
         with torch._C.DisableTorchFunction():
             aliasing = any(_aliasing(leaf, memories) for leaf in flat_out)
