@@ -1097,3 +1097,34 @@ def test_a_tensor_made_inside_from_python_data_and_written_in_place_is_fresh_at_
     jitted = dtcompile.jit(fn, cache=cache)
     for _ in range(3):
         assert_same_result(jitted(torch.zeros(2)), fn(torch.zeros(2)))
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic", "nearest", "nearest-exact"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_interpolation_of_sizes_that_are_numbers_is_eagers_kernel(layout, mode, cache):
+    """Under its Python dispatcher (which tracing runs) torch decomposes upsampling into
+    index arithmetic, which rounds otherwise than its native kernel and lays a 1x1 result
+    of a channels_last input out otherwise: to an output size of numbers, or by a scale
+    factor, the native op is recorded, bit for bit and stride for stride eager's, with its
+    gradients."""
+    import torch.nn.functional as F
+
+    weight = torch.randn(8, 8, 1, 1)
+
+    def fn(x, size):
+        scale = {"scale_factor": size} if isinstance(size, float) else {"size": size}
+        return F.interpolate(F.conv2d(x, weight), mode=mode, **scale)
+
+    jitted = dtcompile.jit(fn, cache=cache)
+    for shape, size in (((2, 8, 5, 4), (2, 3)), ((2, 8, 5, 4), (7, 9)), ((2, 8, 3, 2), (1, 1)), ((2, 8, 6, 4), 0.5)):
+        x = torch.randn(shape)
+        if layout == "channels_last":
+            x = x.contiguous(memory_format=torch.channels_last)
+        x_eager, x_compiled = x.clone().requires_grad_(), x.clone().requires_grad_()
+        got, expected = jitted(x_compiled, size), fn(x_eager, size)
+        assert got.stride() == expected.stride()
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        got.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+        torch.testing.assert_close(x_compiled.grad, x_eager.grad, rtol=0, atol=0)

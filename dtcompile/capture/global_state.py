@@ -30,6 +30,7 @@ from .torch_settings import (
     set_autocast_cache_seen,
     torch_settings,
 )
+from .upsampling import native_upsampling
 
 
 @dataclass(frozen=True)
@@ -247,7 +248,7 @@ def python_memory_copied():
 @contextlib.contextmanager
 def torch_caches_off():
     """What tracing changes of torch's state while it runs (each put back after)."""
-    with autocast_cache_off(), parametrize_cache_off(), python_memory_copied():
+    with autocast_cache_off(), parametrize_cache_off(), python_memory_copied(), native_upsampling():
         yield
 
 

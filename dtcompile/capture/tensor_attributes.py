@@ -21,7 +21,11 @@ TORCH_MARKS = frozenset({"_is_param", "_is_buffer", "persistent"})
 # What a traced tensor holds in its ``__dict__`` (a proxy's own; a DTensor holds none), and
 # the names its class adds to a tensor's (``meta``, ``memory``): an attribute of the call's
 # tensor under one of these names would not be the one the traced code reads.
-TRACED_ATTRIBUTES = PROXY_ATTRIBUTES | (set(vars(TensorProxy)) - set(dir(torch.Tensor)))
+# (torch caches the sizes and strides C++ reads of a subclass under the ``_capsule`` names)
+_TORCH_CACHES = {
+    f"_{sym}{what}_capsule{n}" for sym in ("", "sym_") for what in ("sizes", "strides") for n in ("", "_len")
+}
+TRACED_ATTRIBUTES = PROXY_ATTRIBUTES | (set(vars(TensorProxy)) - set(dir(torch.Tensor))) | _TORCH_CACHES
 
 
 def carry_attributes(real: torch.Tensor, traced: torch.Tensor, path) -> dict:
