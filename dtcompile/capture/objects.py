@@ -344,5 +344,5 @@ def same_spec(spec, traced) -> bool:
 
 def _differs(a, b, pairs: bool) -> bool:
     if pairs:  # a dict's (key, value) pair
-        return a[0] != b[0] or a[1] is not b[1]
+        return (a[0] is not b[0] and a[0] != b[0]) or a[1] is not b[1]  # (a nan key is not equal to itself)
     return a is not b

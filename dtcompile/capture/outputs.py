@@ -18,9 +18,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from ..core import TensorProxy, TracingError
-from ..core.symbolic import as_constant, is_symbolic
+from ..core.symbolic import SYMBOLIC_TYPES, as_constant, is_symbolic
 from ..core.torch_internals import TensorMeta, mask_buffer
-from .objects import StateObjects, holds_proxies, is_rebuildable_object, object_state
+from .objects import StateObjects, holds_proxies, is_rebuildable_object, object_state, plain_object
+from .user_code import is_library
 
 
 @dataclass
@@ -31,6 +32,7 @@ class OutputNode:
 @dataclass
 class ConstantOutput(OutputNode):
     value: object
+    copied: bool = False  # a container holding no tensor the call made (a set): a copy at each call
 
 
 @dataclass
@@ -124,6 +126,9 @@ class OutputCollector:
         self._describing: set[int] = set()  # objects being described now (a cycle is an error)
         self._dtensors: dict[int, tuple] = {}  # id -> (a DTensor, its node): returned twice, one output
         self._shared: dict[int, tuple] = {}  # id -> (a container or object, its node)
+        # What the call's code reads from Python state (a global, a module's attribute:
+        # ``python_reads.Read``): objects there before the call, returned as they are.
+        self.reads: list = []
 
     def _slot(self, proxy: TensorProxy, value=None) -> int:
         self.proxies.append(proxy)
@@ -161,6 +166,8 @@ class OutputCollector:
             return ConstantOutput(value)  # a tensor the program closes over, returned as is
         if is_symbolic(value):
             return NumberOutput(self._slot(value))
+        if isinstance(value, SYMBOLIC_TYPES):  # a size the code made a number (``int(n)``): eager's int
+            return ConstantOutput(as_constant(value))
         if isinstance(value, torch.Size):
             if any(is_symbolic(x) for x in value):
                 return SequenceOutput(torch.Size, [self.describe(x) for x in value])
@@ -196,6 +203,11 @@ class OutputCollector:
                 f"dtcompile.jit: {where} holds a {type(value).__name__} (an iterator, a generator, a dict's view), "
                 "whose items the compiled call cannot tell without running it; return a list or a dict instead"
             )
+        if all(read.value is not value for read in self.reads):  # made by the call, holding no tensor: anew
+            if plain_object(value) and (type(value) is types.SimpleNamespace or not is_library(type(value))):
+                return self._new_object(value, where)
+            if type(value) in (set, collections.deque, bytearray):
+                return ConstantOutput(value, copied=True)
         return ConstantOutput(value)
 
     def _dtensor(self, value: DTensor) -> DTensorOutput:

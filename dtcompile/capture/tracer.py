@@ -205,6 +205,7 @@ def _capture(
     for where, hook in user_global_hook_functions():
         inputs.python_state.follow(hook, where)
     inputs.python_state.follow_inputs(inputs.nodes())
+    collector.reads = inputs.python_state.reads
     proxifier.refuse_other_paths(inputs.python_state.reads)
     for read in inputs.python_state.reads:
         if read.contents:  # a global dict of settings: its items changed in place are seen, and put back

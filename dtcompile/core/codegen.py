@@ -7,7 +7,10 @@ import linecache
 import re
 import weakref
 
+import torch
+
 from .printing import Unprintable, python_literal
+from .symbolic import SYMBOLIC_TYPES
 
 _ids = itertools.count()
 
@@ -27,15 +30,42 @@ def compile_function(source: str, fn_name: str, namespace: dict):
     return fn
 
 
+_LITERAL_TYPES = {
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    torch.dtype,
+    torch.layout,
+    torch.memory_format,
+    torch.device,
+}
+
+
+def _literal_keeps_type(obj: object) -> bool:
+    """Whether ``obj``'s literal evaluates to an object of its very type: an IntEnum, a str
+    subclass or a namedtuple prints as its base type's literal; and a nan, to be the same
+    object (a dict's nan key is found by identity)."""
+    if type(obj) in (list, tuple, torch.Size):
+        return all(map(_literal_keeps_type, obj))
+    if isinstance(obj, SYMBOLIC_TYPES):  # a size made a number: eager's is an int
+        return True
+    return type(obj) in _LITERAL_TYPES and obj == obj
+
+
 def literal_or_global(obj: object, globals: dict[str, object], prefix: str) -> str:
-    """Source for ``obj`` in generated code: its literal when it has one, else a name
-    under which ``globals`` gives the code the object."""
+    """Source for ``obj`` in generated code: its literal when it has one that gives an
+    object of its type, else a name under which ``globals`` gives the code the object."""
     try:
-        return python_literal(obj)
+        if _literal_keeps_type(obj):
+            return python_literal(obj)
     except Unprintable:
-        name = f"{prefix}{len(globals)}"
-        globals[name] = obj
-        return name
+        pass
+    name = f"{prefix}{len(globals)}"
+    globals[name] = obj
+    return name
 
 
 class GeneratedFunction:

@@ -7,6 +7,7 @@ constructor (no dispatch, no redistribution), and rebuilds the containers around
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
@@ -103,6 +104,9 @@ class _Builder:
         if isinstance(node, (TensorOutput, NumberOutput)):
             return f"outs[{node.index}]"
         if isinstance(node, ConstantOutput):
+            if node.copied:
+                self.globals["deepcopy"] = copy.deepcopy
+                return f"deepcopy({self.constant(node.value, 'MADE')})"
             return self.constant(node.value, "CONST")
         if isinstance(node, ObjectOutput):
             return f"objs[{node.index}]"
@@ -121,7 +125,8 @@ class _Builder:
             names = self.constant(node.names, "NAMES")
             return f"new_object({self.constant(node.type, 'TYPE')}, {names}, ({inner}{',' if len(node.children) == 1 else ''}))"
         if isinstance(node, DictOutput):
-            return "{" + ", ".join(f"{k!r}: {self.rebuild(c, wrap)}" for k, c in zip(node.keys, node.children)) + "}"
+            items = zip(node.keys, node.children)
+            return "{" + ", ".join(f"{self.constant(k, 'KEY')}: {self.rebuild(c, wrap)}" for k, c in items) + "}"
         if isinstance(node, PytreeOutput):
             unflatten = self.constant(torch.utils._pytree.SUPPORTED_NODES[node.type].unflatten_fn, "UNFLATTEN")
             children = ", ".join(self.rebuild(c, wrap) for c in node.children)

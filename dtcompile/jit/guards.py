@@ -1,6 +1,9 @@
-"""Runtime helpers the generated prologues call when a fast identity check fails."""
+"""Runtime helpers the generated prologues call when a fast identity check fails, and the
+error of a guard no prologue can make."""
 
 from __future__ import annotations
+
+from ..core import TracingError
 
 
 def mesh_group_names(mesh) -> tuple[str, ...]:
@@ -22,3 +25,12 @@ def meshes_match(mesh, expected) -> bool:
 def spec_matches(spec, expected) -> bool:
     """Same mesh, placements, shard order and global shape, stride and dtype."""
     return spec == expected and meshes_match(spec.mesh, expected.mesh)
+
+
+def unbound_sizes(symbols) -> TracingError:
+    """The refusal of a guard on sizes that uses ``symbols`` no input's size binds."""
+    return TracingError(
+        f"dtcompile.jit: a guard on sizes uses {', '.join(sorted(map(str, symbols)))}, which no input's size binds: "
+        "tensors of the call share memory in a way symbolic sizes do not describe (an argument that views a "
+        "tensor the module holds, say). Pass a copy (.clone()), or use cache='constant values'"
+    )

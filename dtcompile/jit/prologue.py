@@ -47,7 +47,7 @@ from .batched_guards import (
     reached_otherwise,
     stand_in,
 )
-from .guards import meshes_match, spec_matches
+from .guards import meshes_match, spec_matches, unbound_sizes
 from .state_guards import global_state_checks, state_checks
 
 
@@ -204,8 +204,8 @@ class _Builder:
 
     def source(self, expr) -> str:
         missing = expr.free_symbols - set(self.symbols)
-        if missing:
-            raise AssertionError(f"dtcompile: a guard on sizes uses {sorted(map(str, missing))}, which no input binds")
+        if missing:  # a storage's size (an argument viewing a tensor of the module's: ``m.w.detach()[1:]``)
+            raise unbound_sizes(missing)
         return python_source(expr, self.symbols)
 
     def node(self, node, expr: str, example=None) -> None:
@@ -267,17 +267,17 @@ class _Builder:
         elif isinstance(node, DictInput):
             var = expr if expr == "kwargs" else self.bind(expr)
             self.object_vars[id(node)] = var
+            plain = all(type(key) is str for key in node.keys)
             if not node.keys and expr == "kwargs":
                 self.fail_if("kwargs")
             else:
-                # In order: a function may iterate the dict (``d.values()``). Keys other than
-                # strings by value_key: 1, 1.0 and True are one key to ``==``, not to the code.
-                plain = all(type(key) is str for key in node.keys)
+                # In order (``d.values()``); keys not strings by value_key (1, 1.0, True: one to ``==``).
                 keys = self.constant(tuple(node.keys) if plain else value_key(tuple(node.keys)), "KEYS")
                 found = f"tuple({var})" if plain else f"VALUE_KEY(tuple({var}))"
                 self.fail_if(f"type({var}) is not dict or {found} != {keys}")
-            for key, child in zip(node.keys, node.children):
-                self.node(child, f"{var}[{key!r}]")
+            values = None if plain else self.bind(f"list({var}.values())", "values")  # (a key need not have a
+            for i, (key, child) in enumerate(zip(node.keys, node.children)):  # literal, nor find itself: a nan)
+                self.node(child, f"{var}[{key!r}]" if plain else f"{values}[{i}]")
         elif isinstance(node, PytreeInput):
             var = self.bind(expr)
             self.fail_if(f"type({var}) is not {self.constant(node.type, 'TYPE')}")

@@ -1,0 +1,164 @@
+"""Single process: what a compiled call returns or stores is of eager's very type, and a
+dict of any keys eager takes is taken: enum members and str subclasses returned, dicts
+keyed by an enum, infinity or a nan, sizes code made numbers under symbolic values."""
+
+import dataclasses
+import enum
+import types
+
+import pytest
+import torch
+
+import dtcompile
+
+CACHES = ["constant values", "symbolic values"]
+
+
+class Mode(enum.IntEnum):
+    A = 1
+
+
+class Name(str):
+    pass
+
+
+class Color(enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+def _constants_of_subclasses(x, mode):
+    return mode, Mode.A, Name("n"), [Mode.A], {"mode": mode}, x + 1
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_enum_members_and_str_subclasses_returned_keep_their_type(cache):
+    # An IntEnum or a str subclass printed as a literal of its base type came back an int, a str.
+    jitted = dtcompile.jit(_constants_of_subclasses, cache=cache)
+    for _ in range(2):
+        got, expected = jitted(torch.ones(2), Mode.A), _constants_of_subclasses(torch.ones(2), Mode.A)
+        flat = [got[0], got[1], got[2], got[3][0], got[4]["mode"]]
+        wanted = [expected[0], expected[1], expected[2], expected[3][0], expected[4]["mode"]]
+        assert [type(v) for v in flat] == [type(v) for v in wanted] == [Mode, Mode, Name, Mode, Mode]
+        assert flat == wanted and torch.equal(got[5], expected[5])
+
+
+def _weigh(d):
+    return d[Color.RED] * 2 + d[Color.BLUE]
+
+
+def _keyed_by_an_enum(x):
+    return {Color.RED: x + 1, Color.BLUE: x - 1, float("inf"): x * 2}
+
+
+def _weigh_named(d):
+    return d["a"] * 2 + d["b"]
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_dicts_keyed_by_enums_infinity_and_nan_are_taken_and_returned(cache):
+    # Their keys were written with repr: a SyntaxError or NameError in the generated code.
+    d = {Color.RED: torch.ones(2), Color.BLUE: torch.full((2,), 3.0)}
+    assert torch.equal(dtcompile.jit(_weigh, cache=cache)(d), _weigh(d))
+    got, expected = dtcompile.jit(_keyed_by_an_enum, cache=cache)(torch.ones(2)), _keyed_by_an_enum(torch.ones(2))
+    assert list(got) == list(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+    # A nan key is found by identity: read by position, not looked up; and not "changed in place".
+    jitted = dtcompile.jit(_weigh_named, cache=cache)
+    for nan in (float("nan"), float("nan")):
+        d = {"a": torch.ones(2), "b": torch.full((2,), 3.0), nan: 1}
+        assert torch.equal(jitted(d), _weigh_named(d))
+
+
+class _Lengths(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        n = x.shape[0]
+        steps = len(range(n))  # a number now: the size is specialized
+        self.last_length = n
+        return self.lin(x) * steps, n, {"n": n}
+
+
+def _length_on_an_object(x, holder):
+    n = x.shape[0]
+    int(n)
+    holder.n = n
+    return x + 1, [n]
+
+
+def test_a_size_the_code_made_a_number_is_returned_and_stored_as_an_int():
+    # Under symbolic values, never the traced SymInt (not hashable, not an int).
+    module = _Lengths()
+    jitted = dtcompile.jit(module, cache="symbolic values")
+    jitted_fn = dtcompile.jit(_length_on_an_object, cache="symbolic values")
+    with torch.no_grad():
+        for n in (2, 3, 3):
+            _, size, table = jitted(torch.ones(n, 4))
+            assert (type(size), type(table["n"]), type(module.last_length)) == (int, int, int)
+            assert size == table["n"] == module.last_length == n and hash(size) == hash(n)
+            holder = types.SimpleNamespace()
+            _, sizes = jitted_fn(torch.ones(n), holder)
+            assert type(sizes[0]) is int and type(holder.n) is int and holder.n == n
+
+
+class _Doubles(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.arange(8.0))
+
+    def forward(self, x):
+        return x * 2
+
+
+@pytest.mark.parametrize("view", [lambda w: w.data[:3], lambda w: w.detach()[1:]])
+def test_an_argument_viewing_the_modules_parameter_under_symbolic_values_is_a_clear_error(view):
+    # A raw AssertionError of the prologue's builder before; constant values compile it.
+    module = _Doubles()
+    with torch.no_grad():
+        expected = view(module.w) * 2
+        assert torch.equal(dtcompile.jit(module, cache="constant values")(view(module.w)), expected)
+        with pytest.raises(dtcompile.TracingError, match="no input's size binds: tensors of the call share memory"):
+            dtcompile.jit(module, cache="symbolic values")(view(module.w))
+
+
+@dataclasses.dataclass
+class _Info:
+    tags: list
+
+
+SETTINGS = types.SimpleNamespace(scale=2)
+
+
+def _objects_without_tensors(x):
+    return x * 2, types.SimpleNamespace(count=0, n=x.shape[0]), _Info(["a"]), {1}, bytearray(b"ab"), SETTINGS
+
+
+class _Remembers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.info = _Info(["held"])
+
+    def forward(self, x):
+        return x + 1, self.info
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_objects_holding_no_tensor_the_call_makes_are_made_anew(cache):
+    # One object baked into the epilogue before: a change the caller made to the first
+    # result showed in the next; under symbolic values a size in one stayed a SymInt.
+    jitted = dtcompile.jit(_objects_without_tensors, cache=cache)
+    for n in (2, 3, 3):
+        first = jitted(torch.ones(n))
+        first[1].count += 1
+        first[2].tags.append("b")
+        first[3].add(9)
+        first[4].append(0)
+        second = jitted(torch.ones(n))
+        assert (second[1].count, second[2].tags, second[3], second[4]) == (0, ["a"], {1}, bytearray(b"ab"))
+        assert type(second[1].n) is int and second[1].n == n
+        assert second[1] is not first[1] and second[2] is not first[2]
+        assert second[5] is first[5] is SETTINGS  # what was there before the call is the same object
+    module = _Remembers()
+    assert dtcompile.jit(module, cache=cache)(torch.ones(2))[1] is module.info
