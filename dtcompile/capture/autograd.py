@@ -179,9 +179,12 @@ def _saved_alias_written(recording: Recording, forward_end: int) -> None:
     read_back = {p.label for b in symbols[forward_end:] for p in b.input_proxies()} & inputs.keys()
     first_read: dict[str, int] = {}
     for index, bsym in enumerate(symbols[:forward_end]):
-        for proxy in bsym.input_proxies():
-            if proxy.label in read_back:
-                first_read.setdefault(proxy.label, index)
+        # Where autograd may save a value: an op it records (an output requiring grad); a
+        # view or a reduction of a tensor no gradient needs saves nothing.
+        if any(p.requires_grad for p in bsym.output_tensors()):
+            for proxy in bsym.input_proxies():
+                if proxy.label in read_back:
+                    first_read.setdefault(proxy.label, index)
         schema = getattr(bsym.op, "_schema", None)
         if schema is None or not schema.is_mutable:
             continue
@@ -193,8 +196,9 @@ def _saved_alias_written(recording: Recording, forward_end: int) -> None:
             for label in read_back:
                 saved = inputs[label]
                 if label != value.label and first_read.get(label, index) < index and saved.memory == value.memory:
+                    written = value.provenance if isinstance(value.provenance, InputPath) else "a view it made"
                     raise TracingError(
-                        f"dtcompile.jit: the call changes {value.provenance} in place (one of the variables needed "
+                        f"dtcompile.jit: the call changes {written} in place (one of the variables needed "
                         "for gradient computation has been modified by an inplace operation): it shares memory "
                         f"with {saved.provenance}, which the backward reads as it was before; eager raises "
                         "autograd's error at the backward. Change a copy, or pass tensors that do not share memory"
@@ -216,6 +220,8 @@ def _grad(outputs: list, wrt: list, cotangents: list, retain: bool = False) -> t
     """The gradients, DTensor's backward recorded; a graph the traced code freed is refused."""
     try:
         return torch.autograd.grad(outputs, wrt, cotangents, allow_unused=True, retain_graph=retain)
+    except NotImplementedError as error:
+        raise _backward_failed(error) from error
     except RuntimeError as error:
         if "modified by an inplace operation" in str(error):
             raise TracingError(
@@ -231,13 +237,26 @@ def _grad(outputs: list, wrt: list, cotangents: list, retain: bool = False) -> t
                 "torch.autograd.grad. Pass use_reentrant=False (torch's recommended form: same gradients)"
             ) from error
         if "backward through the graph a second time" not in str(error):
-            raise
+            if type(error) is not RuntimeError or _MIXED in str(error):  # (dtcompile's own, or handled above)
+                raise
+            raise _backward_failed(error) from error
         raise TracingError(
             "dtcompile.jit: the call returns a value that requires grad whose graph its code already "
             "differentiated without retain_graph=True (torch.autograd.grad or .backward() inside the call): "
             "autograd freed that graph, and a compiled call differentiates its outputs while compiling. Pass "
             "retain_graph=True there, or return the value detached (y.detach())"
         ) from error
+
+
+def _backward_failed(error: Exception) -> TracingError:
+    """An op's backward raising (a ``funcol.all_reduce(x, "max")``, a derivative torch does
+    not implement, a Function's ``backward`` that raises): eager raises at a backward that
+    reaches it, if any does."""
+    return TracingError(
+        f"dtcompile.jit: the backward of the call raises {type(error).__name__}: {error} -- eager raises it only "
+        "at a backward that reaches the op, but a compiled call differentiates all its outputs while compiling. "
+        "Detach the outputs no gradient flows through (y.detach()), or run the op under torch.no_grad()"
+    )
 
 
 @contextlib.contextmanager

@@ -128,8 +128,15 @@ def storage_refusal(error: Exception) -> TracingError | None:
         return None
     if not any(text in str(error) for text in _NO_DATA):
         return None
+    if "TensorWrapper" in str(error):  # functorch's wrapper of a tensor a gradient transform tracks
+        return TracingError(
+            "dtcompile.jit: torch.func's gradient transforms (grad, vjp, jacrev, hessian) cannot be traced, inside "
+            "a compiled call or around one: the tensors they wrap hide the traced ones. Inside the call, compute "
+            "gradients with torch.autograd.grad(..., create_graph=True); around it, compile the function the "
+            f"transform calls, not the transform ({str(error).splitlines()[0]})"
+        )
     return TracingError(
         f"dtcompile.jit: the traced code reads a tensor's data outside torch's ops ({str(error).splitlines()[0]}), "
         "which a traced tensor does not have: build tensors with torch.stack / torch.cat, keep sparse and "
-        "MKL-DNN tensors outside the call, and apply torch.func transforms inside it"
+        "MKL-DNN tensors outside the call"
     )

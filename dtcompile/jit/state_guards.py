@@ -33,7 +33,7 @@ from ..core.torch_internals import (
     function_mode_count,
     saved_tensors_hooks,
 )
-from .training import same_saved_hooks
+from .saved_hooks import same_saved_hooks
 from .unchanged_dicts import unless_dicts_changed
 
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")

@@ -17,7 +17,6 @@ other hooks than traced is refused.
 from __future__ import annotations
 
 import collections
-import types
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +37,7 @@ from ..core.torch_internals import (
 from ..core.trace import Zeros
 from ..transforms.effects import mutates
 from .epilogue import build_epilogue, build_output_wrapper, with_sizes
+from .saved_hooks import same_saved_hooks
 
 
 @dataclass(frozen=True)
@@ -234,55 +234,15 @@ class TrainingProgram:
                 torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 
-def same_saved_hooks(a: tuple | None, b: tuple | None) -> bool:
-    """Whether two saved_tensors_hooks pairs (pack, unpack) do the same: the same
-    functions, or functions of the same code over the same defaults and closure cells
-    (``save_on_cpu()`` entered anew at each step makes new closures of equal cells)."""
-    if a is None or b is None:
-        return a is b
-    return all(_same_function(x, y) for x, y in zip(a, b))
-
-
-def _same_function(a, b) -> bool:
-    if a is b:
-        return True
-    if isinstance(a, types.MethodType) and isinstance(b, types.MethodType):
-        return a.__self__ is b.__self__ and _same_function(a.__func__, b.__func__)
-    if not (isinstance(a, types.FunctionType) and isinstance(b, types.FunctionType)):
-        return False
-    if a.__code__ is not b.__code__ or a.__globals__ is not b.__globals__:
-        return False
-    return (
-        _same_values(a.__defaults__ or (), b.__defaults__ or ())
-        and _same_values(_cells(a), _cells(b))
-        and (a.__kwdefaults__ or {}).keys() == (b.__kwdefaults__ or {}).keys()
-        and _same_values(tuple((a.__kwdefaults__ or {}).values()), tuple((b.__kwdefaults__ or {}).values()))
-    )
-
-
-def _cells(fn) -> tuple:
-    contents = []
-    for cell in fn.__closure__ or ():
-        try:
-            contents.append(cell.cell_contents)
-        except ValueError:  # an empty cell
-            contents.append(_EMPTY)
-    return tuple(contents)
-
-
-_EMPTY = object()
-
-
-def _same_values(a: tuple, b: tuple) -> bool:
-    """Scalars by type and value, anything else by identity."""
-    scalars = (type(None), bool, int, float, str, torch.device, torch.dtype)
-    return len(a) == len(b) and all(
-        x is y or (type(x) is type(y) and isinstance(x, scalars) and x == y) for x, y in zip(a, b)
-    )
-
-
 def _name(fn) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+_SAVED_INFERENCE = (  # eager's error, where autograd would save an inference tensor
+    "Inference tensors cannot be saved for backward. Please do not use Tensors created in inference mode in "
+    "computation tracked by autograd. To work around this, you can make a clone to get a normal tensor and use it "
+    "in autograd, or use `torch.no_grad()` instead of `torch.inference_mode()`."
+)
 
 
 class CompiledStep(torch.autograd.Function):
@@ -293,16 +253,21 @@ class CompiledStep(torch.autograd.Function):
         local_inputs = list(inputs)
         for position in program.dtensor_inputs:
             local_inputs[position] = local_inputs[position]._local_tensor
+        if any(local_inputs[i].is_inference() for i in program.read_back):  # (they have no version)
+            raise RuntimeError(_SAVED_INFERENCE)
         versions = [local_inputs[i]._version for i in program.read_back]
         outs = _views_made_own(program.forward(*local_inputs), program.slots, local_inputs)
         ctx.program = program
+        ctx.arrived_before = 0  # the outputs earlier backwards had gradients of (bit i: cotangents[i])
         ctx.written = [i for i, v in zip(program.read_back, versions) if local_inputs[i]._version != v]
         # As autograd's own saved tensors: freed after a backward without retain_graph (a
         # second one then raises), and checked for in-place changes before the backward.
         # Numbers (read from tensor data) are kept beside them, in their places.
         saved = outs[program.slots :]
         ctx.numbers = [(i, v) for i, v in enumerate(saved) if not isinstance(v, torch.Tensor)]
-        ctx.save_for_backward(*(v for v in saved if isinstance(v, torch.Tensor)))
+        tensors = [v for v in saved if isinstance(v, torch.Tensor)]
+        ctx.saves = bool(tensors)  # (saving none, a second backward runs, as eager's through nodes saving none)
+        ctx.save_for_backward(*tensors)
         # Gradients autograd computes none for stay None (not zeros made now, alive through
         # the whole backward): the program makes them where it first reads them.
         ctx.set_materialize_grads(False)
@@ -335,7 +300,19 @@ class CompiledStep(torch.autograd.Function):
             )
         if program.dtensor_modes is not None and not program.dtensor_modes[0].active():
             raise RuntimeError(program.dtensor_modes[1])  # eager's, outside loss_parallel() say
-        inputs = list(ctx.saved_tensors)
+        arrived = sum(1 << i for i, c in enumerate(program.cotangents) if grad_outputs[c.slot] is not None)
+        try:
+            inputs = list(ctx.saved_tensors) if ctx.saves else []
+        except RuntimeError as error:
+            if "a second time" not in str(error) or ctx.arrived_before & arrived:
+                raise
+            raise RuntimeError(
+                "dtcompile: the outputs of a compiled call are one autograd node: the backward of some of them "
+                "(without retain_graph=True) freed what the backward of the others reads, where eager's graphs "
+                "of them may be apart. Run one backward for all (torch.autograd.backward([l1, l2]) or "
+                "(l1 + l2).backward()), or pass retain_graph=True to the first"
+            ) from error
+        ctx.arrived_before |= arrived
         # Autograd lets go of the saved tensors now unless the graph is retained, and the
         # backward program empties ``inputs``: each saved value is freed after its last use,
         # as eager frees each node's saved tensors once the node has run.
@@ -345,7 +322,6 @@ class CompiledStep(torch.autograd.Function):
         inputs += [c.prepare(grad_outputs[c.slot], shape) for c, shape in zip(program.cotangents, ctx.local_shapes)]
         # The cotangents that arrived: an input only outputs without one reach gets no
         # gradient (None, not zeros), as in eager.
-        arrived = sum(1 << i for i, c in enumerate(program.cotangents) if grad_outputs[c.slot] is not None)
         if not users_code_reached(program.users_code, arrived):
             missing = [c.slot for i, c in enumerate(program.cotangents) if not arrived >> i & 1]
             raise RuntimeError(

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from torch.utils._pytree import tree_flatten
 
-from ..core import FromData, NumberProxy, TensorProxy, Trace
+from ..core import BoundSymbol, FromData, NoProvenance, NumberProxy, TensorProxy, Trace
 from ..core.op_classes import is_collective, is_wait
 from ..core.prims import size_query
 from ..core.symbolic import is_symbolic, size_hint, symbolic_expr
@@ -43,26 +43,31 @@ class SplitTraces:
 
 def _holders_of_missing_sizes(
     backward: Trace, available: list[TensorProxy], primals: list, read_from_data: dict
-) -> list[TensorProxy | NumberProxy]:
+) -> tuple[list[TensorProxy | NumberProxy], list[BoundSymbol]]:
     """What the forward saves so that the backward can read every symbolic size it uses:
-    its own inputs may not hold them all (an input's size the gradients do not carry). A
-    forward input that holds the size; else a number the forward read from tensor data
-    (``read_from_data``: symbol -> number), saved as a number."""
+    its own inputs may not hold them all (an input's size the gradients do not carry).
+    A number, read by the forward from an input that holds the size (the symbols that
+    read them, for the forward) or from tensor data (``read_from_data``: symbol ->
+    number). Not the input itself, as eager's autograd keeps sizes: saving it would keep
+    it alive, check its version at the backward (a buffer refilled in between would fail)
+    and refuse an inference tensor."""
     needed = set()
     for bsym in backward.bound_symbols:
         for leaf in tree_flatten((bsym.args, bsym.kwargs))[0]:
             if is_symbolic(leaf):
                 needed |= symbolic_expr(leaf).free_symbols
     forward_inputs = [p for p in primals if isinstance(p, TensorProxy)]
-    holders = []
+    holders, reads = [], []
     for symbol in sorted(needed, key=str):
         if size_query(symbol, available) is None:
             found = size_query(symbol, forward_inputs)
             if found is not None:
-                holders.append(found[1][0])
+                number = NumberProxy(f"saved_{symbol}", symbol, None, NoProvenance("the forward, for its backward"))
+                reads.append(BoundSymbol(found[0], found[1], {}, number))
+                holders.append(number)
             elif symbol in read_from_data:  # a number read from data: saved itself
                 holders.append(read_from_data[symbol])
-    return holders
+    return holders, reads
 
 
 def saved_note(forward: Trace, forward_outputs: int) -> str:
@@ -173,7 +178,9 @@ def split_forward_backward(
         if isinstance(b.output, NumberProxy) and isinstance(b.output.provenance, FromData)
     }
     available = [p for p in saved if isinstance(p, TensorProxy)] + list(cotangents)
-    for proxy in _holders_of_missing_sizes(backward_only, available, primals, read_from_data):
+    holders, size_reads = _holders_of_missing_sizes(backward_only, available, primals, read_from_data)
+    forward_symbols += size_reads
+    for proxy in holders:
         if proxy.label not in seen:
             seen.add(proxy.label)
             saved.append(proxy)

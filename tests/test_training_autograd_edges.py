@@ -1,0 +1,148 @@
+"""Single process: autograd around a compiled training call where eager's rules are fine
+grained: what autograd saves (and so checks and refuses), a second backward, and
+torch.func's gradient transforms."""
+
+import pytest
+import torch
+
+import dtcompile
+
+CACHES = ["constant values", "symbolic values"]
+
+
+def _run(fn, cache, x, w, between=None):
+    """``fn(x, w).sum().backward()``, eager or compiled (``cache`` None: eager), with
+    ``between`` run after the call: w's gradient, or the error raised."""
+    called = fn if cache is None else dtcompile.jit(fn, cache=cache)
+    try:
+        y = called(x, w)
+        if between is not None:
+            between(x)
+        y.sum().backward()
+        return w.grad.clone()
+    except RuntimeError as error:
+        return error
+
+
+_WRITES_BEFORE_THE_SAVE = {
+    "x[:, 0].mul_(2); x * w": lambda x, w: (x[:, 0].mul_(2), x * w)[1],
+    "x[:, :2] = 0; x @ w": lambda x, w: (x.__setitem__((slice(None), slice(0, 2)), 0.0), x @ w.unsqueeze(1))[1],
+    "x.t().mul_(2); x * w": lambda x, w: (x.t().mul_(2), x * w)[1],
+    "s = x.sum(); x[0].zero_(); x * w + s": lambda x, w: (s := x.sum(), x[0].zero_(), x * w + s)[2],
+}
+
+
+@torch.enable_grad()
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("name", list(_WRITES_BEFORE_THE_SAVE))
+def test_an_input_written_through_a_view_before_autograd_saves_it_is_eagers(name, cache):
+    # Refused before: any read of the input (the view op itself) counted as its saving.
+    fn = _WRITES_BEFORE_THE_SAVE[name]
+    results = []
+    for run_cache in (None, cache):
+        torch.manual_seed(0)
+        x, w = torch.randn(3, 4), torch.randn(4, requires_grad=True)
+        results.append((_run(fn, run_cache, x, w), x))
+    (expected, x_eager), (got, x_compiled) = results
+    assert torch.equal(got, expected) and torch.equal(x_compiled, x_eager)
+
+
+def _saves_the_input(x, w):
+    return x * w
+
+
+@torch.enable_grad()
+@pytest.mark.parametrize("cache", CACHES)
+def test_an_inference_tensor_autograd_would_save_raises_eagers_error(cache):
+    # An AttributeError-like RuntimeError from reading the input's version before.
+    with torch.inference_mode():
+        x = torch.randn(3, 4)
+    w = torch.randn(4, requires_grad=True)
+    expected = _run(_saves_the_input, None, x, w)
+    got = _run(_saves_the_input, cache, x, w)
+    assert isinstance(expected, RuntimeError) and type(got) is RuntimeError and str(got) == str(expected)
+
+
+_SIZES_ONLY = {
+    "(x + w).sum()": lambda x, w: (x + w).sum(),
+    "cat([x, w]).sin()": lambda x, w: torch.cat([x, w], 0).sin(),
+    "(w.mean(0) + x.mean(0)).exp()": lambda x, w: (w.mean(0) + x.mean(0)).exp(),
+}
+
+
+@torch.enable_grad()
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("name", list(_SIZES_ONLY))
+def test_an_input_the_backward_needs_only_the_sizes_of_is_not_saved(name, cache):
+    # Under symbolic values the forward saved the input for its sizes: refilled before the
+    # backward, autograd's in-place error; made under inference_mode, refused at the call.
+    fn = _SIZES_ONLY[name]
+
+    def refill(x):
+        with torch.no_grad():
+            x.add_(1)
+
+    torch.manual_seed(0)
+    x, w = torch.randn(6, 4), torch.randn(6, 4, requires_grad=True)
+    expected = _run(fn, None, x.clone(), w, refill)
+    w.grad = None
+    assert torch.equal(_run(fn, cache, x.clone(), w, refill), expected)
+    with torch.inference_mode():
+        x = torch.randn(6, 4)
+    w.grad = None
+    expected = _run(fn, None, x, w)
+    w.grad = None
+    assert torch.equal(_run(fn, cache, x, w), expected)
+
+
+def _two_heads(x, w1, w2):
+    return (x * w1).sum(), (x * w2).sum()
+
+
+@torch.enable_grad()
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_second_backward_after_one_of_other_outputs_is_a_clear_error(cache):
+    # Eager's graphs of the two are apart; the compiled call's outputs are one node, whose
+    # saved values the first backward freed: autograd's message told to retain the graph.
+    x, w1, w2 = torch.randn(3), torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    l1, l2 = _two_heads(x, w1, w2)
+    l1.backward()
+    l2.backward()
+    jitted = dtcompile.jit(_two_heads, cache=cache)
+    l1, l2 = jitted(x, w1, w2)
+    l1.backward()
+    with pytest.raises(RuntimeError, match="one autograd node.*torch.autograd.backward"):
+        l2.backward()
+    w1.grad = w2.grad = None
+    torch.autograd.backward(list(jitted(x, w1, w2)))
+    assert torch.equal(w1.grad, x) and torch.equal(w2.grad, x)
+    l1, _ = jitted(x, w1, w2)
+    l1.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):  # eager's, as eager
+        l1.backward()
+
+
+def _nothing_saved(x, w):
+    return (x + w).sum()
+
+
+@torch.enable_grad()
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_graph_that_saves_nothing_can_be_differentiated_twice_as_in_eager(cache):
+    x, w = torch.randn(6, 4), torch.randn(6, 4, requires_grad=True)
+    y = dtcompile.jit(_nothing_saved, cache=cache)(x, w)
+    y.backward()
+    y.backward()
+    assert torch.equal(w.grad, torch.full((6, 4), 2.0))
+
+
+def _gradient_transform_inside(x, w):
+    return torch.func.grad(lambda r: (r**3).sum())(x) * w
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_torch_func_gradient_transforms_are_refused_saying_what_to_write(cache):
+    # The refusal told to apply torch.func transforms inside the call, which this one does.
+    x, w = torch.randn(3), torch.randn(3)
+    with pytest.raises(dtcompile.TracingError, match="torch.func's gradient transforms .* torch.autograd.grad"):
+        dtcompile.jit(_gradient_transform_inside, cache=cache)(x, w)
