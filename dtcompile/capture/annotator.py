@@ -42,6 +42,7 @@ from .method_checks import (
 from .op_memo import MISSED, OpMemo, state
 from .placements import describe_argument, describe_output
 from .recorder import Recording
+from .traced_errors import refusal
 from .verified import VerifyFailed
 
 # Tensor methods that hand the caller a tensor's data outside torch (NumPy, Python lists).
@@ -65,7 +66,6 @@ _METADATA_READS = {
 
 
 _SYMBOLIC_NUMEL = "Cannot call numel() on tensor with symbolic sizes/strides"
-_CONCRETE_SIZES = "expected to contain only concrete integers"
 
 
 _REAL_METADATA_GETTERS = frozenset(
@@ -317,19 +317,9 @@ class CallAnnotator(TorchFunctionMode):
                 ) from error
             raise
         except RuntimeError as error:
-            if "directly modify sizes for customized tensor" in str(error):  # resize_ under symbolic values
-                path = received(args[0])
-                raise TracingError(
-                    f"dtcompile.jit: {_short_name(func)} changes the sizes or strides of "
-                    f"{'a traced tensor' if path is None else path} in place, which dtcompile does not trace. Use the "
-                    "out-of-place form"
-                ) from error
-            if "MathBitsFallback" in str(error):  # torch's fallback for conj/neg views asserts on proxies
-                raise TracingError(
-                    f"dtcompile.jit: {_short_name(func)} writes in place through a conjugate or negative view "
-                    "(x.conj(), torch._neg_view), which cannot be recorded: write to the tensor itself (for "
-                    "y = x.conj(); y.add_(1), x.add_(1))"
-                ) from error
+            refused = refusal(_short_name(func), error, received(args[0]) if args else None)
+            if refused is not None:
+                raise refused from error
             if (
                 _SYMBOLIC_NUMEL in str(error)
                 and handled_by_dtensor
@@ -347,11 +337,6 @@ class CallAnnotator(TorchFunctionMode):
                 args, kwargs = tree_map(lambda v: _replicated(v, mesh), (args, kwargs))
                 out = func(*args, **kwargs)
             else:
-                if _CONCRETE_SIZES in str(error):  # torch has no kernel for symbolic sizes (``generator=``)
-                    raise TracingError(
-                        f"dtcompile.jit: {_short_name(func)} cannot take symbolic sizes in torch (its kernel, here, "
-                        "takes concrete ones: a random op with generator=, say); use cache='constant values'"
-                    ) from error
                 argument = _LEAF_IN_PLACE in str(error) and self._non_leaf_argument(leaves)
                 if argument:  # a proxy is a leaf; eager's argument is not, and its in-place change runs
                     raise TracingError(

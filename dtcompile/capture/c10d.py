@@ -112,6 +112,18 @@ _BACKEND_GRADIENTS = {
 }
 
 
+def _backend_gradient(op_name: str, arguments: list) -> bool:
+    """Whether eager's gradient through the c10d op is the backend kernel's doing: those
+    above, and an all-reduce by AVG (Gloo's is a sum and a division autograd records,
+    NCCL's one op autograd does not see)."""
+    if op_name in _BACKEND_GRADIENTS:
+        return True
+    if op_name not in ("allreduce_", "allreduce_coalesced_"):
+        return False
+    op = arguments[2]
+    return (op.op() if isinstance(op, torch.ScriptObject) else int(op)) == int(dist.ReduceOp.AVG)
+
+
 def _tensors(argument) -> list:
     """The tensors of a c10d op's argument: one, a list, or a list of lists."""
     items = argument if isinstance(argument, list) else [argument]
@@ -156,10 +168,14 @@ def record_c10d(recording, func, args: tuple, kwargs: dict):
         raise TracingError(f"dtcompile.jit: {call} (c10d.{op_name}) cannot be recorded in a compiled program")
     schema = func._schema.arguments
     arguments = list(args) + [kwargs[a.name] for a in schema[len(args) :] if a.name in kwargs]
-    if op_name in _BACKEND_GRADIENTS and torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(args[1])):
+    if (
+        _backend_gradient(op_name, arguments)
+        and torch.is_grad_enabled()
+        and any(t.requires_grad for t in _tensors(args[1 if op_name in _BACKEND_GRADIENTS else 0]))
+    ):
         raise TracingError(
             f"dtcompile.jit: {call} of a tensor that requires grad: eager's gradient through it is whatever the "
-            "backend's kernel does (Gloo's copies give one, NCCL's none); use the differentiable collectives "
+            "backend's kernel does (Gloo's and NCCL's differ); use the differentiable collectives "
             "(torch.distributed.nn.functional, or DTensor), or call it under torch.no_grad()"
         )
     tensors = [t for a in arguments[:2] for t in _tensors(a)]

@@ -19,7 +19,7 @@ import sympy
 import torch
 
 from .code_origin import library_code, standard_library
-from .errors import TracingError
+from .errors import TracingError, data_dependent_error
 from .provenance import InputPath, Provenance
 from .symbolic import known_equal
 from .torch_internals import storage_id
@@ -279,7 +279,17 @@ def read_elements(tensor: torch.Tensor):
     are guarded constants."""
     if tensor.dim() == 0:
         return tensor.item()
-    return [read_elements(tensor[i]) for i in range(int(tensor.shape[0]))]
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    try:
+        length = int(tensor.shape[0])
+    except GuardOnDataDependentSymNode as error:
+        raise data_dependent_error(
+            "Tensor.tolist",
+            f"a list of {tensor.shape[0]} items, a length read from tensor data that tracing cannot compute: one "
+            "a collective computes, say",
+        ) from error
+    return [read_elements(tensor[i]) for i in range(length)]
 
 
 class NumberProxy:

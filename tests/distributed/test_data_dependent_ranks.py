@@ -5,6 +5,7 @@ from data that differ between ranks while the ranks' programs agree on their col
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from checks import assert_same
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -61,3 +62,44 @@ def per_rank_data():
 def test_branches_and_sizes_on_each_ranks_own_data(ranks2):
     # Both ranks meet both branches (two entries each); the masked sum compiles once.
     assert ranks2.run(per_rank_data) == [[2, 1], [2, 1]]
+
+
+def _split_by_counts_a_collective_made(x):
+    y = x.clone()
+    dist.all_reduce(y)
+    counts = torch.bincount(y.argmax(-1), minlength=4)
+    return [piece * 1 for piece in x.split(counts.tolist())]
+
+
+def _slice_by_a_bound_from_data(x, n):
+    return x[:, : n.full_tensor().max().item()] + 1
+
+
+def _max_all_reduce_beside_a_sum(x):
+    return funcol.all_reduce(x * 2, "sum", dist.group.WORLD) + 1, funcol.all_reduce(x, "max", dist.group.WORLD)
+
+
+def refusals_name_the_call(cache: str):
+    """What tracing cannot size or differentiate, refused naming the call, where torch's
+    own error (or a misleading one) came before: a list whose length only a collective
+    computes; a DTensor sliced by a bound read from data (DTensor sizes it under a fake
+    mode of its own; ``narrow`` compiles); a max all-reduce's backward, which eager raises
+    only where a backward reaches it."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(dtcompile.TracingError, match="Tensor.tolist depends on the values in a tensor .a list of u"):
+        dtcompile.jit(_split_by_counts_a_collective_made, cache=cache)(x)
+    dx = distribute_tensor(x, mesh, [Shard(0)])
+    n = distribute_tensor(torch.tensor([1, 2, 0, 3, 1, 2]), mesh, [Shard(0)])
+    with pytest.raises(dtcompile.TracingError, match="of a DTensor with a bound read from tensor data.*narrow"):
+        dtcompile.jit(_slice_by_a_bound_from_data, cache=cache)(dx, n)
+    with pytest.raises(dtcompile.TracingError, match="backward of the call raises RuntimeError: all_reduce backward"):
+        dtcompile.jit(_max_all_reduce_beside_a_sum, cache=cache)(x.requires_grad_())
+    with torch.no_grad():
+        assert_same(dtcompile.jit(_max_all_reduce_beside_a_sum, cache=cache)(x), _max_all_reduce_beside_a_sum(x))
+    return True
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_what_tracing_cannot_size_or_differentiate_is_refused_naming_the_call(ranks2, cache):
+    assert ranks2.run(refusals_name_the_call, cache) == [True, True]

@@ -508,6 +508,12 @@ def _all_gather_into_tensor_of(y):
     return out
 
 
+def _all_reduce_avg_of(y):
+    y = y * 1.0
+    dist.all_reduce(y, op=dist.ReduceOp.AVG)
+    return y
+
+
 def _of_a_product(collective, weight, x):
     return collective(x @ weight)
 
@@ -515,10 +521,13 @@ def _of_a_product(collective, weight, x):
 def collectives_whose_eager_gradient_is_the_backends():
     """A reduce-scatter or all-gather into another tensor, of one that requires grad: Gloo's
     kernel writes the output with copies autograd records (a gradient through the rank's
-    own rows), NCCL's writes it with none; refused under grad mode, compiled without."""
+    own rows), NCCL's writes it with none; an all-reduce by AVG: Gloo's divides where
+    autograd sees it (a gradient of 1/world size), NCCL's does not (of 1). Refused under
+    grad mode, compiled without."""
     weight = torch.nn.Parameter(torch.ones(3, 3))
     x = torch.ones(4, 3) * (dist.get_rank() + 1)
-    for collective in (_reduce_scatter_tensor_of, _reduce_scatter_list_of, _all_gather_into_tensor_of):
+    collectives = (_reduce_scatter_tensor_of, _reduce_scatter_list_of, _all_gather_into_tensor_of, _all_reduce_avg_of)
+    for collective in collectives:
         program = functools.partial(_of_a_product, collective, weight)
         with pytest.raises(dtcompile.TracingError, match="requires grad: eager's gradient through it"):
             dtcompile.jit(program)(x)

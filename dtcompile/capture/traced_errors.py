@@ -1,0 +1,47 @@
+"""Refusals named by the torch-level call, where torch's tracing kernels fail on what
+eager runs: each such RuntimeError of a fake or meta kernel, or of DTensor's sharding
+propagation, becomes a :class:`TracingError` saying what the code did and what to write
+instead. (Errors eager raises as well are ``eager_errors``' business.)"""
+
+from __future__ import annotations
+
+from ..core import TracingError
+
+# torch's messages, each the sign of one case below
+_RESIZED = "directly modify sizes for customized tensor"
+_MATH_BITS = "MathBitsFallback"
+_CONCRETE_SIZES = "expected to contain only concrete integers"
+_NO_SHAPE_ENV = "Must have shape_env to create symint"
+
+
+def refusal(call: str, error: RuntimeError, first_argument: str | None) -> TracingError | None:
+    """The clear error for ``call`` failing with ``error`` while tracing (``first_argument``:
+    where the call's first argument came from in the user's call, if it did), or None."""
+    message = str(error)
+    if _RESIZED in message:  # resize_ under symbolic values
+        return TracingError(
+            f"dtcompile.jit: {call} changes the sizes or strides of "
+            f"{'a traced tensor' if first_argument is None else first_argument} in place, which dtcompile does not "
+            "trace. Use the out-of-place form"
+        )
+    if _MATH_BITS in message:  # torch's fallback for conj/neg views asserts on proxies
+        return TracingError(
+            f"dtcompile.jit: {call} writes in place through a conjugate or negative view "
+            "(x.conj(), torch._neg_view), which cannot be recorded: write to the tensor itself (for "
+            "y = x.conj(); y.add_(1), x.add_(1))"
+        )
+    if _CONCRETE_SIZES in message:  # torch has no kernel for symbolic sizes (``generator=``)
+        return TracingError(
+            f"dtcompile.jit: {call} cannot take symbolic sizes in torch (its kernel, here, "
+            "takes concrete ones: a random op with generator=, say); use cache='constant values'"
+        )
+    if _NO_SHAPE_ENV in message:
+        # DTensor sizes its result under a fake mode of its own, which cannot make the
+        # number of elements a slice keeps when its bound is read from data (``x[:, :k]``,
+        # ``k = n.max().item()``): a bound it can order (``narrow``) needs none.
+        return TracingError(
+            f"dtcompile.jit: {call} of a DTensor with a bound read from tensor data (an .item()): DTensor's "
+            "sharding propagation cannot size its result while tracing. Use x.narrow(dim, start, length), "
+            "or slice the local tensor (x.to_local())"
+        )
+    return None
