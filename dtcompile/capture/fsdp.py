@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..core import TracingError
 from ..core.fsdp_internals import fsdp_cast_inputs, fsdp_cast_output, fsdp_param_groups, fsdp_unsharded_spec
+from .python_reads import ABSENT, Read
 
 
 class UnsupportedFSDPError(TracingError):
@@ -123,6 +124,8 @@ def _fsdp_groups(root: torch.nn.Module) -> list[ManagedModule]:
                 raise _refuse("an all-reduce hook", path)
             if getattr(group, "reduce_scatter_unused_params", False):
                 raise _refuse("set_reduce_scatter_unused_params", path)
+            if not getattr(group, "reshard_after_backward", True):  # eager keeps the unsharded ones registered
+                raise _refuse("set_reshard_after_backward(False)", path)
             mp = group.mp_policy
             reduce_grads = reduce_grads and group.reduce_grads
             # The root of a module tree is not resharded after forward unless asked
@@ -159,6 +162,34 @@ def _fsdp_groups(root: torch.nn.Module) -> list[ManagedModule]:
         hook_ids = (state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id)
         managed.append(ManagedModule(module, state, params, reshard, reduce_grads, hook_ids))
     return managed
+
+
+# FSDP2's options of a parameter group that its setters change (``set_all_reduce_hook``,
+# ``set_reshard_after_backward``, ``set_reshard_after_forward``, ``set_gradient_divide_factor``):
+# refused or traced as they are when compiling, so guarded. (``reduce_grads``, which
+# ``set_requires_gradient_sync`` sets, changes nothing the program computes: see the README.)
+_OPTIONS = (
+    "_all_reduce_hook",
+    "gradient_divide_factor",
+    "force_sum_reduction_for_comms",
+    "reduce_scatter_unused_params",
+    "reshard_after_backward",
+    "post_forward_mesh_info",
+    "offload_policy",
+)
+
+
+def option_reads(root: torch.nn.Module) -> list[Read]:
+    """The FSDP2 options of the modules ``fully_shard`` manages under ``root``, as they are
+    now, for the prologue to guard: one set after compiling makes the call compile again."""
+    reads = []
+    for path, module in root.named_modules():
+        if _is_managed(module):
+            for i, group in enumerate(fsdp_param_groups(module._get_fsdp_state())):
+                for option in _OPTIONS:
+                    where = f"FSDP2's {option} of the parameter group {i} of {path or 'the root'!r}"
+                    reads.append(Read(group, None, getattr(group, option, ABSENT), where, attribute=option))
+    return reads
 
 
 def unshard(sharded: DTensor, param: ShardedParameter) -> torch.Tensor:

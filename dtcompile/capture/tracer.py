@@ -26,7 +26,7 @@ from .blocks import RepeatedBlocks
 from .c10d import object_collective_refusal, symbolic_splits
 from .data_branches import assumptions_unlogged, checks_first
 from .fake_calls import storage_refusal
-from .fsdp import FSDPTracing, reaches_fsdp, refusing_recomputes
+from .fsdp import FSDPTracing, option_reads, reaches_fsdp, refusing_recomputes
 from .global_state import (
     GlobalState,
     RandomStates,
@@ -195,6 +195,7 @@ def _capture(
     )
     if module_state is not None:
         inputs.python_state = PythonState.of_module(module)
+        inputs.python_state.reads += option_reads(module)
     else:
         inputs.python_state = PythonState.of_function(fn)
         if reaches_fsdp(reached for _, reached in inputs.python_state.modules):

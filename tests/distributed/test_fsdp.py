@@ -217,6 +217,33 @@ class _CheckpointedMLP(MLP):
         return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=False)
 
 
+def options_set_after_compiling():
+    """FSDP2's setters called after a compiled call are seen: the call compiles again, and
+    what dtcompile does not compile is refused (an all-reduce hook changed the gradients
+    eager's way while the entry ran without it; not resharding after backward leaves
+    eager's unsharded parameters registered, which the program does not)."""
+    dp, _ = _mesh((2,))
+    refused = []
+    for setter in (
+        lambda m: m.set_all_reduce_hook(lambda t: t.mul_(2)),
+        lambda m: m.set_reshard_after_backward(False),
+    ):
+        model = _model("mlp", dp, None)
+        jitted = dtcompile.jit(model)
+        jitted(_batch("mlp", dp, 0)).pow(2).mean().backward()
+        for module in (model, model.up, model.down):
+            setter(module)
+        with pytest.raises(UnsupportedFSDPError, match="not supported") as error:
+            jitted(_batch("mlp", dp, 1))
+        refused.append(str(error.value).split(" (FSDP2")[0])
+    return refused
+
+
+def test_fsdp_options_set_after_compiling_are_seen(ranks2):
+    for refused in ranks2.run(options_set_after_compiling):
+        assert refused == ["dtcompile.jit: an all-reduce hook", "dtcompile.jit: set_reshard_after_backward(False)"]
+
+
 def test_unsupported_fsdp_options_are_refused(ranks2):
     for messages in ranks2.run(refusals):
         assert "not supported" in messages[0]
