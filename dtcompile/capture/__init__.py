@@ -36,6 +36,7 @@ from .outputs import (
 from .placements import describe_placement, describe_placements
 from .snapshots import DataSnapshot
 from .tracer import CallInputs, CapturedCall, capture_call, is_tracing
+from .user_code import call_uncompiled
 
 __all__ = [
     "AttributeUpdate",
@@ -68,6 +69,7 @@ __all__ = [
     "TracingError",
     "BackwardCapture",
     "UnsupportedInputError",
+    "call_uncompiled",
     "capture_call",
     "DataSnapshot",
     "is_state_object",

@@ -90,6 +90,7 @@ def _jitted_class(cls: type) -> type:
             "__deepcopy__": _jitted_module_deepcopy,
             "__reduce_ex__": _jitted_module_reduce_ex,
             "__slots__": ("_dtcompile",),
+            "_dtcompile_jitted": True,  # (the call traced skips this class's: ``call_uncompiled``)
             "__module__": cls.__module__,
             "__qualname__": f"Jitted{cls.__qualname__}",
         }
@@ -107,6 +108,9 @@ def _jit_module(module: torch.nn.Module, cache: str, executors, check) -> torch.
     jitted = object.__new__(_jitted_class(type(module)))
     object.__setattr__(jitted, "__dict__", module.__dict__)
     object.__setattr__(jitted, "_dtcompile", compiled)
+    # The jitted object is what is traced and guarded: a class set on it later (a
+    # parametrization's, ``jm.__class__ = Sub``) is its call's, and ``self`` is it.
+    compiled.fn = compiled.module = jitted
     return jitted
 
 
