@@ -2,6 +2,8 @@
 grained: what autograd saves (and so checks and refuses), a second backward, and
 torch.func's gradient transforms."""
 
+import copy
+
 import pytest
 import torch
 
@@ -146,3 +148,52 @@ def test_torch_func_gradient_transforms_are_refused_saying_what_to_write(cache):
     x, w = torch.randn(3), torch.randn(3)
     with pytest.raises(dtcompile.TracingError, match="torch.func's gradient transforms .* torch.autograd.grad"):
         dtcompile.jit(_gradient_transform_inside, cache=cache)(x, w)
+
+
+_BASE = torch.randn(4, 3, requires_grad=True)
+_HELD = {"w": _BASE * 2}  # a non-leaf the call closes over: the traced code gets a leaf stand-in
+
+
+def _grad_of_the_held(x):
+    return torch.autograd.grad((x @ _HELD["w"]).sum(), [_HELD["w"]], retain_graph=True)[0]
+
+
+def _grad_of_its_base(x):
+    return torch.autograd.grad((x @ _HELD["w"]).sum(), [_BASE], allow_unused=True, materialize_grads=True)[0]
+
+
+@torch.enable_grad()
+@pytest.mark.parametrize("cache", CACHES)
+def test_autograd_grad_inside_with_respect_to_a_closed_over_non_leaf(cache):
+    # Autograd was given the real tensor, in no traced graph: an error; with respect to its
+    # base, zeros with allow_unused (eager's gradient runs through the graph outside).
+    x = torch.randn(5, 4)
+    assert torch.allclose(dtcompile.jit(_grad_of_the_held, cache=cache)(x), _grad_of_the_held(x))
+    with pytest.raises(dtcompile.TracingError, match="reaches only through a tensor it closes over"):
+        dtcompile.jit(_grad_of_its_base, cache=cache)(x)
+
+
+class _ClampsItsScale(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+        self.scale = torch.nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.scale[:2].clamp_(min=0)
+        return self.lin(x) * self.scale
+
+
+@torch.enable_grad()
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_parameter_written_through_a_view_under_no_grad_before_its_use_is_eagers(cache):
+    # A view made under no_grad saves nothing: counted as the saving read, it was refused.
+    torch.manual_seed(0)
+    eager, x = _ClampsItsScale(), torch.randn(5, 4)
+    compiled = copy.deepcopy(eager)
+    eager(x).sum().backward()
+    dtcompile.jit(compiled, cache=cache)(x).sum().backward()
+    assert torch.equal(compiled.scale, eager.scale)
+    for got, expected in zip(compiled.parameters(), eager.parameters()):
+        assert torch.allclose(got.grad, expected.grad)

@@ -179,9 +179,9 @@ def _saved_alias_written(recording: Recording, forward_end: int) -> None:
     read_back = {p.label for b in symbols[forward_end:] for p in b.input_proxies()} & inputs.keys()
     first_read: dict[str, int] = {}
     for index, bsym in enumerate(symbols[:forward_end]):
-        # Where autograd may save a value: an op it records (an output requiring grad); a
-        # view or a reduction of a tensor no gradient needs saves nothing.
-        if any(p.requires_grad for p in bsym.output_tensors()):
+        # Where autograd may save a value: an op it records (an output with a grad_fn); a
+        # view or a reduction of a tensor no gradient needs, or one under no_grad, saves nothing.
+        if any(map(_recorded_by_autograd, bsym.output_tensors())):
             for proxy in bsym.input_proxies():
                 if proxy.label in read_back:
                     first_read.setdefault(proxy.label, index)
@@ -203,6 +203,14 @@ def _saved_alias_written(recording: Recording, forward_end: int) -> None:
                         f"with {saved.provenance}, which the backward reads as it was before; eager raises "
                         "autograd's error at the backward. Change a copy, or pass tensors that do not share memory"
                     )
+
+
+def _recorded_by_autograd(proxy: TensorProxy) -> bool:
+    try:
+        with torch._C.DisableTorchFunction():
+            return proxy.grad_fn is not None
+    except RuntimeError:  # a view made under no_grad, of a base written later: none recorded it
+        return False
 
 
 def users_code_reached(users_code: frozenset[int], arrived: int) -> bool:

@@ -28,7 +28,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
-from ..core import TensorProxy
+from ..core import TensorProxy, TracingError
 from ..core.trace_hooks import function_applies, function_mode_on_in_grad
 
 
@@ -98,6 +98,7 @@ def grad_under(mode, func, args: tuple, kwargs: dict, on_dtensors: bool):
     any other: the real tensors torch's and DTensor's own code makes in it are theirs
     (``arange(n).tolist()`` of a _StridedShard), run as they are; the user's code there
     (a Function's ``backward``, a hook) is annotated, its real tensors the program's."""
+    args, kwargs = _inputs_as_traced(mode.recording, args, kwargs)
     mode.in_backward += 1
     mode.recording.dtensor_calls += on_dtensors
     try:
@@ -106,3 +107,44 @@ def grad_under(mode, func, args: tuple, kwargs: dict, on_dtensors: bool):
     finally:
         mode.recording.dtensor_calls -= on_dtensors
         mode.in_backward -= 1
+
+
+def _inputs_as_traced(recording, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``torch.autograd.grad``'s arguments with the tensors it differentiates with respect
+    to as the traced code has them: a closed-over DTensor's or non-leaf's stand-in (the
+    real one is in no traced graph). A tensor whose gradient eager carries through the
+    real graph of a closed-over non-leaf (``base`` of ``W = base * 2``) is refused: the
+    program's graph begins at the stand-in."""
+    given = args[1] if len(args) > 1 else kwargs.get("inputs")
+    if given is None:
+        return args, kwargs
+    single = isinstance(given, torch.Tensor)
+    inputs = [stand_in(recording, t) for t in ((given,) if single else given)]
+    reached = [t for t in recording.captured if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and not isinstance(t, TensorProxy) and _reaches(reached, t):
+            raise TracingError(
+                "dtcompile.jit: torch.autograd.grad with respect to a tensor the call reaches only through a "
+                "tensor it closes over that is made by autograd-recorded ops outside it (W = base * 2, then "
+                "autograd.grad(loss, base)): its gradient runs through that graph, outside the program. Pass the "
+                "tensor the call uses (W) in the call, or differentiate with respect to it"
+            )
+    inputs = inputs[0] if single else type(given)(inputs) if isinstance(given, (list, tuple)) else inputs
+    if len(args) > 1:
+        return (args[0], inputs, *args[2:]), kwargs
+    return args, {**kwargs, "inputs": inputs}
+
+
+def _reaches(tensors: list, target: torch.Tensor) -> bool:
+    """Whether autograd's graph of any of ``tensors`` reaches ``target``."""
+    stack = [t.grad_fn for t in tensors if t is not target]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node is target.grad_fn or getattr(node, "variable", None) is target:
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False

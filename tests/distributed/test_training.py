@@ -349,6 +349,37 @@ def test_autograd_grad_with_respect_to_inputs(ranks2):
         assert counts == ((1, 1), (1, 2))
 
 
+def grad_inside_with_respect_to_closed_over_parameters():
+    """A step function closing over a TP model that takes its parameters' gradients with
+    torch.autograd.grad inside the call: autograd was given the real DTensors, which the
+    traced graph does not hold (an error, or zeros with allow_unused)."""
+    mesh, tp = _meshes((2,))
+    eager, compiled, _ = _models("mlp", tp)
+    x, _ = _batch("mlp", mesh, tp, 0)
+
+    def step_of(model):
+        params = list(model.parameters())
+
+        def step(x):
+            loss = model(x).sum()
+            grads = torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)
+            return loss.detach(), grads
+
+        return step
+
+    expected = step_of(eager)(x)
+    for _ in range(2):
+        got = dtcompile.jit(step_of(compiled))(x)
+        assert_same(got[0], expected[0])
+        for g, e in zip(got[1], expected[1], strict=True):
+            assert_same(g, e)
+    return True
+
+
+def test_autograd_grad_inside_with_respect_to_closed_over_parameters(ranks2):
+    assert ranks2.run(grad_inside_with_respect_to_closed_over_parameters) == [True, True]
+
+
 # ---------------------------------------------------------------------------------------
 # What the cache guards: grad mode, autocast
 
