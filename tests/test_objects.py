@@ -9,6 +9,7 @@ from support import assert_same_result, assert_same_tensor
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 import dtcompile
+from dtcompile.capture import UnsupportedInputError
 from dtcompile.core import InputPath
 
 
@@ -403,3 +404,36 @@ def test_copying_an_object_after_compiling_compiles_nothing_new():
     copy.deepcopy(obj)
     assert_same_tensor(jitted(x, obj), fn(x, obj))
     assert dtcompile.cache_misses(jitted) == 1
+
+
+class _SlotAndDict:
+    __slots__ = ("t", "__dict__")
+
+    def __init__(self, t):
+        self.t = t  # in a slot
+        self.k = 3  # in the __dict__
+
+
+class _DictBase:
+    def __init__(self, t):
+        self.t = t
+
+
+class _SlotOnTop(_DictBase):
+    __slots__ = ("scale",)
+
+    def __init__(self, t):
+        super().__init__(t)
+        self.scale = 2.0
+
+
+def _reads_slots(c):
+    return c.t * getattr(c, "k", 1) * getattr(c, "scale", 1.0)
+
+
+@pytest.mark.parametrize("make", [_SlotAndDict, _SlotOnTop])
+def test_an_argument_object_holding_values_in_slots_is_refused_naming_it(make):
+    # Taken apart by its __dict__, its stand-in lacked the slots: an AttributeError, or
+    # getattr's default silently.
+    with pytest.raises(UnsupportedInputError, match=r"args\[0\] is a .*none in __slots__"):
+        dtcompile.jit(_reads_slots)(make(torch.ones(2)))

@@ -2,6 +2,7 @@
 dict of any keys eager takes is taken: enum members and str subclasses returned, dicts
 keyed by an enum, infinity or a nan, sizes code made numbers under symbolic values."""
 
+import collections
 import dataclasses
 import enum
 import types
@@ -162,3 +163,39 @@ def test_objects_holding_no_tensor_the_call_makes_are_made_anew(cache):
         assert second[5] is first[5] is SETTINGS  # what was there before the call is the same object
     module = _Remembers()
     assert dtcompile.jit(module, cache=cache)(torch.ones(2))[1] is module.info
+
+
+class _Scores(collections.namedtuple("_Scores", "logits probs")):
+    __slots__ = ()
+
+    def __new__(cls, logits, probs=None):  # normalises on construction: once, in eager
+        logits = logits / 2.0
+        return super().__new__(cls, logits, logits.softmax(-1) if probs is None else probs)
+
+
+class _Scaled(collections.namedtuple("_Scaled", "t scale")):
+    __slots__ = ()
+
+    def __new__(cls, t, scale=1.0):
+        return super().__new__(cls, t, float(scale) * 2)
+
+
+def _scores(x):
+    return _Scores(x * 2)
+
+
+def _use(q):
+    return q.t * q.scale
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_namedtuple_with_its_own_new_is_rebuilt_without_running_it_again(cache):
+    # Rebuilt as TYPE(*fields): its __new__ ran again on what it had made (logits halved twice).
+    jitted = dtcompile.jit(_scores, cache=cache)
+    for _ in range(2):
+        x = torch.tensor([1.0, 2.0, 4.0])
+        got, expected = jitted(x), _scores(x)
+        assert type(got) is _Scores and torch.equal(got.logits, expected.logits)
+        assert torch.equal(got.probs, expected.probs)
+    q = _Scaled(torch.ones(2), 3.0)
+    assert torch.equal(dtcompile.jit(_use, cache=cache)(q), _use(q))

@@ -184,7 +184,7 @@ class InputProxifier:
         if type(value) in (tuple, list) or pytree.is_namedtuple_instance(value):
             pairs = [self.proxify(v, path.index(i), f"{name_hint}_{i}") for i, v in enumerate(value)]
             items = [p for p, _ in pairs]
-            values = type(value)(*items) if pytree.is_namedtuple_instance(value) else type(value)(items)
+            values = type(value)._make(items) if pytree.is_namedtuple_instance(value) else type(value)(items)
             node = SequenceInput(path, type(value), [n for _, n in pairs])
             if path.steps:  # (not ``args`` itself)
                 self.objects.add_container(path, values, node)
@@ -209,7 +209,7 @@ class InputProxifier:
         raise UnsupportedInputError(
             f"dtcompile.jit: {path} is a {type(value).__name__}; inputs must be tensors, DTensors, "
             "numbers, strings, None, dtypes, devices, tuples, lists and dicts of those, or objects "
-            "holding them in their __dict__"
+            "holding them in their __dict__ (none in __slots__)"
         )
 
     def held_flags(self) -> HeldFlags:

@@ -33,8 +33,9 @@ _MISSING = object()
 
 def is_state_object(value: object) -> bool:
     """Whether ``value`` is an object dtcompile takes apart by its ``__dict__`` when it is
-    an input (a KV cache, a config): its state all in its ``__dict__``."""
-    return plain_object(value)
+    an input (a KV cache, a config): its state all in its ``__dict__`` (values in slots
+    too: refused, the stand-in would lack them)."""
+    return plain_object(value) and not slot_names(type(value))
 
 
 def object_state(value: object) -> dict:

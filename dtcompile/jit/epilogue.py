@@ -116,8 +116,8 @@ class _Builder:
                 return f"[{inner}]"
             if node.type is torch.Size:
                 return f"torch.Size([{inner}])"
-            if node.type is not tuple:  # a namedtuple
-                return f"{self.constant(node.type, 'TYPE')}({inner})"
+            if node.type is not tuple:  # a namedtuple: by ``_make``, which runs no ``__new__`` of its own again
+                return f"{self.constant(node.type, 'TYPE')}._make(({inner}{',' if len(node.children) == 1 else ''}))"
             return f"({inner}{',' if len(node.children) == 1 else ''})"
         if isinstance(node, NewObjectOutput):
             self.globals["new_object"] = new_object
