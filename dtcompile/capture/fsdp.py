@@ -287,7 +287,9 @@ class FSDPTracing:
                 if not isinstance(value, DTensor):
                     raise TracingError(
                         f"dtcompile.jit: the FSDP2 parameter {param.name} is not sharded when its module's forward "
-                        "starts (a managed module called within itself?)"
+                        "starts: its module was unsharded before the call (unshard(), an explicit prefetch; call "
+                        "reshard() first: the compiled program gathers the parameters itself), or it is called "
+                        "within itself"
                     )
                 sharded.append(value)
                 if managed.reshard_after_forward:

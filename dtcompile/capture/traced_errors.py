@@ -39,9 +39,10 @@ def refusal(call: str, error: RuntimeError, first_argument: str | None) -> Traci
         # DTensor sizes its result under a fake mode of its own, which cannot make the
         # number of elements a slice keeps when its bound is read from data (``x[:, :k]``,
         # ``k = n.max().item()``): a bound it can order (``narrow``) needs none.
+        instead = "" if "narrow" in call else "x.narrow(dim, start, length) with the length read from data, or "
         return TracingError(
             f"dtcompile.jit: {call} of a DTensor with a bound read from tensor data (an .item()): DTensor's "
-            "sharding propagation cannot size its result while tracing. Use x.narrow(dim, start, length), "
-            "or slice the local tensor (x.to_local())"
+            f"sharding propagation cannot size its result while tracing. Use {instead}the local tensor "
+            "(x.to_local(), then DTensor.from_local)"
         )
     return None

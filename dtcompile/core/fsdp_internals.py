@@ -50,3 +50,12 @@ def fsdp_cast_output(state, output):
 
     dtype = state._mp_policy.output_dtype
     return output if dtype is None else _apply_to_tensors(functools.partial(_cast_fp_tensor, dtype), output)
+
+
+def holds_composable_state(module) -> bool:
+    """Whether torch keeps state for ``module`` by its identity (``fully_shard``'s, in
+    ``torch.distributed._composable_state``): another object sharing its ``__dict__`` is
+    not it there."""
+    from torch.distributed._composable_state import _get_module_state
+
+    return _get_module_state(module) is not None

@@ -11,6 +11,7 @@ import torch
 
 from ..core import Trace
 from ..core.codegen import GeneratedFunction
+from ..core.fsdp_internals import holds_composable_state
 from .communication import Collective, program_collectives
 from .compiled import CompiledFunction
 
@@ -109,8 +110,10 @@ def _jit_module(module: torch.nn.Module, cache: str, executors, check) -> torch.
     object.__setattr__(jitted, "__dict__", module.__dict__)
     object.__setattr__(jitted, "_dtcompile", compiled)
     # The jitted object is what is traced and guarded: a class set on it later (a
-    # parametrization's, ``jm.__class__ = Sub``) is its call's, and ``self`` is it.
-    compiled.fn = compiled.module = jitted
+    # parametrization's, ``jm.__class__ = Sub``) is its call's, and ``self`` is it. But for
+    # a module torch keeps state for by identity (``fully_shard``'s root), which must be it.
+    if not holds_composable_state(module):
+        compiled.fn = compiled.module = jitted
     return jitted
 
 

@@ -201,6 +201,13 @@ def refusals():
     model = fully_shard(MLP(DIM, HIDDEN), mesh=mesh)
     with pytest.raises(dtcompile.TracingError, match="fully_shard"):
         dtcompile.jit(lambda x: model(x).sum())(torch.randn(4, DIM))
+    # A managed module unsharded before the call (FSDP2's explicit prefetch): named so.
+    torch.manual_seed(0)
+    model = _model("mlp", mesh, None)
+    model.down.unshard()
+    with pytest.raises(dtcompile.TracingError, match="down.weight is not sharded .*unshard\\(\\), an explicit"):
+        dtcompile.jit(model)(torch.randn(4, DIM))
+    model.down.reshard()
     # Activation checkpointing inside the managed modules: its recompute in the backward.
     torch.manual_seed(0)
     layers = torch.nn.Sequential(*(fully_shard(_CheckpointedMLP(), mesh=mesh) for _ in range(2)))
