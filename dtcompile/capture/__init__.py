@@ -32,6 +32,7 @@ from .outputs import (
     SequenceOutput,
     Slot,
     TensorOutput,
+    with_plain_sizes,
 )
 from .placements import describe_placement, describe_placements
 from .snapshots import DataSnapshot
@@ -71,6 +72,7 @@ __all__ = [
     "UnsupportedInputError",
     "call_uncompiled",
     "capture_call",
+    "with_plain_sizes",
     "DataSnapshot",
     "is_state_object",
     "is_tracing",

@@ -220,7 +220,7 @@ class OutputCollector:
                 self.mask_buffers.append(buffer)
         meta = value._spec.tensor_meta
         if not any(is_symbolic(x) for x in (*meta.shape, *meta.stride)):
-            return DTensorOutput(slot, _with_plain_sizes(value._spec), value.requires_grad, tuple(masks))
+            return DTensorOutput(slot, with_plain_sizes(value._spec), value.requires_grad, tuple(masks))
         shape = tuple(self._size(x) for x in meta.shape)
         stride = tuple(self._size(x) for x in meta.stride)
         return DTensorOutput(slot, value._spec, value.requires_grad, tuple(masks), shape, stride)
@@ -248,7 +248,7 @@ class OutputCollector:
             buffer.data, buffer.refcount = None, 0
 
 
-def _with_plain_sizes(spec):
+def with_plain_sizes(spec):
     """``spec`` with ints for sizes that are SymInts of a known value (an ``out=`` DTensor's
     spec, set by DTensor from the traced op's): a spec holding SymInts cannot be hashed,
     and DTensor hashes the specs of the caller's DTensors when it redistributes them."""

@@ -381,10 +381,10 @@ class OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if fake_mode_active() or _meta_only((args, kwargs)):
-            # DTensor's sharding propagation computing metadata, under its own fake mode or
-            # (under inference_mode) on meta tensors: not part of the program.
-            return func(*args, **kwargs)
+            return func(*args, **kwargs)  # DTensor's sharding propagation (its fake mode, or meta tensors)
         if any(issubclass(t, DTensor) for t in types):
+            if func.namespace == "c10d":  # ``dist.all_reduce(dtensor)``: DTensor's error, as eager's
+                raise NotImplementedError(f"Operator {func} does not have a sharding strategy registered.")
             return NotImplemented
         return self.recording.record(func, args, kwargs)
 

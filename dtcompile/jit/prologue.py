@@ -66,9 +66,8 @@ class _Builder:
         self.results: list[str] = []
         self.result_labels: list[str] = []  # the trace input each result binds, in order
         self.object_vars: dict[int, str] = {}  # id of an ObjectInput -> the variable bound to it
-        # id of a TensorInput or DTensorInput -> the variable bound to the tensor (the DTensor),
-        # and to the local tensor (the tensor itself, the DTensor's local): a tensor met again
-        # must be the very same object.
+        # id of a TensorInput or DTensorInput -> the variable bound to the tensor (the DTensor), and
+        # to the local tensor (itself, the DTensor's local): one met again must be the same object.
         self.tensor_vars: dict[int, str] = {}
         self.local_vars: dict[int, str] = {}
         self.in_object = 0  # inside an object of the call (its tensors are not arguments)
@@ -235,6 +234,7 @@ class _Builder:
                 self.fail_if(f"{spec}.mesh is not {mesh} and not meshes_match({spec}.mesh, {mesh})")
                 self.fail_if(
                     f"{spec}.placements != {placements} or {var}.dtype is not {python_literal(node.meta.dtype)}"
+                    f" or {var}.dim() != {len(node.traced_spec.tensor_meta.shape)}"  # (then its sizes, one by one)
                 )
                 shard_order = getattr(node.spec, "shard_order", None)
                 if shard_order is not None:

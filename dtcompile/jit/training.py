@@ -23,6 +23,7 @@ import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
+from ..capture import with_plain_sizes
 from ..capture.autograd import users_code_reached
 from ..core import TensorProxy, TracingError
 from ..core.codegen import GeneratedFunction
@@ -151,8 +152,8 @@ class TrainingProgram:
         gradients = [
             Gradient(
                 position[p.label],
-                spec,
-                spec is not None and any(is_symbolic(x) for x in spec.tensor_meta.shape),
+                None if spec is None else with_plain_sizes(spec),  # (a size specialized: an int, not its SymInt)
+                spec is not None and any(is_symbolic(x) for x in (*spec.tensor_meta.shape, *spec.tensor_meta.stride)),
                 source,
             )
             for p, grad, spec, source in zip(

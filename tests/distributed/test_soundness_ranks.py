@@ -623,3 +623,47 @@ def closed_over_dtensor_read_in_the_backward(kind, cache):
 @pytest.mark.parametrize("kind", ["Function", "hook", "Function, plain tensor", "hook, plain tensor"])
 def test_closed_over_dtensor_read_in_the_backward_is_read_at_each_call(kind, cache, ranks2):
     assert ranks2.run(closed_over_dtensor_read_in_the_backward, kind, cache) == [True, True]
+
+
+def _doubled(y):
+    return y * 2
+
+
+def _scaled_by_local_rows(x):
+    local = x.to_local()
+    rows = local.shape[0]
+    local = local * torch.arange(rows, dtype=local.dtype).unsqueeze(1)
+    y = DTensor.from_local(local * 2, x.device_mesh, [Shard(0)], run_check=False, shape=x.shape, stride=x.stride())
+    return y, torch.tensor([rows])  # (specializes the local row count)
+
+
+def _all_reduce_of_a_dtensor(x):
+    dist.all_reduce(x)
+    return x * 1
+
+
+def dtensor_dims_sizes_and_direct_collectives(cache: str):
+    """Under symbolic values, a DTensor of fewer (or more) dims than traced fails the
+    guards (an IndexError in the prologue before); a gradient DTensor whose sizes were
+    specialized holds ints (torch's 'unhashable SymInt' at the backward before); a c10d
+    call on a DTensor raises DTensor's error, as eager (a TypeError before)."""
+    mesh = _mesh()
+    jitted = dtcompile.jit(_doubled, cache=cache)
+    for shape, placements in (((4, 3), [Shard(0)]), ((4,), [Shard(0)]), ((), [Replicate()]), ((2, 3, 4), [Shard(0)])):
+        y = distribute_tensor(torch.ones(shape), mesh, placements)
+        assert_same(jitted(y), _doubled(y))
+    x = torch.randn(6, 3)
+    grads = []
+    for fn in (_scaled_by_local_rows, dtcompile.jit(_scaled_by_local_rows, cache=cache)):
+        xs = distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+        fn(xs)[0].full_tensor().sum().backward()
+        grads.append(xs.grad)
+    assert_same(grads[1], grads[0])
+    with pytest.raises(NotImplementedError, match="c10d.allreduce_.default does not have a sharding strategy"):
+        dtcompile.jit(_all_reduce_of_a_dtensor, cache=cache)(distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)]))
+    return True
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_dtensor_dims_specialized_sizes_and_c10d_on_a_dtensor(ranks2, cache):
+    assert ranks2.run(dtensor_dims_sizes_and_direct_collectives, cache) == [True, True]
