@@ -197,3 +197,27 @@ def test_a_parameter_written_through_a_view_under_no_grad_before_its_use_is_eage
     assert torch.equal(compiled.scale, eager.scale)
     for got, expected in zip(compiled.parameters(), eager.parameters()):
         assert torch.allclose(got.grad, expected.grad)
+
+
+def _gather_sum(x, idx):
+    return x.gather(1, idx).sum()
+
+
+@torch.enable_grad()
+def test_check_eager_writes_back_only_what_the_call_wrote():
+    # It copied every input and parameter back in place: their versions moved, and an
+    # eager graph that saved one (an index), or two calls before one backward, failed.
+    jitted = dtcompile.jit(_gather_sum, check="eager")
+    idx = torch.tensor([[0], [2], [1]])
+    x = torch.randn(3, 4, requires_grad=True)
+    eager_loss = _gather_sum(x, idx)
+    jitted(x.detach().clone().requires_grad_(), idx).backward()
+    eager_loss.backward()
+    assert idx._version == 0
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    checked = dtcompile.jit(model, check="eager")
+    x = torch.randn(3, 4, requires_grad=True)
+    versions = [p._version for p in model.parameters()]
+    (checked(x).sum() + checked(x * 2).sum()).backward()
+    assert [p._version for p in model.parameters()] == versions

@@ -29,8 +29,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
 from ..capture import DataSnapshot, is_state_object
-from ..core import Trace
+from ..core import Trace, TracingError
 from ..core.block_call import with_block_symbols
+from ..core.fsdp_internals import holds_composable_state
 from ..core.torch_internals import default_store, resolve_process_group
 
 functional = torch.ops._c10d_functional
@@ -106,15 +107,16 @@ class _SavedState:
                 for table in (vars(submodule), submodule._parameters, submodule._buffers):
                     self.objects.add(table, "module", depth=0)
         with torch.no_grad():
-            self.tensors = [(t, t.clone()) for _, t in _state_tensors(*self.where)]
+            self.tensors = [(t, t.clone(), _version(t)) for _, t in _state_tensors(*self.where)]
         self.rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
 
     def restore(self) -> None:
         self.objects.put_back()
         with torch.no_grad():
-            for tensor, saved in self.tensors:
-                tensor.copy_(saved)
+            for tensor, saved, version in self.tensors:
+                if _version(tensor) != version:  # (only what the call wrote: a copy would count as a write)
+                    tensor.copy_(saved)
         torch.set_rng_state(self.rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
@@ -123,6 +125,11 @@ class _SavedState:
         """The tensors the call can change, as they are now (copied)."""
         with torch.no_grad():
             return [(path, t.clone()) for path, t in _state_tensors(*self.where)]
+
+
+def _version(tensor: torch.Tensor):
+    """A tensor's version counter (None for an inference tensor, which has none)."""
+    return None if tensor.is_inference() else tensor._version
 
 
 def _difference(got, expected) -> str | None:
@@ -243,6 +250,11 @@ def _any_rank_differs(differs: bool, ranks: list[int], name: str) -> bool:
 def checked_call(compiled, module, args: tuple, kwargs: dict, eager):
     """Run one call compiled and eager (``eager()`` runs the original code) and raise
     :class:`EagerMismatchError` where they differ (see the module docstring)."""
+    if module is not None and any(holds_composable_state(m) for m in module.modules()):
+        raise TracingError(
+            "dtcompile.jit: check='eager' does not run modules fully_shard manages: its eager run goes through "
+            "FSDP2's own hooks, which leave parameters unsharded where the compiled call does not"
+        )
     saved = _SavedState(module, args, kwargs)
     with _eager_run():
         expected = eager()
