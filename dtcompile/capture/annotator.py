@@ -147,6 +147,15 @@ def _user_frame(depth: int = 2) -> bool:
     return _calling_package(depth) not in ("torch", "dtcompile")
 
 
+def _grad_called_by_user() -> bool:
+    """Whether the ``torch.autograd.grad`` running now was called by the user's code."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not torch.autograd.grad.__code__:
+        frame = frame.f_back
+    caller = frame.f_back if frame is not None else None
+    return caller is not None and caller.f_globals.get("__name__", "").partition(".")[0] not in ("torch", "dtcompile")
+
+
 def _is_dtensor(value) -> bool:
     return isinstance(value, DTensor)
 
@@ -222,7 +231,8 @@ class CallAnnotator(TorchFunctionMode):
             if answer is not NOT_ANSWERED:
                 return answer
         if func is torch.autograd.grad:
-            return closed_over.grad_under(self, func, args, kwargs, any(map(_is_dtensor, leaves_of((args, kwargs)))))
+            on_dtensors = any(map(_is_dtensor, leaves_of((args, kwargs))))
+            return closed_over.grad_under(self, func, args, kwargs, on_dtensors, users=_grad_called_by_user())
         if func in _METADATA_READS and isinstance(args[0], (TensorProxy, FakeTensor)):
             return func(*args, **kwargs)
         if args and _real_metadata_read(func, args[0]) and _user_frame():

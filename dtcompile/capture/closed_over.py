@@ -92,13 +92,14 @@ def stand_ins_at_entry_points(recording):
         yield
 
 
-def grad_under(mode, func, args: tuple, kwargs: dict, on_dtensors: bool):
+def grad_under(mode, func, args: tuple, kwargs: dict, on_dtensors: bool, users: bool = False):
     """``torch.autograd.grad`` (the traced backward, or the code's own) with ``mode`` on
     while the engine runs the backward's Python code. On DTensors it is a DTensor call, as
     any other: the real tensors torch's and DTensor's own code makes in it are theirs
     (``arange(n).tolist()`` of a _StridedShard), run as they are; the user's code there
     (a Function's ``backward``, a hook) is annotated, its real tensors the program's."""
-    args, kwargs = _inputs_as_traced(mode.recording, args, kwargs)
+    if users:  # (the code's own call; the traced backward's is dtcompile's, on what it traced)
+        args, kwargs = _inputs_as_traced(mode.recording, args, kwargs)
     mode.in_backward += 1
     mode.recording.dtensor_calls += on_dtensors
     try:

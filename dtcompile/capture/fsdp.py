@@ -56,6 +56,7 @@ class ShardedParameter:
     # all-gather with its group's other such parameters (see ``unshard_group``).
     even_on_dim0: bool = False
     dtype: torch.dtype | None = None  # the sharded parameter's
+    sharded: object = None  # FSDP2's sharded parameter, which its hooks put back in the module
 
 
 @dataclass
@@ -157,6 +158,7 @@ def _fsdp_groups(root: torch.nn.Module) -> list[ManagedModule]:
                         info.mesh,
                         dim == 0 and len(size) > 0 and size[0] % info.shard_mesh_size == 0,
                         orig,
+                        fsdp_param.sharded_param,
                     )
                 )
         hook_ids = (state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id)
@@ -181,8 +183,20 @@ _OPTIONS = (
 
 def option_reads(root: torch.nn.Module) -> list[Read]:
     """The FSDP2 options of the modules ``fully_shard`` manages under ``root``, as they are
-    now, for the prologue to guard: one set after compiling makes the call compile again."""
+    now, for the prologue to guard: one set after compiling makes the call compile again.
+    A managed parameter replaced in its module is refused: eager's FSDP2 puts its own back
+    at the next forward and uses it."""
     reads = []
+    for managed in _fsdp_groups(root):
+        for param in managed.params:
+            owner, name = param.owners[0]
+            reads.append(Read(owner._parameters, name, param.sharded, f"FSDP2's parameter {param.name}"))
+            if owner._parameters.get(name) is not param.sharded and isinstance(owner._parameters.get(name), DTensor):
+                raise TracingError(
+                    f"dtcompile.jit: the FSDP2 parameter {param.name} was replaced by another Parameter; eager's "
+                    "FSDP2 puts its own sharded one back at the next forward and uses it. Replace parameters "
+                    "before fully_shard, or copy into the sharded one (with torch.no_grad(): w.copy_(new))"
+                )
     for path, module in root.named_modules():
         if _is_managed(module):
             for i, group in enumerate(fsdp_param_groups(module._get_fsdp_state())):

@@ -50,7 +50,14 @@ class JittedFunction:
 
 
 def _jitted_module_call(self, *args, **kwargs):
-    return self._dtcompile(self, args, kwargs)
+    compiled = self._dtcompile
+    if type(compiled.original) is not compiled.original_class:
+        # The module's class was set since (``model.__class__ = Other``): the jitted module
+        # follows it, traced as the module from now on (its entries traced the jitted one).
+        compiled.original_class = type(compiled.original)
+        compiled.fn = compiled.module = compiled.original
+        compiled.entries.clear()
+    return compiled(self, args, kwargs)
 
 
 def _plain(jitted: torch.nn.Module) -> torch.nn.Module:
@@ -109,6 +116,7 @@ def _jit_module(module: torch.nn.Module, cache: str, executors, check) -> torch.
     jitted = object.__new__(_jitted_class(type(module)))
     object.__setattr__(jitted, "__dict__", module.__dict__)
     object.__setattr__(jitted, "_dtcompile", compiled)
+    compiled.original, compiled.original_class = module, type(module)
     # The jitted object is what is traced and guarded: a class set on it later (a
     # parametrization's, ``jm.__class__ = Sub``) is its call's, and ``self`` is it. But for
     # a module torch keeps state for by identity (``fully_shard``'s root), which must be it.

@@ -208,6 +208,16 @@ def refusals():
     with pytest.raises(dtcompile.TracingError, match="down.weight is not sharded .*unshard\\(\\), an explicit"):
         dtcompile.jit(model)(torch.randn(4, DIM))
     model.down.reshard()
+    # A managed parameter replaced after compiling: eager's FSDP2 puts its own back and uses it.
+    jitted = dtcompile.jit(model)
+    with torch.no_grad():
+        jitted(torch.randn(4, DIM))
+        model.down.weight = torch.nn.Parameter(model.down.weight.detach() * 0)
+        with pytest.raises(dtcompile.TracingError, match="down.weight was replaced by another Parameter"):
+            jitted(torch.randn(4, DIM))
+    # check="eager": its eager run goes through FSDP2's own hooks (a false mismatch before).
+    with pytest.raises(dtcompile.TracingError, match="check='eager' does not run modules fully_shard manages"):
+        dtcompile.jit(_model("mlp", mesh, None), check="eager")(torch.randn(4, DIM))
     # Activation checkpointing inside the managed modules: its recompute in the backward.
     torch.manual_seed(0)
     layers = torch.nn.Sequential(*(fully_shard(_CheckpointedMLP(), mesh=mesh) for _ in range(2)))
