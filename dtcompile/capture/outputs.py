@@ -112,6 +112,7 @@ class PytreeOutput(OutputNode):
     children: list[OutputNode]
 
 
+_COPIED = (set, collections.deque, bytearray)  # containers made anew by a copy of the traced one
 _VIEWS = (collections.abc.KeysView, collections.abc.ValuesView, collections.abc.ItemsView)
 
 
@@ -203,11 +204,12 @@ class OutputCollector:
                 f"dtcompile.jit: {where} holds a {type(value).__name__} (an iterator, a generator, a dict's view), "
                 "whose items the compiled call cannot tell without running it; return a list or a dict instead"
             )
-        if all(read.value is not value for read in self.reads):  # made by the call, holding no tensor: anew
-            if plain_object(value) and (type(value) is types.SimpleNamespace or not is_library(type(value))):
-                return self._new_object(value, where)
-            if type(value) in (set, collections.deque, bytearray):
-                return ConstantOutput(value, copied=True)
+        # Made by the call (not read from Python state), holding no tensor: made anew, as eager's.
+        made = type(value) in _COPIED or (
+            plain_object(value) and (type(value) is types.SimpleNamespace or not is_library(type(value)))
+        )
+        if made and all(read.value is not value for read in self.reads):
+            return ConstantOutput(value, copied=True) if type(value) in _COPIED else self._new_object(value, where)
         return ConstantOutput(value)
 
     def _dtensor(self, value: DTensor) -> DTensorOutput:
