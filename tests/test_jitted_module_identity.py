@@ -1,6 +1,8 @@
-"""Single process: the jitted module is the object traced and guarded, so what is done to
-it after compiling (a parametrization registered, its class set or patched) is its next
-call's, and its forward's ``self`` is it, as in eager."""
+"""Single process: the jitted module shares the module's state and is traced as the module
+itself (its forward's ``self`` is of the module's own class, as eager's code may ask). What
+changes the module's class is followed; what changes the jitted object's class alone (a
+parametrization registered on it, its class set or patched) is refused at its next call,
+where it crashed inside tracing or silently ran the old forward; copies are of the module."""
 
 import copy
 
@@ -12,6 +14,7 @@ from torch.nn.utils.parametrizations import weight_norm
 import dtcompile
 
 CACHES = ["constant values", "symbolic values"]
+_REFUSED = "the class of the jitted Linear was changed after jit"
 
 
 class _Symmetric(torch.nn.Module):
@@ -19,56 +22,86 @@ class _Symmetric(torch.nn.Module):
         return w.triu() + w.triu(1).t()
 
 
+def _parametrize(target, how):
+    if how == "weight_norm":
+        weight_norm(target)
+    else:
+        parametrize.register_parametrization(target, "weight", _Symmetric())
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize("how", ["parametrization", "weight_norm"])
-def test_a_parametrization_registered_on_the_jitted_module_is_its_next_calls(how, cache):
-    # The traced object was the module before: its weight had moved to the parametrization
-    # (an AttributeError while tracing).
+def test_a_parametrization_on_the_jitted_module_is_refused_on_the_module_followed(how, cache):
     torch.manual_seed(0)
-    module = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    jitted = dtcompile.jit(torch.nn.Linear(4, 4), cache=cache)
+    jitted(x)
+    _parametrize(jitted, how)  # an AttributeError inside tracing before
+    with pytest.raises(dtcompile.TracingError, match=_REFUSED):
+        jitted(x)
+    # On the module before jit, or on a submodule of a jitted model, it is the call's.
+    module, eager = torch.nn.Sequential(torch.nn.Linear(4, 4)), None
     eager = copy.deepcopy(module)
     jitted = dtcompile.jit(module, cache=cache)
-    x = torch.randn(2, 4)
-    assert torch.equal(jitted(x), eager(x))
-    for target in (jitted, eager):
-        if how == "weight_norm":
-            weight_norm(target)
-        else:
-            parametrize.register_parametrization(target, "weight", _Symmetric())
+    jitted(x)
+    _parametrize(module[0], how)
+    _parametrize(eager[0], how)
     assert torch.allclose(jitted(x), eager(x))
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("cache", CACHES)
-def test_the_jitted_modules_class_set_or_patched_is_seen(cache):
-    # The class of the object traced did not change: the old forward ran, silently.
+def test_the_jitted_objects_class_set_or_patched_is_refused(cache):
+    # The old forward ran, silently.
     module = torch.nn.Linear(4, 4)
     jitted = dtcompile.jit(module, cache=cache)
     x = torch.randn(2, 4)
-    plain = jitted(x)
+    jitted(x)
 
     class Doubled(type(jitted)):
         def forward(self, x):
             return super().forward(x) * 2
 
     jitted.__class__ = Doubled
-    assert torch.allclose(jitted(x), plain * 2)
-    Doubled.forward = lambda self, x: torch.nn.Linear.forward(self, x) * 3
-    assert torch.allclose(jitted(x), plain * 3)
+    with pytest.raises(dtcompile.TracingError, match=_REFUSED):
+        jitted(x)
 
 
-class _ReturnsItself(torch.nn.Module):
+class _Typed(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = torch.nn.Linear(3, 3)
 
     def forward(self, x):
-        return self.lin(x), self
+        scale = 2.0 if type(self) is _Typed else 3.0  # what eager's self is
+        return self.lin(x) * scale, type(self).__name__
 
 
-def test_a_forward_returning_self_returns_the_jitted_module():
-    jitted = dtcompile.jit(_ReturnsItself())
+def test_the_forwards_self_is_of_the_modules_own_class():
+    module = _Typed()
+    jitted = dtcompile.jit(module)
     with torch.no_grad():
-        for _ in range(2):
-            assert jitted(torch.ones(1, 3))[1] is jitted
+        got, expected = jitted(torch.ones(1, 3)), module(torch.ones(1, 3))
+    assert torch.equal(got[0], expected[0]) and got[1] == expected[1] == "_Typed"
+
+
+def test_copies_of_a_jitted_module_are_the_modules_own():
+    # A shallow copy shared the module's __dict__ (its eval() changed the module); a deep
+    # copy after the module's class was set lost that class.
+    module = torch.nn.Linear(3, 3)
+    jitted = dtcompile.jit(module)
+    shallow = copy.copy(jitted)
+    shallow.eval()
+    shallow.extra = 1
+    assert module.training and not hasattr(module, "extra")
+
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 3
+
+    module.__class__ = Scaled
+    deep = copy.deepcopy(jitted)
+    with torch.no_grad():
+        x = torch.ones(1, 3)
+        assert torch.allclose(deep(x), module(x)) and torch.allclose(jitted(x), module(x))

@@ -37,7 +37,6 @@ from .outputs import (
 from .placements import describe_placement, describe_placements
 from .snapshots import DataSnapshot
 from .tracer import CallInputs, CapturedCall, capture_call, is_tracing
-from .user_code import call_uncompiled
 
 __all__ = [
     "AttributeUpdate",
@@ -70,7 +69,6 @@ __all__ = [
     "TracingError",
     "BackwardCapture",
     "UnsupportedInputError",
-    "call_uncompiled",
     "capture_call",
     "with_plain_sizes",
     "DataSnapshot",

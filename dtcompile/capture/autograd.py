@@ -256,14 +256,14 @@ def _grad(outputs: list, wrt: list, cotangents: list, retain: bool = False) -> t
         ) from error
 
 
-def _backward_failed(error: Exception) -> TracingError:
+def _backward_failed(error: Exception) -> Exception:
     """An op's backward raising (a ``funcol.all_reduce(x, "max")``, a derivative torch does
-    not implement, a Function's ``backward`` that raises): eager raises at a backward that
-    reaches it, if any does."""
-    return TracingError(
-        f"dtcompile.jit: the backward of the call raises {type(error).__name__}: {error} -- eager raises it only "
-        "at a backward that reaches the op, but a compiled call differentiates all its outputs while compiling. "
-        "Detach the outputs no gradient flows through (y.detach()), or run the op under torch.no_grad()"
+    not implement, a Function's ``backward`` that raises): eager's exception, of its type,
+    saying that eager raises it only at a backward that reaches the op, if any does."""
+    return type(error)(
+        f"{error} (dtcompile.jit: raised by the backward of the call, which a compiled call differentiates while "
+        "compiling, where eager raises it only at a backward that reaches the op: detach the outputs no gradient "
+        "flows through, y.detach(), or run the op under torch.no_grad())"
     )
 
 

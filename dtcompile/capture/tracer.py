@@ -52,7 +52,6 @@ from .recorder import OpRecorder, Recording
 from .size_text import sizes_as_values_in_user_text
 from .snapshots import ALL_LEVELS, user_data
 from .tensor_attributes import attribute_writes_refused
-from .user_code import call_uncompiled
 from .verified import VerifyFailed
 
 
@@ -241,7 +240,7 @@ def _capture(
                     FSDPTracing(module) as fsdp,
                     _repeated_blocks(recording, module_state, fsdp, replay) as blocks,
                 ):
-                    result = call_uncompiled(module, *proxy_args, **proxy_kwargs)
+                    result = module(*proxy_args, **proxy_kwargs)
                     if blocks is not None:
                         replay_notes, stretches = blocks.notes(), blocks.stretches
                     closed = recording.closed_over_differentiable()

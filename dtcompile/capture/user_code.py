@@ -33,18 +33,6 @@ def is_library(obj: object) -> bool:
     return library_code(module, filename)
 
 
-def call_uncompiled(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)``; for a jitted module, the call its classes make without
-    dtcompile's (``_dtcompile_jitted``): its forward and hooks, what a class set on it
-    later (a parametrization's properties) gives, as eager's call."""
-    if isinstance(fn, torch.nn.Module):
-        for cls in type(fn).__mro__:
-            namespace = vars(cls)
-            if "__call__" in namespace and not namespace.get("_dtcompile_jitted", False):
-                return namespace["__call__"](fn, *args, **kwargs)
-    return fn(*args, **kwargs)
-
-
 def class_namespace(cls: type) -> dict:
     """The dict behind ``cls.__dict__`` (a read-only view): the prologue reads names from
     it with ``dict.get`` like an instance's, and ``setattr(cls, ...)`` changes it in place.

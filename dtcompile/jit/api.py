@@ -9,9 +9,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..core import Trace
+from ..core import Trace, TracingError
 from ..core.codegen import GeneratedFunction
-from ..core.fsdp_internals import holds_composable_state
 from .communication import Collective, program_collectives
 from .compiled import CompiledFunction
 
@@ -51,20 +50,29 @@ class JittedFunction:
 
 def _jitted_module_call(self, *args, **kwargs):
     compiled = self._dtcompile
-    if type(compiled.original) is not compiled.original_class:
-        # The module's class was set since (``model.__class__ = Other``): the jitted module
-        # follows it, traced as the module from now on (its entries traced the jitted one).
-        compiled.original_class = type(compiled.original)
-        compiled.fn = compiled.module = compiled.original
-        compiled.entries.clear()
+    cls = type(self)
+    if cls is not compiled.jitted_class or len(vars(cls)) != compiled.jitted_names:
+        # The module itself is traced (its ``self`` is the module's own class, as eager's
+        # code may ask): what changes the jitted object's class alone is not seen there.
+        raise TracingError(
+            f"dtcompile.jit: the class of the jitted {compiled.name} was changed after jit (a parametrization "
+            "registered on it, its __class__ set, a method patched on the jitted class): make the change on the "
+            "module before dtcompile.jit, or on the module itself (the jitted module follows its class)"
+        )
     return compiled(self, args, kwargs)
 
 
 def _plain(jitted: torch.nn.Module) -> torch.nn.Module:
-    """The jitted module as an object of its own class (sharing its ``__dict__``)."""
-    plain = object.__new__(type(jitted).__mro__[1])
+    """The jitted module as an object of the module's class (sharing its ``__dict__``)."""
+    plain = object.__new__(type(jitted._dtcompile.module))
     object.__setattr__(plain, "__dict__", jitted.__dict__)
     return plain
+
+
+def _jitted_module_copy(self):
+    """A shallow copy: the module's, with a ``__dict__`` of its own, compiled anew."""
+    compiled = self._dtcompile
+    return jit(copy.copy(_plain(self)), cache=compiled.cache, executors=compiled.executor_spec, check=compiled.check)
 
 
 def _rejit(module: torch.nn.Module, cache: str, executors, check=None) -> torch.nn.Module:
@@ -95,10 +103,10 @@ def _jitted_class(cls: type) -> type:
     if jitted_cls is None:
         namespace = {
             "__call__": _jitted_module_call,
+            "__copy__": _jitted_module_copy,
             "__deepcopy__": _jitted_module_deepcopy,
             "__reduce_ex__": _jitted_module_reduce_ex,
             "__slots__": ("_dtcompile",),
-            "_dtcompile_jitted": True,  # (the call traced skips this class's: ``call_uncompiled``)
             "__module__": cls.__module__,
             "__qualname__": f"Jitted{cls.__qualname__}",
         }
@@ -116,12 +124,8 @@ def _jit_module(module: torch.nn.Module, cache: str, executors, check) -> torch.
     jitted = object.__new__(_jitted_class(type(module)))
     object.__setattr__(jitted, "__dict__", module.__dict__)
     object.__setattr__(jitted, "_dtcompile", compiled)
-    compiled.original, compiled.original_class = module, type(module)
-    # The jitted object is what is traced and guarded: a class set on it later (a
-    # parametrization's, ``jm.__class__ = Sub``) is its call's, and ``self`` is it. But for
-    # a module torch keeps state for by identity (``fully_shard``'s root), which must be it.
-    if not holds_composable_state(module):
-        compiled.fn = compiled.module = jitted
+    compiled.jitted_class = type(jitted)
+    compiled.jitted_names = len(vars(type(jitted)))
     return jitted
 
 

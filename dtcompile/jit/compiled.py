@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..capture import CapturedCall, call_uncompiled, capture_call, is_tracing, ranks_meet_before_live_collectives
+from ..capture import CapturedCall, capture_call, is_tracing, ranks_meet_before_live_collectives
 from ..core import DataCheckFailed, TensorProxy, Trace, verify
 from ..core.block_call import block_programs
 from ..core.codegen import GeneratedFunction
@@ -152,9 +152,9 @@ class CompiledFunction:
             # Called by code being traced (a jitted layer inside a jitted model): part of the
             # outer program, so it runs as written, on the outer trace's proxies. (Or by the
             # eager reference of a checked call: eager too.)
-            return call_uncompiled(self.fn, *args, **kwargs)
+            return self.fn(*args, **kwargs)
         if self.check is not None:
-            return checked_call(self, module, args, kwargs, lambda: call_uncompiled(self.fn, *args, **kwargs))
+            return checked_call(self, module, args, kwargs, lambda: self.fn(*args, **kwargs))
         return self.run(module, args, kwargs)[2]
 
     def run(self, module, args: tuple, kwargs: dict) -> tuple[CacheEntry, tuple, object]:
