@@ -221,3 +221,28 @@ def test_check_eager_writes_back_only_what_the_call_wrote():
     versions = [p._version for p in model.parameters()]
     (checked(x).sum() + checked(x * 2).sum()).backward()
     assert [p._version for p in model.parameters()] == versions
+
+
+def _sum_then_written_then_used(x, w):
+    y = x.sum()  # autograd saves nothing of x here
+    with torch.no_grad():
+        x[1:].fill_(1)
+    return y + (x * w).sum()
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_an_input_used_by_an_op_saving_nothing_of_it_then_written_is_eagers(cache):
+    # Any op autograd recorded counted as the saving read: refused as eager's error.
+    results = []
+    for run_cache in (None, cache):
+        torch.manual_seed(0)
+        x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, requires_grad=True)
+        fn = (
+            _sum_then_written_then_used
+            if run_cache is None
+            else dtcompile.jit(_sum_then_written_then_used, cache=cache)
+        )
+        with torch.enable_grad():
+            fn(x, w).backward()
+        results.append((x.grad, w.grad))
+    assert torch.allclose(results[1][0], results[0][0]) and torch.allclose(results[1][1], results[0][1])

@@ -89,6 +89,7 @@ def capture_backward(
             "does not do. Call it outside detect_anomaly(), or under detect_anomaly(check_nan=False)"
         )
     forward_symbols = len(recording.bound_symbols)
+    saving = _saving_reads(recording)  # (before the backward frees what autograd saved)
     outputs, cotangents, proxies, slots, specs = [], [], [], [], []
     for slot, value in enumerate(output_values):
         if isinstance(value, torch.Tensor) and value.requires_grad:
@@ -125,7 +126,7 @@ def capture_backward(
                 "forward's numbers again, a compiled backward would draw new ones. Keep random ops (dropout) "
                 "out of the checkpointed function, or do not checkpoint it"
             )
-    _saved_alias_written(recording, forward_symbols)
+    _saved_alias_written(recording, forward_symbols, saving)
     users_code = _users_code(recording, forward_symbols, proxies)
     grad_locals, grad_specs = [], []
     for grad in grads:
@@ -168,23 +169,38 @@ def _users_code(recording: Recording, start: int, cotangents: list[TensorProxy])
     return frozenset(found)
 
 
-def _saved_alias_written(recording: Recording, forward_end: int) -> None:
+def _saving_reads(recording: Recording) -> dict[str, int]:
+    """For each input sharing memory with a tensor the forward writes in place, the index of
+    the first symbol whose output autograd's node saved it for (a view, a sum, an op under
+    no_grad saves nothing of it). Read before the backward runs: it frees them."""
+    inputs = recording.input_proxies
+    written = set()
+    for bsym in recording.bound_symbols:
+        schema = getattr(bsym.op, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            for argument, value in zip(schema.arguments, bsym.args):
+                if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, TensorProxy):
+                    written.add(value.memory)
+    shared = [p for p in inputs if p.memory in written]
+    saving: dict[str, int] = {}
+    for index, bsym in enumerate(recording.bound_symbols):
+        for proxy in shared:
+            if proxy.label not in saving and any(p is proxy for p in bsym.input_proxies()):
+                if any(_holds(_node_of(out), proxy) for out in bsym.output_tensors()):
+                    saving[proxy.label] = index
+    return saving
+
+
+def _saved_alias_written(recording: Recording, forward_end: int, saving: dict[str, int]) -> None:
     """Autograd's check that a value its backward reads was not changed in place after
     it was saved, across the call's tensors that share memory (``x`` and ``x.view(3)``
     passed both, ``w`` and ``w.detach()``): their proxies are tensors of their own, whose
     version counters autograd does not share as it does the caller's; eager raises
     autograd's error at the backward, the program would give gradients of the new value."""
     inputs = {p.label: p for p in recording.input_proxies}
-    symbols = recording.bound_symbols
-    read_back = {p.label for b in symbols[forward_end:] for p in b.input_proxies()} & inputs.keys()
-    first_read: dict[str, int] = {}
-    for index, bsym in enumerate(symbols[:forward_end]):
-        # Where autograd may save a value: an op it records (an output with a grad_fn); a
-        # view or a reduction of a tensor no gradient needs, or one under no_grad, saves nothing.
-        if any(map(_recorded_by_autograd, bsym.output_tensors())):
-            for proxy in bsym.input_proxies():
-                if proxy.label in read_back:
-                    first_read.setdefault(proxy.label, index)
+    symbols = recording.bound_symbols[:forward_end]
+    read_back = {p.label for b in recording.bound_symbols[forward_end:] for p in b.input_proxies()} & inputs.keys()
+    for index, bsym in enumerate(symbols):
         schema = getattr(bsym.op, "_schema", None)
         if schema is None or not schema.is_mutable:
             continue
@@ -195,7 +211,7 @@ def _saved_alias_written(recording: Recording, forward_end: int) -> None:
                 continue
             for label in read_back:
                 saved = inputs[label]
-                if label != value.label and first_read.get(label, index) < index and saved.memory == value.memory:
+                if label != value.label and saved.memory == value.memory and saving.get(label, index) < index:
                     written = value.provenance if isinstance(value.provenance, InputPath) else "a view it made"
                     raise TracingError(
                         f"dtcompile.jit: the call changes {written} in place (one of the variables needed "
@@ -205,12 +221,27 @@ def _saved_alias_written(recording: Recording, forward_end: int) -> None:
                     )
 
 
-def _recorded_by_autograd(proxy: TensorProxy) -> bool:
+def _node_of(proxy: TensorProxy):
     try:
         with torch._C.DisableTorchFunction():
-            return proxy.grad_fn is not None
+            return proxy.grad_fn
     except RuntimeError:  # a view made under no_grad, of a base written later: none recorded it
+        return None
+
+
+def _holds(node, proxy: TensorProxy) -> bool:
+    """Whether autograd's ``node`` saved ``proxy`` (its ``_saved_*`` values)."""
+    if node is None:
         return False
+    for name in dir(node):
+        if name.startswith("_saved_") and not name.endswith("_raw"):
+            try:
+                value = getattr(node, name)
+            except RuntimeError:
+                continue
+            if any(v is proxy for v in (value if isinstance(value, (tuple, list)) else (value,))):
+                return True
+    return False
 
 
 def users_code_reached(users_code: frozenset[int], arrived: int) -> bool:
