@@ -51,7 +51,7 @@ class JittedFunction:
 def _jitted_module_call(self, *args, **kwargs):
     compiled = self._dtcompile
     cls = type(self)
-    if cls is not compiled.jitted_class or len(vars(cls)) != compiled.jitted_names:
+    if cls is not compiled.jitted_class or _names(cls) != compiled.jitted_names:
         # The module itself is traced (its ``self`` is the module's own class, as eager's
         # code may ask): what changes the jitted object's class alone is not seen there.
         raise TracingError(
@@ -60,6 +60,13 @@ def _jitted_module_call(self, *args, **kwargs):
             "module before dtcompile.jit, or on the module itself (the jitted module follows its class)"
         )
     return compiled(self, args, kwargs)
+
+
+def _names(cls: type) -> int:
+    """How many names a jitted class holds, but ``__slotnames__`` (copyreg's cache, set when
+    an instance is first copied)."""
+    namespace = vars(cls)
+    return len(namespace) - ("__slotnames__" in namespace)
 
 
 def _plain(jitted: torch.nn.Module) -> torch.nn.Module:
@@ -125,7 +132,7 @@ def _jit_module(module: torch.nn.Module, cache: str, executors, check) -> torch.
     object.__setattr__(jitted, "__dict__", module.__dict__)
     object.__setattr__(jitted, "_dtcompile", compiled)
     compiled.jitted_class = type(jitted)
-    compiled.jitted_names = len(vars(type(jitted)))
+    compiled.jitted_names = _names(type(jitted))
     return jitted
 
 
