@@ -199,3 +199,26 @@ def test_a_namedtuple_with_its_own_new_is_rebuilt_without_running_it_again(cache
         assert torch.equal(got.probs, expected.probs)
     q = _Scaled(torch.ones(2), 3.0)
     assert torch.equal(dtcompile.jit(_use, cache=cache)(q), _use(q))
+
+
+class _Phase(enum.Enum):
+    TRAIN = "train"
+    EVAL = "eval"
+
+
+def _by_phase(x, phase):
+    return x * 2 if phase is _Phase.TRAIN else x - 1, phase
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_plain_enum_member_argument_is_a_constant_guarded_as_itself(cache):
+    # Refused before (an UnsupportedInputError): only IntEnum and str enums were taken.
+    jitted = dtcompile.jit(_by_phase, cache=cache)
+    for phase in (_Phase.TRAIN, _Phase.EVAL, _Phase.TRAIN):
+        got, expected = jitted(torch.ones(2), phase), _by_phase(torch.ones(2), phase)
+        assert torch.equal(got[0], expected[0]) and got[1] is phase
+    assert dtcompile.cache_misses(jitted) == 2
+    holder = types.SimpleNamespace(phase=_Phase.EVAL)
+    assert torch.equal(
+        dtcompile.jit(lambda x, h: _by_phase(x, h.phase)[0], cache=cache)(torch.ones(2), holder), torch.zeros(2)
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import keyword
 import re
 
@@ -176,6 +177,8 @@ class InputProxifier:
             self._tensors[id(value)] = (proxy, node, False)
             return proxy, node
         if isinstance(value, CONSTANT_TYPES) or type(value) is torch.Size or _constant_slice(value):
+            return value, ConstantInput(path, value)
+        if isinstance(value, enum.Enum):  # a member: guarded as that very object
             return value, ConstantInput(path, value)
         container = type(value) in (tuple, list, dict) or pytree.is_namedtuple_instance(value)
         if container and path.steps and id(value) in self._stand_ins:  # (``f(l, l)``: one list, seen twice)
