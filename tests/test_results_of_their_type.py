@@ -2,6 +2,7 @@
 dict of any keys eager takes is taken: enum members and str subclasses returned, dicts
 keyed by an enum, infinity or a nan, sizes code made numbers under symbolic values."""
 
+import array
 import collections
 import dataclasses
 import enum
@@ -222,3 +223,54 @@ def test_a_plain_enum_member_argument_is_a_constant_guarded_as_itself(cache):
     assert torch.equal(
         dtcompile.jit(lambda x, h: _by_phase(x, h.phase)[0], cache=cache)(torch.ones(2), holder), torch.zeros(2)
     )
+
+
+class _Listing(list):
+    pass
+
+
+class _Slotted:
+    __slots__ = ("items",)
+
+    def __init__(self):
+        self.items = []
+
+
+GLOBAL_LIST = [types.SimpleNamespace(v=1), [1, 2], {"a": 1}]
+GLOBAL_QUEUE = collections.deque([1])
+
+
+def _made_and_held(x):
+    made = [_Listing(), collections.UserList(), collections.ChainMap({}), array.array("i"), _Slotted()]
+    held = [GLOBAL_LIST[0], GLOBAL_LIST[1], GLOBAL_LIST[2], GLOBAL_LIST, GLOBAL_QUEUE]
+    return x + 1, made, held
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_containers_are_made_anew_or_returned_as_themselves_as_in_eager(cache):
+    # Containers of other kinds the call made were one object across calls; lists and dicts
+    # that existed before the call (a global's) came back as new ones.
+    jitted = dtcompile.jit(_made_and_held, cache=cache)
+    first = jitted(torch.ones(2))
+    second = jitted(torch.ones(2))
+    assert all(a is not b and type(a) is type(b) for a, b in zip(first[1], second[1]))
+    expected = _made_and_held(torch.ones(2))[2]
+    assert all(a is b for a, b in zip(second[2], expected))
+
+
+class _StrEnum(str, enum.Enum):
+    X = "x"
+
+
+def _first_key(x, d):
+    key = next(iter(d))
+    return x + 1, key, type(key).__name__
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_dict_keyed_by_a_str_enum_member_is_not_the_entry_of_the_equal_string(cache):
+    # The keys were compared with ==: the entry traced with {"x": ...} served {SE.X: ...}.
+    jitted = dtcompile.jit(_first_key, cache=cache)
+    for key in ("x", _StrEnum.X, "x"):
+        got = jitted(torch.ones(2), {key: torch.ones(2)})
+        assert got[1] is key and got[2] == type(key).__name__

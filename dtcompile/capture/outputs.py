@@ -8,8 +8,10 @@ constants, and the containers around them.
 
 from __future__ import annotations
 
+import array
 import collections.abc
 import dataclasses
+import enum
 import types
 from dataclasses import dataclass
 
@@ -112,7 +114,24 @@ class PytreeOutput(OutputNode):
     children: list[OutputNode]
 
 
-_COPIED = (set, collections.deque, bytearray)  # containers made anew by a copy of the traced one
+# Mutable containers holding no tensor, made anew at each call by a copy of the traced one.
+_COPIED = (list, dict, set, collections.deque, bytearray, array.array, collections.UserList, collections.UserDict)
+
+
+_PREEXISTING = (tuple, list, dict, collections.deque)  # containers otherwise made anew at each call
+
+
+def _mutable_kind(value: object) -> bool:
+    """Whether ``value`` is of a kind a call makes anew (a container, an object of a user's
+    class), not one a library hands out (a logger, a process group)."""
+    if isinstance(value, (_COPIED, collections.ChainMap)):
+        return True
+    kind = type(value)
+    if isinstance(value, (type, types.ModuleType, enum.Enum, torch.nn.Module)) or callable(value):
+        return False
+    return kind is types.SimpleNamespace or not is_library(kind)
+
+
 _VIEWS = (collections.abc.KeysView, collections.abc.ValuesView, collections.abc.ItemsView)
 
 
@@ -130,6 +149,7 @@ class OutputCollector:
         # What the call's code reads from Python state (a global, a module's attribute:
         # ``python_reads.Read``): objects there before the call, returned as they are.
         self.reads: list = []
+        self._existing_ids: set[int] | None = None
 
     def _slot(self, proxy: TensorProxy, value=None) -> int:
         self.proxies.append(proxy)
@@ -175,6 +195,8 @@ class OutputCollector:
             return ConstantOutput(value)  # sizes are constants; pytree would rebuild a tuple
         if isinstance(value, (tuple, list, dict)) and (index := self.objects.index_of(value)) is not None:
             return ObjectOutput(index)  # a container of the call, returned: the caller's own
+        if isinstance(value, _PREEXISTING) and not holds_proxies(value) and id(value) in self._existing():
+            return ConstantOutput(value)  # one there before the call (a global's list), returned as itself
         if type(value) in (tuple, list) or pytree.is_namedtuple_instance(value):
             return SequenceOutput(type(value), [self.describe(v, where) for v in value])
         if isinstance(value, dict) and any(isinstance(key, torch.Tensor) or holds_proxies(key) for key in value):
@@ -204,13 +226,34 @@ class OutputCollector:
                 f"dtcompile.jit: {where} holds a {type(value).__name__} (an iterator, a generator, a dict's view), "
                 "whose items the compiled call cannot tell without running it; return a list or a dict instead"
             )
-        # Made by the call (not read from Python state), holding no tensor: made anew, as eager's.
-        made = type(value) in _COPIED or (
-            plain_object(value) and (type(value) is types.SimpleNamespace or not is_library(type(value)))
-        )
-        if made and all(read.value is not value for read in self.reads):
-            return ConstantOutput(value, copied=True) if type(value) in _COPIED else self._new_object(value, where)
+        # Made by the call (not reached from what it read of Python state), holding no
+        # tensor: made anew at each call, as eager's.
+        if _mutable_kind(value) and id(value) not in self._existing():
+            if plain_object(value) and (type(value) is types.SimpleNamespace or not is_library(type(value))):
+                return self._new_object(value, where)
+            return ConstantOutput(value, copied=True)
         return ConstantOutput(value)
+
+    def _existing(self) -> set[int]:
+        """The ids of the objects reached from what the call read of Python state (a global,
+        a module's attribute, the items and attributes they hold), there before the call."""
+        if self._existing_ids is None:
+            self._existing_ids = set()
+            stack = [(read.value, 0) for read in self.reads]
+            while stack and len(self._existing_ids) < 100_000:
+                value, depth = stack.pop()
+                if id(value) in self._existing_ids or isinstance(value, (str, bytes, int, float, torch.Tensor)):
+                    continue
+                self._existing_ids.add(id(value))
+                if depth < 6:
+                    if isinstance(value, dict):
+                        items = list(value.values())
+                    elif isinstance(value, (list, tuple, set, frozenset, collections.deque)):
+                        items = list(value)
+                    else:
+                        items = list(getattr(value, "__dict__", {}).values()) if plain_object(value) else []
+                    stack += [(item, depth + 1) for item in items]
+        return self._existing_ids
 
     def _dtensor(self, value: DTensor) -> DTensorOutput:
         slot = self._slot(value._local_tensor, value)

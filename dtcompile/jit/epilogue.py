@@ -107,6 +107,10 @@ class _Builder:
             if node.copied:
                 self.globals["deepcopy"] = copy.deepcopy
                 return f"deepcopy({self.constant(node.value, 'MADE')})"
+            if type(node.value) in (list, dict, tuple):  # one there before the call: that very object
+                name = f"CONST{len(self.globals)}"
+                self.globals[name] = node.value
+                return name
             return self.constant(node.value, "CONST")
         if isinstance(node, ObjectOutput):
             return f"objs[{node.index}]"

@@ -267,7 +267,7 @@ class _Builder:
         elif isinstance(node, DictInput):
             var = expr if expr == "kwargs" else self.bind(expr)
             self.object_vars[id(node)] = var
-            plain = all(type(key) is str for key in node.keys)
+            plain = expr == "kwargs" and all(type(key) is str for key in node.keys)  # (others: a str enum key)
             if not node.keys and expr == "kwargs":
                 self.fail_if("kwargs")
             else:
