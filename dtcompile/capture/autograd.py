@@ -20,6 +20,7 @@ from ..core import InputPath, TensorProxy, TracingError
 from ..core.op_classes import draws_random_numbers
 from ..core.proxy import contiguous_strides
 from ..core.torch_internals import DTensorSpec, TensorMeta, make_dtensor, saved_tensors_hooks
+from .global_state import autocast_off
 from .recorder import Recording
 
 
@@ -53,6 +54,9 @@ class BackwardCapture:
     # The DTensor modes the forward entered that its backward needs, and eager's error where
     # the backward runs without them (``dtensor_modes.py``); None: none needed.
     dtensor_modes: tuple | None = None
+    # Whether the forward entered an autocast region with gradients on: traced outside
+    # autocast, the backward is eager's only where it runs outside autocast too.
+    autocast_regions: bool = False
 
 
 def _cotangent_for(recording: Recording, value, index: int) -> tuple[object, TensorProxy, DTensorSpec | None]:
@@ -103,7 +107,8 @@ def capture_backward(
     with torch._C.DisableTorchFunction():  # autograd's graph, not the tracing annotator's to see
         sources = _reaching(outputs, wrt)
     modes, needed = recording.dtensor_modes, None
-    with _rng_state_reads() as state_reads:
+    # Outside autocast, as torch asks of a backward: run under it, its ops are cast as eager's are.
+    with _rng_state_reads() as state_reads, autocast_off():
         start = len(recording.bound_symbols)
         try:
             grads = _grad(outputs, wrt, cotangents, retain=modes.seen()) if outputs else [None] * len(wrt)

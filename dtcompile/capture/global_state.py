@@ -226,29 +226,48 @@ def parametrize_cache_off():
         parametrize._cache_enabled, parametrize._cache = saved
 
 
+def autocast_devices() -> tuple[str, ...]:
+    """The devices autocast is on for now."""
+    return tuple(device for device in ("cpu", "cuda") if torch.is_autocast_enabled(device))
+
+
 @contextlib.contextmanager
-def python_memory_copied():
-    """While tracing, ``torch.frombuffer`` (a tensor over Python memory, made by no torch
-    op: the program held the first call's, and wrote into it in place at every call)
-    gives a copy made at each call, as ``torch.tensor`` of the same data does; in the
-    tracing thread only."""
-    original, thread = torch.frombuffer, threading.get_ident()
-
-    def frombuffer(*args, **kwargs):
-        made = original(*args, **kwargs)
-        return torch.ops.aten.lift_fresh_copy.default(made) if threading.get_ident() == thread else made
-
-    torch.frombuffer = frombuffer
+def autocast_off(devices: tuple[str, ...] | None = None):
+    """Autocast off for ``devices`` (default: those it is on for now; each on), and back
+    after (not by ``torch.autocast``: the traced code's regions are told from dtcompile's)."""
+    devices = autocast_devices() if devices is None else devices
+    for device in devices:
+        torch.set_autocast_enabled(device, False)
     try:
         yield
     finally:
-        torch.frombuffer = original
+        for device in devices:
+            torch.set_autocast_enabled(device, True)
+
+
+@contextlib.contextmanager
+def autocast_regions(entered: list):
+    """While tracing: the device of each autocast region the traced code enters with
+    gradients on (``with torch.autocast("cpu", enabled=False)``), added to ``entered``."""
+    autocast, thread = torch.amp.autocast_mode.autocast, threading.get_ident()
+    enter = autocast.__enter__
+
+    def noted(self):
+        if threading.get_ident() == thread and torch.is_grad_enabled():
+            entered.append(self.device)
+        return enter(self)
+
+    autocast.__enter__ = noted
+    try:
+        yield
+    finally:
+        autocast.__enter__ = enter
 
 
 @contextlib.contextmanager
 def torch_caches_off():
     """What tracing changes of torch's state while it runs (each put back after)."""
-    with autocast_cache_off(), parametrize_cache_off(), python_memory_copied(), native_upsampling():
+    with autocast_cache_off(), parametrize_cache_off(), native_upsampling():
         yield
 
 

@@ -26,8 +26,11 @@ import sys
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ..core import TensorProxy, TracingError
+from ..core.code_origin import library_code
+from ..core.errors import data_dependent_error
 from ..core.provenance import InputPath
 from ..core.proxy import TextRefusals
 
@@ -207,13 +210,20 @@ def retained_outputs(recording, outputs: list) -> None:
 def effects_refused():
     """While a call is traced: ``torch.autograd.backward`` called by the user's code is
     refused (torch 2.10 does not pass it through the torch function modes, so the
-    ``CallAnnotator`` does not see it); and, after the traced call, a refusal to turn a
-    traced tensor into text that the user's code caught (``logging`` reports a failed
-    message and goes on) is raised."""
+    ``CallAnnotator`` does not see it); and, after the traced call, a refusal the user's
+    code caught (``except Exception`` around ``x.numpy()``; ``logging`` reports a failed
+    message and goes on) is raised: else the compiled call would take the way the code
+    went on at every call, where eager takes the other."""
     TextRefusals.active += 1
     outermost = TextRefusals.active == 1
     if outermost:
-        TextRefusals.refused.clear()
+        TracingError.made = []
+    guards_on_data, guard_init = [], GuardOnDataDependentSymNode.__init__
+
+    def noted_guard(error, *args, **kwargs):  # (torch's, raised by ``bool(n > 2)`` of a number read from data)
+        guard_init(error, *args, **kwargs)
+        guards_on_data.append(error)
+
     original = torch.autograd.backward
     dlpack = torch.utils.dlpack.to_dlpack
 
@@ -232,17 +242,34 @@ def effects_refused():
 
     torch.autograd.backward = backward
     torch.utils.dlpack.to_dlpack = torch.to_dlpack = to_dlpack
+    GuardOnDataDependentSymNode.__init__ = noted_guard
     try:
         yield
     finally:
         torch.autograd.backward = original
         torch.utils.dlpack.to_dlpack = torch.to_dlpack = dlpack
+        GuardOnDataDependentSymNode.__init__ = guard_init
         TextRefusals.active -= 1
-        swallowed = TextRefusals.refused[:1] if outermost else []
+        swallowed = TracingError.made[:1] if outermost else []
         if outermost:
-            TextRefusals.refused.clear()
+            TracingError.made = None
     if swallowed:
         raise swallowed[0]
+    for error in guards_on_data:  # torch catches some itself, on its own frames only
+        if _caught_by_user(error):
+            raise data_dependent_error(None, f"Python control flow on {error.cond}, a number read from tensor data")
+
+
+def _caught_by_user(error: BaseException) -> bool:
+    """Whether an exception that was caught passed through the user's code on its way:
+    its traceback runs from the frame that caught it to the one that raised it."""
+    tb = error.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if not library_code(tb.tb_frame.f_globals.get("__name__", ""), code.co_filename):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _backward_refusal(func) -> TracingError:

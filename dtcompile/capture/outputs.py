@@ -234,6 +234,10 @@ class OutputCollector:
             return ConstantOutput(value, copied=True)
         return ConstantOutput(value)
 
+    def existed(self, value) -> bool:
+        """Whether ``value`` was there before the call, reached from what it read."""
+        return id(value) in self._existing()
+
     def _existing(self) -> set[int]:
         """The ids of the objects reached from what the call read of Python state (a global,
         a module's attribute, the items and attributes they hold), there before the call."""

@@ -17,20 +17,18 @@ hook), so what is guarded is what the code *can* read, found before tracing:
   functions and lambdas included), from its ``__globals__`` (one absent there, a builtin
   or a name not defined yet, is guarded as absent); the **closure cells** it holds; its
   **default arguments** (``__defaults__``, ``__kwdefaults__``) and **attributes**
-  (``f.scale``); a ``functools.partial``'s
-  arguments, keywords and attributes; the attributes a Python module holds
-  (imported at the top or inside the function) under the other names its code uses
-  (``cfg.SCALE``; of a library module, by identity: ``F.relu`` patched is seen); where
-  the code names ``os``, the environment's contents (``os.environ``, ``os.getenv``).
+  (``f.scale``); a ``functools.partial``'s arguments, keywords and attributes; the
+  attributes a Python module holds (imported at the top or inside the function) under the
+  other names its code uses (``cfg.SCALE``; of a library module, by identity: ``F.relu``
+  patched is seen); where the code names ``os``, the environment's contents.
 - **Module attributes** of the jitted module's tree, and of any module the code reaches
   (a global model a loss function calls; for those also the training flag and which
   parameters, buffers, submodules and tensor attributes they hold): every entry of each
   submodule's ``__dict__`` except tensors, submodules and ``nn.Module``'s own tables
   (parameters, buffers, submodules, hooks and the training flag are guarded elsewhere).
   An attribute the forward assigns stays guarded (``if self.cache is None``, then
-  ``self.cache = ...``; ``self.calls + 1`` baked in; its absence, for ``hasattr``), but
-  for one no user code loads by name that exists before the call (guarding it would miss
-  at every call; absent before, it is guarded absent, for a name made at run time).
+  ``self.cache = ...``; its absence, for ``hasattr``), but for one no user code loads by
+  name that exists before the call (absent before, it is guarded absent).
 - **Plain objects and containers, all the way down**: the attributes of a plain object
   (a config; those in its ``__slots__`` too; an object the code calls, and an
   ``lru_cache``'s wrapped function; a ``singledispatch`` function's implementations)
@@ -53,17 +51,16 @@ by exact type and value (``1``, ``1.0`` and ``True`` are three values; so are ``
 and by its contents (``python_reads.value_key``), whatever its size: lists, dicts, sets
 and deques of any class (an ``OrderedDict``, a ``defaultdict`` and its factory, a list
 subclass and its attributes), tuples holding such or objects, bytearrays, memoryviews and
-ctypes objects (by their bytes), arrays and
-NumPy arrays of numbers; the tensors in a container by identity (read at run time);
-anything else (functions, classes, tensors, modules, objects) by identity.
+ctypes objects (by their bytes), arrays and NumPy arrays of numbers; the tensors in a
+container by identity (read at run time); anything else by identity.
 
 Not guarded: iterators (one the traced code advances is refused: ``snapshots.py``), a
 library class's attributes other than a module's ``forward`` (and ``nn.Module``'s own),
-values read inside library code (a global of ``transformers`` changed),
-names reached only through strings (``getattr(cfg, name)``), the contents of NumPy arrays
-of objects, objects of C types other than the containers above (their state is not in
-Python attributes; a built-in bound method's object and a dict view's dict are followed). A global, class attribute or closure variable the traced code
-rebinds is refused and put back: the rebinding would happen once, while tracing.
+values read inside library code (but what a library's wrapper of a user function wraps:
+``@torch.no_grad()``), names reached only through strings (``getattr(cfg, name)``), the
+contents of NumPy arrays of objects, objects of C types other than the containers above
+(a built-in bound method's object and a dict view's dict are followed). A global, class
+attribute or closure variable the traced code rebinds is refused and put back.
 """
 
 from __future__ import annotations
@@ -279,9 +276,12 @@ class PythonState(AfterTracing):
                 self.follow(item, f"{where}.{name}")
 
     def _function(self, fn: types.FunctionType) -> None:
-        if id(fn) in self._walked or is_library(fn):
+        if id(fn) in self._walked:
             return
         self._walked.add(id(fn))
+        if is_library(fn):  # what a library's wrapper wraps: ``@torch.no_grad()``, ``@contextmanager``
+            self.follow(getattr(fn, "__wrapped__", None), fn.__qualname__)
+            return
         code = fn.__code__
         global_names, imported, attributes, loaded = code_names(code)
         self._attribute_loads |= loaded

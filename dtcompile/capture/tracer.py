@@ -24,12 +24,14 @@ from .autograd import BackwardCapture, capture_backward
 from .block_training import BlockReplayFailed
 from .blocks import RepeatedBlocks
 from .c10d import object_collective_refusal, symbolic_splits
+from .cached_functions import forget_traced_results, user_caches
 from .data_branches import assumptions_unlogged, checks_first
 from .fake_calls import storage_refusal
 from .fsdp import FSDPTracing, option_reads, reaches_fsdp, refusing_recomputes
 from .global_state import (
     GlobalState,
     RandomStates,
+    autocast_regions,
     generators_made,
     modes_left_changed,
     seeding_refused,
@@ -46,6 +48,7 @@ from .module_state import ModuleState, ModuleUpdate
 from .objects import AttributeUpdate, respec_refusal
 from .outlining import outline
 from .outputs import OutputCollector, OutputNode
+from .outside_memory import outside_memory
 from .placements import describe_placements
 from .python_state import PythonState
 from .recorder import OpRecorder, Recording
@@ -207,6 +210,7 @@ def _capture(
         inputs.python_state.follow(hook, where)
     inputs.python_state.follow_inputs(inputs.nodes())
     collector.reads = inputs.python_state.reads
+    caches = user_caches(inputs.python_state.reads)
     proxifier.refuse_other_paths(inputs.python_state.reads)
     for read in inputs.python_state.reads:
         if read.contents:  # a global dict of settings: its items changed in place are seen, and put back
@@ -230,6 +234,8 @@ def _capture(
         OpRecorder(recording),
         seeding_refused(),
         torch_caches_off(),
+        autocast_regions(autocast_entered := []),
+        outside_memory(collector.existed),
         effects_refused(),
         symbolic_splits(),
     ):
@@ -271,6 +277,7 @@ def _capture(
                 backward = refusing_recomputes(
                     managed, capture_backward, recording, proxifier.differentiable + closed, collector.values
                 )
+                backward.autocast_regions = bool(autocast_entered)
                 if module_state is not None:
                     backward.recompute_from = frozenset(fsdp.recompute_from)
             checks_first(recording)  # branches taken on tensor data, checked before anything runs
@@ -290,6 +297,7 @@ def _capture(
             recording.forget_values()
             collector.release_masks()
             changed = snapshot.put_back()
+            forget_traced_results(caches)
             left = state_put_back(grad_enabled, global_state)  # even where tracing failed
             drawn = random_states.changed() + generators_made(recording.constants, snapshot, inputs.python_state.reads)
     if drawn:

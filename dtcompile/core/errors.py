@@ -2,7 +2,19 @@
 
 
 class TracingError(RuntimeError):
-    """The traced program does something dtcompile cannot record."""
+    """The traced program does something dtcompile cannot record.
+
+    While a call is traced, each one made is kept in ``made``: the user's code may catch
+    it (``except Exception``, a ``logging`` handler) and go on another way, which the
+    compiled call would then take at every call, so the tracer raises the first kept once
+    the traced code returns (``capture/method_checks.effects_refused``)."""
+
+    made: list | None = None  # a list while a call is traced
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        if TracingError.made is not None:
+            TracingError.made.append(self)
 
 
 class DataCheckFailed(Exception):

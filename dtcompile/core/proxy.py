@@ -205,13 +205,12 @@ class TensorProxy(torch.Tensor):
 
 
 class TextRefusals:
-    """While a call is traced (``active``, counted by the tracer: the torch function
-    modes are off inside a mode's handler, so they cannot tell), the refusals of text
-    made, for the tracer to raise where the user's code swallowed them (``logging``
-    reports an error in a handler and goes on)."""
+    """Whether a call is traced (``active``, counted by the tracer: the torch function
+    modes are off inside a mode's handler, so they cannot tell). A refusal the user's
+    code swallows (``logging`` reports an error in a handler and goes on) is raised after
+    the traced code, as every ``TracingError`` is."""
 
     active = 0
-    refused: list[TracingError] = []
 
 
 # The code of dtcompile's own frames between a dispatch mode and torch (the annotator's
@@ -237,14 +236,11 @@ def _refuse_user_text(proxy: TensorProxy) -> None:
         frame = frame.f_back
     if frame is not None and not library_code(module, frame.f_code.co_filename):
         what = proxy.provenance if isinstance(proxy.provenance, InputPath) else "a tensor"
-        TextRefusals.refused.append(
-            TracingError(
-                f"dtcompile.jit: the traced code turns {what} into text (print, str, repr, format, logging): its "
-                "data is not known while tracing, and a compiled call would not do it at each call. Print outside "
-                "the call"
-            )
+        raise TracingError(
+            f"dtcompile.jit: the traced code turns {what} into text (print, str, repr, format, logging): its "
+            "data is not known while tracing, and a compiled call would not do it at each call. Print outside "
+            "the call"
         )
-        raise TextRefusals.refused[-1]
 
 
 def _expression(size):

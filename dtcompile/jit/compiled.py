@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 
 from ..capture import CapturedCall, capture_call, is_tracing, ranks_meet_before_live_collectives
+from ..capture.global_state import autocast_devices, autocast_off
 from ..core import DataCheckFailed, TensorProxy, Trace, verify
 from ..core.block_call import block_programs
 from ..core.codegen import GeneratedFunction
-from ..core.torch_internals import function_mode_count, function_modes_off, resolve_process_group, shape_guards
+from ..core.torch_internals import resolve_process_group, shape_guards
 from ..executors import lower, resolve_executors
 from ..transforms import has_symbolic_sizes, pipelines, saved_note, split_forward_backward
 from .check import checked_call, running_eager
@@ -41,6 +42,7 @@ from .consistency import (
     post_miss,
 )
 from .epilogue import build_epilogue
+from .program_run import run_entry
 from .prologue import build_prologue
 from .training import TrainingProgram
 
@@ -61,6 +63,7 @@ class CacheEntry:
     digest: str = ""  # the digest of what they agreed on
     group_labels: dict[str, str] = field(default_factory=dict)  # process group name -> mesh dim
     python_reads: list = field(default_factory=list)  # the Python values its code could read (``Read``)
+    autocast: tuple[str, ...] = ()  # the devices autocast was on for (guarded), off while it runs
 
 
 class InferenceProgram:
@@ -165,7 +168,7 @@ class CompiledFunction:
         while (found := self._lookup(module, args, kwargs, failed)) is not None:
             entry, inputs = found
             try:
-                return entry, inputs, _run(entry, inputs)
+                return entry, inputs, run_entry(entry, inputs)
             except DataCheckFailed:  # raised before the program did anything
                 self.stats.hits -= 1  # the entry did not serve the call after all
                 failed.append(entry)
@@ -173,7 +176,7 @@ class CompiledFunction:
                 explain_stall(self.identity, self.name, entry.ranks, error)
                 raise
         entry, inputs = self.entry_for(module, args, kwargs, failed)
-        return entry, inputs, _run(entry, inputs)
+        return entry, inputs, run_entry(entry, inputs)
 
     def entry_for(self, module, args: tuple, kwargs: dict, failed=()) -> tuple[CacheEntry, tuple]:
         """The entry that accepts the call, compiled if none does, and the prologue's result
@@ -233,11 +236,12 @@ class CompiledFunction:
         # Sizes are materialized under symbolic values, and wherever a number read from
         # tensor data sizes something (under either cache option).
         sized = symbolic or has_symbolic_sizes(captured.trace)
-        if captured.backward is None:
-            run, epilogue, traces, to_check = self._inference(captured, labels, executors, sized)
-            reference = traces[len(pipelines.sizes(sized))]
-        else:
-            run, epilogue, traces, to_check = self._training(captured, labels, executors, sized)
+        with autocast_off(autocast := autocast_devices()):  # (the passes run ops; autocast's casts are traced)
+            if captured.backward is None:
+                run, epilogue, traces, to_check = self._inference(captured, labels, executors, sized)
+                reference = traces[len(pipelines.sizes(sized))]
+            else:
+                run, epilogue, traces, to_check = self._training(captured, labels, executors, sized)
         entry = CacheEntry(
             prologue=build_prologue(
                 captured.inputs,
@@ -257,6 +261,7 @@ class CompiledFunction:
             reference=reference,
             group_labels=labels,
             python_reads=captured.python_state.reads,
+            autocast=autocast,
         )
         captured.input_fakes.forget()  # (the program built: the real tensors are the caller's again)
         # Last, so that every way this rank can fail comes before the ranks meet.
@@ -388,13 +393,3 @@ def _computation_inputs(captured: CapturedCall) -> list[str]:
 def _slot_count(captured: CapturedCall) -> int:
     """How many local outputs the forward returns before its saved values."""
     return len(captured.trace.output) - sum(1 for g in captured.backward.grads if g is not None)
-
-
-def _run(entry, inputs: tuple):
-    """Run an entry's program. The torch function modes active (guarded: the entry was
-    traced under them, and what they did is in its program) are put aside, so that they
-    do not act on the program's ops a second time."""
-    if not function_mode_count():
-        return entry.run(inputs)
-    with function_modes_off():
-        return entry.run(inputs)

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from ..capture import with_plain_sizes
 from ..capture.autograd import users_code_reached
+from ..capture.global_state import autocast_devices, autocast_off
 from ..core import TensorProxy, TracingError
 from ..core.codegen import GeneratedFunction
 from ..core.symbolic import as_constant, is_symbolic
@@ -122,6 +123,7 @@ class TrainingProgram:
     saved_hooks: tuple | None = None  # the saved_tensors_hooks (pack, unpack) it was traced under
     dtensor_modes: tuple | None = None  # (DTensorModes its backward needs on, eager's error without)
     users_code: frozenset = frozenset()  # ``BackwardCapture.users_code``
+    autocast_regions: bool = False  # ``BackwardCapture.autocast_regions``
     # Positions of the inputs the backward reads as they were, which the forward does not
     # write: their versions, unchanged through the forward unless through another input
     # that shares their memory (``x`` and ``x.view(3)`` passed both; traced apart), as
@@ -184,6 +186,7 @@ class TrainingProgram:
             ],
             saved_hooks=backward_capture.saved_hooks,
             dtensor_modes=backward_capture.dtensor_modes,
+            autocast_regions=backward_capture.autocast_regions,
             users_code=backward_capture.users_code,
             read_back=_read_back(joint, captured_inputs),
         )
@@ -331,7 +334,15 @@ class CompiledStep(torch.autograd.Function):
                 "(the loss does not use them): eager would not run it, the compiled backward would run it on zeros. "
                 "Return only the outputs the loss uses, or give each a gradient (loss + out.sum() * 0)"
             )
-        with function_modes_off():  # (autograd's own backward runs none of them)
+        if program.autocast_regions and autocast_devices():
+            raise RuntimeError(
+                "dtcompile: the backward of a compiled call runs under autocast, and the call entered an autocast "
+                "region with gradients on (autocast(enabled=False) inside it, or another dtype): eager's backward "
+                "would cast the gradients of that region's ops, the compiled one, traced outside autocast as torch "
+                "recommends, does not. Call .backward() outside the autocast region"
+            )
+        # (autograd's own backward runs none of the modes; traced outside autocast, it runs so)
+        with function_modes_off(), autocast_off():
             grads = program.backward(inputs)
         result: list = [None] * (1 + program.inputs)
         for grad, gradient, shape in zip(grads, program.gradients, ctx.input_shapes):

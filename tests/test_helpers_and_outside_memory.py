@@ -1,0 +1,175 @@
+"""Helpers the traced code calls through a library's wrapper (``@torch.no_grad()``,
+``@contextlib.contextmanager``, ``functools.lru_cache``) and tensors over memory outside
+torch (``torch.from_numpy`` of a global array): what eager reads, writes and keeps."""
+
+import contextlib
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+import dtcompile
+from dtcompile import TracingError
+from dtcompile.testing.compare import assert_same
+
+CACHES = ["constant values", "symbolic values"]
+SCALE = 2.0
+LOG: list = []
+
+
+@torch.no_grad()
+def _scaled_no_grad(x):
+    return x * SCALE
+
+
+@torch.compiler.disable
+def _scaled_disabled(x):
+    return x * SCALE
+
+
+@torch.autocast("cpu", enabled=False)
+def _scaled_autocast_off(x):
+    return x * SCALE
+
+
+@contextlib.contextmanager
+def _scale():
+    yield SCALE
+
+
+def _through_a_context_manager(x):
+    with _scale() as s:
+        return x * s
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize(
+    "fn",
+    [lambda x: _scaled_no_grad(x) + 1, lambda x: _scaled_disabled(x) + 1, lambda x: _scaled_autocast_off(x) + 1]
+    + [_through_a_context_manager],
+    ids=["no_grad", "compiler.disable", "autocast", "contextmanager"],
+)
+def test_what_a_wrapped_helper_reads_is_guarded(cache, fn):
+    global SCALE
+    jitted, x = dtcompile.jit(fn, cache=cache), torch.ones(3)
+    try:
+        assert_same(jitted(x), fn(x))
+        SCALE = 3.0
+        assert_same(jitted(x), fn(x))
+        assert jitted(x)[0].item() == fn(x)[0].item() and fn(x)[0].item() in (3.0, 4.0)
+    finally:
+        SCALE = 2.0
+
+
+@torch.no_grad()
+def _logged(x):
+    LOG.append("called")
+    return x * 2
+
+
+@contextlib.contextmanager
+def _recorded(name):
+    LOG.append(name)
+    yield
+
+
+def _through_a_recording_context(x):
+    with _recorded("forward"):
+        return x * 2
+
+
+@pytest.mark.parametrize("fn", [_logged, _through_a_recording_context], ids=["no_grad", "contextmanager"])
+def test_a_wrapped_helpers_side_effect_is_refused_and_put_back(fn):
+    LOG.clear()
+    with pytest.raises(TracingError, match="LOG"):
+        dtcompile.jit(fn)(torch.ones(3))
+    assert LOG == []
+
+
+@functools.lru_cache(maxsize=4)
+def _causal_mask(n: int):
+    return torch.triu(torch.full((n, n), float("-inf")), 1)
+
+
+def _masked(x):
+    return x + _causal_mask(x.shape[-1])
+
+
+def _masked_twice(x):
+    return x * 2 + _causal_mask(x.shape[-1])
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_an_lru_cached_helper_keeps_no_traced_tensor(cache):
+    _causal_mask.cache_clear()
+    x = torch.randn(3, 3)
+    assert_same(dtcompile.jit(_masked, cache=cache)(x), _masked(x))
+    assert all(type(_causal_mask(n)) is torch.Tensor for n in (2, 3))  # eager calls get real tensors
+    assert_same(dtcompile.jit(_masked_twice, cache=cache)(x), _masked_twice(x))  # another trace
+    assert_same(dtcompile.jit(_masked, cache=cache)(x.double()), _masked(x.double()))
+
+
+ARRAY = np.zeros(3, dtype=np.float32)
+BUFFER = bytearray(12)
+
+
+def _written_through(x):
+    t = torch.from_numpy(ARRAY)
+    t.add_(x)
+    return t * 1
+
+
+def _returned(x):
+    return torch.from_numpy(ARRAY)
+
+
+def _view_written(x):
+    t = torch.from_numpy(ARRAY[1:])
+    t.mul_(x[1:])
+    return t + 1
+
+
+def _made_inside(x):
+    t = torch.from_numpy(np.ones(3, dtype=np.float32))
+    t.add_(x)
+    return t * 1
+
+
+def _buffer_written(x):
+    t = torch.frombuffer(BUFFER, dtype=torch.float32)
+    t.add_(x)
+    return t * 1
+
+
+def _as_tensor_written(x):
+    t = torch.as_tensor(ARRAY)
+    t.sub_(x)
+    return t * 1
+
+
+def _as_tensor_copied(x):
+    t = torch.as_tensor(ARRAY, dtype=torch.float64)
+    t.add_(x)
+    return t * 1
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize(
+    "fn",
+    [_written_through, _returned, _view_written, _made_inside, _buffer_written, _as_tensor_written, _as_tensor_copied],
+)
+def test_a_tensor_over_numpy_or_python_memory(cache, fn):
+    """Over memory there before the call, the program uses that memory, as eager's tensor
+    does; over memory the call makes, a copy made at each call."""
+    results = {}
+    for name, run in (("eager", fn), ("compiled", dtcompile.jit(fn, cache=cache))):
+        ARRAY[:] = 1.0
+        BUFFER[:] = bytes(12)
+        outs = [run(torch.full((3,), 2.0)) for _ in range(3)]
+        ARRAY[0] = 7.0  # seen by a returned tensor over the array
+        results[name] = ([o.clone() for o in outs], ARRAY.copy(), bytes(BUFFER))
+    (eager, eager_array, eager_buffer), (got, got_array, got_buffer) = results["eager"], results["compiled"]
+    for e, g in zip(eager, got):
+        assert_same(g, e)
+    assert (eager_array == got_array).all() and eager_buffer == got_buffer

@@ -1,0 +1,134 @@
+"""A refusal is raised inside the user's code while it is traced; code that catches it
+(``except Exception``, ``contextlib.suppress``) and goes on another way must not make the
+compiled call take that way at every call, where eager takes the first: the refusal is
+raised once the traced code returns."""
+
+import contextlib
+import pickle
+
+import pytest
+import torch
+
+import dtcompile
+from dtcompile import TracingError
+from dtcompile.testing.compare import assert_same
+
+CACHES = ["constant values", "symbolic values"]
+
+
+def _via_numpy(x):
+    try:
+        return torch.from_numpy(x.numpy() * 2)
+    except Exception:
+        return x * 0
+
+
+def _via_equal(x):
+    try:
+        same = torch.equal(x, x + 0)
+    except RuntimeError:
+        same = False
+    return x * (2 if same else 3)
+
+
+def _via_version(x):
+    with contextlib.suppress(Exception):
+        return x * (x._version + 10)
+    return x * 9
+
+
+def _via_pickle(x):
+    try:
+        pickle.dumps(x)
+        return x * 1
+    except Exception:
+        return x * 0
+
+
+def _via_seed(x):
+    with contextlib.suppress(RuntimeError):
+        torch.manual_seed(0)
+    return x + torch.rand(4)
+
+
+def _via_storage(x):
+    try:
+        return x * x.untyped_storage().nbytes()
+    except Exception:
+        return x
+
+
+def _via_text(x):
+    try:
+        return x * len(str(x))
+    except Exception:
+        return x
+
+
+def _branch_on_a_random_number(x):
+    try:
+        return x * 2 if torch.rand(()).item() > 2 else x * 3
+    except Exception:
+        return x * 4
+
+
+def _branch_after_a_write(x):
+    x.add_(1)
+    try:
+        return x * 2 if x.sum() > 0 else x * 3
+    except Exception:
+        return x * 4
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize(
+    "fn",
+    [
+        _via_numpy,
+        _via_equal,
+        _via_version,
+        _via_pickle,
+        _via_seed,
+        _via_storage,
+        _via_text,
+        _branch_on_a_random_number,
+        _branch_after_a_write,
+    ],
+)
+def test_a_refusal_the_code_catches_is_still_raised(cache, fn):
+    fn(torch.ones(4))  # eager runs it the first way
+    with pytest.raises(TracingError, match="dtcompile.jit"):
+        dtcompile.jit(fn, cache=cache)(torch.ones(4))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_hook_refusal_the_code_catches_is_still_raised(cache):
+    def f(x):
+        try:
+            x.register_hook(lambda g: g * 10)
+        except RuntimeError:
+            pass
+        return x * 2
+
+    with pytest.raises(TracingError, match="register_hook"):
+        dtcompile.jit(f, cache=cache)(torch.ones(2, requires_grad=True))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_the_users_own_exceptions_caught_and_a_branch_on_data_still_compile(cache):
+    def f(x):
+        try:
+            if x.sum() > 0:  # a branch on data: compiled, checked at each call
+                raise ValueError("positive")
+            y = x * 2
+        except ValueError:
+            y = x * 3
+        try:
+            y = y @ torch.ones(5)  # a size mismatch: eager's error, caught
+        except RuntimeError:
+            y = y + 1
+        return y
+
+    jitted = dtcompile.jit(f, cache=cache)
+    for x in (torch.ones(4), -torch.ones(4), torch.ones(4)):
+        assert_same(jitted(x), f(x))
