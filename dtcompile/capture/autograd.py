@@ -240,6 +240,9 @@ def _holds(node, proxy: TensorProxy) -> bool:
         return False
     for name in dir(node):
         if name.startswith("_saved_") and not name.endswith("_raw"):
+            raw = getattr(node, "_raw" + name, None)
+            if any(getattr(r, "unpack_hook", None) is not None for r in (raw if isinstance(raw, list) else (raw,))):
+                continue  # packed by a hook (a checkpoint's): reading it would run the hook (recompute the region)
             try:
                 value = getattr(node, name)
             except RuntimeError:

@@ -17,6 +17,7 @@ it never keeps a proxy, and a compile that fails leaves it unchanged.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +101,19 @@ class ModuleState:
     def __exit__(self, *exc) -> None:
         torch.nn.Module.__setattr__ = self._setattr
         self.restore()
+
+    @contextlib.contextmanager
+    def again(self):
+        """The tables as traced (the stand-ins in place) while the backward is traced: code
+        it runs (a checkpoint's recompute, a tensor hook) reads the module's tensors as the
+        forward did, not the real ones (a DTensor's op would run now, its result a constant)."""
+        for module, name, traced in self._traced:
+            table = _table(module, name)
+            table.update(traced)
+        try:
+            yield
+        finally:
+            self.restore()
 
     def restore(self) -> None:
         """Every table as it was before tracing (the same dict objects: others hold them)."""

@@ -19,6 +19,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, S
 
 from ..core import InputPath, Trace, TracingError, data_dependent_error, verify
 from ..core.torch_internals import compiling, dtensor_refused_symbols
+from ..core.trace_hooks import eager_kernels
 from .annotator import CallAnnotator
 from .autograd import BackwardCapture, capture_backward
 from .block_training import BlockReplayFailed
@@ -230,6 +231,7 @@ def _capture(
         sizes_as_values_in_user_text(),
         assumptions_unlogged(),
         enable_python_dispatcher(),
+        eager_kernels(),
         CallAnnotator(recording, replay),  # (traced again where a replay or check failed: no alias made again)
         OpRecorder(recording),
         seeding_refused(),
@@ -274,9 +276,10 @@ def _capture(
                 )
             if training:
                 managed = module_state is not None and bool(fsdp.managed)
-                backward = refusing_recomputes(
-                    managed, capture_backward, recording, proxifier.differentiable + closed, collector.values
-                )
+                with module_state.again() if module_state is not None else contextlib.nullcontext():
+                    backward = refusing_recomputes(
+                        managed, capture_backward, recording, proxifier.differentiable + closed, collector.values
+                    )
                 backward.autocast_regions = bool(autocast_entered)
                 if module_state is not None:
                     backward.recompute_from = frozenset(fsdp.recompute_from)

@@ -4,14 +4,12 @@ The Function takes the call's inputs as the prologue returns them: the DTensors 
 tensors) that need gradients themselves, so autograd connects the step to them and puts
 DTensor gradients on DTensor parameters, and every other input as a local tensor. Its
 forward runs the forward program and keeps the saved values; its backward makes each
-cotangent what the backward program was traced with (the traced placements, a
-contiguous local tensor; a ``Zeros`` stand-in where autograd computed none, made by the
-program where it first reads it), runs the backward program and wraps the gradients
-with the specs DTensor's backward gave them at trace time. An input that only outputs
-without a cotangent reach gets no gradient (None, as eager's autograd gives it, not
-zeros). Under ``saved_tensors_hooks`` the programs hold what the hooks did to each saved
-tensor when traced: the Function saves its own values without them, and a call under
-other hooks than traced is refused.
+cotangent what the backward program was traced with (the traced placements, a contiguous
+local tensor; a ``Zeros`` stand-in where autograd computed none), runs the backward
+program and wraps the gradients with the specs DTensor's backward gave them at trace time
+(an input only outputs without a cotangent reach gets None, as eager's). Under
+``saved_tensors_hooks`` the programs hold what the hooks did to each saved tensor when
+traced: the Function saves its own values without them; other hooks than traced: refused.
 """
 
 from __future__ import annotations
@@ -129,6 +127,9 @@ class TrainingProgram:
     # that shares their memory (``x`` and ``x.view(3)`` passed both; traced apart), as
     # autograd checks the caller's tensors.
     read_back: tuple = ()
+    # And those whose memory it reads (through a view the forward saved: ``w.t()``); a DTensor
+    # there is checked by its own version, as eager's autograd checks the DTensor it saved.
+    memory_read_back: tuple = ()
     # The Python values the call's code read while traced (``Read``), where its backward
     # runs code of the user's: checked before each backward, since eager's backward reads
     # them then (a Function's ``ctx.mod.scale`` changed between the call and backward()).
@@ -189,6 +190,7 @@ class TrainingProgram:
             autocast_regions=backward_capture.autocast_regions,
             users_code=backward_capture.users_code,
             read_back=_read_back(joint, captured_inputs),
+            memory_read_back=_read_back(joint, captured_inputs, by_memory=True),
         )
 
     def __call__(self, inputs: tuple):
@@ -260,6 +262,9 @@ class CompiledStep(torch.autograd.Function):
         if any(local_inputs[i].is_inference() for i in program.read_back):  # (they have no version)
             raise RuntimeError(_SAVED_INFERENCE)
         versions = [local_inputs[i]._version for i in program.read_back]
+        ctx.dtensor_versions = [
+            (i, inputs[i], inputs[i]._version) for i in program.memory_read_back if isinstance(inputs[i], DTensor)
+        ]
         outs = _views_made_own(program.forward(*local_inputs), program.slots, local_inputs)
         ctx.program = program
         ctx.arrived_before = 0  # the outputs earlier backwards had gradients of (bit i: cotangents[i])
@@ -294,6 +299,12 @@ class CompiledStep(torch.autograd.Function):
                 "one of the variables needed for gradient computation has been modified by an inplace operation: "
                 f"input {ctx.written[0]} of the compiled call, through another input that shares its memory"
             )
+        changed = [i for i, dtensor, version in ctx.dtensor_versions if dtensor._version != version]
+        if changed:  # eager's DTensor autograd saved the DTensor itself, and checks its version
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"input {changed[0]} of the compiled call (a DTensor), changed in place after the call"
+            )
         changed = next((read for read in program.backward_reads if not read.unchanged()), None)
         if changed is not None:
             raise RuntimeError(
@@ -308,6 +319,11 @@ class CompiledStep(torch.autograd.Function):
         try:
             inputs = list(ctx.saved_tensors) if ctx.saves else []
         except RuntimeError as error:
+            if "A view was created in no_grad mode" in str(error):  # a view of an input the program saved
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    "operation: an input of the compiled call, changed in place after the call"
+                ) from error
             if "a second time" not in str(error) or ctx.arrived_before & arrived:
                 raise
             raise RuntimeError(
@@ -371,9 +387,14 @@ def _views_made_own(outs, slots: int, inputs: list):
     return outs
 
 
-def _read_back(joint, inputs: list) -> tuple:
-    """``TrainingProgram.read_back`` of the recorded ``joint`` trace."""
+def _read_back(joint, inputs: list, by_memory: bool = False) -> tuple:
+    """``TrainingProgram.read_back`` of the recorded ``joint`` trace (``by_memory``: its
+    ``memory_read_back``)."""
     position = {p.label: i for i, p in enumerate(inputs)}
-    read = {p.label for b in joint.bound_symbols if b.in_backward for p in b.input_tensors()} & position.keys()
+    backward = [p for b in joint.bound_symbols if b.in_backward for p in b.input_tensors()]
     written = {p.memory for b in joint.bound_symbols if not b.in_backward and mutates(b) for p in b.input_tensors()}
+    if by_memory:
+        memory = {p.memory for p in backward}
+        return tuple(i for i, p in enumerate(inputs) if p.memory in memory and p.memory not in written)
+    read = {p.label for p in backward} & position.keys()
     return tuple(sorted(position[label] for label in read if inputs[position[label]].memory not in written))

@@ -1,0 +1,98 @@
+"""Training steps whose every bit is eager's: a BatchNorm under ``torch.utils.checkpoint``
+updates its running statistics as often as eager's (once in the forward, once in the
+backward's recompute), dropout draws and scales as eager's CPU kernel does (not as torch's
+Python decomposition does), and a parameter changed before the backward gives autograd's
+error."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import dtcompile
+from dtcompile.testing.compare import assert_same
+
+CACHES = ["constant values", "symbolic values"]
+
+
+class _CheckpointedNorm(nn.Module):
+    def __init__(self, dropout: bool):
+        super().__init__()
+        self.a, self.bn, self.dropout = nn.Linear(8, 16), nn.BatchNorm1d(16), dropout
+
+    def body(self, h):
+        h = self.bn(h)
+        return F.dropout(h, 0.3) if self.dropout else h
+
+    def forward(self, x):
+        return checkpoint(self.body, self.a(x), use_reentrant=False, preserve_rng_state=False).pow(2).sum()
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("dropout", [False, True])
+def test_a_checkpointed_batch_norm_updates_its_statistics_as_eager(cache, dropout):
+    torch.manual_seed(0)
+    eager = _CheckpointedNorm(dropout)
+    model = copy.deepcopy(eager)
+    jitted = dtcompile.jit(model, cache=cache)
+    for step in range(2):
+        x = torch.randn(5, 8)
+        torch.manual_seed(10 + step)
+        eager(x).backward()
+        torch.manual_seed(10 + step)
+        jitted(x).backward()
+        for (name, e), c in zip(eager.state_dict().items(), model.state_dict().values()):
+            assert_same(c, e, name, rtol=0, atol=0)
+        for (name, e), c in zip(eager.named_parameters(), model.parameters()):
+            assert_same(c.grad, e.grad, name, rtol=0, atol=0)
+    assert model.bn.num_batches_tracked.item() == 4
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.45])
+def test_dropout_draws_and_scales_as_eagers_kernel(cache, dtype, p):
+    def f(x):
+        return F.dropout(x, p, training=True) * 2
+
+    x = torch.randn(64, 64, dtype=dtype, requires_grad=True)
+    cotangent = torch.randn(64, 64, dtype=dtype)
+    results = []
+    for fn in (f, dtcompile.jit(f, cache=cache)):
+        torch.manual_seed(2)
+        out = fn(x)
+        results.append((out, *torch.autograd.grad(out, x, cotangent), torch.rand(3)))
+    for got, expected in zip(results[1], results[0]):
+        assert_same(got.detach(), expected.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_sgd_steps_through_dropout_are_eagers_bit_for_bit(cache):
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.45), nn.Linear(64, 4))
+    model = copy.deepcopy(eager)
+    jitted = dtcompile.jit(model, cache=cache)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (eager, model)]
+    for step in range(3):
+        x, y = torch.randn(32, 16), torch.randn(32, 4)
+        for run, optimizer in zip((eager, jitted), optimizers):
+            torch.manual_seed(100 + step)
+            F.mse_loss(run(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        for e, c in zip(eager.parameters(), model.parameters()):
+            assert_same(c, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_parameter_changed_before_the_backward_is_autograds_error(cache):
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    for run in (model, dtcompile.jit(model, cache=cache)):
+        loss = run(torch.randn(3, 4)).pow(2).sum()
+        with torch.no_grad():
+            model[2].weight.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
