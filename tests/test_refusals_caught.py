@@ -132,3 +132,37 @@ def test_the_users_own_exceptions_caught_and_a_branch_on_data_still_compile(cach
     jitted = dtcompile.jit(f, cache=cache)
     for x in (torch.ones(4), -torch.ones(4), torch.ones(4)):
         assert_same(jitted(x), f(x))
+
+
+@pytest.mark.parametrize("layer", [torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN])
+def test_recurrent_layers_are_refused_by_name(layer):
+    with pytest.raises(TracingError, match="nn.LSTM, nn.GRU and nn.RNN are not supported yet"):
+        dtcompile.jit(layer(4, 8))(torch.randn(3, 2, 4))
+
+
+class _Config:
+    scale = 1.0
+
+
+CONFIG = _Config()
+
+
+@contextlib.contextmanager
+def _scaled(value):  # no try/finally: a refusal inside leaves it entered
+    old, CONFIG.scale = CONFIG.scale, value
+    yield CONFIG.scale
+    CONFIG.scale = old
+
+
+def _refused_inside_a_context_manager(x):  # (``CONFIG`` reached only through the helper)
+    with _scaled(0.5) as scale:
+        print(x)
+        return x * scale
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_what_a_failed_trace_left_changed_is_put_back(cache):
+    CONFIG.scale = 1.0
+    with pytest.raises(TracingError, match="into text"):
+        dtcompile.jit(_refused_inside_a_context_manager, cache=cache)(torch.ones(2))
+    assert vars(CONFIG) == {"scale": 1.0}

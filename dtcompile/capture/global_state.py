@@ -104,6 +104,10 @@ def state_put_back(grad_enabled: bool, state: GlobalState) -> list[str]:
     if torch_settings() != state.settings:
         changes.append("torch's settings (torch.use_deterministic_algorithms, set_num_threads, a backend's flags...)")
         put_settings_back(state.settings)
+    if list(state.op_handlers.items()) != state.op_handler_items:  # (``loss_parallel()`` left by an error)
+        changes.append("DTensor's op handlers (loss_parallel())")
+        state.op_handlers.clear()
+        state.op_handlers.update(state.op_handler_items)
     return changes
 
 

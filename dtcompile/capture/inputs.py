@@ -139,6 +139,12 @@ class InputProxifier:
         self.objects.refuse_other_paths(reads)
         for read in reads:
             held = _tensor_held(read.value, self._tensors) if read.contents else None
+            if held is not None and read.key == "_flat_weights":  # (``nn.RNNBase``'s)
+                raise TracingError(
+                    f"dtcompile.jit: {read.where} holds the layer's weights in a list "
+                    "besides its parameter table, which tracing cannot give stand-ins: nn.LSTM, nn.GRU and nn.RNN "
+                    "are not supported yet"
+                )
             if held is not None:
                 raise TracingError(
                     f"dtcompile.jit: {read.where} holds {held}, a tensor of the call; the traced code gets a "

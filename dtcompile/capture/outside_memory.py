@@ -18,9 +18,14 @@ import threading
 
 import numpy as np
 import torch
+from torch.overrides import resolve_name
 from torch.utils._python_dispatch import _disable_current_modes
 
 _MAKERS = ("from_numpy", "frombuffer", "as_tensor", "asarray")
+# torch names its functions (``resolve_name``, in refusals) from a table it builds once, at
+# first use, from the ``torch`` namespace: built now, it holds torch's own, not the ones
+# set in their place while tracing.
+resolve_name(torch.as_tensor)
 
 
 @contextlib.contextmanager

@@ -241,6 +241,7 @@ def _capture(
         effects_refused(),
         symbolic_splits(),
     ):
+        finished = False
         try:
             if module_state is not None:
                 with (
@@ -284,6 +285,7 @@ def _capture(
                 if module_state is not None:
                     backward.recompute_from = frozenset(fsdp.recompute_from)
             checks_first(recording)  # branches taken on tensor data, checked before anything runs
+            finished = True
         except GuardOnDataDependentSymNode as error:  # a number read from data, asked about in Python
             readers = [recording.read_by[s] for s in sorted(error.cond.free_symbols, key=str) if s in recording.read_by]
             raise data_dependent_error(
@@ -300,6 +302,8 @@ def _capture(
             recording.forget_values()
             collector.release_masks()
             changed = snapshot.put_back()
+            if not finished:  # (a context manager of the code's, left by the error: ``cfg.x = v`` not undone)
+                inputs.python_state.put_back_changed()
             forget_traced_results(caches)
             left = state_put_back(grad_enabled, global_state)  # even where tracing failed
             drawn = random_states.changed() + generators_made(recording.constants, snapshot, inputs.python_state.reads)

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..core import TensorProxy, Trace, aten_symbol, renamed
 from ..core.op_classes import MAYBE_IDENTITY_VIEWS, ORDER_KEEPING_VIEWS, RESHAPES, is_row_major
-from ..core.symbolic import is_symbolic, known_equal, known_shape_equal
+from ..core.symbolic import known_equal, known_shape_equal
 
 aten = torch.ops.aten
 _LARGE = 2**62  # a slice's end at or past this is "to the end"
@@ -43,10 +43,10 @@ def _whole_on_every_rank(bsym) -> bool:
 def _free_stride_unknown(source: TensorProxy) -> bool:
     """Eager's reshape computes a dim of size 1 its own stride, where the fake mode's keeps
     the source's (a ``[1, 3]`` slice of a ``[1, 4]`` tensor viewed as ``[1, 3]``: ``(3, 1)``
-    in eager). The recorder gives a view eager's strides where every size is known; with
-    symbolic sizes the fake's may differ from eager's, so such a view is not removed."""
-    symbolic = any(is_symbolic(x) for x in (*source.shape, *source.stride()))
-    return symbolic and any(known_equal(size, 1) for size in source.shape)
+    in eager); and the stride of a size-1 dim of the source itself may be the fake kernel's
+    guess, not eager's kernel's (``(t.T * 2)`` of an ``[n, 1]`` tensor: the fake's ``(n,
+    1)``, eager's ``(1, 1)``, which ``view(1, n)`` makes ``(n, 1)``). Such a view is kept."""
+    return any(known_equal(size, 1) for size in source.shape)
 
 
 def _is_identity_view(bsym) -> bool:

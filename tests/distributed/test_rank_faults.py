@@ -374,3 +374,25 @@ def test_with_calls_checked_a_cached_call_that_one_rank_misses_fails_every_rank_
         else:
             assert kind == "RankFailedError", message
             assert "rank 0 failed" in message and "ranks [1] missed the cache" in message
+
+
+def a_rank_late_past_the_sync_timeout():
+    mesh = init_device_mesh("cpu", (2,))
+    with sync_timeout(SYNC_TIMEOUT):
+        jitted = dtcompile.jit(_gathered_double)
+        x = DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)], run_check=False)
+        if dist.get_rank() == 0:
+            time.sleep(float(SYNC_TIMEOUT) + 2.0)  # work of rank 0 alone (a checkpoint saved)
+        return _timed(jitted, x)
+
+
+def test_a_rank_that_comes_after_its_peer_gave_up_does_not_run_alone(ranks2_short):
+    """The punctual rank gives up after the sync timeout; the late one, finding its
+    program posted, must not take it as agreement and wait alone in a collective."""
+    try:
+        (kind0, message0, seconds0), (kind1, message1, _) = ranks2_short.run(a_rank_late_past_the_sync_timeout)
+    finally:
+        ranks2_short.close()  # (fresh ranks next time)
+    assert kind1 == "RankMismatchError" and "ranks [0] did not compile" in message1, message1
+    assert kind0 == "RankFailedError" and "rank 1 failed" in message0, message0
+    assert seconds0 < FAST, seconds0

@@ -667,3 +667,73 @@ def dtensor_dims_sizes_and_direct_collectives(cache: str):
 @pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
 def test_dtensor_dims_specialized_sizes_and_c10d_on_a_dtensor(ranks2, cache):
     assert ranks2.run(dtensor_dims_sizes_and_direct_collectives, cache) == [True, True]
+
+
+class _Settings:
+    depth, scale = 0, 1.0
+
+
+SETTINGS = _Settings()
+
+
+@contextlib.contextmanager
+def _nested():  # no try/finally, as many helpers are: an error inside leaves it entered
+    SETTINGS.depth += 1
+    yield
+    SETTINGS.depth -= 1
+
+
+class _HeadAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.o = torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        with _nested():
+            q = self.q(x).view(b, t, -1, 2).transpose(1, 2)  # heads: a _StridedShard DTensor
+            a = (q @ q.transpose(-1, -2)).softmax(-1) @ q  # symbolic sizes refused here: traced again
+            return self.o(a.transpose(1, 2).reshape(b, t, -1)) * SETTINGS.depth
+
+
+def a_trace_abandoned_inside_a_context_manager(cache: str):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = parallelize_module(
+        _HeadAttention(), _mesh(), {"q": ColwiseParallel(use_local_output=False), "o": RowwiseParallel()}
+    )
+    x = torch.randn(2, 4, 8)
+    with torch.no_grad():
+        expected = model(x)
+        got = dtcompile.jit(model, cache=cache)(x)
+    return torch.equal(got, expected), SETTINGS.depth
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_a_trace_abandoned_and_made_again_starts_from_the_calls_state(ranks2, cache):
+    for same, depth in ranks2.run(a_trace_abandoned_inside_a_context_manager, cache):
+        assert same and depth == 0
+
+
+def _printed_under_loss_parallel(logits, labels):
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel():  # (torch's: no try/finally, an error inside leaves its handlers installed)
+        loss = torch.nn.functional.cross_entropy(logits, labels)
+        print(loss)
+        return loss
+
+
+def dtensor_handlers_after_a_refused_call():
+    from dtcompile.core.torch_internals import dtensor_op_handlers
+
+    logits = distribute_tensor(torch.randn(4, 6), _mesh(), [Shard(1)])
+    before = dict(dtensor_op_handlers())
+    with pytest.raises(dtcompile.TracingError, match="into text"):
+        dtcompile.jit(_printed_under_loss_parallel)(logits, torch.tensor([0, 1, 2, 3]))
+    return dict(dtensor_op_handlers()) == before
+
+
+def test_dtensor_handlers_a_refused_call_left_are_put_back(ranks2):
+    assert all(ranks2.run(dtensor_handlers_after_a_refused_call))

@@ -119,11 +119,14 @@ class RankAgreement:
         try:
             return exchange(store, key, ranks, value, self.what)
         except MissingRanks as missing:
-            raise RankMismatchError(
+            error = RankMismatchError(
                 f"dtcompile: rank {dist.get_rank()} compiled {self.what}, but ranks {missing.ranks} did not "
                 f"compile it within {missing.seconds:.0f} s (DTCOMPILE_SYNC_TIMEOUT): they hit a cache entry "
                 "this rank missed, or run other code; run together, the ranks' programs would hang"
-            ) from None
+            )
+            # In place of its value: a peer that comes later must not take it and run alone.
+            post_failure(store, key, error)
+            raise error from None
 
     def _difference(self, programs: dict[int, list[str]]) -> RankMismatchError | None:
         """The error for the first pair of ranks that differ, this rank's pairs first (every

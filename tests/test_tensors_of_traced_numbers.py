@@ -1,0 +1,67 @@
+"""Tensors made from Python numbers the trace computes (a size under symbolic values, a
+number read from data, a comparison of them) hold eager's values, not 32-bit ones, and
+are computed at each call (one compilation for every length); a view of an elementwise
+result with a dim of size 1 keeps eager's strides."""
+
+import pytest
+import torch
+
+import dtcompile
+from dtcompile.testing.compare import assert_same
+
+CACHES = ["constant values", "symbolic values"]
+
+CASES = {
+    "a size times 10**9": lambda x: torch.tensor([x.shape[0] * 10**9]),
+    "a size past 2**31": lambda x: torch.tensor(x.shape[0] + 2**31),
+    "as_tensor": lambda x: torch.as_tensor([-x.shape[0] * 10**9, 1]),
+    "new_tensor": lambda x: x.new_tensor([x.shape[0] * 10**9]),
+    "float64": lambda x: torch.tensor([x.shape[0] * 10**9 + 1], dtype=torch.float64),
+    "a float": lambda x: torch.tensor([[x.shape[0] / 2, 1.0], [2.0, x.shape[0] * 1.5]]),
+    "a comparison": lambda x: torch.tensor([x.shape[0] > 3, x.shape[0] % 2 == 0]),
+    "a comparison as float": lambda x: torch.tensor(x.shape[0] == 3, dtype=torch.float32),
+    "added to the input": lambda x: x.sum() + torch.tensor([x.shape[0], 2 * x.shape[0]]),
+}
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_tensor_of_sizes(cache, name):
+    fn = CASES[name]
+    jitted = dtcompile.jit(fn, cache=cache)
+    for n in (3, 4, 5):
+        x = torch.ones(n)
+        assert_same(jitted(x), fn(x), rtol=0, atol=0)
+    if cache == "symbolic values":
+        assert jitted._dtcompile.stats.misses == 1
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_tensor_of_numbers_read_from_data(cache):
+    def f(t):
+        return torch.tensor([t.item() * 10**9, 1])
+
+    jitted = dtcompile.jit(f, cache=cache)
+    for value in (3, 4):
+        assert_same(jitted(torch.tensor(value)), f(torch.tensor(value)), rtol=0, atol=0)
+    assert jitted._dtcompile.stats.misses == 1  # a number read at run time, not one entry per value
+
+
+VIEWS = {
+    "view": lambda t: (t.T * 2).view(1, t.shape[0]),
+    "view_as": lambda t: (t.T * 2).view_as(t.T),
+    "reshape": lambda t: (t.T + 1).reshape(1, -1),
+    "where": lambda t: torch.where(t.T > 0, t.T, 0.0).view(1, -1),
+    "unsqueeze": lambda t: (t.squeeze(1).unsqueeze(0) * 1).view(1, -1),
+}
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("name", list(VIEWS))
+def test_a_view_of_an_elementwise_result_with_a_dim_of_size_one(cache, grad, name):
+    fn = VIEWS[name]
+    jitted = dtcompile.jit(fn, cache=cache)
+    for n in (4, 6):
+        t = torch.randn(n, 1, requires_grad=grad)
+        assert_same(jitted(t), fn(t))  # (strides too)
