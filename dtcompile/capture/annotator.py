@@ -198,8 +198,8 @@ class CallAnnotator(TorchFunctionMode):
         effects on Python data are checked like the function's own (``recording.snapshot``)."""
         if func is not torch.Tensor.register_hook:
             raise TracingError(
-                f"dtcompile.jit: {_short_name(func)} on a traced tensor: such a hook runs when a gradient is "
-                "accumulated into a leaf, which a compiled call's traced backward never does"
+                f"dtcompile.jit: {_short_name(func)} inside the call (a forward pre-hook's: Hugging Face's "
+                "ReplicatedWithGradAllReduce) is not supported; one registered on a parameter before the call runs"
             )
         self.recording.tensor_hooks += 1  # (no block registering one is replayed)
         if self.recording.snapshot is not None and (hook := args[1] if len(args) > 1 else None) is not None:

@@ -261,6 +261,7 @@ def users_code_reached(users_code: frozenset[int], arrived: int) -> bool:
 
 
 _MIXED = "got mixed torch.Tensor and DTensor"  # DTensor's error for a plain tensor among DTensors
+_SYMBOLIC_NUMEL = "Cannot call numel() on tensor with symbolic sizes/strides"
 
 
 def _grad(outputs: list, wrt: list, cotangents: list, retain: bool = False) -> tuple:
@@ -270,6 +271,9 @@ def _grad(outputs: list, wrt: list, cotangents: list, retain: bool = False) -> t
     except NotImplementedError as error:
         raise _backward_failed(error) from error
     except RuntimeError as error:
+        if _SYMBOLIC_NUMEL in str(error) and any(isinstance(t, DTensor) for t in (*outputs, *wrt)):
+            # DTensor asks a plain tensor beside a DTensor for its element count, never one when symbolic
+            raise RuntimeError(f"a backward op {_MIXED}, need to convert all torch.Tensor to DTensor") from error
         if "modified by an inplace operation" in str(error):
             raise TracingError(
                 "dtcompile.jit: the call changes in place a value autograd saved for the backward (after "

@@ -127,9 +127,9 @@ class TrainingProgram:
     # that shares their memory (``x`` and ``x.view(3)`` passed both; traced apart), as
     # autograd checks the caller's tensors.
     read_back: tuple = ()
-    # And those whose memory it reads (through a view the forward saved: ``w.t()``); a DTensor
-    # there is checked by its own version, as eager's autograd checks the DTensor it saved.
-    memory_read_back: tuple = ()
+    # The DTensor inputs whose memory it reads (through a view the forward saved: ``w.t()``),
+    # checked by their own versions, as eager's autograd checks the DTensors it saved.
+    dtensors_read_back: tuple = ()
     # The Python values the call's code read while traced (``Read``), where its backward
     # runs code of the user's: checked before each backward, since eager's backward reads
     # them then (a Function's ``ctx.mod.scale`` changed between the call and backward()).
@@ -165,15 +165,16 @@ class TrainingProgram:
             if grad is not None
         ]
         traced_slots = set(backward_capture.cotangent_slots)
+        dtensors = [
+            position[p.label] for p, traced in backward_capture.differentiable_values if isinstance(traced, DTensor)
+        ]
         return TrainingProgram(
             forward=forward,
             backward=backward,
             wrap_outputs=build_output_wrapper(output, slots),
             rebuild=build_epilogue(output, wrap=False),
             slots=slots,
-            dtensor_inputs=[
-                position[p.label] for p, traced in backward_capture.differentiable_values if isinstance(traced, DTensor)
-            ],
+            dtensor_inputs=dtensors,
             non_differentiable=[
                 i for i in range(slots) if i not in traced_slots and isinstance(trace_output[i], TensorProxy)
             ],
@@ -190,7 +191,7 @@ class TrainingProgram:
             autocast_regions=backward_capture.autocast_regions,
             users_code=backward_capture.users_code,
             read_back=_read_back(joint, captured_inputs),
-            memory_read_back=_read_back(joint, captured_inputs, by_memory=True),
+            dtensors_read_back=tuple(i for i in _read_back(joint, captured_inputs, by_memory=True) if i in dtensors),
         )
 
     def __call__(self, inputs: tuple):
@@ -262,9 +263,7 @@ class CompiledStep(torch.autograd.Function):
         if any(local_inputs[i].is_inference() for i in program.read_back):  # (they have no version)
             raise RuntimeError(_SAVED_INFERENCE)
         versions = [local_inputs[i]._version for i in program.read_back]
-        ctx.dtensor_versions = [
-            (i, inputs[i], inputs[i]._version) for i in program.memory_read_back if isinstance(inputs[i], DTensor)
-        ]
+        ctx.dtensor_versions = [(i, inputs[i], inputs[i]._version) for i in program.dtensors_read_back]
         outs = _views_made_own(program.forward(*local_inputs), program.slots, local_inputs)
         ctx.program = program
         ctx.arrived_before = 0  # the outputs earlier backwards had gradients of (bit i: cotangents[i])
@@ -389,7 +388,7 @@ def _views_made_own(outs, slots: int, inputs: list):
 
 def _read_back(joint, inputs: list, by_memory: bool = False) -> tuple:
     """``TrainingProgram.read_back`` of the recorded ``joint`` trace (``by_memory``: its
-    ``memory_read_back``)."""
+    ``dtensors_read_back``, of every input)."""
     position = {p.label: i for i, p in enumerate(inputs)}
     backward = [p for b in joint.bound_symbols if b.in_backward for p in b.input_tensors()]
     written = {p.memory for b in joint.bound_symbols if not b.in_backward and mutates(b) for p in b.input_tensors()}

@@ -115,3 +115,27 @@ def test_a_dtensor_parameter_changed_before_the_backward_is_autograds_error(rank
     for eager, compiled in ranks2.run(a_parameter_changed_before_the_backward, cache):
         assert eager.startswith("one of the variables needed for gradient computation has been modified")
         assert compiled == eager
+
+
+def a_plain_loss_plus_a_dtensor_term(cache: str):
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    model = parallelize_module(_MLP(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+    def step(x, y):  # a user's error: eager's backward of mse_loss meets a DTensor gradient
+        return F.mse_loss(model(x), y) + 0.01 * (model.up.weight * model.up.weight).sum()
+
+    outcomes = []
+    for run in (step, dtcompile.jit(step, cache=cache)):
+        try:
+            run(torch.randn(4, 8), torch.randn(4, 8)).backward()
+            outcomes.append("ran")
+        except RuntimeError as error:
+            outcomes.append("mixed" if "got mixed torch.Tensor and DTensor" in str(error) else str(error))
+    return outcomes
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_plain_tensor_among_dtensors_in_the_backward_is_dtensors_error(ranks2, cache):
+    for outcomes in ranks2.run(a_plain_loss_plus_a_dtensor_term, cache):
+        assert outcomes == ["mixed", "mixed"]
