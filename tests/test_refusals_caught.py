@@ -166,3 +166,26 @@ def test_what_a_failed_trace_left_changed_is_put_back(cache):
     with pytest.raises(TracingError, match="into text"):
         dtcompile.jit(_refused_inside_a_context_manager, cache=cache)(torch.ones(2))
     assert vars(CONFIG) == {"scale": 1.0}
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize(
+    "op",
+    [
+        torch.nn.functional.linear,
+        lambda x, w: torch.matmul(x, w.t()),
+        lambda x, w: x @ w.t(),
+        lambda x, w: torch.mm(x, w.t()),
+        lambda x, w: torch.addmm(torch.zeros(2, 4), x, w.t()),
+    ],
+    ids=["linear", "matmul", "@", "mm", "addmm"],
+)
+def test_eagers_dtype_error_is_caught_by_the_code_as_in_eager(cache, op):
+    def f(x, w):
+        try:
+            return op(x, w) * 1
+        except RuntimeError:  # eager's: float32 with float64
+            return op(x, w.to(x.dtype)) * 2
+
+    x, w = torch.ones(2, 3), torch.ones(4, 3, dtype=torch.float64)
+    assert_same(dtcompile.jit(f, cache=cache)(x, w), f(x, w))

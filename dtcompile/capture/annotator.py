@@ -26,7 +26,7 @@ from ..core.proxy import PASSING_FRAMES
 from ..core.symbol import leaves as leaves_of
 from ..core.torch_internals import dtensor_implicit_replication
 from . import closed_over
-from .eager_errors import DTYPE_CHECKED, eager_error, eager_failure
+from .eager_errors import dtype_checked, eager_error, eager_failure
 from .method_checks import (
     AUTOGRAD_ATTRIBUTES,
     CALLER_ATTRIBUTES,
@@ -306,7 +306,7 @@ class CallAnnotator(TorchFunctionMode):
             if out is not MISSED:
                 return out
             specs, before = [getattr(x, "_spec", None) for x in leaves], state(self.recording)
-        if func in DTYPE_CHECKED and (eager := eager_failure(func, args, kwargs)) is not None:
+        if dtype_checked(func, leaves) and (eager := eager_failure(func, args, kwargs)) is not None:
             raise eager  # a dtype eager's kernel rejects, which the traced form does not check
         handled_by_dtensor = any(isinstance(x, DTensor) for x in leaves)
         if handled_by_dtensor:

@@ -33,6 +33,22 @@ class _GiveUp(Exception):
 DTYPE_CHECKED = frozenset(
     {torch.nn.functional.one_hot, torch.nn.functional.interpolate, torch.hardshrink, torch.nn.functional.softshrink}
 )
+# Calls whose fake kernels check no dtype where eager's reject tensors of two floating
+# dtypes (``F.linear`` of float32 and float64): run on stand-ins where the dtypes differ.
+_SAME_DTYPE_CHECKED = frozenset(
+    {torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__}
+    | {torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.addmm, torch.Tensor.addmm, torch.mv}
+    | {torch.Tensor.mv, torch.baddbmm, torch.addmv, torch.Tensor.index_add_, torch.nn.functional.layer_norm}
+)
+
+
+def dtype_checked(func, leaves: list) -> bool:
+    """Whether ``func`` on these arguments is run on stand-ins first (see above)."""
+    if func in DTYPE_CHECKED:
+        return True
+    if func not in _SAME_DTYPE_CHECKED or torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+        return False  # (autocast casts them to one)
+    return len({x.dtype for x in leaves if isinstance(x, torch.Tensor) and x.dtype.is_floating_point}) > 1
 
 
 def eager_error(func, args: tuple, kwargs: dict, error: RuntimeError) -> BaseException | None:
