@@ -189,3 +189,51 @@ def test_eagers_dtype_error_is_caught_by_the_code_as_in_eager(cache, op):
 
     x, w = torch.ones(2, 3), torch.ones(4, 3, dtype=torch.float64)
     assert_same(dtcompile.jit(f, cache=cache)(x, w), f(x, w))
+
+
+class _Counting(torch.nn.Module):
+    def forward(self, x):
+        self.calls = getattr(self, "calls", 0) + 1
+        if x.shape[0] > 2:
+            raise ValueError("too long")
+        return x * 2
+
+
+def _written_then_raising(x, y):
+    x.add_(1)
+    if x.shape[0] > 2:
+        raise ValueError("too long")
+    return x @ y  # (a shape error of torch's for another y)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_an_error_of_the_codes_leaves_eagers_changes(cache):
+    """Eager raises after its in-place write and attribute set; so does a compiled call (it
+    runs eagerly once tracing met the code's own error or a torch kernel's check)."""
+    for y in (torch.ones(3), torch.ones(4)):  # the code's ValueError, then torch's shape error
+        results = []
+        for fn in (_written_then_raising, dtcompile.jit(_written_then_raising, cache=cache)):
+            x = torch.zeros(3 if y.shape[0] == 3 else 2)
+            with pytest.raises((ValueError, RuntimeError)) as error:
+                fn(x, y)
+            results.append((type(error.value), x.clone()))
+        assert results[0][0] is results[1][0]
+        assert_same(results[1][1], results[0][1])
+    model = _Counting()
+    with pytest.raises(ValueError, match="too long"):
+        dtcompile.jit(model, cache=cache)(torch.ones(3))
+    assert model.calls == 1
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_refusal_is_not_run_eagerly(cache):
+    x = torch.zeros(2)
+
+    def f(x):
+        x.add_(1)
+        print(x)
+        return x
+
+    with pytest.raises(TracingError, match="into text"):
+        dtcompile.jit(f, cache=cache)(x)
+    assert x.tolist() == [0.0, 0.0]

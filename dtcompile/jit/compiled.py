@@ -42,7 +42,7 @@ from .consistency import (
     post_miss,
 )
 from .epilogue import build_epilogue
-from .program_run import run_entry
+from .program_run import eager_after_failing, run_eagerly, run_entry
 from .prologue import build_prologue
 from .training import TrainingProgram
 
@@ -125,6 +125,7 @@ class CompiledFunction:
         # Names the compiled code alike on every rank, whatever else each rank jits.
         self.identity = code_identity(fn, module)
         self.calls_checked = calls_checked()  # DTCOMPILE_RANK_CHECK=calls: the ranks agree at every call
+        self.failed_trace: BaseException | None = None  # what the last failed compile raised
 
     def _lookup(self, module, args: tuple, kwargs: dict, failed=()):
         """The entry whose prologue accepts the call, and the prologue's result; or None.
@@ -145,9 +146,7 @@ class CompiledFunction:
         return None
 
     def __call__(self, module, args: tuple, kwargs: dict):
-        # One compiled call at a time: tracing swaps a module's tensors for stand-ins, which
-        # another thread's call would read (reentrant: jitted code calls jitted code).
-        with _ONE_CALL_AT_A_TIME:
+        with _ONE_CALL_AT_A_TIME:  # (tracing swaps a module's tensors for stand-ins another thread reads)
             return self._call(module, args, kwargs)
 
     def _call(self, module, args: tuple, kwargs: dict):
@@ -158,7 +157,13 @@ class CompiledFunction:
             return self.fn(*args, **kwargs)
         if self.check is not None:
             return checked_call(self, module, args, kwargs, lambda: self.fn(*args, **kwargs))
-        return self.run(module, args, kwargs)[2]
+        try:
+            return self.run(module, args, kwargs)[2]
+        except Exception as error:
+            failed, self.failed_trace = self.failed_trace, None
+            if error is not failed or not eager_after_failing(error):
+                raise
+        return run_eagerly(self.name, self.fn, args, kwargs, failed)
 
     def run(self, module, args: tuple, kwargs: dict) -> tuple[CacheEntry, tuple, object]:
         """Run the call on the entry that accepts it, compiled if none does, passing by
@@ -224,6 +229,7 @@ class CompiledFunction:
                     return self._compile(args, kwargs, agreement, False)
         except BaseException as error:
             agreement.report_failure(error)  # the ranks compiling with this one raise now
+            self.failed_trace = error
             raise
 
     def _compile(self, args: tuple, kwargs: dict, agreement: RankAgreement, symbolic: bool) -> CacheEntry:
@@ -367,10 +373,8 @@ class CompiledFunction:
 
 @contextmanager
 def _collector_paused():
-    """Python's cyclic garbage collector off while compiling: tracing makes many objects
-    (fake tensors, proxies, symbols), and the full collections they set off walk the whole
-    heap, the model included; a quarter of a decode step's compile time. What compiling
-    leaves in cycles is collected once the collector runs again."""
+    """Python's cyclic garbage collector off while compiling: the objects tracing makes set off
+    full collections, which walk the whole heap (a quarter of a decode step's compile time)."""
     if not gc.isenabled():  # the caller's choice: leave it as it is
         yield
         return
