@@ -173,3 +173,30 @@ def test_a_tensor_over_numpy_or_python_memory(cache, fn):
     for e, g in zip(eager, got):
         assert_same(g, e)
     assert (eager_array == got_array).all() and eager_buffer == got_buffer
+
+
+GRID = np.arange(6, dtype=np.float32).reshape(2, 3)  # a view of the array that owns the memory
+
+
+def _view_of_a_held_view(x):
+    t = torch.from_numpy(GRID[:, 1:])
+    t += x[:2, None]
+    return t.sum() * 1
+
+
+def _transposed_returned(x):
+    return torch.from_numpy(GRID.T)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("fn", [_view_of_a_held_view, _transposed_returned])
+def test_a_tensor_over_a_view_of_a_held_array(cache, fn):
+    results = []
+    for run in (fn, dtcompile.jit(fn, cache=cache)):
+        GRID[:] = np.arange(6, dtype=np.float32).reshape(2, 3)
+        outs = [run(torch.ones(3)) for _ in range(3)]
+        GRID[0, 0] = 9.0  # seen by a returned tensor over the array
+        results.append(([o.clone() for o in outs], GRID.copy()))
+    for got, expected in zip(results[1][0], results[0][0]):
+        assert_same(got, expected)
+    assert (results[0][1] == results[1][1]).all()

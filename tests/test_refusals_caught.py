@@ -237,3 +237,15 @@ def test_a_refusal_is_not_run_eagerly(cache):
     with pytest.raises(TracingError, match="into text"):
         dtcompile.jit(f, cache=cache)(x)
     assert x.tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_eagers_own_error_before_a_refusal_is_caught_as_in_eager(cache):
+    def f(x):
+        try:
+            return torch.from_numpy(x.numpy() * 2)  # eager: x requires grad, numpy() raises
+        except RuntimeError:
+            return x * 3
+
+    x = torch.ones(3, requires_grad=True)
+    assert_same(dtcompile.jit(f, cache=cache)(x), f(x))

@@ -3,6 +3,7 @@ number read from data, a comparison of them) hold eager's values, not 32-bit one
 are computed at each call (one compilation for every length); a view of an elementwise
 result with a dim of size 1 keeps eager's strides."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -65,3 +66,22 @@ def test_a_view_of_an_elementwise_result_with_a_dim_of_size_one(cache, grad, nam
     for n in (4, 6):
         t = torch.randn(n, 1, requires_grad=grad)
         assert_same(jitted(t), fn(t))  # (strides too)
+
+
+FROM_DATA = {
+    "beside a NumPy float": lambda x: torch.tensor([x[0].long().item(), np.float64(2.5)]),
+    "beside a NumPy int": lambda x: torch.tensor([x[0].long().item(), np.int32(2)]),
+    "beside a complex": lambda x: torch.tensor([x[0].long().item(), 1j]),
+    "past float32": lambda x: torch.tensor([x[0].item() * 1e300]),
+    "a float as int64": lambda x: torch.tensor([x[0].item() * 2.5, 1], dtype=torch.int64),
+    "a size beside a complex": lambda x: torch.tensor([x.shape[0], 1j]),
+}
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("name", list(FROM_DATA))
+def test_a_tensor_of_numbers_read_from_data_has_eagers_dtype(cache, name):
+    fn = FROM_DATA[name]
+    jitted = dtcompile.jit(fn, cache=cache)
+    for x in (torch.full((3,), 3.0), torch.full((4,), 2.0)):
+        assert_same(jitted(x), fn(x), rtol=0, atol=0)

@@ -43,7 +43,7 @@ from .number_tensors import FACTORIES, holds_traced_numbers, tensor_of_numbers
 from .op_memo import MISSED, OpMemo, state
 from .placements import describe_argument, describe_output
 from .recorder import Recording
-from .traced_errors import refusal
+from .traced_errors import data_read_refusal, refusal
 from .verified import VerifyFailed
 
 # Tensor methods that hand the caller a tensor's data outside torch (NumPy, Python lists).
@@ -280,7 +280,7 @@ class CallAnnotator(TorchFunctionMode):
             return func(*args, **kwargs)
         leaves = leaves_of((args, kwargs))
         if func in _DATA_READS and any(_is_traced(x) for x in leaves):
-            raise data_dependent_error(_short_name(func), "the data leaves torch")
+            raise data_read_refusal(_short_name(func), func, args, kwargs)
         if func in _NEW_TENSORS and not isinstance(args[0], torch.Tensor) and any(_is_traced(x) for x in leaves):
             raise data_dependent_error(
                 _short_name(func), "it reads the values of the traced tensors in its data; use torch.stack"

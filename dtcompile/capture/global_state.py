@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import TracingError
+from ..core.code_origin import library_code
 from ..core.torch_internals import (
     dispatch_modes,
     dispatch_modes_off,
@@ -251,14 +252,18 @@ def autocast_off(devices: tuple[str, ...] | None = None):
 
 @contextlib.contextmanager
 def autocast_regions(entered: list):
-    """While tracing: the device of each autocast region the traced code enters with
-    gradients on (``with torch.autocast("cpu", enabled=False)``), added to ``entered``."""
+    """While tracing: the device of each autocast region the user's code enters with
+    gradients on that changes autocast (``with torch.autocast("cpu", enabled=False)`` under
+    the caller's autocast), added to ``entered`` (not torch's: a checkpoint's recompute
+    restores the forward's state)."""
     autocast, thread = torch.amp.autocast_mode.autocast, threading.get_ident()
     enter = autocast.__enter__
 
     def noted(self):
-        if threading.get_ident() == thread and torch.is_grad_enabled():
-            entered.append(self.device)
+        if threading.get_ident() == thread and torch.is_grad_enabled() and _changes_autocast(self):
+            caller = sys._getframe(1)
+            if not library_code(caller.f_globals.get("__name__", ""), caller.f_code.co_filename):
+                entered.append(self.device)
         return enter(self)
 
     autocast.__enter__ = noted
@@ -266,6 +271,13 @@ def autocast_regions(entered: list):
         yield
     finally:
         autocast.__enter__ = enter
+
+
+def _changes_autocast(region) -> bool:
+    device, enabled = region.device, getattr(region, "_enabled", True)
+    if enabled != torch.is_autocast_enabled(device):
+        return True
+    return enabled and getattr(region, "fast_dtype", None) != torch.get_autocast_dtype(device)
 
 
 @contextlib.contextmanager

@@ -11,16 +11,30 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..core.symbolic import is_symbolic
 
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+_PLAIN = (int, float, bool)
 FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor}
 
 
 def holds_traced_numbers(func, args: tuple, kwargs: dict) -> bool:
-    data = _data(func, args, kwargs)
-    return any(map(is_symbolic, _leaves(data)[0]))  # (one whose value is known: torch's factory takes it)
+    """Whether the data holds such a number (one whose value is known: torch's factory takes
+    it), beside Python numbers only (NumPy scalars, complex numbers and a bool read from data:
+    torch's factory, which infers their dtypes)."""
+    try:
+        leaves = _leaves(_data(func, args, kwargs))[0]
+    except ValueError:  # ragged: torch's own error
+        return False
+    if not all(type(leaf) in _PLAIN or (isinstance(leaf, _SYMBOLIC) and _backed(leaf)) for leaf in leaves):
+        return False
+    return any(map(is_symbolic, leaves))
+
+
+def _backed(leaf) -> bool:
+    return not isinstance(leaf, torch.SymBool) or not free_unbacked_symbols(leaf)
 
 
 def tensor_of_numbers(func):
@@ -33,7 +47,7 @@ def tensor_of_numbers(func):
         like = args[0] if func is torch.Tensor.new_tensor else None
         dtype = kwargs.get("dtype") or (like.dtype if like is not None else _inferred(leaves))
         device = kwargs.get("device") or (like.device if like is not None else None)
-        scalars = [torch.full((), _number(leaf), dtype=dtype, device=device) for leaf in leaves]
+        scalars = [_scalar(leaf, dtype, device) for leaf in leaves]
         made = torch.stack(scalars).reshape(shape) if scalars else torch.empty(shape, dtype=dtype, device=device)
         return made.requires_grad_() if kwargs.get("requires_grad") else made
 
@@ -65,6 +79,13 @@ def _inferred(leaves: list) -> torch.dtype:
     if all(isinstance(leaf, (bool, int, torch.SymBool, torch.SymInt)) for leaf in leaves):
         return torch.int64
     return torch.get_default_dtype()
+
+
+def _scalar(leaf, dtype: torch.dtype, device) -> torch.Tensor:
+    """A 0-d tensor of ``leaf``, made in 64 bits and cast to ``dtype`` as torch's factory
+    casts (``1e300`` as float32: inf)."""
+    wide = torch.float64 if isinstance(leaf, (float, torch.SymFloat)) else torch.int64
+    return torch.full((), _number(leaf), dtype=wide, device=device).to(dtype)
 
 
 def _number(leaf):

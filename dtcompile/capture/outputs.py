@@ -249,6 +249,8 @@ class OutputCollector:
                 if id(value) in self._existing_ids or isinstance(value, (str, bytes, int, float, torch.Tensor)):
                     continue
                 self._existing_ids.add(id(value))
+                if hasattr(value, "__array_interface__") and getattr(value, "base", None) is not None:
+                    stack.append((value.base, depth))  # (the array owning a view's memory: views of it are over it)
                 if depth < 6:
                     if isinstance(value, dict):
                         items = list(value.values())

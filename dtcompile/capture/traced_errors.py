@@ -5,7 +5,9 @@ instead. (Errors eager raises as well are ``eager_errors``' business.)"""
 
 from __future__ import annotations
 
-from ..core import TracingError
+import torch
+
+from ..core import TracingError, data_dependent_error
 
 # torch's messages, each the sign of one case below
 _RESIZED = "directly modify sizes for customized tensor"
@@ -46,3 +48,12 @@ def refusal(call: str, error: RuntimeError, first_argument: str | None) -> Traci
             "(x.to_local(), then DTensor.from_local)"
         )
     return None
+
+
+def data_read_refusal(call: str, func, args: tuple, kwargs: dict) -> BaseException:
+    """The error for the traced code reading a traced tensor's data out of torch (``numpy()``,
+    ``data_ptr()``): eager's own where eager raises before reading any (``numpy()`` of a
+    tensor that requires grad: code may catch it and go on, as eager's does), else a refusal."""
+    if func is torch.Tensor.numpy and args[0].requires_grad and not kwargs.get("force", args[1:2] == (True,)):
+        return RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
+    return data_dependent_error(call, "the data leaves torch")

@@ -277,11 +277,12 @@ def _capture(
                 )
             if training:
                 managed = module_state is not None and bool(fsdp.managed)
+                backward_autocast = bool(autocast_entered)  # (the forward's: a recompute enters some too)
                 with module_state.again() if module_state is not None else contextlib.nullcontext():
                     backward = refusing_recomputes(
                         managed, capture_backward, recording, proxifier.differentiable + closed, collector.values
                     )
-                backward.autocast_regions = bool(autocast_entered)
+                backward.autocast_regions = backward_autocast
                 if module_state is not None:
                     backward.recompute_from = frozenset(fsdp.recompute_from)
             checks_first(recording)  # branches taken on tensor data, checked before anything runs
