@@ -200,3 +200,32 @@ def test_a_tensor_over_a_view_of_a_held_array(cache, fn):
     for got, expected in zip(results[1][0], results[0][0]):
         assert_same(got, expected)
     assert (results[0][1] == results[1][1]).all()
+
+
+class _Settings:
+    def __init__(self):
+        self.scale = 2.0
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("made_before", [True, False])
+@pytest.mark.parametrize("another_key", [False, True])
+def test_an_object_an_lru_cached_accessor_returns(cache, made_before, another_key):
+    """As eager: the cache's own object (a singleton kept), and what the code reads of it
+    guarded (a change between calls is seen)."""
+
+    @functools.cache
+    def settings(key):
+        return _Settings()
+
+    first = settings("a") if made_before else None
+
+    def f(x):
+        y = x * settings("a").scale
+        return y + settings("b").scale if another_key else y
+
+    jitted, x = dtcompile.jit(f, cache=cache), torch.ones(2)
+    assert_same(jitted(x), f(x))
+    settings("a").scale = 5.0
+    assert_same(jitted(x), f(x))
+    assert first is None or settings("a") is first

@@ -1,29 +1,71 @@
 """The user's functions behind ``functools.lru_cache`` (or ``cache``) that the traced code
-can call. One called while tracing keeps what it returned then, the trace's own values (a
-traced tensor, a size symbol), and would hand them to its next caller, eager or traced:
-a cache that computed anything while tracing is emptied afterwards, so its function runs
-again at its next call, as at a first one (what it held before is computed anew)."""
+can read. While a call is traced, each is called through a stand-in put where the code
+reads it (a global, a class attribute, a closure cell):
+
+- with plain values (``causal_mask(4)``, ``get_config("a")``), the cached function itself,
+  outside tracing: eager's call, which returns what the cache holds (a singleton made
+  before, its attributes then guarded) or computes and keeps a real value, as eager's first
+  call would; the program takes that value as eager does;
+- with a traced value (a size under symbolic values, a traced tensor), the function it
+  wraps, traced: computed by the program at each call, and kept by no cache (it would hold
+  the trace's values and hand them to its next caller)."""
 
 from __future__ import annotations
 
 import functools
 
+import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten
+
 from .user_code import is_library
 
-
-def user_caches(reads) -> list[tuple[functools._lru_cache_wrapper, int]]:
-    """The cached user functions among the values the code can read (``Read``), each with
-    its count of misses so far."""
-    found = {}
-    for read in reads:
-        value = read.value
-        if isinstance(value, functools._lru_cache_wrapper) and not is_library(getattr(value, "__wrapped__", value)):
-            found[id(value)] = (value, value.cache_info().misses)
-    return list(found.values())
+_TRACED_NUMBERS = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
-def forget_traced_results(caches: list[tuple[functools._lru_cache_wrapper, int]]) -> None:
-    """Empty each cache that computed a result while tracing (its misses went up)."""
-    for cached, misses in caches:
-        if cached.cache_info().misses != misses:
-            cached.cache_clear()
+def cached_stand_ins(python_state) -> list[tuple]:
+    """Put a stand-in in place of each cached user function ``python_state`` read; what to
+    give to :func:`put_back_cached`."""
+    swapped = []
+    for read in list(python_state.reads):
+        cached = read.value
+        if not isinstance(cached, functools._lru_cache_wrapper) or is_library(getattr(cached, "__wrapped__", cached)):
+            continue
+        stand_in = _stand_in(cached, python_state, read.where)
+        if read.key is not None and isinstance(read.holder, dict):
+            read.holder[read.key] = stand_in
+        elif read.key is None:
+            setattr(read.holder, read.attribute, stand_in)
+        else:
+            continue
+        swapped.append(read)
+    return swapped
+
+
+def put_back_cached(swapped: list) -> None:
+    for read in swapped:
+        if read.key is not None:
+            read.holder[read.key] = read.value
+        else:
+            setattr(read.holder, read.attribute, read.value)
+
+
+def _stand_in(cached, python_state, where: str):
+    @functools.wraps(cached)
+    def call(*args, **kwargs):
+        if any(_traced(leaf) for leaf in tree_flatten((args, kwargs))[0]):
+            return cached.__wrapped__(*args, **kwargs)
+        with torch._C.DisableTorchFunction(), _disable_current_modes():
+            result = cached(*args, **kwargs)
+        if not isinstance(result, torch.Tensor):  # what the code reads of it is guarded
+            python_state.follow(result, f"the result of {where}")
+        return result
+
+    return call
+
+
+def _traced(leaf) -> bool:
+    if isinstance(leaf, _TRACED_NUMBERS):
+        return True
+    return isinstance(leaf, torch.Tensor) and (type(leaf) not in (torch.Tensor, torch.nn.Parameter) or is_fake(leaf))

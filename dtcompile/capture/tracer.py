@@ -25,7 +25,7 @@ from .autograd import BackwardCapture, capture_backward
 from .block_training import BlockReplayFailed
 from .blocks import RepeatedBlocks
 from .c10d import object_collective_refusal, symbolic_splits
-from .cached_functions import forget_traced_results, user_caches
+from .cached_functions import cached_stand_ins, put_back_cached
 from .data_branches import assumptions_unlogged, checks_first
 from .fake_calls import storage_refusal
 from .fsdp import FSDPTracing, option_reads, reaches_fsdp, refusing_recomputes
@@ -211,7 +211,6 @@ def _capture(
         inputs.python_state.follow(hook, where)
     inputs.python_state.follow_inputs(inputs.nodes())
     collector.reads = inputs.python_state.reads
-    caches = user_caches(inputs.python_state.reads)
     proxifier.refuse_other_paths(inputs.python_state.reads)
     for read in inputs.python_state.reads:
         if read.contents:  # a global dict of settings: its items changed in place are seen, and put back
@@ -241,7 +240,7 @@ def _capture(
         effects_refused(),
         symbolic_splits(),
     ):
-        finished = False
+        finished, cached = False, cached_stand_ins(inputs.python_state)
         try:
             if module_state is not None:
                 with (
@@ -299,13 +298,13 @@ def _capture(
                 raise
             raise refusal from error
         finally:
+            put_back_cached(cached)
             _tracing.pop()
             recording.forget_values()
             collector.release_masks()
             changed = snapshot.put_back()
             if not finished:  # (a context manager of the code's, left by the error: ``cfg.x = v`` not undone)
                 inputs.python_state.put_back_changed()
-            forget_traced_results(caches)
             left = state_put_back(grad_enabled, global_state)  # even where tracing failed
             drawn = random_states.changed() + generators_made(recording.constants, snapshot, inputs.python_state.reads)
     if drawn:
