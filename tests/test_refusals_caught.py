@@ -249,3 +249,24 @@ def test_eagers_own_error_before_a_refusal_is_caught_as_in_eager(cache):
 
     x = torch.ones(3, requires_grad=True)
     assert_same(dtcompile.jit(f, cache=cache)(x), f(x))
+
+
+class _LSTMCell(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w_ih, self.w_hh = torch.nn.Parameter(torch.randn(32, 4)), torch.nn.Parameter(torch.randn(32, 8))
+        self.b_ih, self.b_hh = torch.nn.Parameter(torch.randn(32)), torch.nn.Parameter(torch.randn(32))
+
+    def forward(self, x):
+        h0 = torch.zeros(1, x.shape[1], 8)
+        weights = (self.w_ih, self.w_hh, self.b_ih, self.b_hh)
+        return torch.lstm(x, (h0, h0), weights, True, 1, 0.0, self.training, False, False)[0]
+
+
+def test_a_recurrent_op_with_gradients_is_refused_and_without_is_eagers():
+    model = _LSTMCell()
+    with pytest.raises(TracingError, match="torch.lstm with gradients"):
+        dtcompile.jit(model)(torch.randn(3, 2, 4))
+    with torch.no_grad():
+        x = torch.randn(3, 2, 4)
+        assert_same(dtcompile.jit(model)(x), model(x), rtol=0, atol=0)

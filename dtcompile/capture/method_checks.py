@@ -47,6 +47,9 @@ _DROPOUTS = {
     torch.dropout: (None, None, "train"),
     torch.dropout_: (None, None, "train"),
 }
+# Recurrent ops: with gradients, eager's composite takes another kernel than the one tracing
+# (below autograd, on stand-ins) records, whose backward needs a workspace the trace lacks.
+_RECURRENT = {torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu}
 CHECKED = (
     set(_DROPOUTS)
     | _BACKWARDS
@@ -54,6 +57,7 @@ CHECKED = (
     | _CALLER_READS
     | {torch.Tensor.register_hook, torch.Tensor.retain_grad, torch.Tensor.is_inference, torch.Tensor.is_set_to}
     | {torch.Tensor.share_memory_, torch.Tensor.detach_}
+    | _RECURRENT
 )
 # Attributes of a received tensor that are the caller's tensor's, not the traced one's.
 CALLER_ATTRIBUTES = frozenset({"_base", "_version"})
@@ -99,6 +103,8 @@ def check_method(func, args: tuple, recording, kwargs: dict) -> object:
     drops nothing (its input); else NOT_ANSWERED."""
     if func in _DROPOUTS:
         return _dropped_nothing(func, args, kwargs)
+    if func in _RECURRENT and torch.is_grad_enabled() and any(t.requires_grad for t in _tensors((args, kwargs))):
+        raise TracingError(f"dtcompile.jit: torch.{func.__name__} with gradients is not supported yet (without, it is)")
     if func in _BACKWARDS:
         if _called_by_user(func):
             raise _backward_refusal(func)
@@ -309,6 +315,10 @@ def _called_by_user(func) -> bool:
         frame = frame.f_back
     module = frame.f_globals.get("__name__", "") if frame is not None else ""
     return module.partition(".")[0] not in ("torch", "dtcompile")
+
+
+def _tensors(tree) -> list:
+    return [x for x in torch.utils._pytree.tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 
 def _dropped_nothing(func, args: tuple, kwargs: dict) -> object:
