@@ -105,3 +105,15 @@ def test_a_checkpoint_under_the_callers_autocast(cache, backward_inside):
         assert_same(got.detach(), expected.detach())
         for (name, p), q in zip(model.named_parameters(), compiled_model.parameters()):
             assert_same(q.grad, p.grad, name)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_backward_under_autocast_after_a_call_outside_it_is_refused(cache):
+    """Eager's backward would run the forward's float32 matmuls' gradients in bfloat16."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    jitted, x = dtcompile.jit(model, cache=cache), torch.randn(3, 8)
+    loss = jitted(x).pow(2).sum()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError, match="backward of a compiled call runs under autocast"):
+            loss.backward()
+    jitted(x).pow(2).sum().backward()  # outside: eager's

@@ -229,3 +229,29 @@ def test_an_object_an_lru_cached_accessor_returns(cache, made_before, another_ke
     settings("a").scale = 5.0
     assert_same(jitted(x), f(x))
     assert first is None or settings("a") is first
+
+
+WEIGHTS = torch.ones(4)
+
+
+@functools.lru_cache
+def _table(n: int):
+    return WEIGHTS[:n] * 2
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_an_lru_cache_emptied_between_calls_is_computed_anew(cache):
+    def f(x):
+        return x + _table(4)
+
+    _table.cache_clear()
+    jitted, x = dtcompile.jit(f, cache=cache), torch.zeros(4)
+    try:
+        assert_same(jitted(x), f(x))
+        WEIGHTS.fill_(5.0)  # new weights, and the app empties its cache
+        _table.cache_clear()
+        assert_same(jitted(x), f(x))
+        assert jitted(x)[0].item() == 10.0
+    finally:
+        WEIGHTS.fill_(1.0)
+        _table.cache_clear()

@@ -96,3 +96,30 @@ def test_a_parameter_changed_before_the_backward_is_autograds_error(cache):
             model[2].weight.mul_(2)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
+
+
+def _is_mm(op):
+    return op == torch.ops.aten.mm.default
+
+
+class _HookedReachingTorchOps(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.flag = nn.Linear(8, 8), False
+
+    def forward(self, x):
+        if self.flag:
+            _is_mm(None)  # (reaches torch.ops: its namespaces load as ops are used)
+        h = self.up(x)
+        h.register_hook(lambda g: g * 2)  # (code of the user's in the backward: what it may read is checked)
+        return h
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_torch_ops_loading_a_namespace_is_no_change_the_backward_sees(cache):
+    model = _HookedReachingTorchOps()
+    jitted = dtcompile.jit(model, cache=cache)
+    for step in range(2):
+        loss = jitted(torch.randn(2, 8)).sum()
+        getattr(torch.ops, f"dtcompile_test_namespace_{cache[0]}{step}")  # a namespace loaded after the call
+        loss.backward()

@@ -54,9 +54,10 @@ class BackwardCapture:
     # The DTensor modes the forward entered that its backward needs, and eager's error where
     # the backward runs without them (``dtensor_modes.py``); None: none needed.
     dtensor_modes: tuple | None = None
-    # Whether the forward entered an autocast region with gradients on: traced outside
-    # autocast, the backward is eager's only where it runs outside autocast too.
-    autocast_regions: bool = False
+    # The devices autocast may be on for where the backward runs: traced outside autocast,
+    # it is eager's there only where eager's casts nothing more (the forward ran all its
+    # ops under the same autocast: entered no region of its own with gradients on).
+    autocast_allowed: tuple[str, ...] = ()
 
 
 def _cotangent_for(recording: Recording, value, index: int) -> tuple[object, TensorProxy, DTensorSpec | None]:

@@ -5,7 +5,8 @@ reads it (a global, a class attribute, a closure cell):
 - with plain values (``causal_mask(4)``, ``get_config("a")``), the cached function itself,
   outside tracing: eager's call, which returns what the cache holds (a singleton made
   before, its attributes then guarded) or computes and keeps a real value, as eager's first
-  call would; the program takes that value as eager does;
+  call would; the program takes that value as eager does, and the prologue calls it again
+  at each call, guarding that it returns the same (a cache emptied: computed anew);
 - with a traced value (a size under symbolic values, a traced tensor), the function it
   wraps, traced: computed by the program at each call, and kept by no cache (it would hold
   the trace's values and hand them to its next caller)."""
@@ -19,6 +20,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
+from .python_reads import Read
 from .user_code import is_library
 
 _TRACED_NUMBERS = (torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -58,11 +60,27 @@ def _stand_in(cached, python_state, where: str):
             return cached.__wrapped__(*args, **kwargs)
         with torch._C.DisableTorchFunction(), _disable_current_modes():
             result = cached(*args, **kwargs)
+        call = _CachedCall(cached, args, kwargs)
+        python_state.reads.append(Read(call, None, result, f"what {where} returns for {args}", attribute="result"))
         if not isinstance(result, torch.Tensor):  # what the code reads of it is guarded
             python_state.follow(result, f"the result of {where}")
         return result
 
     return call
+
+
+class _CachedCall:
+    """A call of a cached function, made again by the prologue (``result``): a cache hit,
+    unless the cache was emptied since."""
+
+    __slots__ = ("fn", "args", "kwargs")
+
+    def __init__(self, fn, args: tuple, kwargs: dict):
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+
+    @property
+    def result(self):
+        return self.fn(*self.args, **self.kwargs)
 
 
 def _traced(leaf) -> bool:

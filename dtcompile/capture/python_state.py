@@ -85,8 +85,9 @@ from .user_code import class_namespace, code_names, is_library
 # nn.Module's own entries of a module's __dict__ (tables, hooks, the training flag):
 # guarded by the prologue's module checks, or never read by the program.
 _MODULE_TABLES = frozenset(vars(torch.nn.Module()))
-# A logger's state (its cache of the levels enabled) decides what is printed, not computed.
-_LOGGING = (logging.Logger, logging.LoggerAdapter, logging.Handler)
+# State that decides no value computed: a logger's (the levels enabled), torch.ops' (its op
+# namespaces, loaded as they are first used: while compiling too). Read by identity only.
+_NOT_FOLLOWED = (logging.Logger, logging.LoggerAdapter, logging.Handler, type(torch.ops), type(torch.ops.aten))
 _DYNAMIC_LOOKUPS = frozenset({"globals", "eval", "exec", "vars"})  # builtins reading globals by name
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
@@ -173,9 +174,8 @@ class PythonState(AfterTracing):
                     self.follow(hook, f"a hook of {owner}")
 
     def follow_inputs(self, roots: list) -> None:
-        """What the code reads through the call's own objects and tensors (their values
-        are guarded as inputs): a class's attributes (``cfg.scale`` from ``Cfg``), what a
-        tensor's Python attributes hold (``w.info.scale``)."""
+        """What the code reads through the call's own objects and tensors (guarded as inputs):
+        a class's attributes (``cfg.scale``), what a tensor's attributes hold (``w.info.scale``)."""
         for node in (n for root in roots for n in iter_nodes(root)):
             if isinstance(node, ObjectInput):
                 self.follow(node.type, f"the class of {node.path}")
@@ -187,7 +187,7 @@ class PythonState(AfterTracing):
         cells, a user class's methods, a plain object's attributes and the items of a
         container, and what those hold in turn (``self.config.attention.rope.theta``), the
         ``names`` of a user Python module."""
-        if id(value) in self._walked or by_value(value) or isinstance(value, _LOGGING):
+        if id(value) in self._walked or by_value(value) or isinstance(value, _NOT_FOLLOWED):
             return
         if isinstance(value, torch.Tensor):  # a closed-over tensor's Python attributes (``w.scale``)
             self._walked.add(id(value))

@@ -32,6 +32,7 @@ from .fsdp import FSDPTracing, option_reads, reaches_fsdp, refusing_recomputes
 from .global_state import (
     GlobalState,
     RandomStates,
+    autocast_devices,
     autocast_regions,
     generators_made,
     modes_left_changed,
@@ -276,12 +277,13 @@ def _capture(
                 )
             if training:
                 managed = module_state is not None and bool(fsdp.managed)
-                backward_autocast = bool(autocast_entered)  # (the forward's: a recompute enters some too)
+                # (before the backward is traced: a checkpoint's recompute enters regions too)
+                backward_autocast = () if autocast_entered else autocast_devices()
                 with module_state.again() if module_state is not None else contextlib.nullcontext():
                     backward = refusing_recomputes(
                         managed, capture_backward, recording, proxifier.differentiable + closed, collector.values
                     )
-                backward.autocast_regions = backward_autocast
+                backward.autocast_allowed = backward_autocast
                 if module_state is not None:
                     backward.recompute_from = frozenset(fsdp.recompute_from)
             checks_first(recording)  # branches taken on tensor data, checked before anything runs

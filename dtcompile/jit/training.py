@@ -121,7 +121,7 @@ class TrainingProgram:
     saved_hooks: tuple | None = None  # the saved_tensors_hooks (pack, unpack) it was traced under
     dtensor_modes: tuple | None = None  # (DTensorModes its backward needs on, eager's error without)
     users_code: frozenset = frozenset()  # ``BackwardCapture.users_code``
-    autocast_regions: bool = False  # ``BackwardCapture.autocast_regions``
+    autocast_allowed: tuple = ()  # ``BackwardCapture.autocast_allowed``
     # Positions of the inputs the backward reads as they were, which the forward does not
     # write: their versions, unchanged through the forward unless through another input
     # that shares their memory (``x`` and ``x.view(3)`` passed both; traced apart), as
@@ -188,7 +188,7 @@ class TrainingProgram:
             ],
             saved_hooks=backward_capture.saved_hooks,
             dtensor_modes=backward_capture.dtensor_modes,
-            autocast_regions=backward_capture.autocast_regions,
+            autocast_allowed=backward_capture.autocast_allowed,
             users_code=backward_capture.users_code,
             read_back=_read_back(joint, captured_inputs),
             dtensors_read_back=tuple(i for i in _read_back(joint, captured_inputs, by_memory=True) if i in dtensors),
@@ -293,6 +293,13 @@ class CompiledStep(torch.autograd.Function):
                 "create_graph=True, is not supported)"
             )
         program: TrainingProgram = ctx.program
+        if not set(autocast_devices()) <= set(program.autocast_allowed):
+            raise RuntimeError(
+                "dtcompile: the backward of a compiled call runs under autocast, where the call ran ops outside it "
+                "(it was called outside autocast, or entered autocast(enabled=False) or another dtype inside): "
+                "eager's backward would cast their gradients, the compiled one, traced outside autocast as torch "
+                "recommends, does not. Call .backward() outside the autocast region"
+            )
         if ctx.written:  # autograd's own error, as eager's backward raises it
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace operation: "
@@ -348,13 +355,6 @@ class CompiledStep(torch.autograd.Function):
                 f"hook, an autograd.Function's backward) on the gradient of outputs {missing} only, which got none "
                 "(the loss does not use them): eager would not run it, the compiled backward would run it on zeros. "
                 "Return only the outputs the loss uses, or give each a gradient (loss + out.sum() * 0)"
-            )
-        if program.autocast_regions and autocast_devices():
-            raise RuntimeError(
-                "dtcompile: the backward of a compiled call runs under autocast, and the call entered an autocast "
-                "region with gradients on (autocast(enabled=False) inside it, or another dtype): eager's backward "
-                "would cast the gradients of that region's ops, the compiled one, traced outside autocast as torch "
-                "recommends, does not. Call .backward() outside the autocast region"
             )
         # (autograd's own backward runs none of the modes; traced outside autocast, it runs so)
         with function_modes_off(), autocast_off():
