@@ -117,3 +117,29 @@ def test_a_backward_under_autocast_after_a_call_outside_it_is_refused(cache):
         with pytest.raises(RuntimeError, match="backward of a compiled call runs under autocast"):
             loss.backward()
     jitted(x).pow(2).sum().backward()  # outside: eager's
+
+
+class _HookedMatmul(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.p = torch.nn.Linear(8, 8), torch.randn(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        h.register_hook(lambda g: (g.float() @ self.p).to(g.dtype))  # eager's runs under the backward's autocast
+        return h.relu().sum(-1)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_hook_in_a_backward_under_autocast_is_refused_and_outside_is_eagers(cache):
+    torch.manual_seed(0)
+    model, x = _HookedMatmul(), torch.randn(4, 8)
+    jitted = dtcompile.jit(model, cache=cache)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = jitted(x).float().sum()
+        with pytest.raises(RuntimeError, match="runs code of yours"):
+            loss.backward()
+    expected = _run(lambda x, _: model(x), x, None, False)
+    model.zero_grad()
+    got = _run(lambda x, _: jitted(x), x, None, False)
+    assert_same(got.detach(), expected.detach())

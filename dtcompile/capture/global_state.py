@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from ..core import TracingError
-from ..core.code_origin import library_code
 from ..core.torch_internals import (
     dispatch_modes,
     dispatch_modes_off,
@@ -252,18 +251,15 @@ def autocast_off(devices: tuple[str, ...] | None = None):
 
 @contextlib.contextmanager
 def autocast_regions(entered: list):
-    """While tracing: the device of each autocast region the user's code enters with
-    gradients on that changes autocast (``with torch.autocast("cpu", enabled=False)`` under
-    the caller's autocast), added to ``entered`` (not torch's: a checkpoint's recompute
-    restores the forward's state)."""
+    """While tracing: the device of each autocast region the code enters with gradients on
+    that changes autocast (``with torch.autocast("cpu", enabled=False)`` under the caller's
+    autocast; ``torch.amp.custom_fwd``'s), added to ``entered``."""
     autocast, thread = torch.amp.autocast_mode.autocast, threading.get_ident()
     enter = autocast.__enter__
 
     def noted(self):
         if threading.get_ident() == thread and torch.is_grad_enabled() and _changes_autocast(self):
-            caller = sys._getframe(1)
-            if not library_code(caller.f_globals.get("__name__", ""), caller.f_code.co_filename):
-                entered.append(self.device)
+            entered.append(self.device)
         return enter(self)
 
     autocast.__enter__ = noted

@@ -283,7 +283,8 @@ def _capture(
                     backward = refusing_recomputes(
                         managed, capture_backward, recording, proxifier.differentiable + closed, collector.values
                     )
-                backward.autocast_allowed = backward_autocast
+                # (code of the user's in the backward, a hook, runs under the backward's autocast in eager)
+                backward.autocast_allowed = () if backward.users_code else backward_autocast
                 if module_state is not None:
                     backward.recompute_from = frozenset(fsdp.recompute_from)
             checks_first(recording)  # branches taken on tensor data, checked before anything runs

@@ -296,9 +296,9 @@ class CompiledStep(torch.autograd.Function):
         if not set(autocast_devices()) <= set(program.autocast_allowed):
             raise RuntimeError(
                 "dtcompile: the backward of a compiled call runs under autocast, where the call ran ops outside it "
-                "(it was called outside autocast, or entered autocast(enabled=False) or another dtype inside): "
-                "eager's backward would cast their gradients, the compiled one, traced outside autocast as torch "
-                "recommends, does not. Call .backward() outside the autocast region"
+                "(called outside autocast; autocast(enabled=False) or another dtype inside) or runs code of yours "
+                "(a hook, a Function's backward): eager's would cast their gradients, the compiled one, traced "
+                "outside autocast as torch recommends, does not. Call .backward() outside the autocast region"
             )
         if ctx.written:  # autograd's own error, as eager's backward raises it
             raise RuntimeError(
