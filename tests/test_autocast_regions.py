@@ -65,22 +65,6 @@ def test_autocast_changed_inside_the_call(cache, fn, grad, backward_inside):
             assert_same(x_compiled.grad, x_eager.grad)
 
 
-@pytest.mark.parametrize("cache", CACHES)
-@pytest.mark.parametrize("backward_inside", [False, True], ids=["backward outside", "backward inside"])
-def test_a_module_trained_under_autocast(cache, backward_inside):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
-    compiled_model = copy.deepcopy(model)
-    jitted = dtcompile.jit(compiled_model, cache=cache)
-    x = torch.randn(5, 8)
-    for _ in range(2):
-        expected = _run(lambda x, _: model(x), x, None, backward_inside)
-        got = _run(lambda x, _: jitted(x), x, None, backward_inside)
-        assert_same(got.detach(), expected.detach())
-        for (name, p), q in zip(model.named_parameters(), compiled_model.parameters()):
-            assert_same(q.grad, p.grad, name)
-
-
 class _Checkpointed(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -90,12 +74,17 @@ class _Checkpointed(torch.nn.Module):
         return self.b(torch.utils.checkpoint.checkpoint(lambda h: torch.relu(self.a(h)), x, use_reentrant=False))
 
 
+def _sequential():
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+
+
 @pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize("backward_inside", [False, True], ids=["backward outside", "backward inside"])
-def test_a_checkpoint_under_the_callers_autocast(cache, backward_inside):
-    """The checkpoint's recompute enters autocast itself (torch's code, not the user's)."""
+@pytest.mark.parametrize("make", [_sequential, _Checkpointed], ids=["sequential", "checkpointed"])
+def test_a_module_trained_under_autocast(cache, backward_inside, make):
+    """(A checkpoint's recompute enters autocast itself: torch's code, in the backward.)"""
     torch.manual_seed(0)
-    model = _Checkpointed()
+    model = make()
     compiled_model = copy.deepcopy(model)
     jitted = dtcompile.jit(compiled_model, cache=cache)
     x = torch.randn(5, 8)
