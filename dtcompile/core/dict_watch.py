@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 
+from dtcompile.core.dict_changes import dict_changes
+
 _SOURCE = b"""
 volatile unsigned long long dtcompile_dict_changes = 0;  /* no headers: a bare compiler will do */
 int dtcompile_dict_changed(int event, void *dict, void *key, void *value) {
@@ -97,35 +99,11 @@ def watch(dicts: list[dict]) -> None:
 
 
 def _watchers_follow_changes() -> bool:
-    """Whether every change prologues rely on is told, on this Python: an attribute set or
-    deleted through an instance whose ``__dict__`` was read (a module's, a tensor's), an
-    item set, replaced or deleted in a dict and in an OrderedDict (a module's hook tables),
-    ``update`` (of an empty dict too) and ``clear``. Where one is not, dict watchers are
-    not used at all."""
-    import collections
-
-    import torch
-
-    class Probe:
-        pass
-
-    probe, tensor = Probe(), torch.nn.Parameter(torch.zeros(1))
-    probe.a = 1
-    state, table, empty = probe.__dict__, collections.OrderedDict(a=1), {}
-    watch([state, table, vars(tensor), empty])
-    for change in (
-        lambda: setattr(probe, "a", 2),
-        lambda: setattr(probe, "b", 1),
-        lambda: delattr(probe, "b"),
-        lambda: object.__setattr__(probe, "a", 3),
-        lambda: table.__setitem__("b", 1),
-        lambda: table.__setitem__("b", 2),
-        lambda: table.pop("b"),
-        lambda: state.update(a=4),
-        lambda: table.clear(),
-        lambda: empty.update({"a": 1}),  # (3.12 copies the other's keys: its version stays)
-        lambda: setattr(tensor, "tag", 1),  # a tensor's Python attributes
-    ):
+    """Whether every change prologues rely on (``dict_changes``) is told on this Python.
+    Where one is not, dict watchers are not used at all."""
+    dicts, kinds = dict_changes()
+    watch(dicts)
+    for change in kinds:
         before = changes.value
         change()
         if changes.value == before:

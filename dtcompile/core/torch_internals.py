@@ -33,6 +33,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # no
 from torch.distributed.tensor._utils import compute_global_tensor_info  # noqa: F401
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from dtcompile.core.dict_changes import dict_changes
+
 __all__ = [
     "TensorGuards",
     "dict_version",
@@ -363,35 +365,13 @@ except ImportError:  # prologues then compare dicts' contents at every call
 
 
 def _versions_follow_changes() -> bool:
-    """Whether every change prologues rely on a dict's version for gives it a new one on
-    this Python: an attribute set or deleted through the instance (its ``__dict__`` already
-    made, as a module's is), an item set, replaced or deleted in a dict and an OrderedDict
-    (a module's hook tables), an empty dict filled by ``update`` (Python 3.12 copies the
-    other's keys then, and keeps the version). Where one does not, versions are not used
-    at all."""
-    import collections
-
-    class Probe:
-        pass
-
-    probe = Probe()
-    probe.a = 1
-    state, table, empty = probe.__dict__, collections.OrderedDict(a=1), {}
-    changes = (
-        lambda: setattr(probe, "a", 2),
-        lambda: setattr(probe, "b", 1),
-        lambda: delattr(probe, "b"),
-        lambda: object.__setattr__(probe, "a", 3),
-        lambda: table.__setitem__("b", 1),
-        lambda: table.__setitem__("b", 2),
-        lambda: table.pop("b"),
-        lambda: state.update(a=4),
-        lambda: empty.update({"a": 1}),
-    )
+    """Whether every change prologues rely on (``dict_changes``) gives the dict a new
+    version on this Python. Where one does not, versions are not used at all."""
+    dicts, changes = dict_changes()
     for change in changes:
-        before = (dict_version(state), dict_version(table), dict_version(empty))
+        before = [dict_version(d) for d in dicts]
         change()
-        if (dict_version(state), dict_version(table), dict_version(empty)) == before:
+        if [dict_version(d) for d in dicts] == before:
             return False
     return True
 
