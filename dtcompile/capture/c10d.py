@@ -37,6 +37,7 @@ from ..core.torch_internals import completed_work
 from .c10d_ops import RECORDED, Recorder, dense
 
 _C10D_MODULE = "torch.distributed.distributed_c10d"
+_DTENSOR_API = "torch.distributed.tensor._api"  # (where DTensor.from_local is)
 _REFUSED = {
     "send": "point-to-point communication",
     "recv_": "point-to-point communication",
@@ -79,7 +80,14 @@ def _user_call() -> tuple[str, str]:
     return f"dist.{name}", name
 
 
-def _object_collective_error(call: str) -> TracingError:
+def _object_collective_error(call: str, frames) -> TracingError:
+    if any(f.f_code.co_name == "from_local" and f.f_globals.get("__name__") == _DTENSOR_API for f in frames):
+        return TracingError(  # (torch's metadata check calls it, not the user's code)
+            f"dtcompile.jit: DTensor.from_local(..., run_check=True) checks the local tensors' metadata "
+            f"across ranks with {call}, which sends pickled Python objects and reads them back as values; "
+            "it cannot be recorded in a compiled program: pass run_check=False (and shape= and stride= "
+            "where the shards are uneven), or call from_local outside the compiled function"
+        )
     return TracingError(
         f"dtcompile.jit: {call} sends pickled Python objects between ranks and reads them back as values; "
         "it cannot be recorded in a compiled program (call it outside the compiled function)"
@@ -98,7 +106,7 @@ def object_collective_refusal(error: Exception) -> TracingError | None:
     name = _public_c10d_name(reversed(frames))
     if name is None or not name.endswith(("_object", "_object_list")):
         return None
-    return _object_collective_error(f"dist.{name}")
+    return _object_collective_error(f"dist.{name}", frames)
 
 
 # Collectives into another tensor whose eager gradient is the backend kernel's doing: Gloo
@@ -159,7 +167,7 @@ def record_c10d(recording, func, args: tuple, kwargs: dict):
     tensors it wrote and a completed ``Work``."""
     call, name = _user_call()
     if name.endswith(("_object", "_object_list")):
-        raise _object_collective_error(call)
+        raise _object_collective_error(call, _stack())
     op_name = func._schema.name.split("::")[-1]
     if op_name in _REFUSED:
         raise TracingError(f"dtcompile.jit: {call} is {_REFUSED[op_name]}; it cannot be recorded in a compiled program")

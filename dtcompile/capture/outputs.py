@@ -76,6 +76,8 @@ class DTensorOutput(OutputNode):
     # Under symbolic values, the global shape and stride: ints and Slots; None: the spec's.
     shape: tuple | None = None
     stride: tuple | None = None
+    # Whether eager's local tensor requires grad (``from_local`` of a tensor that does).
+    local_requires_grad: bool = False
 
 
 @dataclass
@@ -270,11 +272,12 @@ class OutputCollector:
                 masks.append((i, self._slot(buffer.data)))
                 self.mask_buffers.append(buffer)
         meta = value._spec.tensor_meta
+        flag = {"local_requires_grad": value._local_tensor.requires_grad}
         if not any(is_symbolic(x) for x in (*meta.shape, *meta.stride)):
-            return DTensorOutput(slot, with_plain_sizes(value._spec), value.requires_grad, tuple(masks))
+            return DTensorOutput(slot, with_plain_sizes(value._spec), value.requires_grad, tuple(masks), **flag)
         shape = tuple(self._size(x) for x in meta.shape)
         stride = tuple(self._size(x) for x in meta.stride)
-        return DTensorOutput(slot, value._spec, value.requires_grad, tuple(masks), shape, stride)
+        return DTensorOutput(slot, value._spec, value.requires_grad, tuple(masks), shape, stride, **flag)
 
     def _new_object(self, value: object, where: object) -> NewObjectOutput:
         if id(value) in self._describing:

@@ -49,6 +49,12 @@ def with_sizes(spec: DTensorSpec, shape: tuple, stride: tuple) -> DTensorSpec:
     return made
 
 
+def requiring_grad(dtensor: DTensor) -> DTensor:
+    """``dtensor`` with its local tensor (its own, detached) marked as requiring grad."""
+    dtensor._local_tensor.requires_grad_()
+    return dtensor
+
+
 class _Builder:
     def __init__(self):
         self.globals: dict[str, object] = {"DTensor": DTensor, "torch": torch}
@@ -77,7 +83,15 @@ class _Builder:
             self.globals["with_sizes"] = with_sizes
             spec = f"with_sizes({spec}, {self.sizes(node.shape)}, {self.sizes(node.stride)})"
         # requires_grad=False: a compiled training step gets its outputs' grad_fn from autograd.
-        return f"DTensor(outs[{node.index}], {spec}, requires_grad=False)"
+        # The local tensor as eager's: one DTensor's dispatch made needs no gradient (the
+        # program's may: a view of an input, made under no_grad); ``from_local`` of a tensor
+        # that requires grad gives a local that does, set after DTensor's constructor (which
+        # warns of a local that requires grad).
+        local = f"outs[{node.index}]"
+        if node.local_requires_grad:
+            self.globals["requiring_grad"] = requiring_grad
+            return f"requiring_grad(DTensor({local}.detach(), {spec}, requires_grad=False))"
+        return f"DTensor({local} if not {local}.requires_grad else {local}.detach(), {spec}, requires_grad=False)"
 
     @staticmethod
     def sizes(values: tuple) -> str:

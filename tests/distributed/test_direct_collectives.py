@@ -384,6 +384,14 @@ def _scatter_object_from_0(x):
     return x * out[0]
 
 
+def _from_local_checked(x):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    return DTensor.from_local(x * 2, mesh, [Shard(0)], run_check=True)
+
+
 def _barrier(x):
     dist.barrier()
     return x + 1
@@ -402,6 +410,8 @@ REFUSED = {
     # other (eager's error was looked for by running the failing broadcast for real).
     _broadcast_object_from_1: ("dist.broadcast_object_list",),
     _scatter_object_from_0: ("dist.scatter_object_list",),
+    # torch's check of the local tensors' metadata, named as the call the user made
+    _from_local_checked: ("DTensor.from_local(..., run_check=True)",),
     _barrier: ("dist.barrier",),
     _gather: ("dist.gather",),
 }
@@ -423,6 +433,7 @@ def refused_collectives():
 def test_what_cannot_be_recorded_is_refused_naming_the_call(ranks2):
     for messages in ranks2.run(refused_collectives):
         assert "point-to-point" in messages[0] and "pickled Python objects" in messages[1]
+        assert "pass run_check=False" in messages[4]
 
 
 def _all_reduce_of_a_column(x):

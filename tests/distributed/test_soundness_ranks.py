@@ -737,3 +737,43 @@ def dtensor_handlers_after_a_refused_call():
 
 def test_dtensor_handlers_a_refused_call_left_are_put_back(ranks2):
     assert all(ranks2.run(dtensor_handlers_after_a_refused_call))
+
+
+def dtensor_outputs_local_flags(cache):
+    """Each DTensor output's local tensor needs a gradient where eager's does (``from_local``
+    of a tensor that does: a view made in no_grad) and not where eager's does not (what
+    DTensor's dispatch made, a view of an input among them), with no warning eager lacks."""
+    import warnings
+
+    from torch.distributed.tensor.experimental import local_map
+
+    mesh = _mesh()
+
+    def fn(x, w):
+        a = DTensor.from_local(x * 2, mesh, [Shard(0)])
+        c = DTensor.from_local(x, mesh, [Shard(0)])
+        doubled = local_map(lambda t: t * 2, out_placements=[Shard(0)], in_placements=([Shard(0)],))(c)
+        return a, c, c.t(), c[1:], c.view(-1), w * 2, doubled
+
+    jitted = dtcompile.jit(fn, cache=cache)
+    flags = {}
+    for grad in (True, False, True):
+        for name, function in (("eager", fn), ("compiled", jitted)):
+            x = torch.arange(12.0).reshape(3, 4).add(dist.get_rank()).requires_grad_()
+            w = distribute_tensor(torch.ones(4, 4), mesh, [Replicate()]).requires_grad_()
+            with torch.set_grad_enabled(grad), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                outs = function(x, w)
+            with torch.no_grad():
+                locals_ = [(o.requires_grad, o.to_local().requires_grad, o.to_local().is_leaf) for o in outs]
+            flags.setdefault(name, []).append((locals_, [str(c.message) for c in caught]))
+            if grad:
+                sum(o.to_local().sum() for o in outs).backward()
+                flags[name].append(x.grad.tolist())
+    return flags["eager"] == flags["compiled"], flags
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_dtensor_outputs_local_tensors_need_gradients_as_in_eager(ranks2, cache):
+    for same, flags in ranks2.run(dtensor_outputs_local_flags, cache):
+        assert same, flags
