@@ -30,6 +30,18 @@ from ..core.symbolic import is_symbolic, symbolic_expr
 
 _MISSING = object()
 
+# torch's objects whose state is the user's, read and changed between calls like a
+# config's: an optimizer's param_groups (a scheduler's learning rate) and per-parameter
+# state, a scheduler's counters, a GradScaler's scale, a distribution's parameters. The
+# guards follow their attributes; other objects of torch's classes (a DeviceMesh, a
+# placement, a spec) are torch's own, guarded by identity.
+TORCH_USER_STATE = (
+    torch.optim.Optimizer,
+    torch.optim.lr_scheduler.LRScheduler,
+    torch.amp.GradScaler,
+    torch.distributions.Distribution,
+)
+
 
 def is_state_object(value: object) -> bool:
     """Whether ``value`` is an object dtcompile takes apart by its ``__dict__`` when it is
@@ -110,12 +122,15 @@ def attribute_holder(value: object) -> bool:
     """An object whose state code reads through its attributes, which the guards follow
     (``python_state.py``): a plain object (a config), one holding values in ``__slots__``
     (a ``dataclass(slots=True)``), or one of a class with ``__call__`` (a scaler, an
-    ``lru_cache`` wrapper and the function it wraps); not one of dtcompile's own."""
+    ``lru_cache`` wrapper and the function it wraps), one of torch's whose state is the
+    user's (``TORCH_USER_STATE``: an optimizer); not one of dtcompile's own."""
     module = type(value).__module__
     if module.startswith("dtcompile.") and not module.startswith("dtcompile.testing"):
         return False  # a compiled function's state
     if plain_object(value) or (slot_names(type(value)) and is_rebuildable_object(value)):
         return True
+    if isinstance(value, TORCH_USER_STATE):
+        return isinstance(attribute_or_none(value, "__dict__"), dict)
     return (
         callable(value)
         and not isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType))

@@ -56,6 +56,8 @@ container by identity (read at run time); anything else by identity.
 
 Not guarded: iterators (one the traced code advances is refused: ``snapshots.py``), a
 library class's attributes other than a module's ``forward`` (and ``nn.Module``'s own),
+the attributes of a library's objects (but torch's whose state is the user's, followed as
+plain objects: ``objects.TORCH_USER_STATE``, an optimizer's ``param_groups``),
 values read inside library code (but what a library's wrapper of a user function wraps:
 ``@torch.no_grad()``), names reached only through strings (``getattr(cfg, name)``), the
 contents of NumPy arrays of objects, objects of C types other than the containers above

@@ -23,7 +23,7 @@ import torch
 
 from ..core.torch_internals import dispatch_modes_off, saved_tensors_hooks
 from .global_state import user_global_hook_functions
-from .objects import is_rebuildable_object, object_state, read_through
+from .objects import TORCH_USER_STATE, is_rebuildable_object, object_state, read_through
 from .python_reads import memory_copy, raw_memory, value_key
 from .user_code import is_library
 
@@ -60,7 +60,7 @@ def _state(value: object) -> tuple | None:
     generator = _generator_state(value)
     if generator is not None:
         return ("random", generator)
-    if is_rebuildable_object(value) or isinstance(value, _TORCH_STATE):
+    if is_rebuildable_object(value) or isinstance(value, TORCH_USER_STATE):
         return ("object", list(object_state(value).items()))
     return None
 
@@ -96,11 +96,6 @@ def _set_generator_state(value: object, state: bytes) -> None:
         value.bit_generator.state = state
     else:
         value.set_state(state)
-
-
-# torch's objects whose state is the user's: an optimizer's per-parameter state (a step
-# inside the call would store a traced tensor there), a scheduler's counters.
-_TORCH_STATE = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)
 
 
 def _position(iterator: object, depth: int = 3) -> object:

@@ -1,0 +1,91 @@
+"""The state of torch's objects that is the user's (an optimizer's param_groups, a
+scheduler's counters, a GradScaler's scale, a distribution's parameters), read inside a
+compiled call, is guarded like a config's: a change between calls is seen."""
+
+import pytest
+import torch
+
+import dtcompile
+
+CACHES = ["constant values", "symbolic values"]
+
+
+class SubclassedSGD(torch.optim.SGD):
+    pass
+
+
+def _descent(compiled: bool, cache: str, optimizer_class, change: str) -> list:
+    weight = torch.nn.Parameter(torch.ones(4))
+    optimizer = optimizer_class([weight], lr=0.5)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+
+    @torch.no_grad()
+    def update():
+        weight.add_(weight.grad, alpha=-optimizer.param_groups[0]["lr"])
+
+    step = dtcompile.jit(update, cache=cache) if compiled else update
+    weights = []
+    for _ in range(4):
+        (weight * weight * 0.1).sum().backward()
+        step()
+        if change == "scheduler":
+            scheduler.step()
+        elif change == "by hand":
+            optimizer.param_groups[0]["lr"] *= 0.5
+        else:  # a new param_groups entry's dict
+            optimizer.param_groups[0] = dict(optimizer.param_groups[0], lr=optimizer.param_groups[0]["lr"] / 4)
+        optimizer.zero_grad(set_to_none=False)  # (the same .grad tensor at each call)
+        weights.append(weight.detach().clone())
+    return weights
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("optimizer_class", [torch.optim.SGD, torch.optim.AdamW, SubclassedSGD])
+@pytest.mark.parametrize("change", ["scheduler", "by hand", "group replaced"])
+def test_an_optimizers_learning_rate_read_inside_is_read_at_each_change(cache, optimizer_class, change):
+    expected = _descent(False, cache, optimizer_class, change)
+    got = _descent(True, cache, optimizer_class, change)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_schedulers_counters_read_inside(cache):
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+
+    def last_lr_and_epoch(x):
+        return x * scheduler.get_last_lr()[0] * scheduler.last_epoch
+
+    jitted = dtcompile.jit(last_lr_and_epoch, cache=cache)
+    for _ in range(3):
+        x = torch.ones(2)
+        assert torch.equal(jitted(x), last_lr_and_epoch(x))
+        optimizer.step()
+        scheduler.step()
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_distributions_parameters_and_a_scalers_scale(cache):
+    normal = torch.distributions.Normal(torch.zeros(3), torch.ones(3))
+
+    def log_prob(x):
+        return normal.log_prob(x)
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+
+    def scaled(x):
+        return x * 2 if scaler._scale is None else x * scaler._scale
+
+    x = torch.randn(3)
+    jitted, jitted_scaled = dtcompile.jit(log_prob, cache=cache), dtcompile.jit(scaled, cache=cache)
+    for change in (
+        lambda: None,
+        lambda: setattr(normal, "loc", torch.ones(3)),  # another tensor in its place
+        lambda: normal.scale.mul_(2),  # the same tensor, changed (read at run time)
+        lambda: scaler._lazy_init_scale_growth_tracker(torch.device("cpu")),
+        lambda: scaler.update(8.0),
+    ):
+        change()
+        torch.testing.assert_close(jitted(x), log_prob(x), rtol=0, atol=0)
+        torch.testing.assert_close(jitted_scaled(x), scaled(x), rtol=0, atol=0)
