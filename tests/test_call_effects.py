@@ -482,15 +482,30 @@ def test_an_attribute_of_a_held_dict_subclass_changed_is_refused_and_put_back(ca
 
 
 @pytest.mark.parametrize("cache", CACHES)
-@pytest.mark.parametrize("optimizer", ["SGD momentum", "Adam"])
-def test_an_optimizer_step_inside_the_call_is_refused_and_put_back(cache, optimizer):
+@pytest.mark.parametrize("optimizer", ["SGD momentum", "Adam", "AdamW foreach", "SGD"])
+@pytest.mark.parametrize("stepped", [False, True], ids=["no state yet", "state made eagerly"])
+def test_an_optimizer_step_inside_the_call_is_refused_and_put_back(cache, optimizer, stepped):
+    """Before its step runs: torch.optim takes torch.compile's paths while traced (Adam's
+    bias corrections in float32 tensors), and its state would hold traced tensors."""
     w = torch.nn.Parameter(torch.ones(3))
-    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9) if optimizer == "SGD momentum" else torch.optim.Adam([w])
+    opt = {
+        "SGD momentum": lambda: torch.optim.SGD([w], lr=0.1, momentum=0.9),
+        "Adam": lambda: torch.optim.Adam([w], foreach=False),
+        "AdamW foreach": lambda: torch.optim.AdamW([w], foreach=True),
+        "SGD": lambda: torch.optim.SGD([w], lr=0.1),
+    }[optimizer]()
     w.grad = torch.ones(3)
-    with pytest.raises(TracingError, match="state"):
+    if stepped:
+        opt.step()
+    state, before = copy.deepcopy(opt.state_dict()), w.detach().clone()
+    with pytest.raises(TracingError, match=r"step\(\), an optimizer step inside the call"):
         dtcompile.jit(lambda: opt.step(), cache=cache)()
-    assert not opt.state  # no traced tensor left in it
-    torch.testing.assert_close(w.detach(), torch.ones(3))
+    after = opt.state_dict()  # no traced tensor left in it, nothing stepped
+    assert after["param_groups"] == state["param_groups"] and after["state"].keys() == state["state"].keys()
+    for key, values in state["state"].items():
+        for name, value in values.items():
+            assert type(after["state"][key][name]) is torch.Tensor and torch.equal(after["state"][key][name], value)
+    torch.testing.assert_close(w.detach(), before, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("cache", CACHES)

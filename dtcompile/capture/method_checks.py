@@ -27,6 +27,7 @@ import sys
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..core import TensorProxy, TracingError
 from ..core.code_origin import library_code
@@ -216,7 +217,7 @@ def retained_outputs(recording, outputs: list) -> None:
 def effects_refused():
     """While a call is traced: ``torch.autograd.backward`` called by the user's code is
     refused (torch 2.10 does not pass it through the torch function modes, so the
-    ``CallAnnotator`` does not see it); and, after the traced call, a refusal the user's
+    ``CallAnnotator`` does not see it), and so is a torch optimizer's step; and, after the traced call, a refusal the user's
     code caught (``except Exception`` around ``x.numpy()``; ``logging`` reports a failed
     message and goes on) is raised: else the compiled call would take the way the code
     went on at every call, where eager takes the other."""
@@ -249,9 +250,11 @@ def effects_refused():
     torch.autograd.backward = backward
     torch.utils.dlpack.to_dlpack = torch.to_dlpack = to_dlpack
     GuardOnDataDependentSymNode.__init__ = noted_guard
+    steps = register_optimizer_step_pre_hook(_optimizer_step_refused)
     try:
         yield
     finally:
+        steps.remove()
         torch.autograd.backward = original
         torch.utils.dlpack.to_dlpack = torch.to_dlpack = dlpack
         GuardOnDataDependentSymNode.__init__ = guard_init
@@ -264,6 +267,16 @@ def effects_refused():
     for error in guards_on_data:  # torch catches some itself, on its own frames only
         if _caught_by_user(error):
             raise data_dependent_error(None, f"Python control flow on {error.cond}, a number read from tensor data")
+
+
+def _optimizer_step_refused(optimizer, args, kwargs):
+    """A torch optimizer's step (before it runs: its global pre-hook)."""
+    raise TracingError(
+        f"dtcompile.jit: the traced code calls {type(optimizer).__name__}.step(), an optimizer step inside "
+        "the call: its state (step counts, moments, buffers) lives in the optimizer, which a program traced "
+        "once would hold traced tensors in, and torch.optim takes torch.compile's paths while traced, which "
+        "round otherwise than eager's. Call the optimizer step outside the compiled function"
+    )
 
 
 def _caught_by_user(error: BaseException) -> bool:
