@@ -89,3 +89,20 @@ def test_a_distributions_parameters_and_a_scalers_scale(cache):
         change()
         torch.testing.assert_close(jitted(x), log_prob(x), rtol=0, atol=0)
         torch.testing.assert_close(jitted_scaled(x), scaled(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_scalers_scale_made_inside_is_refused_and_put_back(cache):
+    """``GradScaler.scale`` first called inside makes the scaler's scale tensor there (a
+    change to an object the call closes over): refused, as the user's own would be, and
+    the scaler is left as it was (no traced tensor in it)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+
+    def scaled_loss(x):
+        return scaler.scale((x * 2).sum())
+
+    with pytest.raises(dtcompile.TracingError, match="changed 'scaler'"):
+        dtcompile.jit(scaled_loss, cache=cache)(torch.ones(3))
+    assert scaler._scale is None
+    assert scaled_loss(torch.ones(3)).item() == 24.0
+    torch.testing.assert_close(dtcompile.jit(scaled_loss, cache=cache)(torch.ones(3)), scaled_loss(torch.ones(3)))

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ..core import Note, TracingError
-from ..core.torch_internals import completed_work
+from ..core.torch_internals import ProcessGroup, completed_work, work_done
 from .c10d_ops import RECORDED, Recorder, dense
 
 _C10D_MODULE = "torch.distributed.distributed_c10d"
@@ -138,27 +138,34 @@ def _tensors(argument) -> list:
     return [t for item in items for t in (item if isinstance(item, list) else [item])]
 
 
+# The process group's method ``dist.all_to_all_single`` calls: c10d's binding takes only
+# ints as split sizes (torch 2.13 names it ``all_to_all_single``, 2.10 ``alltoall_base``).
+_ALL_TO_ALL_METHODS = [name for name in ("all_to_all_single", "alltoall_base") if hasattr(ProcessGroup, name)][:1]
+
+
 @contextlib.contextmanager
 def symbolic_splits():
     """While a call is traced: ``dist.all_to_all_single`` whose split sizes are numbers the
     program computes (read from a tensor a collective made: MoE's size exchange) runs as
-    the functional collective, which takes them; c10d's own takes only ints."""
-    original = dist.all_to_all_single
+    the functional collective, which takes them. Replaced on the process group's class, so
+    a name bound before the call (``from torch.distributed import all_to_all_single``)
+    takes it too."""
+    (name,) = _ALL_TO_ALL_METHODS
+    original, descriptor = getattr(ProcessGroup, name), vars(ProcessGroup)[name]  # (put back as it was)
 
-    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    def all_to_all_single(group, output, input, output_split_sizes, input_split_sizes, *options):
         sizes = [*(output_split_sizes or ()), *(input_split_sizes or ())]
         if not any(isinstance(size, torch.SymInt) for size in sizes):
-            return original(output, input, output_split_sizes, input_split_sizes, group, async_op)
-        group = group if group is not None else dist.group.WORLD
-        result = funcol.all_to_all_single(input, output_split_sizes, input_split_sizes, group)
+            return original(group, output, input, output_split_sizes, input_split_sizes, *options)
+        result = funcol.all_to_all_single(input, output_split_sizes or None, input_split_sizes or None, group)
         output.copy_(funcol.wait_tensor(result))
-        return completed_work() if async_op else None
+        return work_done([output])  # (complete: the recorded collective is waited for here)
 
-    dist.all_to_all_single = all_to_all_single
+    setattr(ProcessGroup, name, all_to_all_single)
     try:
         yield
     finally:
-        dist.all_to_all_single = original
+        setattr(ProcessGroup, name, descriptor)
 
 
 def record_c10d(recording, func, args: tuple, kwargs: dict):

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import TracingError
-from ..core.torch_internals import unboxed_process_group
+from ..core.torch_internals import non_overlapping_and_dense, unboxed_process_group
 
 aten = torch.ops.aten
 functional = torch.ops._c10d_functional
@@ -225,7 +225,7 @@ def _overlapping(tensors: list) -> bool:
 def dense(tensor) -> bool:
     """Whether a tensor's elements fill its memory without gaps or overlaps (any order)."""
     with torch._C.DisableTorchFunction():
-        return torch._prims_common.is_non_overlapping_and_dense_or_false(tensor)
+        return non_overlapping_and_dense(tensor)
 
 
 RECORDED = {

@@ -48,6 +48,8 @@ __all__ = [
     "TensorMeta",
     "compute_global_tensor_info",
     "completed_work",
+    "work_done",
+    "non_overlapping_and_dense",
     "set_data_value",
     "symbol_values",
     "compiling",
@@ -116,6 +118,22 @@ class _CompletedWork(dist.Work):
         future = torch.futures.Future()
         future.set_result(self._tensors)
         return future
+
+
+def non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's elements fill its memory without gaps or overlaps, in any order
+    (no guard on symbolic sizes). torch 2.10 has it with an underscore, of sizes and strides."""
+    if _DENSE is not None:
+        return _DENSE(tensor)
+    return torch._prims_common._is_non_overlapping_and_dense_or_false(tensor.shape, tensor.stride())
+
+
+_DENSE = getattr(torch._prims_common, "is_non_overlapping_and_dense_or_false", None)
+
+
+def work_done(tensors: list) -> dist.Work:
+    """A completed ``Work`` whose results are ``tensors``."""
+    return _CompletedWork(tensors)
 
 
 def completed_work(tensors: list, alive: list):

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from checks import assert_all_same, assert_same
+from torch.distributed import all_to_all_single as all_to_all_single_by_name  # (bound before any call)
+from torch.distributed import distributed_c10d
 
 import dtcompile
 
@@ -487,17 +489,39 @@ def _exchanged_splits(x, splits):
     return out
 
 
+def _exchanged_splits_async(x, splits):
+    recv = torch.empty_like(splits)
+    dist.all_to_all_single(recv, splits, async_op=True).wait()
+    outs = recv.tolist()
+    out = x.new_full((sum(outs), x.shape[1]), -1.0)
+    work = all_to_all_single_by_name(out, x * 2, outs, splits.tolist(), async_op=True)
+    doubled = x * 3  # (other work before the wait)
+    work.wait()
+    return out, doubled
+
+
+def _exchanged_splits_from_c10d(x, splits):
+    recv = torch.empty_like(splits)
+    distributed_c10d.all_to_all_single(recv, splits)
+    outs = recv.tolist()
+    out = x.new_full((sum(outs), x.shape[1]), -1.0)
+    all_to_all_single_by_name(out, x, outs, splits.tolist(), group=dist.group.WORLD)
+    return out
+
+
 def splits_a_collective_exchanged():
     rank = dist.get_rank()
-    jitted = dtcompile.jit(_exchanged_splits)
     results = []
-    for first in (1, 3, 0):  # one compilation serves each exchange of sizes
-        x = torch.arange(12.0).reshape(4, 3) + 10 * rank
-        splits = torch.tensor([first, 4 - first]) if rank == 0 else torch.tensor([2, 2])
-        expected = _exchanged_splits(x.clone(), splits.clone())
-        got = jitted(x.clone(), splits.clone())
-        assert torch.equal(got, expected), (got, expected)
-        results.append(got.shape[0])
+    for fn in (_exchanged_splits, _exchanged_splits_async, _exchanged_splits_from_c10d):
+        jitted = dtcompile.jit(fn)
+        for first in (1, 3, 0):  # one compilation serves each exchange of sizes
+            x = torch.arange(12.0).reshape(4, 3) + 10 * rank
+            splits = torch.tensor([first, 4 - first]) if rank == 0 else torch.tensor([2, 2])
+            expected = fn(x.clone(), splits.clone())
+            got = jitted(x.clone(), splits.clone())
+            assert_same(got, expected)
+            results.append(torch.as_tensor(got[0] if isinstance(got, tuple) else got).shape[0])
+        assert dtcompile.cache_misses(jitted) == 1
     return results
 
 
@@ -553,7 +577,7 @@ def test_collectives_whose_eager_gradient_is_the_backends_are_refused_with_gradi
 
 def test_all_to_all_with_split_sizes_a_collective_exchanged(ranks2):
     # c10d's all_to_all_single takes only ints: a raw TypeError before.
-    assert ranks2.run(splits_a_collective_exchanged)[1] == [5, 3, 6]
+    assert ranks2.run(splits_a_collective_exchanged)[1] == [5, 3, 6] * 3
 
 
 def _coalesced(pieces):
