@@ -30,7 +30,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 from ..core import Note, TracingError
 from ..core.torch_internals import ProcessGroup, completed_work, work_done
@@ -144,12 +143,13 @@ _ALL_TO_ALL_METHODS = [name for name in ("all_to_all_single", "alltoall_base") i
 
 
 @contextlib.contextmanager
-def symbolic_splits():
+def symbolic_splits(recording):
     """While a call is traced: ``dist.all_to_all_single`` whose split sizes are numbers the
-    program computes (read from a tensor a collective made: MoE's size exchange) runs as
-    the functional collective, which takes them. Replaced on the process group's class, so
-    a name bound before the call (``from torch.distributed import all_to_all_single``)
-    takes it too."""
+    program computes (read from a tensor a collective made: MoE's size exchange), which
+    c10d's binding refuses before the op reaches the recording, is recorded as the op
+    would be (its checks, no autograd). Replaced on the process group's class, so a name
+    bound before the call (``from torch.distributed import all_to_all_single``) takes it
+    too."""
     (name,) = _ALL_TO_ALL_METHODS
     original, descriptor = getattr(ProcessGroup, name), vars(ProcessGroup)[name]  # (put back as it was)
 
@@ -157,8 +157,10 @@ def symbolic_splits():
         sizes = [*(output_split_sizes or ()), *(input_split_sizes or ())]
         if not any(isinstance(size, torch.SymInt) for size in sizes):
             return original(group, output, input, output_split_sizes, input_split_sizes, *options)
-        result = funcol.all_to_all_single(input, output_split_sizes or None, input_split_sizes or None, group)
-        output.copy_(funcol.wait_tensor(result))
+        recording.c10d_calls += 1
+        arguments = (output, input, group, list(output_split_sizes), list(input_split_sizes))
+        with torch.no_grad():  # (the op's own below autograd: c10d ops have no autograd kernel)
+            record_c10d(recording, torch.ops.c10d.alltoall_base_.default, arguments, {})
         return work_done([output])  # (complete: the recorded collective is waited for here)
 
     setattr(ProcessGroup, name, all_to_all_single)
@@ -201,9 +203,13 @@ def record_c10d(recording, func, args: tuple, kwargs: dict):
             "contiguous tensor (.contiguous(), then copy the result back)"
         )
     start = len(recording.bound_symbols)
-    handler(Recorder(recording, call), *arguments)
     written = args[0]
     flat = _tensors(written)
+    # c10d ops have no autograd kernel: eager writes a leaf that requires grad in place as
+    # a plain tensor (its gradient is then as if the collective had not run).
+    leaf = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad for t in flat)
+    with torch.no_grad() if leaf else contextlib.nullcontext():
+        handler(Recorder(recording, call), *arguments)
     note = Note(f"{call}({', '.join(f'{{{i}}}' for i in range(len(flat)))})", tuple(flat))
     for bsym in recording.bound_symbols[start:]:
         if bsym.note is None:

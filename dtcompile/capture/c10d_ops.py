@@ -218,8 +218,12 @@ def _expect(r: Recorder, tensor, shape: list, dtype, what: str) -> None:
 
 def _overlapping(tensors: list) -> bool:
     """Whether two of these (dense) tensors hold some of the same elements."""
-    spans = sorted((getattr(t, "memory", id(t)), t.storage_offset(), t.storage_offset() + t.numel()) for t in tensors)
-    return any(a[0] == b[0] and b[1] < a[2] for a, b in zip(spans, spans[1:]))
+    by_memory: dict = {}  # (a memory is an int or a tuple: grouped, not ordered)
+    for t in tensors:
+        by_memory.setdefault(getattr(t, "memory", id(t)), []).append(
+            (t.storage_offset(), t.storage_offset() + t.numel())
+        )
+    return any(b[0] < a[1] for spans in by_memory.values() for a, b in zip(sorted(spans), sorted(spans)[1:]))
 
 
 def dense(tensor) -> bool:

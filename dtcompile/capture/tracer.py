@@ -239,7 +239,7 @@ def _capture(
         autocast_regions(autocast_entered := []),
         outside_memory(collector.existed),
         effects_refused(),
-        symbolic_splits(),
+        symbolic_splits(recording),
     ):
         finished, cached = False, cached_stand_ins(inputs.python_state)
         try:

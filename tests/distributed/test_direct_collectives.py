@@ -624,3 +624,70 @@ def test_crossing_subgroups_agree_on_four_ranks(ranks4):
     # Each rank's row (and column) group has its own name: the ranks were told apart by it,
     # and every rank raised RankMismatchError.
     assert all(ranks4.run(crossing_subgroups))
+
+
+def _sizes_exchanged(x):
+    sent = [int((x[:, 0] > 0).sum().item()), x.shape[0] - int((x[:, 0] > 0).sum().item())]
+    counts, received = torch.tensor(sent), torch.empty(2, dtype=torch.long)
+    dist.all_to_all_single(received, counts)
+    return sent, received.tolist()
+
+
+def _exchanged_with_gradients(x, w):
+    sent, received = _sizes_exchanged(x)
+    out = x.new_empty(sum(received), x.shape[1])
+    dist.all_to_all_single(out, x * w, received, sent)  # (c10d: no autograd, as in eager)
+    return out.sum() + (x * w).sum(), out.requires_grad
+
+
+def _exchanged_into_rows_with_gaps(x):
+    sent, received = _sizes_exchanged(x)
+    wide = torch.zeros(sum(received), 2 * x.shape[1])
+    dist.all_to_all_single(wide[:, ::2], x * 2, received, sent)
+    return wide
+
+
+def _exchanged_into_an_argument(x, out):
+    dist.all_to_all_single(out, x * 1)  # (an argument and a tensor made in the call)
+    dist.all_reduce_coalesced([out, x * 2])
+    return out.sum()
+
+
+def _all_reduce_of_a_leaf(x):
+    dist.all_reduce(x)  # (eager: c10d ops have no autograd kernel, so a leaf is written as a plain tensor)
+    return x * 2
+
+
+def collectives_as_eager_runs_them():
+    rank = dist.get_rank()
+    for cache in ("constant values", "symbolic values"):
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(rank))
+        results = {}
+        for name, fn in (
+            ("eager", _exchanged_with_gradients),
+            ("compiled", dtcompile.jit(_exchanged_with_gradients, cache=cache)),
+        ):
+            w = torch.tensor(2.0, requires_grad=True)
+            loss, out_requires_grad = fn(x, w)
+            loss.backward()
+            results[name] = (loss.item(), out_requires_grad, w.grad.item())
+        assert results["eager"] == results["compiled"], results
+        with pytest.raises(dtcompile.TracingError, match="a view with gaps"):
+            dtcompile.jit(_exchanged_into_rows_with_gaps, cache=cache)(x)
+        outs = [torch.zeros(4, 3), torch.zeros(4, 3)]
+        got = dtcompile.jit(_exchanged_into_an_argument, cache=cache)(x.clone(), outs[0])
+        assert_same(got, _exchanged_into_an_argument(x.clone(), outs[1]))
+        assert_same(outs[0], outs[1])
+        leaves = [(torch.arange(4.0) + rank).requires_grad_() for _ in range(2)]
+        for leaf, fn in zip(leaves, (_all_reduce_of_a_leaf, dtcompile.jit(_all_reduce_of_a_leaf, cache=cache))):
+            fn(leaf).sum().backward()
+        assert_same(leaves[0].detach(), leaves[1].detach())
+        assert_same(leaves[0].grad, leaves[1].grad)
+    return True
+
+
+def test_collectives_as_eager_runs_them(ranks2):
+    """Split sizes read from data with gradients on (no autograd through c10d's op, as in
+    eager), into an output with gaps (refused), into an argument beside a tensor made in
+    the call, and an all_reduce of a leaf that requires grad (eager writes it)."""
+    assert all(ranks2.run(collectives_as_eager_runs_them))
