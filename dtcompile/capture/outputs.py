@@ -215,6 +215,11 @@ class OutputCollector:
         index = self.objects.index_of(value)
         if index is not None:
             return ObjectOutput(index)
+        if isinstance(value, torch._C.Future) and value.done() and holds_proxies(value.value()):
+            raise TracingError(
+                f"dtcompile.jit: {where} holds the Future of a collective of the call (work.get_future()), whose "
+                "value would be the traced stand-ins; wait for it inside the call and return its value instead"
+            )
         if holds_proxies(value):
             if not (is_rebuildable_object(value) or type(value) is types.SimpleNamespace):
                 raise TracingError(

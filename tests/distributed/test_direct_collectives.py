@@ -691,3 +691,37 @@ def test_collectives_as_eager_runs_them(ranks2):
     eager), into an output with gaps (refused), into an argument beside a tensor made in
     the call, and an all_reduce of a leaf that requires grad (eager writes it)."""
     assert all(ranks2.run(collectives_as_eager_runs_them))
+
+
+class _KeepsTheFuture(torch.nn.Module):
+    def forward(self, x):
+        y = x * 2
+        work = dist.all_reduce(y, async_op=True)
+        self.future = work.get_future()
+        work.wait()
+        return y
+
+
+def _returns_the_future(x):
+    return dist.all_reduce(x * 2, async_op=True).get_future()
+
+
+def _waits_for_the_future(x):
+    return dist.all_reduce(x * 2, async_op=True).get_future().wait()[0] + 1
+
+
+def futures_of_collectives():
+    model = _KeepsTheFuture()
+    for cache in ("constant values", "symbolic values"):
+        with pytest.raises(dtcompile.TracingError, match="the Future of a collective"):
+            dtcompile.jit(_returns_the_future, cache=cache)(torch.ones(3))
+        with pytest.raises(dtcompile.TracingError, match="the Future of a collective"):
+            dtcompile.jit(model, cache=cache)(torch.ones(3))
+        assert "future" not in vars(model)  # (no traced tensor kept)
+        for x in (torch.ones(3), torch.arange(3.0)):
+            assert_same(dtcompile.jit(_waits_for_the_future, cache=cache)(x), _waits_for_the_future(x))
+    return True
+
+
+def test_a_collectives_future_held_past_the_call_is_refused(ranks2):
+    assert all(ranks2.run(futures_of_collectives))
