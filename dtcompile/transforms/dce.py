@@ -10,6 +10,7 @@ earliest, and removes duplicate shape queries.
 from __future__ import annotations
 
 from ..core import FromData, Trace, is_proxy, renamed
+from ..core.op_classes import is_communication
 from ..core.proxy import NumberProxy
 from ..core.symbol import leaves
 from ..core.symbolic import is_symbolic, symbolic_expr
@@ -42,7 +43,7 @@ def _symbols_used(values) -> set:
 
 
 def dce(trace: Trace) -> Trace:
-    """Keep a symbol when it has side effects or a kept symbol (or the output) reads it:
+    """Keep a symbol when it has side effects, is a collective, or a kept symbol (or the output) reads it:
     by name, or, before sizes are materialized, a number read from data by its symbol."""
     symbols, output = _first_producers(trace)
     outputs = leaves(output)
@@ -52,7 +53,10 @@ def dce(trace: Trace) -> Trace:
     for bsym in reversed(symbols):
         number = bsym.output if isinstance(bsym.output, NumberProxy) else None
         read = number is not None and isinstance(number.provenance, FromData) and number.expr in live_symbols
-        if read or has_side_effects(bsym) or any(p.label in live for p in bsym.output_proxies()):
+        # A collective is kept though nothing reads it: every rank runs it in eager, and a
+        # rank whose code does not use its result (``if rank == 0``) must still meet its peers.
+        kept_anyway = has_side_effects(bsym) or is_communication(bsym.op)
+        if read or kept_anyway or any(p.label in live for p in bsym.output_proxies()):
             kept.append(bsym)
             live.update(p.label for p in bsym.input_proxies())
             live_symbols |= _symbols_used((bsym.args, bsym.kwargs))
