@@ -78,6 +78,9 @@ class DTensorOutput(OutputNode):
     stride: tuple | None = None
     # Whether eager's local tensor requires grad (``from_local`` of a tensor that does).
     local_requires_grad: bool = False
+    # Whether it is a DTensor input of the call itself (not a new DTensor around its local
+    # tensor, as a redistribute to the same placements makes).
+    given: bool = False
 
 
 @dataclass
@@ -140,8 +143,9 @@ _VIEWS = (collections.abc.KeysView, collections.abc.ValuesView, collections.abc.
 class OutputCollector:
     """Collects the local proxies a call returned, in order, and describes the result."""
 
-    def __init__(self, objects: StateObjects | None = None):
+    def __init__(self, objects: StateObjects | None = None, call_dtensors: list = ()):
         self.objects = objects if objects is not None else StateObjects()
+        self._call_dtensors = {id(d): d for d in call_dtensors}  # what the traced code got for each DTensor input
         self.proxies: list[TensorProxy] = []  # the local tensor of each output slot
         self.values: list = []  # what each slot holds in the call's result: a DTensor or a proxy
         self.mask_buffers: list = []  # filled with proxies by tracing; emptied by release_masks
@@ -277,7 +281,10 @@ class OutputCollector:
                 masks.append((i, self._slot(buffer.data)))
                 self.mask_buffers.append(buffer)
         meta = value._spec.tensor_meta
-        flag = {"local_requires_grad": value._local_tensor.requires_grad}
+        flag = {
+            "local_requires_grad": value._local_tensor.requires_grad,
+            "given": self._call_dtensors.get(id(value)) is value,
+        }
         if not any(is_symbolic(x) for x in (*meta.shape, *meta.stride)):
             return DTensorOutput(slot, with_plain_sizes(value._spec), value.requires_grad, tuple(masks), **flag)
         shape = tuple(self._size(x) for x in meta.shape)

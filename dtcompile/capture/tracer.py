@@ -193,7 +193,7 @@ def _capture(
     grad_enabled, global_state = torch.is_grad_enabled(), GlobalState.now()
     random_states = RandomStates()
     held_flags = proxifier.held_flags()
-    collector = OutputCollector(proxifier.objects)
+    collector = OutputCollector(proxifier.objects, [traced for traced, _ in proxifier.traced_dtensors])
     module_state = ModuleState(module, state) if module is not None else None
     recording.snapshot = snapshot = user_data(
         fn, module_state and module_state.modules, module_state and module_state.paths

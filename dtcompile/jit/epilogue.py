@@ -164,11 +164,11 @@ def _uses(nodes: list) -> dict[int, int]:
     return uses
 
 
-def _dtensor_outputs(node: OutputNode):
+def dtensor_outputs(node: OutputNode):
     if isinstance(node, DTensorOutput):
         yield node
     for child in getattr(node, "children", ()):
-        yield from _dtensor_outputs(child)
+        yield from dtensor_outputs(child)
 
 
 def build_epilogue(output: OutputNode, wrap: bool = True, updates=(), module_updates=()) -> GeneratedFunction:
@@ -204,7 +204,7 @@ def build_output_wrapper(output: OutputNode, slots: int) -> GeneratedFunction:
     (DTensor slots wrapped), flat, for a training step's autograd function to return."""
     b = _Builder()
     wrapped = [f"outs[{i}]" for i in range(slots)]
-    for node in _dtensor_outputs(output):
+    for node in dtensor_outputs(output):
         wrapped[node.index] = b.dtensor(node)
     result = f"({', '.join(wrapped)}{',' if slots == 1 else ''})"
     lines = ["def wrap_outputs(outs):", *b.statements, f"    return {result}"]

@@ -36,7 +36,7 @@ from ..core.torch_internals import (
 )
 from ..core.trace import Zeros
 from ..transforms.effects import mutates
-from .epilogue import build_epilogue, build_output_wrapper, with_sizes
+from .epilogue import build_epilogue, build_output_wrapper, dtensor_outputs, with_sizes
 from .saved_hooks import same_saved_hooks
 
 
@@ -123,9 +123,8 @@ class TrainingProgram:
     users_code: frozenset = frozenset()  # ``BackwardCapture.users_code``
     autocast_allowed: tuple = ()  # ``BackwardCapture.autocast_allowed``
     # Positions of the inputs the backward reads as they were, which the forward does not
-    # write: their versions, unchanged through the forward unless through another input
-    # that shares their memory (``x`` and ``x.view(3)`` passed both; traced apart), as
-    # autograd checks the caller's tensors.
+    # write: their versions, unchanged through the forward but through another input sharing
+    # their memory (``x``, ``x.view(3)``: traced apart), as autograd checks the caller's.
     read_back: tuple = ()
     # The DTensor inputs whose memory it reads (through a view the forward saved: ``w.t()``),
     # checked by their own versions, as eager's autograd checks the DTensors it saved.
@@ -145,6 +144,8 @@ class TrainingProgram:
         the recorded trace (forward, then backward)."""
         trace_output = joint.output
         position = {p.label: i for i, p in enumerate(captured_inputs)}
+        # A new DTensor around an input's local (a no-op redistribute): eager's is no input.
+        rewrapped = {node.index for node in dtensor_outputs(output) if not node.given}
         cotangents = [
             Cotangent(slot, spec, tuple(as_constant(x) for x in proxy.shape), proxy.dtype, proxy.device)
             for slot, spec, proxy in zip(
@@ -184,7 +185,7 @@ class TrainingProgram:
             returned_inputs=[
                 (i, position[out.label])
                 for i, out in enumerate(trace_output[:slots])
-                if isinstance(out, TensorProxy) and out.label in position
+                if isinstance(out, TensorProxy) and out.label in position and i not in rewrapped
             ],
             saved_hooks=backward_capture.saved_hooks,
             dtensor_modes=backward_capture.dtensor_modes,
@@ -225,7 +226,11 @@ class TrainingProgram:
                 "dtcompile.jit: this training call was compiled "
                 + ("without saved_tensors_hooks" if self.saved_hooks is None else "under other saved_tensors_hooks")
                 + " than are active now ("
-                + ("none" if hooks is None else f"pack {_name(hooks[0])}, unpack {_name(hooks[1])}")
+                + (
+                    "none"
+                    if hooks is None
+                    else "pack {}, unpack {}".format(*(getattr(f, "__qualname__", None) or repr(f) for f in hooks[:2]))
+                )
                 + "); its programs apply the hooks it was traced under to what autograd saves, so it would not "
                 "give eager's gradients. Compile a separate function (dtcompile.jit) for calls made under "
                 "these hooks, or call it under the hooks it was compiled under"
@@ -239,10 +244,6 @@ class TrainingProgram:
         finally:
             for pack, unpack in reversed(popped):
                 torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
-
-
-def _name(fn) -> str:
-    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 _SAVED_INFERENCE = (  # eager's error, where autograd would save an inference tensor

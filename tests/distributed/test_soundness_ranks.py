@@ -777,3 +777,33 @@ def dtensor_outputs_local_flags(cache):
 def test_dtensor_outputs_local_tensors_need_gradients_as_in_eager(ranks2, cache):
     for same, flags in ranks2.run(dtensor_outputs_local_flags, cache):
         assert same, flags
+
+
+def returned_or_rewrapped(cache):
+    """A training call returning a DTensor argument gives the caller's own (as eager); one
+    returning a new DTensor around its local tensor (a redistribute to the same
+    placements) gives a new one with a grad_fn, which writes the argument's memory in place."""
+    mesh = _mesh()
+
+    def rewrapped(x):
+        return x.redistribute(mesh, x.placements), x.redistribute(mesh, [Replicate()], async_op=True) * 1
+
+    def returned(x):
+        return x, x * 2
+
+    seen = []
+    for fn in (rewrapped, returned):
+        for name, function in (("eager", fn), ("compiled", dtcompile.jit(fn, cache=cache))):
+            x = distribute_tensor(torch.arange(16.0).reshape(4, 4), mesh, [Shard(0)]).requires_grad_()
+            y, _ = function(x)
+            identity = (y is x, y.is_leaf, y.requires_grad)
+            if not y.is_leaf:
+                y.mul_(2)  # (eager's shares x's local tensor)
+            seen.append((fn.__name__, name, identity, x.to_local().tolist()))
+    return seen[0::2] == [(f, "eager", *rest) for f, _, *rest in seen[1::2]], seen
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_a_dtensor_argument_returned_or_wrapped_anew_in_training(ranks2, cache):
+    for same, seen in ranks2.run(returned_or_rewrapped, cache):
+        assert same, seen
