@@ -43,6 +43,14 @@ TORCH_USER_STATE = (
 )
 
 
+def unguarded_attributes(value: object) -> tuple[str, ...]:
+    """The attributes of a ``TORCH_USER_STATE`` object only torch's own methods read, which
+    a compiled call does not run (they step an optimizer; a change inside is refused): a
+    GradScaler's per-optimizer stages, replaced at each ``update()``. Guarded, every step
+    would compile anew."""
+    return ("_per_optimizer_states",) if isinstance(value, torch.amp.GradScaler) else ()
+
+
 def is_state_object(value: object) -> bool:
     """Whether ``value`` is an object dtcompile takes apart by its ``__dict__`` when it is
     an input (a KV cache, a config): its state all in its ``__dict__`` (values in slots

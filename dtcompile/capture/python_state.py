@@ -55,9 +55,8 @@ ctypes objects (by their bytes), arrays and NumPy arrays of numbers; the tensors
 container by identity (read at run time); anything else by identity.
 
 Not guarded: iterators (one the traced code advances is refused: ``snapshots.py``), a
-library class's attributes other than a module's ``forward`` (and ``nn.Module``'s own),
-the attributes of a library's objects (but torch's whose state is the user's, followed as
-plain objects: ``objects.TORCH_USER_STATE``, an optimizer's ``param_groups``),
+library class's attributes but a module's ``forward`` (and ``nn.Module``'s own), a library
+object's (but ``objects.TORCH_USER_STATE``'s, as a plain object's: an optimizer's),
 values read inside library code (but what a library's wrapper of a user function wraps:
 ``@torch.no_grad()``), names reached only through strings (``getattr(cfg, name)``), the
 contents of NumPy arrays of objects, objects of C types other than the containers above
@@ -79,7 +78,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .input_nodes import ObjectInput, iter_nodes
-from .objects import attribute_holder, attribute_or_none, dict_view, read_through, slot_names
+from .objects import attribute_holder, attribute_or_none, dict_view, read_through, slot_names, unguarded_attributes
 from .python_guards import AfterTracing
 from .python_reads import ABSENT, Read, by_value, contents_guarded, raw_memory, value_key
 from .user_code import class_namespace, code_names, is_library
@@ -101,10 +100,9 @@ class PythonState(AfterTracing):
     reads: list[Read] = field(default_factory=list)
     # Every module reached, with its path: its code runs and its attributes are read.
     modules: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
-    # The dicts whose set of names is guarded (by their length; each name read is guarded
-    # on its own): a name added there shadows what the code read from a class (an
-    # instance's ``forward``, a class constant set on an instance, a method overriding a
-    # base class's).
+    # The dicts whose set of names is guarded (by their length; each name read on its own):
+    # a name added shadows what the code read from a class (an instance's ``forward``, a
+    # class constant set on an instance, a method overriding a base class's).
     namespaces: list[dict] = field(default_factory=list)
     _seen_reads: set = field(default_factory=set, repr=False)
     _walked: set = field(default_factory=set, repr=False)
@@ -176,8 +174,8 @@ class PythonState(AfterTracing):
                     self.follow(hook, f"a hook of {owner}")
 
     def follow_inputs(self, roots: list) -> None:
-        """What the code reads through the call's own objects and tensors (guarded as inputs):
-        a class's attributes (``cfg.scale``), what a tensor's attributes hold (``w.info.scale``)."""
+        """What the code reads through the call's objects and tensors (guarded as inputs): a
+        class's attributes (``cfg.scale``), what a tensor's attributes hold (``w.info.scale``)."""
         for node in (n for root in roots for n in iter_nodes(root)):
             if isinstance(node, ObjectInput):
                 self.follow(node.type, f"the class of {node.path}")
@@ -186,9 +184,8 @@ class PythonState(AfterTracing):
 
     def follow(self, value: object, where: str, names: set[str] = frozenset()) -> None:
         """What reading ``value`` lets the code read further: a user function's globals and
-        cells, a user class's methods, a plain object's attributes and the items of a
-        container, and what those hold in turn (``self.config.attention.rope.theta``), the
-        ``names`` of a user Python module."""
+        cells, a user class's methods, a plain object's attributes, a container's items, what
+        those hold in turn (``self.config.attention.rope.theta``), a Python module's ``names``."""
         if id(value) in self._walked or by_value(value) or isinstance(value, _NOT_FOLLOWED):
             return
         if isinstance(value, torch.Tensor):  # a closed-over tensor's Python attributes (``w.scale``)
@@ -270,8 +267,9 @@ class PythonState(AfterTracing):
                 )
                 self._namespace(vars(value))
                 for name, item in vars(value).items():
-                    self._read(vars(value), name, item, f"{where}.{name}")
-                    self.follow(item, f"{where}.{name}")
+                    if name not in unguarded_attributes(value):
+                        self._read(vars(value), name, item, f"{where}.{name}")
+                        self.follow(item, f"{where}.{name}")
             for name in slot_names(type(value)):  # read as attributes; one not set, as absent
                 item = getattr(value, name, ABSENT)
                 self._read(value, None, item, f"{where}.{name}", attribute=name)
