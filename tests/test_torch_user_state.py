@@ -108,29 +108,33 @@ def test_a_scalers_scale_made_inside_is_refused_and_put_back(cache):
     torch.testing.assert_close(dtcompile.jit(scaled_loss, cache=cache)(torch.ones(3)), scaled_loss(torch.ones(3)))
 
 
+def _scaled_losses(compiled: bool, cache: str) -> tuple[list, object]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=1)
+
+    def scaled_loss(x):
+        return scaler.scale(model(x).pow(2).mean())
+
+    loss_fn = dtcompile.jit(scaled_loss, cache=cache) if compiled else scaled_loss
+    scaler.scale(torch.ones(()))  # (its scale tensor made before the compiled call)
+    losses = []
+    for step in range(5):
+        loss = loss_fn(torch.full((2, 4), float(step)))
+        loss.backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, loss_fn
+
+
 @pytest.mark.parametrize("cache", CACHES)
 def test_a_scalers_steps_do_not_compile_the_loss_anew(cache):
     """``update()`` replaces the scaler's per-optimizer stages at each step, which only its
     own step methods read: a loss scaled inside compiles once, and its values are eager's."""
-    losses = {}
-    for compiled in (False, True):
-        torch.manual_seed(0)
-        model = torch.nn.Linear(4, 4)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=1)
-
-        def scaled_loss(x):
-            return scaler.scale(model(x).pow(2).mean())
-
-        loss_fn = dtcompile.jit(scaled_loss, cache=cache) if compiled else scaled_loss
-        scaler.scale(torch.ones(()))  # (its scale tensor made before the compiled call)
-        losses[compiled] = []
-        for step in range(5):
-            loss = loss_fn(torch.full((2, 4), float(step)))
-            loss.backward()
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
-            losses[compiled].append(loss.item())
-    assert losses[True] == losses[False]
+    expected, _ = _scaled_losses(False, cache)
+    got, loss_fn = _scaled_losses(True, cache)
+    assert got == expected
     assert dtcompile.cache_misses(loss_fn) == 1

@@ -18,7 +18,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
 from ..core import InputPath, Trace, TracingError, data_dependent_error, verify
-from ..core.torch_internals import compiling, dtensor_refused_symbols
+from ..core.compiling import compiling
+from ..core.torch_internals import dtensor_refused_symbols
 from ..core.trace_hooks import eager_kernels
 from .annotator import CallAnnotator
 from .autograd import BackwardCapture, capture_backward

@@ -15,7 +15,6 @@ generated epilogue's ``DTensor(local, spec)`` (``jit/epilogue.py``: the call
 from __future__ import annotations
 
 import contextlib
-import types
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,6 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # no
 # The global shape and strides of a local tensor under placements, computed locally (for a
 # gradient's spec); the public DTensor.from_local(shape=None) runs a collective for it.
 from torch.distributed.tensor._utils import compute_global_tensor_info  # noqa: F401
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from dtcompile.core.dict_changes import dict_changes
 
@@ -52,7 +50,6 @@ __all__ = [
     "non_overlapping_and_dense",
     "set_data_value",
     "symbol_values",
-    "compiling",
     "default_store",
     "fake_mode_active",
     "function_mode_count",
@@ -258,57 +255,6 @@ def fake_mode_active() -> bool:
     """Whether a FakeTensorMode is the active dispatch mode (DTensor's sharding propagation
     runs its metadata computations under one): there is no public query."""
     return torch._C._get_dispatch_mode(_FAKE_MODE_KEY) is not None
-
-
-def _hash_unless_from_data(original):
-    def __hash__(self):
-        if free_unbacked_symbols(self.node.expr):
-            raise TypeError(f"unhashable: {self.node.expr} is a number read from tensor data")
-        return original(self)
-
-    return __hash__
-
-
-class _TorchNotCompiling:
-    """``torch`` as ``torch.distributed.nn.functional`` sees it while dtcompile traces: its
-    autograd collectives refuse under torch.compile (Dynamo cannot trace them), but
-    dtcompile records the c10d calls they make, forward and backward."""
-
-    compiler = types.SimpleNamespace(is_compiling=lambda: False)
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-
-@contextlib.contextmanager
-def compiling():
-    """Inside, ``torch.compiler.is_compiling()`` is True, and numbers read from tensor data
-    are unhashable.
-
-    - Libraries skip, while dtcompile traces, the eager-only paths they skip under
-      torch.compile (Hugging Face's check for packed sequences reads tensor data into a
-      Python branch). torch keeps the answer in a module flag, which torch.compile sets the
-      same way; there is no public setter.
-    - DTensor caches sharding strategies by hashing an op's arguments, and skips the cache
-      when hashing raises TypeError (a SymInt's does). A SymFloat or SymBool hashes its
-      value instead: for one read from data (``t * x.max().item()``) that is a guard on
-      data, which fails. Raising TypeError for those takes DTensor's uncached path."""
-    import torch.compiler
-    import torch.distributed.nn.functional as autograd_collectives
-
-    saved = torch.compiler._is_compiling_flag
-    hashes = {cls: cls.__hash__ for cls in (torch.SymFloat, torch.SymBool)}
-    torch.compiler._is_compiling_flag = True
-    vars(autograd_collectives)["torch"] = _TorchNotCompiling()
-    for cls, original in hashes.items():
-        cls.__hash__ = _hash_unless_from_data(original)
-    try:
-        yield
-    finally:
-        torch.compiler._is_compiling_flag = saved
-        vars(autograd_collectives)["torch"] = torch
-        for cls, original in hashes.items():
-            cls.__hash__ = original
 
 
 # A ShapeEnv's values of its symbols, for a number read from tensor data whose value is

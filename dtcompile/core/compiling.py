@@ -1,0 +1,107 @@
+"""What libraries see while dtcompile traces: a compiler tracing them, as under
+torch.compile (``compiling``), but for torch's modules that must run as in eager."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+
+import torch
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+from .errors import TracingError
+
+
+def _hash_unless_from_data(original):
+    def __hash__(self):
+        if free_unbacked_symbols(self.node.expr):
+            raise TypeError(f"unhashable: {self.node.expr} is a number read from tensor data")
+        return original(self)
+
+    return __hash__
+
+
+class _TorchNotCompiling:
+    """``torch`` as torch's modules that must run as in eager see it while dtcompile traces
+    (``_EAGER_MODULES``): ``torch.distributed.nn.functional``'s autograd collectives refuse
+    under torch.compile (Dynamo cannot trace them), but dtcompile records the c10d calls
+    they make; torch.optim's functional optimizers would compute Adam's bias corrections
+    as float32 tensors, not as eager's Python floats."""
+
+    compiler = types.SimpleNamespace(is_compiling=lambda: False)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+class _FastPathsAsEager(_TorchNotCompiling):
+    """``torch`` as ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` see it:
+    their fused inference kernels (eval, no gradients) are taken as in eager, where the
+    stand-ins of tracing (which have torch functions) would turn them away: other
+    roundings."""
+
+    overrides = types.SimpleNamespace(has_torch_function=lambda args: False)
+
+
+class _TransformerFastPathRefused(_FastPathsAsEager):
+    """``torch`` as ``nn.TransformerEncoder`` sees it: its nested-tensor fast path (eval, a
+    padding mask: padded positions zeros), which tracing cannot follow (it reads the mask's
+    data, and makes nested tensors), refused where eager's checks reach the mask."""
+
+    @staticmethod
+    def _nested_tensor_from_mask_left_aligned(*args, **kwargs):
+        raise TracingError(
+            "dtcompile.jit: nn.TransformerEncoder called in eval mode with a src_key_padding_mask takes "
+            "eager's nested-tensor fast path where the mask allows (padded positions then zeros), which "
+            "dtcompile cannot trace; build it with enable_nested_tensor=False, or call it outside the "
+            "compiled function"
+        )
+
+    _nested_tensor_from_mask = _nested_tensor_from_mask_left_aligned
+
+
+# The modules that see torch as in eager while dtcompile traces (by name's start), and how.
+_EAGER_MODULES = {
+    "torch.distributed.nn.functional": _TorchNotCompiling(),
+    "torch.optim.": _TorchNotCompiling(),
+    "torch.nn.modules.activation": _FastPathsAsEager(),
+    "torch.nn.modules.transformer": _TransformerFastPathRefused(),
+}
+
+
+@contextlib.contextmanager
+def compiling():
+    """Inside, ``torch.compiler.is_compiling()`` is True, and numbers read from tensor data
+    are unhashable.
+
+    - Libraries skip, while dtcompile traces, the eager-only paths they skip under
+      torch.compile (Hugging Face's check for packed sequences reads tensor data into a
+      Python branch). torch keeps the answer in a module flag, which torch.compile sets the
+      same way; there is no public setter.
+    - DTensor caches sharding strategies by hashing an op's arguments, and skips the cache
+      when hashing raises TypeError (a SymInt's does). A SymFloat or SymBool hashes its
+      value instead: for one read from data (``t * x.max().item()``) that is a guard on
+      data, which fails. Raising TypeError for those takes DTensor's uncached path."""
+    import torch.compiler
+    import torch.distributed.nn.functional  # noqa: F401
+
+    saved = torch.compiler._is_compiling_flag
+    hashes = {cls: cls.__hash__ for cls in (torch.SymFloat, torch.SymBool)}
+    torch.compiler._is_compiling_flag = True
+    eager = []
+    for name, module in list(sys.modules.items()):
+        seen = next((seen for prefix, seen in _EAGER_MODULES.items() if name.startswith(prefix)), None)
+        if seen is not None and module is not None and vars(module).get("torch") is torch:
+            vars(module)["torch"] = seen
+            eager.append(vars(module))
+    for cls, original in hashes.items():
+        cls.__hash__ = _hash_unless_from_data(original)
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = saved
+        for namespace in eager:
+            namespace["torch"] = torch
+        for cls, original in hashes.items():
+            cls.__hash__ = original

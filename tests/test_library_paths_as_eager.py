@@ -1,0 +1,80 @@
+"""torch's modules whose paths under torch.compile differ from eager's see torch as eager
+does while dtcompile traces (``core/compiling.py``): torch.optim's functional optimizers
+(Adam's bias corrections as Python floats, not float32 tensors), the fused inference
+kernels of ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer``; the nested-tensor
+fast path of ``nn.TransformerEncoder``, which tracing cannot follow, is refused."""
+
+import pytest
+import torch
+from torch.optim.adam import adam
+from torch.optim.adamw import adamw
+
+import dtcompile
+
+CACHES = ["constant values", "symbolic values"]
+
+
+def _functional_steps(compiled: bool, cache: str, step_fn, foreach: bool) -> list:
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(8))
+    m, v, step = torch.zeros(8), torch.zeros(8), torch.tensor(0.0)
+
+    @torch.no_grad()
+    def update():
+        step_fn(
+            [w], [w.grad], [m], [v], [], [step], foreach=foreach, capturable=False, differentiable=False,
+            fused=None, grad_scale=None, found_inf=None, has_complex=False, amsgrad=False,
+            beta1=0.9, beta2=0.999, lr=0.1, weight_decay=0.01, eps=1e-8, maximize=False,
+        )  # fmt: skip
+
+    run = dtcompile.jit(update, cache=cache) if compiled else update
+    weights = []
+    for _ in range(3):
+        (w * w).sum().backward()
+        run()
+        w.grad = None
+        weights.append(w.detach().clone())
+    return [*weights, step.clone(), m.clone(), v.clone()]
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("step_fn", [adam, adamw])
+@pytest.mark.parametrize("foreach", [False, True])
+def test_functional_optimizers_step_as_eager(cache, step_fn, foreach):
+    expected = _functional_steps(False, cache, step_fn, foreach)
+    for got, want in zip(_functional_steps(True, cache, step_fn, foreach), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_fused_inference_kernels_as_eager(cache):
+    torch.manual_seed(0)
+    attention = torch.nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True).eval()
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        got = dtcompile.jit(lambda a: attention(a, a, a)[0], cache=cache)(x)
+        torch.testing.assert_close(got, attention(x, x, x)[0], rtol=0, atol=0)
+        torch.testing.assert_close(dtcompile.jit(layer, cache=cache)(x), layer(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("nested", [True, False], ids=["nested fast path", "enable_nested_tensor=False"])
+def test_a_transformer_encoder_with_a_padding_mask(cache, nested):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dropout=0.0)
+    encoder = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=nested)
+    x = torch.randn(2, 5, 8)
+    mask = torch.tensor([[False, False, False, True, True], [False] * 5])
+    with torch.no_grad():
+        encoder.train()
+        torch.testing.assert_close(
+            dtcompile.jit(encoder, cache=cache)(x, src_key_padding_mask=mask), encoder(x, src_key_padding_mask=mask)
+        )
+        encoder.eval()
+        if nested:  # eager's padded positions are zeros, which the traced dense path would not give
+            with pytest.raises(dtcompile.TracingError, match="nested-tensor fast path"):
+                dtcompile.jit(encoder, cache=cache)(x, src_key_padding_mask=mask)
+        else:
+            got = dtcompile.jit(encoder, cache=cache)(x, src_key_padding_mask=mask)
+            torch.testing.assert_close(got, encoder(x, src_key_padding_mask=mask), rtol=0, atol=0)
