@@ -1398,3 +1398,29 @@ def test_a_dict_changed_through_a_built_in_method_is_refused_and_put_back():
     with pytest.raises(dtcompile.TracingError, match="changed"):
         dtcompile.jit(Writing())(torch.ones(2))
     assert settings == {"scale": 1.0}
+
+
+class _NamedBlock(torch.nn.Module):
+    def forward(self, x):
+        return x * 2 if type(self).__name__ == "_NamedBlock" else x - 1
+
+
+class _QualifiedBlock(torch.nn.Module):
+    def forward(self, x):
+        return x * 2 if type(self).__qualname__.startswith("_Qualified") else x - 1
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("block_class", [_NamedBlock, _QualifiedBlock])
+def test_a_class_renamed_after_compiling_is_seen_where_code_reads_its_name(cache, block_class):
+    model = torch.nn.Sequential(*(block_class() for _ in range(4)))
+    jitted, x = dtcompile.jit(model, cache=cache), torch.ones(3)
+    names = block_class.__name__, block_class.__qualname__
+    try:
+        for _ in range(2):
+            torch.testing.assert_close(jitted(x), model(x))
+        block_class.__name__ = block_class.__qualname__ = "Renamed"
+        torch.testing.assert_close(jitted(x), model(x))
+    finally:
+        block_class.__name__, block_class.__qualname__ = names
+    torch.testing.assert_close(jitted(x), model(x))

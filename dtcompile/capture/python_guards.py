@@ -38,6 +38,20 @@ class AfterTracing:
                 read.holder[read.key] = read.value
         return [read.where for read in changed]
 
+    def after_tracing(self, module_updates: list, grad_reads: list) -> None:
+        """The guards only the traced call tells: what the forward assigns
+        (:meth:`forget_assigned`), the closed-over tensors' ``.grad`` it read, the names of
+        the user classes followed where code loads a ``__name__`` or ``__qualname__``
+        (``type(self).__name__ == "Block"``; they live in the class object, not its dict)."""
+        self.forget_assigned(module_updates)
+        self.guard_grads(grad_reads)
+        for name in ("__name__", "__qualname__"):
+            if name in self._attribute_loads:
+                for klass in self._classes.values():
+                    self._read(
+                        klass, None, getattr(klass, name), f"the {name} of class {klass.__qualname__}", attribute=name
+                    )
+
     def guard_grads(self, reads: list) -> None:
         """Guard the ``.grad`` of each closed-over tensor the code read: the program holds it."""
         for tensor, grad in reads:
