@@ -140,6 +140,13 @@ def _mutable_kind(value: object) -> bool:
 _VIEWS = (collections.abc.KeysView, collections.abc.ValuesView, collections.abc.ItemsView)
 
 
+def _module_holds_proxies(module: torch.nn.Module) -> bool:
+    """Whether a module's parameters, buffers or tensor attributes are traced tensors."""
+    tensors = [*module.parameters(), *module.buffers()]
+    tensors += [v for m in module.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    return any(holds_proxies(t) for t in tensors)
+
+
 class OutputCollector:
     """Collects the local proxies a call returned, in order, and describes the result."""
 
@@ -219,6 +226,12 @@ class OutputCollector:
         index = self.objects.index_of(value)
         if index is not None:
             return ObjectOutput(index)
+        if isinstance(value, torch.nn.Module) and id(value) not in self._existing() and _module_holds_proxies(value):
+            raise TracingError(
+                f"dtcompile.jit: {where} holds a {type(value).__name__} module made inside the call, whose "
+                "parameters or buffers are traced tensors there; make the module outside the compiled "
+                "function (and pass it in, or jit it)"
+            )
         if isinstance(value, torch._C.Future) and value.done() and holds_proxies(value.value()):
             raise TracingError(
                 f"dtcompile.jit: {where} holds the Future of a collective of the call (work.get_future()), whose "

@@ -49,7 +49,10 @@ class JittedFunction:
 
 
 def _jitted_module_call(self, *args, **kwargs):
-    compiled = self._dtcompile
+    try:
+        compiled = self._dtcompile
+    except AttributeError:  # made by calling the class (``type(jitted)(...)``): a module as eager's
+        return torch.nn.Module.__call__(self, *args, **kwargs)
     cls = type(self)
     if cls is not compiled.jitted_class or _names(cls) != compiled.jitted_names:
         # The module itself is traced (its ``self`` is the module's own class, as eager's
@@ -104,8 +107,10 @@ _jitted_classes: dict[type, type] = {}
 
 
 def _jitted_class(cls: type) -> type:
-    """``Jitted<cls>``: ``cls`` with a compiled ``__call__`` and a slot for the compiled
-    function. A slot, not an attribute: the instance shares the module's ``__dict__``."""
+    """``cls`` with a compiled ``__call__`` and a slot for the compiled function (a slot, not
+    an attribute: the instance shares the module's ``__dict__``), under ``cls``'s names: code
+    that names a model by its class (Hugging Face's ``save_pretrained`` writes it into the
+    config) sees eager's."""
     jitted_cls = _jitted_classes.get(cls)
     if jitted_cls is None:
         namespace = {
@@ -115,9 +120,9 @@ def _jitted_class(cls: type) -> type:
             "__reduce_ex__": _jitted_module_reduce_ex,
             "__slots__": ("_dtcompile",),
             "__module__": cls.__module__,
-            "__qualname__": f"Jitted{cls.__qualname__}",
+            "__qualname__": cls.__qualname__,
         }
-        jitted_cls = _jitted_classes[cls] = type(f"Jitted{cls.__name__}", (cls,), namespace)
+        jitted_cls = _jitted_classes[cls] = type(cls.__name__, (cls,), namespace)
     return jitted_cls
 
 
