@@ -108,6 +108,9 @@ def object_collective_refusal(error: Exception) -> TracingError | None:
     return _object_collective_error(f"dist.{name}", frames)
 
 
+# The collectives eager runs into a leaf that requires grad (checked one by one).
+_PLAIN_WRITES = {"allreduce_", "allreduce_coalesced_", "broadcast_", "reduce_", "alltoall_base_"}
+
 # Collectives into another tensor whose eager gradient is the backend kernel's doing: Gloo
 # writes a reduce-scatter's output with copies autograd records, its all-gather raises.
 _BACKEND_GRADIENTS = {
@@ -205,9 +208,14 @@ def record_c10d(recording, func, args: tuple, kwargs: dict):
     start = len(recording.bound_symbols)
     written = args[0]
     flat = _tensors(written)
-    # c10d ops have no autograd kernel: eager writes a leaf that requires grad in place as
-    # a plain tensor (its gradient is then as if the collective had not run).
-    leaf = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad for t in flat)
+    # c10d ops have no autograd kernel: eager's in-place collectives (and all_to_all_single)
+    # write a leaf that requires grad as a plain tensor (its gradient then as if they had
+    # not run); the others raise autograd's error, as the recorded copy does.
+    leaf = (
+        op_name in _PLAIN_WRITES
+        and torch.is_grad_enabled()
+        and any(isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad for t in flat)
+    )
     with torch.no_grad() if leaf else contextlib.nullcontext():
         handler(Recorder(recording, call), *arguments)
     note = Note(f"{call}({', '.join(f'{{{i}}}' for i in range(len(flat)))})", tuple(flat))

@@ -180,6 +180,13 @@ def _all_to_all_base(r: Recorder, output, input, pg, output_splits, input_splits
         input_splits = [input.shape[0] // size] * size
     if not output_splits:
         output_splits = [output.shape[0] // size] * size
+    for what, t, splits in (("output", output, output_splits), ("input", input, input_splits)):
+        # Eager's check (Gloo's, NCCL's); with split sizes read from data, a check at run
+        # time, which lets the output's rows be compared with the sum below.
+        torch._check(
+            sum(splits) == t.shape[0],
+            lambda what=what: f"{r.call}: the {what} split sizes do not sum to the {what}'s rows",
+        )
     result = r.waited(functional.all_to_all_single.default, input, list(output_splits), list(input_splits), group)
     r.write(output, result)
 

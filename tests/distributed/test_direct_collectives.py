@@ -640,6 +640,28 @@ def _exchanged_with_gradients(x, w):
     return out.sum() + (x * w).sum(), out.requires_grad
 
 
+def _exchanged_into_its_own_rows(x):
+    """Each rank receives as many rows as it sends: the output's rows are fixed."""
+    counts = torch.stack([(x[:, 0] > 0).sum(), (x[:, 0] <= 0).sum()])
+    most = counts.clone()
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    first = most[0].clamp(max=x.shape[0]).reshape(1)
+    sent = torch.cat([first, x.shape[0] - first]) if dist.get_rank() == 0 else torch.cat([x.shape[0] - first, first])
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent)
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x * 2, received.tolist(), sent.tolist())
+    return out
+
+
+def _differentiable_exchange(x):
+    import torch.distributed.nn.functional as differentiable
+
+    sent, received = _sizes_exchanged(x.detach())
+    out = x.new_empty(sum(received), x.shape[1])
+    return differentiable.all_to_all_single(out, x * 2, received, sent) * 3
+
+
 def _exchanged_into_rows_with_gaps(x):
     sent, received = _sizes_exchanged(x)
     wide = torch.zeros(sum(received), 2 * x.shape[1])
@@ -672,6 +694,14 @@ def collectives_as_eager_runs_them():
             loss.backward()
             results[name] = (loss.item(), out_requires_grad, w.grad.item())
         assert results["eager"] == results["compiled"], results
+        assert_same(dtcompile.jit(_exchanged_into_its_own_rows, cache=cache)(x), _exchanged_into_its_own_rows(x))
+        grads = []
+        for fn in (_differentiable_exchange, dtcompile.jit(_differentiable_exchange, cache=cache)):
+            leaf = x.clone().requires_grad_()
+            out = fn(leaf)
+            (out * torch.arange(out.numel()).reshape(out.shape)).sum().backward()
+            grads.append((out.detach(), leaf.grad))
+        assert_same(grads[1], grads[0])
         with pytest.raises(dtcompile.TracingError, match="a view with gaps"):
             dtcompile.jit(_exchanged_into_rows_with_gaps, cache=cache)(x)
         outs = [torch.zeros(4, 3), torch.zeros(4, 3)]
