@@ -1424,3 +1424,20 @@ def test_a_class_renamed_after_compiling_is_seen_where_code_reads_its_name(cache
     finally:
         block_class.__name__, block_class.__qualname__ = names
     torch.testing.assert_close(jitted(x), model(x))
+
+
+class _ModeBranch(torch.nn.Module):
+    def forward(self, x):
+        return x * 2 if torch.is_inference_mode_enabled() else x - 1
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("first", ["no_grad", "inference_mode"])
+def test_inference_mode_is_guarded(cache, first):
+    model = torch.nn.Sequential(*(_ModeBranch() for _ in range(3)))
+    jitted, x = dtcompile.jit(model, cache=cache), torch.ones(3)
+    modes = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+    for name in (first, *(m for m in modes if m != first), first):
+        with modes[name]():
+            torch.testing.assert_close(jitted(x), model(x))
+    assert dtcompile.cache_misses(jitted) == 2

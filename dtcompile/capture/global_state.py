@@ -51,6 +51,7 @@ class GlobalState:
     op_handler_items: list  # its items then
     settings: tuple  # torch's settings code may read and branch on (:func:`torch_settings`)
     saved_hooks: tuple | None  # the saved_tensors_hooks active (pack, unpack): the program holds what they do
+    inference_mode: bool  # (code may branch on ``torch.is_inference_mode_enabled()``)
 
     @classmethod
     def now(cls) -> GlobalState:
@@ -64,6 +65,7 @@ class GlobalState:
             list(handlers.items()),
             torch_settings(),
             saved_tensors_hooks(),
+            torch.is_inference_mode_enabled(),
         )
 
 

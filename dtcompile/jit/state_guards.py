@@ -70,10 +70,11 @@ def state_checks(b, module: torch.nn.Module | None, python_state: PythonState) -
 
 
 def global_state_checks(b, state: GlobalState) -> None:
-    """The state the call was traced under (:class:`GlobalState`): the default dtype, the
-    torch function modes and, with any, the default device; DTensor's implicit replication
+    """The state the call was traced under (:class:`GlobalState`): the default dtype,
+    inference mode, the torch function modes and, with any, the default device; DTensor's implicit replication
     and its op handlers (the same table at the same version, else the same items)."""
     b.fail_if(f"torch.get_default_dtype() is not {python_literal(state.dtype)}")
+    b.fail_if(f"torch.is_inference_mode_enabled() is not {state.inference_mode}")
     b.globals.update(function_mode_count=function_mode_count, implicit_replication=dtensor_implicit_replication)
     b.fail_if(f"function_mode_count() != {state.function_modes}")
     if state.function_modes:  # a default device may be among them: the one traced
