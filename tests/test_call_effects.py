@@ -535,3 +535,33 @@ def test_functional_batch_norm_of_a_transposed_input_has_eager_strides(cache, st
 
     x = torch.randn(4, 6).t()
     torch.testing.assert_close(dtcompile.jit(f, cache=cache)(x), f(x))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("made", ["with tensors", "with a traced list", "with a number read from data", "no tensor"])
+def test_a_module_made_inside_the_call_is_refused(cache, made):
+    def make(x):
+        if made == "with tensors":
+            return torch.nn.Linear(3, 3)
+        if made == "with a traced list":
+            module = torch.nn.Identity()
+            module.cache = [x * 2]
+            return module
+        if made == "with a number read from data":
+            return torch.nn.LeakyReLU(negative_slope=x.sum().item())
+        return torch.nn.Sequential(torch.nn.Identity(), torch.nn.ReLU())  # (eager's is new at every call)
+
+    with pytest.raises(TracingError, match="module made inside the call"):
+        dtcompile.jit(make, cache=cache)(torch.ones(3))
+    existing = torch.nn.ReLU()
+    assert dtcompile.jit(lambda x: (existing, x * 2), cache=cache)(torch.ones(3))[0] is existing
+
+
+def test_the_jitted_class_called_makes_a_module_of_the_class():
+    model = torch.nn.Linear(3, 2)
+    jitted = dtcompile.jit(model)
+    made = type(jitted)(3, 2)
+    assert type(made) is torch.nn.Linear and type(jitted).__name__ == "Linear"
+    for copied in (copy.copy(made), copy.deepcopy(made), pickle.loads(pickle.dumps(made))):
+        assert type(copied) is torch.nn.Linear
+        torch.testing.assert_close(copied(torch.ones(3)), made(torch.ones(3)))

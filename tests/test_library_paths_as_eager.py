@@ -52,10 +52,14 @@ def test_fused_inference_kernels_as_eager(cache):
     attention = torch.nn.MultiheadAttention(8, 2, batch_first=True).eval()
     layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True).eval()
     x = torch.randn(2, 5, 8)
+    jitted_attention = dtcompile.jit(lambda a: attention(a, a, a)[0], cache=cache)
+    jitted_layer = dtcompile.jit(layer, cache=cache)
     with torch.no_grad():
-        got = dtcompile.jit(lambda a: attention(a, a, a)[0], cache=cache)(x)
-        torch.testing.assert_close(got, attention(x, x, x)[0], rtol=0, atol=0)
-        torch.testing.assert_close(dtcompile.jit(layer, cache=cache)(x), layer(x), rtol=0, atol=0)
+        for _ in range(2):  # (compiled, not run eagerly after a failed trace)
+            torch.testing.assert_close(jitted_attention(x), attention(x, x, x)[0], rtol=0, atol=0)
+            torch.testing.assert_close(jitted_layer(x), layer(x), rtol=0, atol=0)
+    for jitted in (jitted_attention, jitted_layer):
+        assert (dtcompile.cache_misses(jitted), dtcompile.cache_hits(jitted)) == (1, 1)
 
 
 @pytest.mark.parametrize("cache", CACHES)
@@ -72,6 +76,10 @@ def test_a_transformer_encoder_with_a_padding_mask(cache, nested):
             dtcompile.jit(encoder, cache=cache)(x, src_key_padding_mask=mask), encoder(x, src_key_padding_mask=mask)
         )
         encoder.eval()
+    with torch.enable_grad():  # (eval with gradients: eager's dense path, not refused)
+        got = dtcompile.jit(encoder, cache=cache)(x, src_key_padding_mask=mask)
+        torch.testing.assert_close(got, encoder(x, src_key_padding_mask=mask), rtol=0, atol=0)
+    with torch.no_grad():
         if nested:  # eager's padded positions are zeros, which the traced dense path would not give
             with pytest.raises(dtcompile.TracingError, match="nested-tensor fast path"):
                 dtcompile.jit(encoder, cache=cache)(x, src_key_padding_mask=mask)

@@ -32,8 +32,10 @@ def _descent(compiled: bool, cache: str, optimizer_class, change: str) -> list:
             scheduler.step()
         elif change == "by hand":
             optimizer.param_groups[0]["lr"] *= 0.5
-        else:  # a new param_groups entry's dict
-            optimizer.param_groups[0] = dict(optimizer.param_groups[0], lr=optimizer.param_groups[0]["lr"] / 4)
+        else:  # a state dict loaded: new groups, the learning rate a quarter
+            state = optimizer.state_dict()
+            state["param_groups"][0]["lr"] /= 4
+            optimizer.load_state_dict(state)
         optimizer.zero_grad(set_to_none=False)  # (the same .grad tensor at each call)
         weights.append(weight.detach().clone())
     return weights
@@ -41,7 +43,7 @@ def _descent(compiled: bool, cache: str, optimizer_class, change: str) -> list:
 
 @pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize("optimizer_class", [torch.optim.SGD, torch.optim.AdamW, SubclassedSGD])
-@pytest.mark.parametrize("change", ["scheduler", "by hand", "group replaced"])
+@pytest.mark.parametrize("change", ["scheduler", "by hand", "state dict loaded"])
 def test_an_optimizers_learning_rate_read_inside_is_read_at_each_change(cache, optimizer_class, change):
     expected = _descent(False, cache, optimizer_class, change)
     got = _descent(True, cache, optimizer_class, change)
@@ -138,3 +140,29 @@ def test_a_scalers_steps_do_not_compile_the_loss_anew(cache):
     got, loss_fn = _scaled_losses(True, cache)
     assert got == expected
     assert dtcompile.cache_misses(loss_fn) == 1
+
+
+class _HoldsItsOptimizer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.optimizer = torch.optim.SGD(self.parameters(), lr=0.5)  # (never read by forward)
+
+    def forward(self, x):
+        return self.lin(x) * OPTIMIZER.param_groups[0]["lr"]
+
+
+OPTIMIZER = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.5)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_an_optimizer_over_the_calls_parameters_can_be_reached(cache):
+    """A module holding its optimizer (whose groups hold the module's parameters), and a
+    forward reading a global optimizer's learning rate: compiled, and the rate's changes seen."""
+    model = _HoldsItsOptimizer()
+    jitted, x = dtcompile.jit(model, cache=cache), torch.ones(2, 3)
+    for lr in (0.5, 0.25, 0.25):
+        OPTIMIZER.param_groups[0]["lr"] = lr
+        torch.testing.assert_close(jitted(x), model(x), rtol=0, atol=0)
+    assert dtcompile.cache_misses(jitted) == 2
+    OPTIMIZER.param_groups[0]["lr"] = 0.5

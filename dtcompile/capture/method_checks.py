@@ -34,6 +34,7 @@ from ..core.code_origin import library_code
 from ..core.errors import data_dependent_error
 from ..core.provenance import InputPath
 from ..core.proxy import TextRefusals
+from .objects import MODULES_MADE
 
 _BACKWARDS = {torch.Tensor.backward, torch.autograd.backward}
 _STORAGE_READS = {torch.Tensor.untyped_storage} | (
@@ -251,9 +252,17 @@ def effects_refused():
     torch.utils.dlpack.to_dlpack = torch.to_dlpack = to_dlpack
     GuardOnDataDependentSymNode.__init__ = noted_guard
     steps = register_optimizer_step_pre_hook(_optimizer_step_refused)
+    module_init = torch.nn.Module.__init__
+
+    def noted_module_init(module, *args, **kwargs):  # (one the call returns or keeps is refused)
+        module_init(module, *args, **kwargs)
+        MODULES_MADE.add(module)
+
+    torch.nn.Module.__init__ = noted_module_init
     try:
         yield
     finally:
+        torch.nn.Module.__init__ = module_init
         steps.remove()
         torch.autograd.backward = original
         torch.utils.dlpack.to_dlpack = torch.to_dlpack = dlpack

@@ -43,12 +43,27 @@ TORCH_USER_STATE = (
 )
 
 
-def unguarded_attributes(value: object) -> tuple[str, ...]:
-    """The attributes of a ``TORCH_USER_STATE`` object only torch's own methods read, which
-    a compiled call does not run (they step an optimizer; a change inside is refused): a
-    GradScaler's per-optimizer stages, replaced at each ``update()``. Guarded, every step
-    would compile anew."""
-    return ("_per_optimizer_states",) if isinstance(value, torch.amp.GradScaler) else ()
+# The modules made while the call is traced (``method_checks.effects_refused``): one the
+# call returns or keeps would be the traced object, the same at every call.
+MODULES_MADE: weakref.WeakSet = weakref.WeakSet()
+
+
+def guarded_items(value: object) -> tuple[list, list]:
+    """What the guards read of an attribute holder, as ``(dict, key, item)``: what to guard
+    and follow (its attributes), and what to guard by identity only. Of an optimizer, its
+    groups' list by identity (``load_state_dict`` puts a new one) and their hyperparameters
+    group by group, not its parameters (tensors of the call, often) nor its per-parameter
+    state; not a GradScaler's per-optimizer stages, which only its step methods read (a
+    compiled call does not run them; a change inside is refused) and ``update()`` replaces
+    at each step: guarded, every step would compile anew."""
+    items = [(vars(value), name, item) for name, item in vars(value).items()]
+    if isinstance(value, torch.optim.Optimizer):
+        items = [i for i in items if i[1] not in ("state", "param_groups")]
+        items += [(group, key, item) for group in value.param_groups for key, item in group.items() if key != "params"]
+        return items, [(vars(value), "param_groups", value.param_groups)]
+    if isinstance(value, torch.amp.GradScaler):
+        items = [i for i in items if i[1] != "_per_optimizer_states"]
+    return items, []
 
 
 def is_state_object(value: object) -> bool:

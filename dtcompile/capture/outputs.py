@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 from ..core import TensorProxy, TracingError
 from ..core.symbolic import SYMBOLIC_TYPES, as_constant, is_symbolic
 from ..core.torch_internals import TensorMeta, mask_buffer
-from .objects import StateObjects, holds_proxies, is_rebuildable_object, object_state, plain_object
+from .objects import MODULES_MADE, StateObjects, holds_proxies, is_rebuildable_object, object_state, plain_object
 from .user_code import is_library
 
 
@@ -140,13 +140,6 @@ def _mutable_kind(value: object) -> bool:
 _VIEWS = (collections.abc.KeysView, collections.abc.ValuesView, collections.abc.ItemsView)
 
 
-def _module_holds_proxies(module: torch.nn.Module) -> bool:
-    """Whether a module's parameters, buffers or tensor attributes are traced tensors."""
-    tensors = [*module.parameters(), *module.buffers()]
-    tensors += [v for m in module.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
-    return any(holds_proxies(t) for t in tensors)
-
-
 class OutputCollector:
     """Collects the local proxies a call returned, in order, and describes the result."""
 
@@ -226,11 +219,11 @@ class OutputCollector:
         index = self.objects.index_of(value)
         if index is not None:
             return ObjectOutput(index)
-        if isinstance(value, torch.nn.Module) and id(value) not in self._existing() and _module_holds_proxies(value):
+        if isinstance(value, torch.nn.Module) and value in MODULES_MADE:
             raise TracingError(
-                f"dtcompile.jit: {where} holds a {type(value).__name__} module made inside the call, whose "
-                "parameters or buffers are traced tensors there; make the module outside the compiled "
-                "function (and pass it in, or jit it)"
+                f"dtcompile.jit: {where} holds a {type(value).__name__} module made inside the call: the compiled "
+                "call would give the object made while tracing (its tensors traced ones), the same at every "
+                "call; make the module outside the compiled function (and pass it in, or jit it)"
             )
         if isinstance(value, torch._C.Future) and value.done() and holds_proxies(value.value()):
             raise TracingError(

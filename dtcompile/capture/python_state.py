@@ -78,7 +78,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .input_nodes import ObjectInput, iter_nodes
-from .objects import attribute_holder, attribute_or_none, dict_view, read_through, slot_names, unguarded_attributes
+from .objects import attribute_holder, attribute_or_none, dict_view, guarded_items, read_through, slot_names
 from .python_guards import AfterTracing
 from .python_reads import ABSENT, Read, by_value, contents_guarded, raw_memory, value_key
 from .user_code import class_namespace, code_names, is_library
@@ -261,15 +261,15 @@ class PythonState(AfterTracing):
             self._class(type(value))
             self._read(value, None, type(value), f"the class of {where}", attribute="__class__")  # (assignable)
             if isinstance(attribute_or_none(value, "__dict__"), dict):
-                # Read from this dict: one put in its place (``cfg.__dict__ = d``) is seen by identity.
-                self.reads.append(
-                    Read(value, None, vars(value), f"the attribute dict of {where}", attribute="__dict__")
-                )
+                items, identities = guarded_items(value)
+                identities.append((value, None, vars(value)))  # (by identity: ``cfg.__dict__ = d`` is seen)
+                self.reads += [
+                    Read(h, n, i, f"{where}.{n or '__dict__'}", attribute="__dict__") for h, n, i in identities
+                ]
                 self._namespace(vars(value))
-                for name, item in vars(value).items():
-                    if name not in unguarded_attributes(value):
-                        self._read(vars(value), name, item, f"{where}.{name}")
-                        self.follow(item, f"{where}.{name}")
+                for holder, name, item in items:
+                    self._read(holder, name, item, f"{where}.{name}")
+                    self.follow(item, f"{where}.{name}")
             for name in slot_names(type(value)):  # read as attributes; one not set, as absent
                 item = getattr(value, name, ABSENT)
                 self._read(value, None, item, f"{where}.{name}", attribute=name)

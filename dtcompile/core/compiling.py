@@ -22,6 +22,17 @@ def _hash_unless_from_data(original):
     return __hash__
 
 
+class _CompilerNotCompiling:
+    """``torch.compiler`` as ``_TorchNotCompiling`` gives it: not compiling, the rest torch's."""
+
+    @staticmethod
+    def is_compiling() -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(torch.compiler, name)
+
+
 class _TorchNotCompiling:
     """``torch`` as torch's modules that must run as in eager see it while dtcompile traces
     (``_EAGER_MODULES``): ``torch.distributed.nn.functional``'s autograd collectives refuse
@@ -29,7 +40,7 @@ class _TorchNotCompiling:
     they make; torch.optim's functional optimizers would compute Adam's bias corrections
     as float32 tensors, not as eager's Python floats."""
 
-    compiler = types.SimpleNamespace(is_compiling=lambda: False)
+    compiler = _CompilerNotCompiling()
 
     def __getattr__(self, name):
         return getattr(torch, name)
@@ -46,19 +57,22 @@ class _FastPathsAsEager(_TorchNotCompiling):
 
 class _TransformerFastPathRefused(_FastPathsAsEager):
     """``torch`` as ``nn.TransformerEncoder`` sees it: its nested-tensor fast path (eval, a
-    padding mask: padded positions zeros), which tracing cannot follow (it reads the mask's
-    data, and makes nested tensors), refused where eager's checks reach the mask."""
+    padding mask, no gradients: padded positions zeros), which tracing cannot follow
+    (nested tensors), refused where eager's checks let it run. Its check that the mask is
+    left-aligned reads the mask's data: taken as passed, so a mask that is not is refused too."""
 
     @staticmethod
-    def _nested_tensor_from_mask_left_aligned(*args, **kwargs):
-        raise TracingError(
-            "dtcompile.jit: nn.TransformerEncoder called in eval mode with a src_key_padding_mask takes "
-            "eager's nested-tensor fast path where the mask allows (padded positions then zeros), which "
-            "dtcompile cannot trace; build it with enable_nested_tensor=False, or call it outside the "
-            "compiled function"
-        )
+    def _nested_tensor_from_mask_left_aligned(*args, **kwargs) -> bool:
+        return True
 
-    _nested_tensor_from_mask = _nested_tensor_from_mask_left_aligned
+    @staticmethod
+    def _nested_tensor_from_mask(*args, **kwargs):
+        raise TracingError(
+            "dtcompile.jit: nn.TransformerEncoder called in eval mode with a src_key_padding_mask and no "
+            "gradients takes eager's nested-tensor fast path (where the mask is left-aligned: padded positions "
+            "then zeros), which dtcompile cannot trace; build it with enable_nested_tensor=False, or call it "
+            "outside the compiled function"
+        )
 
 
 # The modules that see torch as in eager while dtcompile traces (by name's start), and how.

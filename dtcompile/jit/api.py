@@ -49,10 +49,7 @@ class JittedFunction:
 
 
 def _jitted_module_call(self, *args, **kwargs):
-    try:
-        compiled = self._dtcompile
-    except AttributeError:  # made by calling the class (``type(jitted)(...)``): a module as eager's
-        return torch.nn.Module.__call__(self, *args, **kwargs)
+    compiled = self._dtcompile
     cls = type(self)
     if cls is not compiled.jitted_class or _names(cls) != compiled.jitted_names:
         # The module itself is traced (its ``self`` is the module's own class, as eager's
@@ -106,6 +103,12 @@ def _jitted_module_reduce_ex(self, protocol):
 _jitted_classes: dict[type, type] = {}
 
 
+def _plain_new(cls, *args, **kwargs):
+    """``type(jitted)(...)`` (architecture-cloning code, ``from_pretrained``): a module of
+    the class itself, as eager's ``type(model)(...)`` makes."""
+    return cls.__bases__[0](*args, **kwargs)
+
+
 def _jitted_class(cls: type) -> type:
     """``cls`` with a compiled ``__call__`` and a slot for the compiled function (a slot, not
     an attribute: the instance shares the module's ``__dict__``), under ``cls``'s names: code
@@ -118,6 +121,7 @@ def _jitted_class(cls: type) -> type:
             "__copy__": _jitted_module_copy,
             "__deepcopy__": _jitted_module_deepcopy,
             "__reduce_ex__": _jitted_module_reduce_ex,
+            "__new__": _plain_new,
             "__slots__": ("_dtcompile",),
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
