@@ -51,7 +51,7 @@ MODULES_MADE: weakref.WeakSet = weakref.WeakSet()
 def guarded_items(value: object) -> tuple[list, list]:
     """What the guards read of an attribute holder, as ``(dict, key, item)``: what to guard
     and follow (its attributes), and what to guard by identity only. Of an optimizer, its
-    groups' list by identity (``load_state_dict`` puts a new one) and their hyperparameters
+    groups' list and its state by identity (``load_state_dict`` puts new ones) and the groups' hyperparameters
     group by group, not its parameters (tensors of the call, often) nor its per-parameter
     state; not a GradScaler's per-optimizer stages, which only its step methods read (a
     compiled call does not run them; a change inside is refused) and ``update()`` replaces
@@ -60,7 +60,7 @@ def guarded_items(value: object) -> tuple[list, list]:
     if isinstance(value, torch.optim.Optimizer):
         items = [i for i in items if i[1] not in ("state", "param_groups")]
         items += [(group, key, item) for group in value.param_groups for key, item in group.items() if key != "params"]
-        return items, [(vars(value), "param_groups", value.param_groups)]
+        return items, [(vars(value), name, vars(value)[name]) for name in ("param_groups", "state")]
     if isinstance(value, torch.amp.GradScaler):
         items = [i for i in items if i[1] != "_per_optimizer_states"]
     return items, []
