@@ -50,12 +50,12 @@ MODULES_MADE: weakref.WeakSet = weakref.WeakSet()
 
 def guarded_items(value: object) -> tuple[list, list]:
     """What the guards read of an attribute holder, as ``(dict, key, item)``: what to guard
-    and follow (its attributes), and what to guard by identity only. Of an optimizer, its
-    groups' list and its state by identity (``load_state_dict`` puts new ones) and the groups' hyperparameters
-    group by group, not its parameters (tensors of the call, often) nor its per-parameter
-    state; not a GradScaler's per-optimizer stages, which only its step methods read (a
-    compiled call does not run them; a change inside is refused) and ``update()`` replaces
-    at each step: guarded, every step would compile anew."""
+    and follow (its attributes), and what to guard by identity only. Of an optimizer: its
+    groups' list and its per-parameter state by identity (``load_state_dict`` puts new
+    ones), the groups' hyperparameters key by key, not their parameters (tensors of the
+    call, often). Not a GradScaler's per-optimizer stages, which only its step methods read
+    (a compiled call does not run them; a change inside is refused) and ``update()``
+    replaces at each step: guarded, every step would compile anew."""
     items = [(vars(value), name, item) for name, item in vars(value).items()]
     if isinstance(value, torch.optim.Optimizer):
         items = [i for i in items if i[1] not in ("state", "param_groups")]
