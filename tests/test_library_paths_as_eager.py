@@ -86,3 +86,14 @@ def test_a_transformer_encoder_with_a_padding_mask(cache, nested):
         else:
             got = dtcompile.jit(encoder, cache=cache)(x, src_key_padding_mask=mask)
             torch.testing.assert_close(got, encoder(x, src_key_padding_mask=mask), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_fused_kernels_turned_away_under_the_callers_function_mode(cache):
+    """Under a torch function mode of the caller's (a default device), eager's fused
+    kernels are not taken: nor are they in the program."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True).eval()
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad(), torch.device("cpu"):
+        torch.testing.assert_close(dtcompile.jit(layer, cache=cache)(x), layer(x), rtol=0, atol=0)

@@ -166,3 +166,39 @@ def test_an_optimizer_over_the_calls_parameters_can_be_reached(cache):
         torch.testing.assert_close(jitted(x), model(x), rtol=0, atol=0)
     assert dtcompile.cache_misses(jitted) == 2
     OPTIMIZER.param_groups[0]["lr"] = 0.5
+
+
+def _optimizer_reads(compiled: bool, cache: str, change: str) -> list:
+    w = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.Adam([w], lr=0.5)
+
+    def read(x):
+        state = optimizer.state.get(w, {})
+        groups = optimizer.param_groups
+        return (
+            x * len(optimizer.state)
+            + x * sum(g["lr"] for g in groups)
+            + x * float(len(groups))
+            + (x * state["exp_avg"].sum() if "exp_avg" in state else x)
+        )
+
+    run = dtcompile.jit(read, cache=cache) if compiled else read
+    results = []
+    for step in range(3):
+        results.append(run(torch.ones(2)))
+        w.grad = torch.full((3,), float(step + 1))
+        optimizer.step()  # (its state made at the first step)
+        if change == "group added":
+            optimizer.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))], "lr": 0.25 * (step + 1)})
+        elif change == "group replaced":
+            optimizer.param_groups[0] = dict(optimizer.param_groups[0], lr=optimizer.param_groups[0]["lr"] / 4)
+    return results
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("change", ["steps only", "group added", "group replaced"])
+def test_an_optimizers_state_and_groups_read_inside(cache, change):
+    """Its per-parameter state (made at the first step; the call's tensor's own), its
+    groups added or replaced: read as eager reads them, a parameter of the call among them."""
+    for got, want in zip(_optimizer_reads(True, cache, change), _optimizer_reads(False, cache, change)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -36,7 +36,7 @@ from .input_nodes import (
     SequenceInput,
     TensorInput,
 )
-from .objects import StateObjects, is_state_object, new_stand_in, same_spec
+from .objects import StateObjects, is_state_object, new_stand_in, optimizer_table, same_spec
 from .recorder import Recording
 from .tensor_attributes import carry_attributes
 
@@ -138,6 +138,8 @@ class InputProxifier:
         ``is`` finds. Refused."""
         self.objects.refuse_other_paths(reads)
         for read in reads:
+            if optimizer_table(read.holder, read.key):  # (as code outside the optimizer does not look them up)
+                continue
             held = _tensor_held(read.value, self._tensors) if read.contents else None
             if held is not None and read.key == "_flat_weights":  # (``nn.RNNBase``'s)
                 raise TracingError(

@@ -48,22 +48,22 @@ TORCH_USER_STATE = (
 MODULES_MADE: weakref.WeakSet = weakref.WeakSet()
 
 
-def guarded_items(value: object) -> tuple[list, list]:
-    """What the guards read of an attribute holder, as ``(dict, key, item)``: what to guard
-    and follow (its attributes), and what to guard by identity only. Of an optimizer: its
-    groups' list and its per-parameter state by identity (``load_state_dict`` puts new
-    ones), the groups' hyperparameters key by key, not their parameters (tensors of the
-    call, often). Not a GradScaler's per-optimizer stages, which only its step methods read
-    (a compiled call does not run them; a change inside is refused) and ``update()``
-    replaces at each step: guarded, every step would compile anew."""
+def guarded_items(value: object) -> list[tuple[dict, str, object]]:
+    """``(dict, key, item)`` of what the guards read of an attribute holder: its attributes,
+    but a GradScaler's per-optimizer stages, which only its step methods read (a compiled
+    call does not run them; a change inside is refused) and ``update()`` replaces at each
+    step: guarded, every step would compile anew."""
     items = [(vars(value), name, item) for name, item in vars(value).items()]
-    if isinstance(value, torch.optim.Optimizer):
-        items = [i for i in items if i[1] not in ("state", "param_groups")]
-        items += [(group, key, item) for group in value.param_groups for key, item in group.items() if key != "params"]
-        return items, [(vars(value), name, vars(value)[name]) for name in ("param_groups", "state")]
     if isinstance(value, torch.amp.GradScaler):
         items = [i for i in items if i[1] != "_per_optimizer_states"]
-    return items, []
+    return items
+
+
+def optimizer_table(holder: object, key: object) -> bool:
+    """Whether ``holder[key]`` is an optimizer's own table of its parameters (its groups, its
+    per-parameter state): they hold tensors of the call (a model's parameters), which a
+    compiled call that can reach the optimizer need not look up."""
+    return key in ("param_groups", "state") and isinstance(holder, dict) and "_optimizer_step_pre_hooks" in holder
 
 
 def is_state_object(value: object) -> bool:

@@ -261,13 +261,12 @@ class PythonState(AfterTracing):
             self._class(type(value))
             self._read(value, None, type(value), f"the class of {where}", attribute="__class__")  # (assignable)
             if isinstance(attribute_or_none(value, "__dict__"), dict):
-                items, identities = guarded_items(value)
-                identities.append((value, None, vars(value)))  # (by identity: ``cfg.__dict__ = d`` is seen)
-                self.reads += [
-                    Read(h, n, i, f"{where}.{n or '__dict__'}", attribute="__dict__") for h, n, i in identities
-                ]
+                # Read from this dict: one put in its place (``cfg.__dict__ = d``) is seen by identity.
+                self.reads.append(
+                    Read(value, None, vars(value), f"the attribute dict of {where}", attribute="__dict__")
+                )
                 self._namespace(vars(value))
-                for holder, name, item in items:
+                for holder, name, item in guarded_items(value):
                     self._read(holder, name, item, f"{where}.{name}")
                     self.follow(item, f"{where}.{name}")
             for name in slot_names(type(value)):  # read as attributes; one not set, as absent

@@ -226,7 +226,7 @@ def _capture(
     backward = None
     replay_notes, stretches = [], None
     _tracing.append(recording)
-    # Libraries see a compiler tracing them, as under torch.compile (core/torch_internals.py).
+    # Libraries see a compiler tracing them, as under torch.compile (core/compiling.py).
     with (
         compiling(),
         sizes_as_values_in_user_text(),

@@ -50,9 +50,10 @@ class _FastPathsAsEager(_TorchNotCompiling):
     """``torch`` as ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` see it:
     their fused inference kernels (eval, no gradients) are taken as in eager, where the
     stand-ins of tracing (which have torch functions) would turn them away: other
-    roundings."""
+    roundings. Eager's are turned away under a torch function mode of the caller's
+    (``with torch.device(...)``): so are these, where the call began under one."""
 
-    overrides = types.SimpleNamespace(has_torch_function=lambda args: False)
+    overrides = types.SimpleNamespace(has_torch_function=lambda args: _CALLERS_MODES[0])
 
 
 class _TransformerFastPathRefused(_FastPathsAsEager):
@@ -84,6 +85,7 @@ _EAGER_MODULES = {
 }
 
 
+_CALLERS_MODES = [False]  # whether the call began under a torch function mode of the caller's
 _found: list = [0, []]  # (how many modules were loaded, the namespaces then found)
 
 
@@ -115,6 +117,7 @@ def compiling():
     import torch.compiler
     import torch.distributed.nn.functional  # noqa: F401
 
+    _CALLERS_MODES[0] = torch._C._is_torch_function_mode_enabled()  # (before tracing enters its own)
     saved = torch.compiler._is_compiling_flag
     hashes = {cls: cls.__hash__ for cls in (torch.SymFloat, torch.SymBool)}
     torch.compiler._is_compiling_flag = True

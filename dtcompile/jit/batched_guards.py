@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..capture import CallInputs, ConstantInput, DTensorInput, LocalTensorMeta, ObjectInput, TensorInput
-from ..capture.objects import attribute_or_none
+from ..capture.objects import attribute_or_none, optimizer_table
 from ..capture.tensor_attributes import attributes_match, contents_keys
 from ..core import dict_watch
 from ..core.symbolic import is_symbolic
@@ -294,7 +294,7 @@ def reached_otherwise(reads: list) -> list:
         value = read.value
         if isinstance(attribute_or_none(value, "__dict__"), dict) and not isinstance(value, _NOT_OBJECTS):
             found[id(value)] = value
-        if read.contents:
+        if read.contents and not optimizer_table(read.holder, read.key):  # (see ``refuse_other_paths``)
             for tensor in _tensors_in(value, 3):
                 found[id(tensor)] = tensor
     return list(found.values())
