@@ -6,7 +6,7 @@ tensors it reads (its parameters, its arguments), its outputs the tensors it ret
 block's tensors: ``t57, = block_0(t20, t21, t22)``. The passes and the lowering run on
 the block's program once (``jit/compiled.py``); to the passes of the trace that calls it,
 a call is one op whose outputs are fresh tensors. It is pure where the program writes
-none of its inputs (``capture/block_calls.py`` makes calls only of such blocks); a
+none of its inputs and runs no collective (``capture/block_calls.py`` makes calls only of such blocks); a
 program that writes some (a layer updating its KV cache in place, ``capture/outlining.py``)
 names them (``BlockProgram.writes``), and its calls are in-place ops on those arguments
 (``transforms/effects.py``). A program may call other block programs.
@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from .op_classes import is_communication
 from .printing import output_target, python_literal
 from .symbol import BoundSymbol, Symbol
 from .trace import Trace
@@ -94,10 +95,20 @@ class BlockCall(Symbol):
 
 
 def block_call(block: BlockProgram) -> BlockCall:
+    """The symbol that calls ``block``: pure unless it writes an argument or communicates (a
+    collective every rank runs, whether or not this rank's code uses the block's outputs)."""
     globals_ = ((block.name, _Run(block), None),)
+    pure = not block.writes and not _communicates(block.trace)
     return BlockCall(
-        name=block.name, block=block, globals=globals_, steals=block.steals, writes=block.writes, pure=not block.writes
+        name=block.name, block=block, globals=globals_, steals=block.steals, writes=block.writes, pure=pure
     )
+
+
+def _communicates(trace: Trace) -> bool:
+    for bsym in trace.bound_symbols:
+        if is_communication(bsym.op) or (isinstance(bsym.symbol, BlockCall) and not bsym.symbol.pure):
+            return True
+    return False
 
 
 def with_block_symbols(symbols, lowered: bool = False) -> Iterator[BoundSymbol]:

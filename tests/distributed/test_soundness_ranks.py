@@ -807,3 +807,42 @@ def returned_or_rewrapped(cache):
 def test_a_dtensor_argument_returned_or_wrapped_anew_in_training(ranks2, cache):
     for same, seen in ranks2.run(returned_or_rewrapped, cache):
         assert same, seen
+
+
+class _TwoBlocks(torch.nn.Module):
+    """Two blocks of one class (one block program, called twice), whose outputs the ranks
+    use differently: each rank still runs both blocks' all-reduces, as in eager."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.Linear(16, 8, bias=False))
+        self.b = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.Linear(16, 8, bias=False))
+
+    def forward(self, x):
+        y, o = self.b(x), self.a(x)
+        return y if dist.get_rank() == 0 else o
+
+
+def results_one_rank_uses(cache):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    plan = {f"{n}.{i}": ColwiseParallel() if i == 0 else RowwiseParallel() for n in "ab" for i in (0, 1)}
+    model = parallelize_module(_TwoBlocks(), _mesh(), plan)
+    compiled = copy.deepcopy(model)
+    jitted = dtcompile.jit(compiled, cache=cache)
+    for call in range(3):
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(call))
+        with torch.no_grad():
+            assert_same(jitted(x), model(x))
+        loss = jitted(x).sum()
+        loss.backward()
+        model(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), compiled.parameters()):
+        assert_same(q.grad, p.grad, name)
+    return True
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_blocks_whose_results_one_rank_uses_run_their_collectives_everywhere(ranks2, cache):
+    assert all(ranks2.run(results_one_rank_uses, cache))
