@@ -755,3 +755,24 @@ def futures_of_collectives():
 
 def test_a_collectives_future_held_past_the_call_is_refused(ranks2):
     assert all(ranks2.run(futures_of_collectives))
+
+
+def _summed_on_rank_0(x):
+    a = funcol.all_reduce(x * 2, "sum", dist.group.WORLD)
+    b = funcol.all_reduce(x * 3, "sum", dist.group.WORLD)
+    return a + b if dist.get_rank() == 0 else a * 1
+
+
+def sums_of_all_reduces_on_one_rank():
+    """Rank 0 sums two all-reduces, which its program reduces once (``combine_all_reduces``);
+    rank 1 keeps both. Their forwards differ, also where forward and backward together run
+    as many collectives on each rank: a clear error on every rank, not a hang."""
+    for grad in (False, True):
+        x = torch.ones(3, requires_grad=grad)
+        with pytest.raises(dtcompile.RankMismatchError, match="different collectives"):
+            dtcompile.jit(_summed_on_rank_0)(x)
+    return True
+
+
+def test_all_reduces_summed_on_one_rank_are_a_clear_error(ranks2):
+    assert all(ranks2.run(sums_of_all_reduces_on_one_rank))

@@ -90,7 +90,13 @@ class RankAgreement:
             return (), ""
         key, store = self._take_key(), default_store()
         self.exchanged = True
-        collectives = [c for trace in traces for c in collective_lines(trace, labels)]
+        # Each program's collectives apart (a training call's forward, then its backward):
+        # ranks whose forwards differ must not agree because their totals do.
+        collectives = [
+            c._replace(line=f"{i}: {c.line}", sized=f"{i}: {c.sized}")
+            for i, trace in enumerate(traces)
+            for c in collective_lines(trace, labels)
+        ]
         inputs = [_INPUTS + " " + line for line in self.signature]
         common = [*inputs, *(_PROGRAM + " " + c.line for c in collectives)]
         sized: dict[tuple[int, ...], list[str]] = defaultdict(list)  # group -> its collectives with shapes
