@@ -83,9 +83,11 @@ def test_a_transformer_encoder_with_a_padding_mask(cache, nested):
         if nested:  # eager's padded positions are zeros, which the traced dense path would not give
             with pytest.raises(dtcompile.TracingError, match="nested-tensor fast path"):
                 dtcompile.jit(encoder, cache=cache)(x, src_key_padding_mask=mask)
-        else:
+        else:  # (bit for bit where torch can trace the fused layer: torch 2.10 has no meta kernel for it)
             got = dtcompile.jit(encoder, cache=cache)(x, src_key_padding_mask=mask)
-            torch.testing.assert_close(got, encoder(x, src_key_padding_mask=mask), rtol=0, atol=0)
+            exact = torch._C._dispatch_has_kernel_for_dispatch_key("aten::_transformer_encoder_layer_fwd", "Meta")
+            tolerance = {"rtol": 0, "atol": 0} if exact else {}
+            torch.testing.assert_close(got, encoder(x, src_key_padding_mask=mask), **tolerance)
 
 
 @pytest.mark.parametrize("cache", CACHES)

@@ -51,9 +51,18 @@ class _FastPathsAsEager(_TorchNotCompiling):
     their fused inference kernels (eval, no gradients) are taken as in eager, where the
     stand-ins of tracing (which have torch functions) would turn them away: other
     roundings. Eager's are turned away under a torch function mode of the caller's
-    (``with torch.device(...)``): so are these, where the call began under one."""
+    (``with torch.device(...)``): so are these, where the call began under one; and so is
+    a fused kernel this torch cannot trace (no meta kernel: ``_transformer_encoder_layer_fwd``
+    in torch 2.10), but for the encoder's nested-tensor path, refused below."""
 
-    overrides = types.SimpleNamespace(has_torch_function=lambda args: _CALLERS_MODES[0])
+    def __init__(self, fused: str):
+        traceable = torch._C._dispatch_has_kernel_for_dispatch_key(fused, "Meta")
+        encoder = torch.nn.TransformerEncoder.forward.__code__
+
+        def has_torch_function(args) -> bool:
+            return _CALLERS_MODES[0] or not (traceable or sys._getframe(1).f_code is encoder)
+
+        self.overrides = types.SimpleNamespace(has_torch_function=has_torch_function)
 
 
 class _TransformerFastPathRefused(_FastPathsAsEager):
@@ -80,8 +89,8 @@ class _TransformerFastPathRefused(_FastPathsAsEager):
 _EAGER_MODULES = {
     "torch.distributed.nn.functional": _TorchNotCompiling(),
     "torch.optim.": _TorchNotCompiling(),
-    "torch.nn.modules.activation": _FastPathsAsEager(),
-    "torch.nn.modules.transformer": _TransformerFastPathRefused(),
+    "torch.nn.modules.activation": _FastPathsAsEager("aten::_native_multi_head_attention"),
+    "torch.nn.modules.transformer": _TransformerFastPathRefused("aten::_transformer_encoder_layer_fwd"),
 }
 
 
