@@ -271,6 +271,24 @@ def test_view_chains_of_transposed_tensors_stay():
     assert_same_tensor(dtcompile.jit(fn)(x), fn(x))
 
 
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize(
+    "chain",
+    [
+        lambda x: x[None, :, None],
+        lambda x: (x + 1).unsqueeze(0).unsqueeze(2),
+        lambda x: x.view(0, 2, 2).unsqueeze(0),
+        lambda x: x.reshape(-1, 2, 2)[None],
+    ],
+)
+def test_view_chains_of_an_empty_tensor_keep_eagers_strides(chain, cache):
+    # torch steps over a size 0 as over a size 1 where it lays a tensor out (``view``), but
+    # not where a view keeps its base's strides: one view was not the chain.
+    x = torch.randn(0, 4)
+    got, expected = dtcompile.jit(chain, cache=cache)(x), chain(x)
+    assert_same_tensor(got, expected)
+
+
 def test_copies_that_change_nothing_are_removed():
     def fn(x, i):
         scaled = x * 1.0 / 1.0 - 0.0  # three copies of x

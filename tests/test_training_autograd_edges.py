@@ -246,3 +246,150 @@ def test_an_input_used_by_an_op_saving_nothing_of_it_then_written_is_eagers(cach
             fn(x, w).backward()
         results.append((x.grad, w.grad))
     assert torch.allclose(results[1][0], results[0][0]) and torch.allclose(results[1][1], results[0][1])
+
+
+class _AuxLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.a(x))
+        return self.b(h) + x, h.pow(2).mean()
+
+
+class _AuxLayers(torch.nn.Module):
+    """Repeated layers (from the third on, replayed as one autograd node each), each
+    returning an auxiliary loss besides its output."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_AuxLayer() for _ in range(n))
+
+    def forward(self, x):
+        auxs = []
+        for layer in self.layers:
+            x, aux = layer(x)
+            auxs.append(aux)
+        return x, auxs
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("used", [(2,), (1, 3), (5,), (0, 4)])
+def test_a_replayed_layers_parameter_only_unused_outputs_reach_gets_no_gradient(used, cache):
+    # A layer's ``b`` reaches only its first output, which the loss does not use: eager
+    # leaves its gradient None, and AdamW's weight decay then leaves it alone.
+    torch.manual_seed(1)
+    eager = _AuxLayers(6)
+    compiled = copy.deepcopy(eager)
+    x = torch.randn(3, 4)
+    for model, call in ((eager, eager), (compiled, dtcompile.jit(compiled, cache=cache))):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+        _, auxs = call(x)
+        sum(auxs[i] for i in used).backward()
+        optimizer.step()
+    for (name, e), c in zip(eager.named_parameters(), compiled.parameters()):
+        assert (e.grad is None) == (c.grad is None), name
+        assert torch.equal(e, c), name
+    unused = torch.autograd.grad  # with respect to an unused parameter: None, or eager's error
+    _, auxs = dtcompile.jit(compiled, cache=cache)(x)
+    assert unused(auxs[used[-1]], [compiled.layers[used[-1]].b.weight], allow_unused=True) == (None,)
+    _, auxs = dtcompile.jit(compiled, cache=cache)(x)
+    with pytest.raises(RuntimeError, match="appears to not have been used in the graph"):
+        unused(auxs[used[-1]], [compiled.layers[used[-1]].b.weight])
+
+
+def _hooked_steps(compiled: bool, cache: str, how: str) -> tuple:
+    """Two training calls of a function closing over parameters with hooks registered before
+    compiling: the gradients, and what the hooks logged."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(3, 3)
+    w = torch.nn.Parameter(torch.ones(3))
+    log = []
+    if how == "changes the gradient":
+        w.register_hook(lambda g: g * 2)
+        linear.weight.register_hook(lambda g: g.clamp(-0.5, 0.5))
+    elif how == "logs":
+        w.register_hook(lambda g: log.append(g.norm()))
+    else:  # a multi-grad hook (torch's, over several tensors)
+        torch.autograd.graph.register_multi_grad_hook((w, linear.weight), lambda grads: log.append(len(grads)))
+
+    def loss(x):
+        return (linear(x * w) ** 2).sum()
+
+    step = dtcompile.jit(loss, cache=cache) if compiled else loss
+    for i in range(2):
+        step(torch.ones(2, 3) * (i + 1)).backward()
+    return w.grad, linear.weight.grad, log
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("how", ["changes the gradient", "logs", "multi-grad"])
+def test_hooks_on_closed_over_parameters_run_as_eagers(how, cache):
+    # They ran while the backward was traced too: a gradient changed twice, a log once more
+    # (holding a traced value).
+    eager, compiled = _hooked_steps(False, cache, how), _hooked_steps(True, cache, how)
+    torch.testing.assert_close(compiled[:2], eager[:2])
+    assert len(compiled[2]) == len(eager[2]) and all(type(x) is type(y) for x, y in zip(compiled[2], eager[2]))
+    torch.testing.assert_close(compiled[2], eager[2])
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_post_accumulate_hook_registered_on_a_closed_over_parameter_is_refused(cache):
+    # Eager registers one more at each call; the compiled call registered it once, while tracing.
+    w = torch.nn.Parameter(torch.ones(3))
+
+    def loss(x):
+        w.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(3))
+        return (x * w).sum()
+
+    with pytest.raises(dtcompile.TracingError, match="register_post_accumulate_grad_hook on a tensor the call closes"):
+        dtcompile.jit(loss, cache=cache)(torch.ones(3))
+
+
+_VIEW_WRITES = {
+    "x[0].mul_(2)": lambda x: x[0].mul_(2),
+    "x.t().add_(1)": lambda x: x.t().add_(1),
+    "x.view(-1)[:2].zero_()": lambda x: x.view(-1)[:2].zero_(),
+    "x[:, :1] = 0": lambda x: x.__setitem__((slice(None), slice(None, 1)), 0),
+}
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("write", sorted(_VIEW_WRITES))
+def test_a_write_through_a_view_of_a_non_leaf_argument_is_a_clear_error(write, cache):
+    # Eager runs it (the argument is no leaf); the trace's stand-in is one, so torch's error
+    # spoke of a leaf the caller does not have.
+    def fn(x, w):
+        _VIEW_WRITES[write](x)
+        return (x * w).sum()
+
+    a = torch.randn(2, 2, requires_grad=True)
+    with pytest.raises(
+        dtcompile.TracingError, match="changes args\\[0\\] in place, a tensor that requires grad and is"
+    ):
+        dtcompile.jit(fn, cache=cache)(a * 1, torch.randn(2, 2))
+
+
+class _RetainingMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        h = self.a(x)
+        h.retain_grad()  # the input of the repeated linears, whose backward is replayed
+        return self.c(self.b(h)) + h
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_retain_grad_on_the_input_of_a_repeated_block(cache):
+    # The retained gradient's hook ran in the block's backward template (a raw TraceError).
+    torch.manual_seed(0)
+    eager = _RetainingMLP()
+    compiled = copy.deepcopy(eager)
+    x = torch.randn(3, 4)
+    eager(x).sum().backward()
+    dtcompile.jit(compiled, cache=cache)(x).sum().backward()
+    for (name, e), c in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(c.grad, e.grad, msg=name)

@@ -27,6 +27,7 @@ from ..core.symbol import leaves as leaves_of
 from ..core.torch_internals import dtensor_implicit_replication
 from . import closed_over
 from .eager_errors import dtype_checked, eager_error, eager_failure
+from .graph_reach import tag_backward_nodes
 from .method_checks import (
     AUTOGRAD_ATTRIBUTES,
     CALLER_ATTRIBUTES,
@@ -35,6 +36,7 @@ from .method_checks import (
     autograd_attribute,
     caller_read_refusal,
     check_method,
+    local_proxy,
     real_tensor,
     received,
     received_base,
@@ -86,22 +88,6 @@ def _real_metadata_read(func, value) -> bool:
     if getattr(func, "__name__", "") == "__get__":
         return getattr(getattr(func, "__self__", None), "__name__", "") in _REAL_METADATA_GETTERS
     return func in _REAL_METADATA_METHODS
-
-
-def tag_backward_nodes(inputs: list, outputs: list, note: Note) -> None:
-    """Put ``note`` on the autograd nodes a torch-level call made (those between its
-    outputs' grad_fns and its inputs'), so the backward's symbols can say which forward
-    call they differentiate."""
-    stop = {id(t.grad_fn) for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
-    pending = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen: set[int] = set()
-    while pending:
-        node = pending.pop()
-        if node is None or id(node) in seen or id(node) in stop or not hasattr(node, "metadata"):
-            continue
-        seen.add(id(node))
-        node.metadata.setdefault("dtcompile_note", note)
-        pending.extend(next_node for next_node, _ in node.next_functions)
 
 
 def _is_traced(value) -> bool:
@@ -206,12 +192,15 @@ class CallAnnotator(TorchFunctionMode):
             self.recording.snapshot.add_callable(hook, f"the tensor hook {getattr(hook, '__qualname__', hook)}")
 
     def _non_leaf_argument(self, leaves: list) -> str | None:
-        """Where the first argument among ``leaves`` is, that the call received as a
-        tensor requiring grad that is not a leaf; None if none."""
-        for x in leaves:
-            real = self.recording.real_of.get(getattr(x, "label", None))
-            if real is not None and real.requires_grad and not real.is_leaf:
-                return str(x.provenance)
+        """Where the first argument among ``leaves`` (or the one it is a view of) is, that the
+        call received as a tensor requiring grad that is not a leaf; None if none."""
+        recording = self.recording
+        for proxy in (p for p in map(local_proxy, leaves) if p is not None):
+            for p in [proxy] if proxy.label in recording.real_of else recording.input_proxies:
+                real = recording.real_of.get(p.label)
+                shared = p is proxy or (p._fake is not None and p.memory == proxy.memory)
+                if real is not None and real.requires_grad and not real.is_leaf and shared:
+                    return str(p.provenance)
         return None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -278,6 +267,10 @@ class CallAnnotator(TorchFunctionMode):
                     "gradient as an argument"
                 )
             return func(*args, **kwargs)
+        if func in closed_over.DATA_READS and args and _user_frame():  # (a closed-over tensor's: as an argument's)
+            args = (closed_over.read_through_proxy(self.recording, args[0]), *args[1:])
+            if func is torch.Tensor.tolist and isinstance(args[0], TensorProxy):
+                return args[0].tolist()
         leaves = leaves_of((args, kwargs))
         if func in _DATA_READS and any(_is_traced(x) for x in leaves):
             raise data_read_refusal(_short_name(func), func, args, kwargs)
@@ -323,12 +316,11 @@ class CallAnnotator(TorchFunctionMode):
                 _short_name(func), f"Python control flow on {error.cond}, a number read from tensor data"
             ) from error
         except ValueError as error:
-            if str(error).startswith("Cannot view a tensor with shape"):  # torch's meta kernel; eager's is this
-                raise RuntimeError(
-                    f"view size is not compatible with input tensor's size and stride ({error}). Use .reshape(...) "
-                    "instead."
-                ) from error
-            raise
+            if not str(error).startswith("Cannot view a tensor with shape"):
+                raise
+            raise RuntimeError(  # (torch's meta kernel raised a ValueError; eager's kernel this)
+                f"view size is not compatible with input tensor's size and stride ({error}). Use .reshape(...) instead."
+            ) from error
         except RuntimeError as error:
             refused = refusal(_short_name(func), error, received(args[0]) if args else None)
             if refused is not None:
@@ -386,9 +378,8 @@ PASSING_FRAMES.add(CallAnnotator._dispatch.__code__)
 
 
 def _history_read(func) -> str | None:
-    """``_is_view()``, ``._base``, ``._version`` or ``.grad_fn``, where ``func`` reads one of a
-    tensor: a tensor made again (``tensor_versions``) has autograd's history of none (a
-    ``detach()`` of it shares no version counter, its node is the replay's)."""
+    """``_is_view()``, ``._base``, ``._version`` or ``.grad_fn``, where ``func`` reads one of a tensor: a tensor
+    made again (``tensor_versions``) has autograd's history of none (a ``detach()`` of it shares no version counter)."""
     name = getattr(func, "__name__", "")
     if name == "__get__":
         name = getattr(getattr(func, "__self__", None), "__name__", "")

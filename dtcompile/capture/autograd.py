@@ -21,6 +21,7 @@ from ..core.op_classes import draws_random_numbers
 from ..core.proxy import contiguous_strides
 from ..core.torch_internals import DTensorSpec, TensorMeta, make_dtensor, saved_tensors_hooks
 from .global_state import autocast_off
+from .graph_reach import reaching
 from .recorder import Recording
 
 
@@ -106,7 +107,7 @@ def capture_backward(
             specs.append(spec)
     wrt = [traced for _, traced in differentiable]
     with torch._C.DisableTorchFunction():  # autograd's graph, not the tracing annotator's to see
-        sources = _reaching(outputs, wrt)
+        sources = reaching(outputs, wrt)
     modes, needed = recording.dtensor_modes, None
     # Outside autocast, as torch asks of a backward: run under it, its ops are cast as eager's are.
     with _rng_state_reads() as state_reads, autocast_off():
@@ -265,10 +266,29 @@ _MIXED = "got mixed torch.Tensor and DTensor"  # DTensor's error for a plain ten
 _SYMBOLIC_NUMEL = "Cannot call numel() on tensor with symbolic sizes/strides"
 
 
+@contextlib.contextmanager
+def _hooks_aside(wrt: list):
+    """The hooks of the real tensors among ``wrt`` (a parameter the call closes over, of a
+    model a loss function calls) put aside while the backward is traced: they run at each
+    call, when the compiled backward hands the tensor its gradient, as eager's run. Run while
+    tracing too, a hook that changes the gradient changed it twice, and one that logs logged
+    once more, a traced value."""
+    real = [t for t in wrt if not isinstance(t, (TensorProxy, DTensor)) and t._backward_hooks]
+    tables = [(t._backward_hooks, dict(t._backward_hooks)) for t in real]
+    for table, _ in tables:
+        table.clear()
+    try:
+        yield
+    finally:
+        for table, hooks in tables:
+            table.update(hooks)
+
+
 def _grad(outputs: list, wrt: list, cotangents: list, retain: bool = False) -> tuple:
     """The gradients, DTensor's backward recorded; a graph the traced code freed is refused."""
     try:
-        return torch.autograd.grad(outputs, wrt, cotangents, allow_unused=True, retain_graph=retain)
+        with _hooks_aside(wrt):
+            return torch.autograd.grad(outputs, wrt, cotangents, allow_unused=True, retain_graph=retain)
     except NotImplementedError as error:
         raise _backward_failed(error) from error
     except RuntimeError as error:
@@ -335,51 +355,3 @@ def _rng_state_reads():
     finally:
         for owner, original in zip(owners, originals):
             owner.get_rng_state = original
-
-
-def _reaching(outputs: list, wrt: list) -> list[int]:
-    """For each of ``wrt``, the outputs (bit i: ``outputs[i]``) from which autograd's graph
-    reaches it: where none of them gets a cotangent, eager's autograd leaves its gradient
-    None (a parameter that only feeds an output the loss does not use)."""
-    leaf_index = {id(t): i for i, t in enumerate(wrt) if t.grad_fn is None}
-    node_index: dict[int, int] = {}
-    for i, t in enumerate(wrt):
-        if t.grad_fn is not None:
-            node_index[id(t.grad_fn)] = node_index.get(id(t.grad_fn), 0) | 1 << i
-    reach: dict[int, int] = {}  # id(node) -> bit mask over wrt
-    alive: list = []  # the nodes walked, kept so that their ids stay unique
-    masks = [0] * len(wrt)
-    for k, out in enumerate(outputs):
-        hit = 1 << leaf_index[id(out)] if id(out) in leaf_index else 0
-        if out.grad_fn is not None:
-            hit |= _reach_of(out.grad_fn, reach, alive, leaf_index, node_index)
-        for i in range(len(wrt)):
-            if hit >> i & 1:
-                masks[i] |= 1 << k
-    return masks
-
-
-def _reach_of(root, reach: dict, alive: list, leaf_index: dict, node_index: dict) -> int:
-    """The mask of ``wrt`` reached from the autograd node ``root`` (an iterative
-    post-order walk: graphs are deep)."""
-    stack = [(root, False)]
-    while stack:
-        node, expanded = stack.pop()
-        key = id(node)
-        if key in reach and not expanded:
-            continue
-        nexts = [n for n, _ in node.next_functions if n is not None]
-        if not expanded:
-            alive.append(node)
-            reach[key] = 0  # in progress (the graph is acyclic)
-            stack.append((node, True))
-            stack.extend((n, False) for n in nexts if id(n) not in reach)
-            continue
-        mask = node_index.get(key, 0)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad: the leaf it accumulates into
-        if variable is not None and id(variable) in leaf_index:
-            mask |= 1 << leaf_index[id(variable)]
-        for n in nexts:
-            mask |= reach.get(id(n), 0)
-        reach[key] = mask
-    return reach[id(root)]

@@ -31,6 +31,7 @@ class BlockTemplate:
         self.grad_output_values: list = []
         self.grad_input_sources: list = []
         self.grad_input_values: list = []
+        self.inputs_reached: list[int] | None = None  # (``GradReplay.reached_by``, found once)
         self.backwards: dict = {}
         self.saved_sources: list = []  # where each block has the inputs its backward reads
         self.saved_outputs: list[int] = []  # the output leaves its backward reads

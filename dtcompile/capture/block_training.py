@@ -30,6 +30,7 @@ from ..core.proxy import contiguous_strides
 from ..core.torch_internals import DTensorSpec, TensorMeta, fake_like, make_dtensor
 from .block_calls import backward_program, call_again
 from .equivalence import local_proxy, traced_key
+from .graph_reach import REACHED_BY, reaching
 from .replay import ReplayDiverged, aliases_of, record_again
 
 
@@ -92,8 +93,8 @@ def backward_template(recording, outputs: list, inputs: list, like: list | None)
         locals_.append(local)
         arriving.append(cotangent)
     chosen = [o for o, c in zip(outputs, locals_) if c is not None]
-    if any(getattr(x, "_backward_hooks", None) for x in inputs):  # (``register_hook`` on one, before the block)
-        raise BlockReplayFailed("a hook on an input would run in the backward recorded, each later block's own")
+    if any(getattr(x, "_backward_hooks", None) or x.retains_grad for x in inputs):  # (before the block)
+        raise BlockReplayFailed("a hook on an input (retain_grad()'s too) would run in the backward recorded")
     start = len(recording.bound_symbols)
     counts = (len(recording.captured), len(recording.read_by), recording.c10d_calls)
     valued = [(p, p.value) for p in recording.valued]
@@ -143,6 +144,15 @@ class GradReplay:
             result[index] = out
         self.saved += [(result[i], result[i]._version) for i in self.template.saved_outputs]
         return result
+
+    def reached_by(self) -> tuple[int, list[int]]:
+        """Its outputs' count, and for each input the outputs (bit k: the k-th) whose gradients
+        reach it in the first block's graph, which this call's backward replays."""
+        template = self.template
+        if template.inputs_reached is None:
+            with torch._C.DisableTorchFunction():
+                template.inputs_reached = reaching(template.grad_output_values, template.grad_input_values)
+        return len(template.grad_outputs), template.inputs_reached
 
     def backward(self, grads: tuple) -> list:
         template, recording = self.template, self.recording
@@ -201,6 +211,7 @@ class _ReplayedBlock(torch.autograd.Function):
     def forward(ctx, replay: GradReplay, run, *inputs):
         ctx.set_materialize_grads(False)
         ctx.replay = replay
+        setattr(ctx, REACHED_BY, replay.reached_by)  # (one node for the first block's whole graph)
         with torch.enable_grad():  # as the first block was recorded
             return run()
 

@@ -79,6 +79,23 @@ def stand_in(recording, value, writes: bool = False):
         return recording.capture(value)  # a proxy that requires grad: a leaf
 
 
+# Tensor methods that read a tensor's data out of torch. A plain tensor the code closes over
+# (a global refilled between calls) is read through its captured proxy, as an argument is: a
+# number read at each call (``tolist``), or refused (``numpy``). Run on it under tracing's
+# dispatch mode, they read the memory of a proxy its ``detach()`` made.
+DATA_READS = frozenset({torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.__dlpack__})
+
+
+def read_through_proxy(recording, value):
+    """What a data read (``DATA_READS``) by the traced code reads for ``value``."""
+    if isinstance(value, DTensor) or not isinstance(value, torch.Tensor) or is_fake(value):
+        return stand_in(recording, value)
+    if isinstance(value, TensorProxy) or value.device.type == "meta":
+        return value
+    with torch._C.DisableTorchFunction():
+        return recording.capture(value)
+
+
 @contextlib.contextmanager
 def stand_ins_at_entry_points(recording):
     """``stand_in`` for each argument of an autograd Function applied by the tracing

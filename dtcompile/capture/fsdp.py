@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..core import TracingError
 from ..core.fsdp_internals import fsdp_cast_inputs, fsdp_cast_output, fsdp_param_groups, fsdp_unsharded_spec
+from .graph_reach import reached_through
 from .python_reads import ABSENT, Read
 
 
@@ -312,6 +313,8 @@ class FSDPTracing:
                 params = [managed.params[i] for i in bucket]
                 values = [sharded[i] for i in bucket]
                 fulls = unshard_group(values, params) if len(bucket) > 1 else [unshard(values[0], params[0])]
+                for value, full in zip(values, fulls) if len(bucket) > 1 else ():  # (its gradient None where eager's)
+                    reached_through(value, full)
                 for param, full in zip(params, fulls):
                     for table_owner, table_name in param.owners:
                         table_owner._parameters[table_name] = full

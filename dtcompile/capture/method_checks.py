@@ -52,19 +52,20 @@ _DROPOUTS = {
 # Recurrent ops: with gradients, eager's composite takes another kernel than the one tracing
 # (below autograd, on stand-ins) records, whose backward needs a workspace the trace lacks.
 _RECURRENT = {torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu}
+_PERSISTING = {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.retain_grad}
 CHECKED = (
     set(_DROPOUTS)
     | _BACKWARDS
     | _STORAGE_READS
     | _CALLER_READS
-    | {torch.Tensor.register_hook, torch.Tensor.retain_grad, torch.Tensor.is_inference, torch.Tensor.is_set_to}
+    | _PERSISTING
+    | {torch.Tensor.is_inference, torch.Tensor.is_set_to}
     | {torch.Tensor.share_memory_, torch.Tensor.detach_}
     | _RECURRENT
 )
 # Attributes of a received tensor that are the caller's tensor's, not the traced one's.
 CALLER_ATTRIBUTES = frozenset({"_base", "_version"})
 NOT_ANSWERED = object()
-_PERSISTING = {torch.Tensor.register_hook, torch.Tensor.retain_grad}
 
 
 def real_tensor(value) -> bool:

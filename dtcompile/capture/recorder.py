@@ -27,14 +27,13 @@ from ..core import (
     FromData,
     InputPath,
     NoProvenance,
-    Note,
     NumberProxy,
     TensorProxy,
     TracingError,
     aten_symbol,
 )
 from ..core.printing import NamedConstant, Unprintable, python_literal
-from ..core.symbol import leaves, map_leaves
+from ..core.symbol import backward_note, leaves, map_leaves
 from ..core.symbolic import LARGEST_SYMBOLIC_SIZE, is_symbolic, symbolic_expr
 from ..core.torch_internals import fake_mode_active, make_dtensor, set_data_value
 from .c10d import is_c10d_op, record_c10d
@@ -173,6 +172,7 @@ class Recording:
             proxy = self.input_proxy(real, name, InputPath("captured").index(index))
             proxy.value = real
             self.valued.append(proxy)
+            proxy.value_is_state = True  # (a tensor the code closes over: a global refilled between calls)
             self.captured.append(real)
             self.captured_held.append(real)
             self.captured_proxies.append(proxy)
@@ -299,10 +299,15 @@ class Recording:
             # the caller, of a returned one) must not reach the next call.
             func = _LIFT_FRESH_COPY
         args, kwargs = map_leaves(self._captured, (args, kwargs))
+        if func is _LIFT_FRESH_COPY:
+            args[0].value_is_state = False  # (the literal's values are the code's)
         proxies = [x for x in leaves((args, kwargs)) if isinstance(x, TensorProxy)]
         value = self.trace_time_value(func, args, kwargs, proxies)
+        from_state = any(p.value_is_state for p in proxies)
         if value is not None and not any(isinstance(v, torch.Tensor) for v in tree_flatten(value)[0]):
-            return value  # ``.item()``, ``equal`` of values made from constants: known now
+            if not from_state:
+                return value  # ``.item()``, ``equal`` of values made from constants: known now
+            value = None  # of a closed-over tensor's: read at each call, as an argument's
         if func in _DATA_DEPENDENT_OPS:
             return self._read_number(func, args, kwargs)
 
@@ -327,6 +332,7 @@ class Recording:
                 if isinstance(proxy, TensorProxy):
                     proxy.value = real
                     self.valued.append(proxy)
+                    proxy.value_is_state = from_state
         note = backward_note()  # None in the forward: the CallAnnotator notes those
         self.bound_symbols.append(BoundSymbol(aten_symbol(func), tuple(args), dict(kwargs), output, note, op=func))
         if free_unbacked_symbols(fake_out):
@@ -358,17 +364,6 @@ class Recording:
 
 def _closed_over(real: torch.Tensor) -> str:
     return f"a {type(real).__name__} of shape {tuple(real.shape)} it closes over (a global or a closure's)"
-
-
-def backward_note() -> Note | None:
-    """While a traced backward runs: the note of the autograd node running now."""
-    node = torch._C._current_autograd_node()
-    if node is None:
-        return None
-    forward = node.metadata.get("dtcompile_note") if hasattr(node, "metadata") else None
-    if forward is None:
-        return Note(f"backward: {node.name()}")
-    return Note("backward of " + forward.template, forward.proxies)
 
 
 class OpRecorder(TorchDispatchMode):

@@ -41,11 +41,12 @@ DTYPE_ABBREVIATIONS = {
 
 
 def contiguous_strides(shape) -> tuple:
-    """The row-major strides of ``shape`` (ints, or SymInts under symbolic values)."""
+    """The row-major strides of ``shape`` (ints, or SymInts under symbolic values), as torch
+    lays them out: a size 0 steps as a size 1 (``torch.empty(2, 0, 3)``: ``(3, 3, 1)``)."""
     strides, step = [], 1
     for size in reversed(tuple(shape)):
         strides.append(step)
-        step = step * size
+        step = step if type(size) is int and size == 0 else step * size
     return tuple(reversed(strides))
 
 
@@ -70,6 +71,9 @@ class TensorProxy(torch.Tensor):
     label: str
     provenance: Provenance
     value: torch.Tensor | None  # the real value at trace time, for values made from constants only
+    # whether that value is one of a tensor the code closes over (or made from one): it may
+    # change between calls, so code reading it as a number reads it at each call
+    value_is_state: bool = False
 
     # Torch functions reach the dispatcher untouched; recording happens at dispatch.
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -151,7 +155,7 @@ class TensorProxy(torch.Tensor):
         """The value as (nested) lists: known now for a proxy made from constants only (the
         recorder knows its value while tracing; DTensor's own index arithmetic reads such
         values), else numbers the program reads at run time (:func:`read_elements`)."""
-        if self.value is None:
+        if self.value is None or self.value_is_state:
             return read_elements(self)
         return self.value.tolist()
 

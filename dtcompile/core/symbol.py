@@ -38,6 +38,17 @@ class Note:
         return Note(self.template, tuple(mapping.get(p.label, p) for p in self.proxies))
 
 
+def backward_note() -> Note | None:
+    """While a traced backward runs: the note of the autograd node running now."""
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return None
+    forward = node.metadata.get("dtcompile_note") if hasattr(node, "metadata") else None
+    if forward is None:
+        return Note(f"backward: {node.name()}")
+    return Note("backward of " + forward.template, forward.proxies)
+
+
 @dataclass(frozen=True)
 class Symbol:
     """A callable a trace can refer to.

@@ -264,3 +264,49 @@ def test_fsdp_options_set_after_compiling_are_seen(ranks2):
 def test_unsupported_fsdp_options_are_refused(ranks2):
     for messages in ranks2.run(refusals):
         assert "not supported" in messages[0]
+
+
+class _TwoHeads(torch.nn.Module):
+    """Two linears in one FSDP2 group (the root's), bucketed into one all-gather: the loss
+    uses only the first's output in ``unused_head_trained``."""
+
+    def __init__(self, aux_out: int):
+        super().__init__()
+        self.main = torch.nn.Linear(4, 4)
+        self.aux = torch.nn.Linear(4, aux_out)
+
+    def forward(self, x):
+        return self.main(x), self.aux(x)
+
+
+def unused_head_trained(cache: str, aux_out: int):
+    """A parameter of the bucket no output that gets a gradient reaches has no gradient, as
+    eager's FSDP2 gives it (a zero gradient before, which AdamW's weight decay then moved)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(fully_shard(_TwoHeads(aux_out), mesh=mesh))
+    eager, compiled = models
+    calls = {id(eager): eager, id(compiled): dtcompile.jit(compiled, cache=cache)}
+    optimizers = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in models}
+    for step in range(2):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        for model in models:
+            main, _ = calls[id(model)](x)
+            main.pow(2).sum().backward()
+            optimizers[id(model)].step()
+            optimizers[id(model)].zero_grad()
+    for (name, e), c in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.equal(e.to_local(), c.to_local()), name
+    main, aux = calls[id(compiled)](x)
+    (main.sum() if aux_out == 4 else aux.sum()).backward()
+    return {name: p.grad is None for name, p in compiled.named_parameters()}
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_a_bucketed_parameter_no_loss_reaches_gets_no_gradient(cache, ranks2):
+    for unset in ranks2.run(unused_head_trained, cache, 4):
+        assert unset == {"main.weight": False, "main.bias": False, "aux.weight": True, "aux.bias": True}
+    for unset in ranks2.run(unused_head_trained, cache, 2):  # (the loss of the last call: aux's)
+        assert unset == {"main.weight": True, "main.bias": True, "aux.weight": False, "aux.bias": False}
