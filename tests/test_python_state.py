@@ -3,6 +3,7 @@ functions, Python modules and module attributes are guarded like arguments. A ch
 compiles a new entry (a cache miss) and gives eager's result; calling again with the
 same values hits."""
 
+import enum
 import functools
 import sys
 import types
@@ -1441,3 +1442,74 @@ def test_inference_mode_is_guarded(cache, first):
         with modes[name]():
             torch.testing.assert_close(jitted(x), model(x))
     assert dtcompile.cache_misses(jitted) == 2
+
+
+class _Mode(enum.Enum):
+    FAST = "fast"
+    SLOW = "slow"
+
+
+class _Level(enum.IntEnum):
+    LOW = 1
+
+
+_Mode.FAST.scale = 2.0  # per-member configuration, kept as attributes of the members
+_Level.LOW.scale = 2.0
+_GLOBAL_MODE = _Mode.FAST
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("how", ["argument", "default", "global", "int enum argument"])
+def test_attributes_of_an_enum_member_set_after_compiling_are_seen(how, cache):
+    member = _Level.LOW if how == "int enum argument" else _Mode.FAST
+
+    def fn(x, mode=_Mode.FAST):
+        mode = _GLOBAL_MODE if how == "global" else mode
+        return x * mode.scale + getattr(mode, "bias", 0.0)
+
+    args = () if how in ("default", "global") else (member,)
+    compiled = dtcompile.jit(fn, cache=cache)
+    x = torch.ones(2)
+    try:
+        for scale, bias in ((2.0, None), (5.0, None), (5.0, 100.0)):
+            member.scale = scale
+            if bias is not None:
+                member.bias = bias
+            assert torch.equal(compiled(x, *args), fn(x, *args))
+    finally:
+        member.scale = 2.0
+        vars(member).pop("bias", None)
+
+
+class _Config:
+    def __init__(self, v):
+        self.v = v
+
+
+_SCALE_OF = {}
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("how", ["global table", "argument"])
+def test_objects_and_modules_as_dict_keys_are_followed(how, cache):
+    config, linear = _Config(2.0), torch.nn.Linear(2, 2)
+    _SCALE_OF.clear()
+    _SCALE_OF.update({config: 1.0, linear: 0.5})
+
+    def fn(x, table=None):
+        for key, scale in (table if how == "argument" else _SCALE_OF).items():
+            x = (key(x) if isinstance(key, torch.nn.Module) else x * key.v) * scale
+        return x
+
+    args = (dict(_SCALE_OF),) if how == "argument" else ()
+    compiled = dtcompile.jit(fn, cache=cache)
+    x = torch.ones(2)
+    with torch.no_grad():
+        for change in (None, "attribute", "parameter", "hook"):
+            if change == "attribute":
+                config.v = 5.0
+            elif change == "parameter":
+                linear.bias = torch.nn.Parameter(torch.full((2,), 10.0))
+            elif change == "hook":
+                linear.register_forward_hook(lambda m, i, o: o * 3)
+            assert torch.equal(compiled(x, *args), fn(x, *args)), change

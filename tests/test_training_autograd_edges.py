@@ -393,3 +393,30 @@ def test_retain_grad_on_the_input_of_a_repeated_block(cache):
     dtcompile.jit(compiled, cache=cache)(x).sum().backward()
     for (name, e), c in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(c.grad, e.grad, msg=name)
+
+
+class _PenalizedLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        (g,) = torch.autograd.grad(h.pow(2).sum(), self.a.weight, create_graph=True)  # a penalty's gradient
+        return self.b(h) + 0.1 * g.sum()
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_gradient_made_with_create_graph_inside_repeated_layers(cache):
+    # A replayed linear's recorded backward had no graph of its own: the second-order terms
+    # through ``g`` were lost from every layer's gradients after the second.
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(*(_PenalizedLayer() for _ in range(4)))
+    compiled = copy.deepcopy(eager)
+    x = torch.randn(3, 4, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    eager(x).pow(2).sum().backward()
+    dtcompile.jit(compiled, cache=cache)(x2).pow(2).sum().backward()
+    torch.testing.assert_close(x2.grad, x.grad)
+    for (name, e), c in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(c.grad, e.grad, msg=name)

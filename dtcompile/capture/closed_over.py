@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from ..core import TensorProxy, TracingError
 from ..core.trace_hooks import function_applies, function_mode_on_in_grad
+from .block_training import BlockReplayFailed
 
 
 def writes_in_place(func, kwargs: dict) -> bool:
@@ -117,6 +118,10 @@ def grad_under(mode, func, args: tuple, kwargs: dict, on_dtensors: bool, users: 
     (a Function's ``backward``, a hook) is annotated, its real tensors the program's."""
     if users:  # (the code's own call; the traced backward's is dtcompile's, on what it traced)
         args, kwargs = _inputs_as_traced(mode.recording, args, kwargs)
+        if mode.memo.aliases_kept and kwargs.get("create_graph", args[4] if len(args) > 4 else False):
+            # A gradient the forward goes on with (a penalty): a replayed block's recorded
+            # backward has no graph of its own to differentiate again. Traced with none.
+            raise BlockReplayFailed("torch.autograd.grad(..., create_graph=True) in the call")
     mode.in_backward += 1
     mode.recording.dtensor_calls += on_dtensors
     try:

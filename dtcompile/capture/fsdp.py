@@ -248,10 +248,10 @@ def unshard_group(sharded: list[DTensor], params: list[ShardedParameter]) -> lis
     full = flat.redistribute(mesh, [Replicate()], forward_dtype=first.param_dtype, backward_dtype=first.reduce_dtype)
     gathered = full.to_local(grad_placements=[Partial("avg")])
     columns = gathered.view(ranks, n).split([local.numel() for local in locals_], dim=1)
-    return [
-        _as_tp_dtensor(column.reshape(ranks * local.shape[0], *local.shape[1:]), param)
-        for column, local, param in zip(columns, locals_, params)
-    ]
+    unsharded = [column.reshape(ranks * local.shape[0], *local.shape[1:]) for column, local in zip(columns, locals_)]
+    # A frozen member's needs no gradient, as eager's does not (the buffer needs one where any member does).
+    unsharded = [u if value.requires_grad else u.detach() for u, value in zip(unsharded, sharded)]
+    return [_as_tp_dtensor(u, param) for u, param in zip(unsharded, params)]
 
 
 def _buckets(params: list[ShardedParameter]) -> list[list[int]]:

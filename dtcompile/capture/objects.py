@@ -152,7 +152,7 @@ def attribute_holder(value: object) -> bool:
         return False  # a compiled function's state
     if plain_object(value) or (slot_names(type(value)) and is_rebuildable_object(value)):
         return True
-    if isinstance(value, TORCH_USER_STATE):
+    if isinstance(value, (*TORCH_USER_STATE, enum.Enum)):  # (an enum member's attributes: per-member config)
         return isinstance(attribute_or_none(value, "__dict__"), dict)
     return (
         callable(value)

@@ -67,6 +67,7 @@ attribute or closure variable the traced code rebinds is refused and put back.
 from __future__ import annotations
 
 import copyreg
+import enum
 import functools
 import logging
 import os
@@ -125,9 +126,7 @@ class PythonState(AfterTracing):
         state.module_tree(module, "", reached=False)
         return state
 
-    def _read(
-        self, holder: object, key: str | None, value: object, where: str, attribute: str = "cell_contents"
-    ) -> None:
+    def _read(self, holder: object, key: str | None, value: object, where: str, attribute="cell_contents") -> None:
         """Guard ``holder[key]``, or with ``key`` None the ``attribute`` of ``holder``."""
         seen = (id(holder), key if key is not None else attribute)
         if seen in self._seen_reads:
@@ -135,9 +134,8 @@ class PythonState(AfterTracing):
         self._seen_reads.add(seen)
         self.reads.append(Read(holder, key, value, where, attribute=attribute))
         if contents_guarded(value):
-            self.reads.append(
-                Read(holder, key, value, f"the contents of {where}", True, value_key(value), attribute=attribute)
-            )
+            contents = Read(holder, key, value, f"the contents of {where}", True, value_key(value), attribute=attribute)
+            self.reads.append(contents)
 
     def module_tree(self, root: torch.nn.Module, prefix: str, reached: bool = True) -> None:
         """Each submodule's attributes, the code of its class and its hooks. A module the
@@ -174,11 +172,15 @@ class PythonState(AfterTracing):
                     self.follow(hook, f"a hook of {owner}")
 
     def follow_inputs(self, roots: list) -> None:
-        """What the code reads through the call's objects and tensors (guarded as inputs): a
-        class's attributes (``cfg.scale``), what a tensor's attributes hold (``w.info.scale``)."""
+        """What the code reads through the call's objects and tensors (guarded as inputs): a class's attributes
+        (``cfg.scale``), what a tensor's attributes hold (``w.info.scale``), an enum member's (``mode.scale``), a
+        dict's keys (``{cfg: t}``)."""
         for node in (n for root in roots for n in iter_nodes(root)):
             if isinstance(node, ObjectInput):
                 self.follow(node.type, f"the class of {node.path}")
+            enum_member = [node.value] if isinstance(getattr(node, "value", None), enum.Enum) else []
+            for value in (*enum_member, *getattr(node, "keys", ())):
+                self.follow(value, f"{node.path} (an enum member, or a key)")
             for name, value in getattr(node, "attributes", {}).items():
                 self.follow(value, f"attribute {name!r} of {node.path}")
 
@@ -200,9 +202,10 @@ class PythonState(AfterTracing):
         if contents_guarded(value):  # what its items hold: a config in a list
             self._walked.add(id(value))
             if not isinstance(value, bytearray) and not hasattr(value, "__array__") and not raw_memory(value):
-                items = value.items() if isinstance(value, (dict, types.MappingProxyType)) else enumerate(value)
-                for key, item in items:
+                keyed = isinstance(value, (dict, types.MappingProxyType))
+                for key, item in value.items() if keyed else enumerate(value):
                     self.follow(item, f"{where}[{key!r}]")
+                    self.follow(key if keyed else None, f"a key of {where}")  # (an object, a module: ``{lin: 0.5}``)
             return
         if isinstance(value, weakref.ref):  # (a WeakValueDictionary's): what it refers to, while alive
             self._walked.add(id(value))
@@ -315,9 +318,8 @@ class PythonState(AfterTracing):
         builtins = vars(builtins) if isinstance(builtins, types.ModuleType) else builtins
         for name in sorted(global_names):
             where = f"global {name!r} read by {fn.__qualname__}"
-            # Absent: a builtin (read from the builtins then: ``builtins.abs`` patched is seen),
-            # or a NameError the code caught. Defining it later shadows the builtin, or ends the
-            # error: guarded as absent.
+            # Absent: a builtin (read from the builtins then: ``builtins.abs`` patched is seen), or a NameError
+            # the code caught. Defining it later shadows the builtin, or ends the error: guarded as absent.
             value = module_globals.get(name, ABSENT)
             self._read(module_globals, name, value, where)
             if value is ABSENT and name in builtins:
@@ -353,8 +355,7 @@ class PythonState(AfterTracing):
                 continue
             self._walked.add(id(klass))
             if not library and "__slotnames__" not in vars(klass):
-                # Added by copy and pickle at the first copy of an instance (``copy.deepcopy(cache)``),
-                # it would change the number of names guarded: added now.
+                # Added by copy and pickle at the first copy of an instance (``deepcopy(cache)``): added now.
                 copyreg._slotnames(klass)
             names = class_namespace(klass)
             self._classes[id(names)] = klass

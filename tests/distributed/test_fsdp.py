@@ -310,3 +310,37 @@ def test_a_bucketed_parameter_no_loss_reaches_gets_no_gradient(cache, ranks2):
         assert unset == {"main.weight": False, "main.bias": False, "aux.weight": True, "aux.bias": True}
     for unset in ranks2.run(unused_head_trained, cache, 2):  # (the loss of the last call: aux's)
         assert unset == {"main.weight": True, "main.bias": True, "aux.weight": False, "aux.bias": False}
+
+
+class _Distilled(torch.nn.Module):
+    """A frozen teacher and a trained student in one FSDP2 group, bucketed together."""
+
+    def __init__(self):
+        super().__init__()
+        self.teacher, self.student = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.teacher.requires_grad_(False)
+
+    def forward(self, x):
+        weight = self.teacher.weight
+        teacher = self.teacher(x) if not weight.requires_grad else self.teacher(x).detach() * 0
+        return teacher, self.student(x)
+
+
+def frozen_member(cache: str):
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    model = fully_shard(_Distilled(), mesh=mesh)
+    torch.manual_seed(0)
+    eager = fully_shard(_Distilled(), mesh=mesh)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    teacher, student = dtcompile.jit(model, cache=cache)(x)
+    eager_teacher, eager_student = eager(x)
+    assert torch.equal(teacher, eager_teacher) and torch.equal(student, eager_student)
+    return teacher.requires_grad, student.requires_grad
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_a_frozen_parameter_bucketed_with_trained_ones_needs_no_gradient(cache, ranks2):
+    # Seen as requiring grad inside the forward before (a view of the bucket's buffer, which does).
+    for flags in ranks2.run(frozen_member, cache):
+        assert flags == (False, True)
