@@ -420,3 +420,28 @@ def test_a_gradient_made_with_create_graph_inside_repeated_layers(cache):
     torch.testing.assert_close(x2.grad, x.grad)
     for (name, e), c in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(c.grad, e.grad, msg=name)
+
+
+class _RetainingLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        h.retain_grad()  # (a debugging habit) on a linear's output, in each of repeated layers
+        return torch.tanh(h) + x
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("layers", [1, 4])
+def test_retain_grad_inside_repeated_layers(layers, cache):
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(*(_RetainingLayer() for _ in range(layers)))
+    compiled = copy.deepcopy(eager)
+    for step in range(2):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        eager(x).pow(2).sum().backward()
+        dtcompile.jit(compiled, cache=cache)(x).pow(2).sum().backward()
+    for (name, e), c in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(c.grad, e.grad, msg=name)

@@ -26,6 +26,7 @@ from ..core.proxy import PASSING_FRAMES
 from ..core.symbol import leaves as leaves_of
 from ..core.torch_internals import dtensor_implicit_replication
 from . import closed_over
+from .block_training import BlockReplayFailed
 from .eager_errors import dtype_checked, eager_error, eager_failure
 from .graph_reach import tag_backward_nodes
 from .method_checks import (
@@ -216,6 +217,15 @@ class CallAnnotator(TorchFunctionMode):
             and _user_frame()
         ):
             raise VerifyFailed(f"{history} of a tensor made again, not dispatched")  # (none is a view: traced again)
+        if (
+            func is torch.Tensor.retain_grad
+            and self.memo.aliases_kept
+            and _is_traced(args[0])
+            and torch.is_grad_enabled()
+        ):
+            # A replayed block's code does not run (its retain_grad() neither), and a block's recorded
+            # backward would set the retained gradient of its output: traced again, every block as it is.
+            raise BlockReplayFailed("retain_grad() in the call")
         if func in CHECKED:
             answer = check_method(func, args, self.recording, kwargs)
             if answer is not NOT_ANSWERED:

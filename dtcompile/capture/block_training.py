@@ -93,8 +93,8 @@ def backward_template(recording, outputs: list, inputs: list, like: list | None)
         locals_.append(local)
         arriving.append(cotangent)
     chosen = [o for o, c in zip(outputs, locals_) if c is not None]
-    if any(getattr(x, "_backward_hooks", None) or x.retains_grad for x in inputs):  # (before the block)
-        raise BlockReplayFailed("a hook on an input (retain_grad()'s too) would run in the backward recorded")
+    if any(getattr(x, "_backward_hooks", None) for x in inputs):  # (``register_hook`` on one, before the block)
+        raise BlockReplayFailed("a hook on an input would run in the backward recorded, each later block's own")
     start = len(recording.bound_symbols)
     counts = (len(recording.captured), len(recording.read_by), recording.c10d_calls)
     valued = [(p, p.value) for p in recording.valued]
