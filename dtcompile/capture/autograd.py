@@ -21,7 +21,7 @@ from ..core.op_classes import draws_random_numbers
 from ..core.proxy import contiguous_strides
 from ..core.torch_internals import DTensorSpec, TensorMeta, make_dtensor, saved_tensors_hooks
 from .global_state import autocast_off
-from .graph_reach import reaching
+from .graph_reach import reached_by_none, reaching
 from .recorder import Recording
 
 
@@ -133,6 +133,7 @@ def capture_backward(
                 "forward's numbers again, a compiled backward would draw new ones. Keep random ops (dropout) "
                 "out of the checkpointed function, or do not checkpoint it"
             )
+    grads = [None if unreached else grad for grad, unreached in zip(grads, reached_by_none(wrt, sources))]
     _saved_alias_written(recording, forward_symbols, saving)
     users_code = _users_code(recording, forward_symbols, proxies)
     grad_locals, grad_specs = [], []

@@ -30,6 +30,14 @@ def reached_through(tensor: torch.Tensor, other: torch.Tensor) -> None:
     _REACHED_THROUGH[key][1].append(other)
 
 
+def reached_by_none(wrt: list, masks: list[int]) -> list[bool]:
+    """Whether each of ``wrt`` (``masks``: :func:`reaching`'s) is one whose gradient is defined
+    only through others (see above) that no output reaches: its gradient is None, whatever
+    slice of its bucket's the traced backward computed (a member used under ``no_grad`` only,
+    or by a branch not taken)."""
+    return [mask == 0 and _targets(t)[0] is not t for t, mask in zip(wrt, masks)]
+
+
 def _targets(tensor: torch.Tensor) -> list:
     held, others = _REACHED_THROUGH.get(id(tensor), (None, None))
     return others if held is not None and held() is tensor else [tensor]

@@ -344,3 +344,51 @@ def test_a_frozen_parameter_bucketed_with_trained_ones_needs_no_gradient(cache, 
     # Seen as requiring grad inside the forward before (a view of the bucket's buffer, which does).
     for flags in ranks2.run(frozen_member, cache):
         assert flags == (False, True)
+
+
+class _Skipping(torch.nn.Module):
+    """Three linears in one bucketed FSDP2 group; ``how`` leaves ``b`` out of the loss's graph."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(4, 4) for _ in range(3))
+        self.how = how
+
+    def forward(self, x):
+        if self.how == "branch not taken":
+            return self.c(self.a(x))
+        if self.how == "read under no_grad":
+            with torch.no_grad():
+                scale = self.b(x).abs().mean()
+            return self.c(self.a(x)) * scale
+        return self.c(self.a(x)) * self.b.weight.detach().sum()  # "detached"
+
+
+def skipped_member(cache: str, how: str):
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(fully_shard(_Skipping(how), mesh=mesh))
+    eager, compiled = models
+    step = dtcompile.jit(compiled, cache=cache)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in models]
+    for i in range(2):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * i + dist.get_rank()))
+        for call, optimizer in zip((eager, step), optimizers):
+            optimizer.zero_grad()
+            call(x).pow(2).sum().backward()
+            optimizer.step()
+    grads = {}
+    for (name, e), c in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.equal(e.to_local(), c.to_local()), name
+        grads[name] = (e.grad is None, c.grad is None)
+    return grads
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("how", ["branch not taken", "read under no_grad", "detached"])
+def test_a_bucketed_parameter_outside_the_losss_graph_gets_no_gradient(how, cache, ranks2):
+    for grads in ranks2.run(skipped_member, cache, how):
+        for name, (eager_none, compiled_none) in grads.items():
+            assert eager_none == compiled_none, name
