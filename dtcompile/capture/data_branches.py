@@ -45,7 +45,7 @@ from ..core import BoundSymbol, FromData, NoProvenance, NumberProxy, TensorProxy
 from ..core.prims import _CHECK_GLOBALS, SHAPE, DataCheck, data_check
 from ..core.printing import NamedConstant
 from ..core.symbolic import SYMBOLIC_TYPES, Then, exact_float_checks, python_source, symbolic_expr
-from ..core.torch_internals import runtime_asserts, set_data_value, symbol_values
+from ..core.torch_internals import dispatch_modes_off, runtime_asserts, set_data_value, symbol_values
 from .live_collectives import ranks_meet
 from .size_text import folded, negative_zeros
 
@@ -266,7 +266,8 @@ def _float_checks(recording, reader: dict, expressions: list) -> list:
             continue
         source = recording.bound_symbols[index].args[0]
         real = recording.values_now.get(getattr(source, "label", None))
-        value = real.item() if isinstance(real, torch.Tensor) and real.numel() == 1 else None
+        with dispatch_modes_off(), torch._C.DisableTorchFunction():  # (a value of its own, not the traced code's)
+            value = real.item() if isinstance(real, torch.Tensor) and real.numel() == 1 else None
         if not isinstance(value, float) or (math.isfinite(value) and symbol not in lost | assumed):
             continue
         found += exact_float_checks(symbol, value, sign=value == 0.0 and symbol in assumed)
