@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from support import forget_dtensor_caches
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -128,13 +129,14 @@ def test_literals_are_read_while_tracing(cache):
     assert dtcompile.cache_misses(compiled) == 1
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def mesh():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         yield init_device_mesh("cpu", (2,))
     finally:
         dist.destroy_process_group()
+        forget_dtensor_caches()  # (a later fake world's equal mesh would get this one's groups)
 
 
 DTENSOR_READS = {

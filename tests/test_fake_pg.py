@@ -11,6 +11,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
+from support import forget_dtensor_caches
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -47,23 +48,7 @@ def fake_world():
     yield start
     if dist.is_initialized():
         dist.destroy_process_group()
-    _forget_dtensor_caches()
-
-
-def _forget_dtensor_caches():
-    """DTensor caches sharding propagation and redistribution plans by DTensorSpec, and
-    specs compare meshes by layout, not by process group: a mesh of a later fake world
-    would get the process groups of an earlier one's (destroyed) equal mesh."""
-    from torch.distributed.tensor import _redistribute
-    from torch.distributed.tensor import debug as dtensor_debug
-
-    # Private helpers, so each is looked up: releases differ in which caches they have.
-    for owner, name in (
-        (dtensor_debug, "_clear_sharding_prop_cache"),  # Python's and the C++ fast path's
-        (_redistribute, "clear_redistribute_planner_cache"),
-    ):
-        getattr(owner, name, lambda: None)()
-    getattr(_redistribute._gen_transform_infos, "cache_clear", lambda: None)()
+    forget_dtensor_caches()
 
 
 def _group_name(op, args, kwargs) -> str:
