@@ -445,3 +445,43 @@ def test_retain_grad_inside_repeated_layers(layers, cache):
         dtcompile.jit(compiled, cache=cache)(x).pow(2).sum().backward()
     for (name, e), c in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(c.grad, e.grad, msg=name)
+
+
+class _TanhLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.a(x)) + x
+
+
+class _InferenceBranch(torch.nn.Module):
+    """Repeated layers, the last run under ``inference_mode`` on a view of the output of
+    the replayed ones (whose fakes are made when first read)."""
+
+    def __init__(self, view):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_TanhLayer() for _ in range(4))
+        self.view = view
+
+    def forward(self, x):
+        for layer in self.layers[:-1]:
+            x = layer(x)
+        with torch.inference_mode():
+            y = self.layers[-1](self.view(x))
+        return x + y.clone()
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("view", ["detach", "slice", "view", "t"])
+def test_a_view_made_under_inference_mode_of_a_replayed_layers_output(view, grad, cache):
+    # Raised "Cannot set version_counter for inference tensor": the replayed output's fake,
+    # made when first read, was made under inference mode.
+    views = {"detach": lambda x: x.detach(), "slice": lambda x: x[:], "view": lambda x: x.view(3, 4)}
+    torch.manual_seed(0)
+    eager = _InferenceBranch(views.get(view, lambda x: x.t().t())).requires_grad_(grad)
+    compiled = copy.deepcopy(eager)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(dtcompile.jit(compiled, cache=cache)(x), eager(x))

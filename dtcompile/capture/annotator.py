@@ -37,7 +37,7 @@ from .method_checks import (
     autograd_attribute,
     caller_read_refusal,
     check_method,
-    local_proxy,
+    non_leaf_argument,
     real_tensor,
     received,
     received_base,
@@ -192,18 +192,6 @@ class CallAnnotator(TorchFunctionMode):
         if self.recording.snapshot is not None and (hook := args[1] if len(args) > 1 else None) is not None:
             self.recording.snapshot.add_callable(hook, f"the tensor hook {getattr(hook, '__qualname__', hook)}")
 
-    def _non_leaf_argument(self, leaves: list) -> str | None:
-        """Where the first argument among ``leaves`` (or the one it is a view of) is, that the
-        call received as a tensor requiring grad that is not a leaf; None if none."""
-        recording = self.recording
-        for proxy in (p for p in map(local_proxy, leaves) if p is not None):
-            for p in [proxy] if proxy.label in recording.real_of else recording.input_proxies:
-                real = recording.real_of.get(p.label)
-                shared = p is proxy or (p._fake is not None and p.memory == proxy.memory)
-                if real is not None and real.requires_grad and not real.is_leaf and shared:
-                    return str(p.provenance)
-        return None
-
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.in_backward:
@@ -352,7 +340,7 @@ class CallAnnotator(TorchFunctionMode):
                 args, kwargs = tree_map(lambda v: _replicated(v, mesh), (args, kwargs))
                 out = func(*args, **kwargs)
             else:
-                argument = _LEAF_IN_PLACE in str(error) and self._non_leaf_argument(leaves)
+                argument = _LEAF_IN_PLACE in str(error) and non_leaf_argument(self.recording, leaves)
                 if argument:  # a proxy is a leaf; eager's argument is not, and its in-place change runs
                     raise TracingError(
                         f"dtcompile.jit: {_short_name(func)} changes {argument} in place, a tensor that requires grad "

@@ -271,6 +271,7 @@ class InputProxifier:
             first = None
             dynamic = dynamic and _evenly_sharded(value)
             proxy = self.recording.input_proxy(local, identifier(name_hint, self.taken), local_path, dynamic)
+            self.recording.dtensor_of[proxy.label] = value
         spec = _symbolic_spec(value, proxy) if dynamic else value._spec
         wrapped = make_dtensor(proxy, spec, requires_grad=value.requires_grad)
         node = DTensorInput(path, proxy, value._spec, LocalTensorMeta.of(local), value.requires_grad, spec, first)

@@ -100,6 +100,23 @@ def received_base(value, recording) -> InputPath | None:
     return next((p.provenance for p in found if isinstance(p.provenance, InputPath)), None)
 
 
+def non_leaf_argument(recording, leaves: list) -> str | None:
+    """Where the argument among ``leaves`` is (or the one it is a view of: by memory, or a
+    DTensor's autograd base), that the call received as a tensor requiring grad that is not a
+    leaf; None if none. Its stand-in is a leaf: torch's error about an in-place write to it
+    speaks of a leaf the caller does not have."""
+    for leaf in leaves:
+        with torch._C.DisableTorchFunction():
+            base = leaf._base if isinstance(leaf, torch.Tensor) else None
+        for proxy in (p for p in map(local_proxy, (leaf, base)) if p is not None):
+            for p in [proxy] if proxy.label in recording.real_of else recording.input_proxies:
+                real = recording.dtensor_of.get(p.label, recording.real_of.get(p.label))  # (a DTensor's own flags)
+                shared = p is proxy or (p._fake is not None and p.memory == proxy.memory)
+                if real is not None and real.requires_grad and not real.is_leaf and shared:
+                    return str(p.provenance).removesuffix("._local_tensor")
+    return None
+
+
 def check_method(func, args: tuple, recording, kwargs: dict) -> object:
     """Refuse ``func`` where the traced code calls it on a traced tensor and a compiled
     call could not do what it does; the answer of ``is_inference``, or a dropout's that

@@ -71,6 +71,7 @@ class Recording:
         self.valued: list[TensorProxy] = []  # proxies whose trace-time value is known
         self.read_by: dict[object, str] = {}  # symbol of a number read from data -> the call that read it
         self.real_of: dict[str, torch.Tensor] = {}  # input label -> the call's real tensor (while tracing)
+        self.dtensor_of: dict[str, DTensor] = {}  # a DTensor input's local label -> the call's DTensor
         self.input_proxies: list[TensorProxy] = []
         self.cones: dict[int, list[int]] = {}  # index of a read computed now -> indices of its cone
         self.size_reads: dict = {}  # a size read from data valued now (size_values_now) -> (index, output, dim)
@@ -268,6 +269,7 @@ class Recording:
             proxy.value = None
         self.valued.clear()
         self.real_of.clear()
+        self.dtensor_of.clear()
         self.values_now.clear()
 
     def record(self, func, args: tuple, kwargs: dict):

@@ -132,7 +132,10 @@ class TensorProxy(torch.Tensor):
     def fake(self) -> torch.Tensor:
         fake = self._fake
         if fake is None:
-            fake, self._make_fake = self._make_fake(), None
+            with torch._C.DisableTorchFunction():
+                inference = self.is_inference()
+            with torch.inference_mode(inference):  # (as the proxy was made, not as the first read is)
+                fake, self._make_fake = self._make_fake(), None
             self._fake = fake
         return fake
 

@@ -846,3 +846,37 @@ def results_one_rank_uses(cache):
 @pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
 def test_blocks_whose_results_one_rank_uses_run_their_collectives_everywhere(ranks2, cache):
     assert all(ranks2.run(results_one_rank_uses, cache))
+
+
+_NON_LEAF_WRITES = {
+    "x.mul_(w)": lambda x, w: x.mul_(w),
+    "x[0].mul_(2)": lambda x, w: x[0].mul_(2),
+    "x.t().add_(1)": lambda x, w: x.t().add_(1),
+}
+
+
+def non_leaf_dtensor_written(placement: str) -> list[str]:
+    """An in-place write to a DTensor argument that requires grad and is not a leaf (or to a
+    view of it): eager runs it; a compiled call cannot extend the caller's graph, and says so
+    (torch's error spoke of a leaf, the stand-in)."""
+    mesh = _mesh()
+    messages = []
+    for cache in ("constant values", "symbolic values"):
+        for name, write in _NON_LEAF_WRITES.items():
+
+            def fn(x, w, write=write):
+                write(x, w)
+                return (x * w).sum()
+
+            a = distribute_tensor(torch.randn(4, 6), mesh, [Shard(0) if placement == "shard" else Replicate()])
+            w = distribute_tensor(torch.randn(4, 6), mesh, [Shard(0) if placement == "shard" else Replicate()])
+            with pytest.raises(dtcompile.TracingError, match="in place, a tensor that requires grad and is not a leaf"):
+                dtcompile.jit(fn, cache=cache)(a.requires_grad_() * 1, w)
+            messages.append(name)
+    return messages
+
+
+@pytest.mark.parametrize("placement", ["shard", "replicate"])
+def test_a_write_to_a_non_leaf_dtensor_argument_is_a_clear_error(placement, ranks2):
+    for written in ranks2.run(non_leaf_dtensor_written, placement):
+        assert written == list(_NON_LEAF_WRITES) * 2
