@@ -226,6 +226,23 @@ def test_branches_that_cannot_be_checked_are_refused(fn, why):
         dtcompile.jit(fn)(torch.ones(3))
 
 
+class _CountsThenBranches(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1  # written before the branch, though the branch does not read it
+        return x * 2 if x.sum() > 0 else x - 1
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_branch_refused_after_an_in_place_write_names_the_write(cache):
+    # The message blamed Python control flow on data in general, which compiles elsewhere.
+    with pytest.raises(dtcompile.TracingError, match=r"after an in-place write \(Tensor.add_\(calls\)"):
+        dtcompile.jit(_CountsThenBranches(), cache=cache)(torch.ones(3))
+
+
 class _SetsWhatAMaskSelects(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -362,3 +379,13 @@ def test_a_slice_by_a_number_read_from_data_with_gradients_names_narrow():
     x = torch.randn(6, requires_grad=True)
     dtcompile.jit(lambda x, t: x.narrow(0, 0, t.item()).sum())(x, torch.tensor(3)).backward()
     assert torch.equal(x.grad, torch.tensor([1.0, 1, 1, 0, 0, 0]))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_bool_of_a_tensor_of_several_elements_raises_eagers_error(cache):
+    # Under symbolic values torch's "Cannot call numel() on tensor with symbolic sizes".
+    def fn(x):
+        return x + 1 if x > 0 else x - 1
+
+    with pytest.raises(RuntimeError, match="Boolean value of Tensor with more than one value is ambiguous"):
+        dtcompile.jit(fn, cache=cache)(torch.randn(4, 3))

@@ -17,7 +17,7 @@ from functools import partial
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, is_fake
 from torch.distributed.tensor import DTensor, Replicate
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_map
 
@@ -27,6 +27,7 @@ from ..core.symbol import leaves as leaves_of
 from ..core.torch_internals import dtensor_implicit_replication
 from . import closed_over
 from .block_training import BlockReplayFailed
+from .data_branches import branch_refused
 from .eager_errors import dtype_checked, eager_error, eager_failure
 from .graph_reach import tag_backward_nodes
 from .method_checks import (
@@ -310,9 +311,7 @@ class CallAnnotator(TorchFunctionMode):
         try:
             out = func(*args, **kwargs)
         except GuardOnDataDependentSymNode as error:  # ``bool(x.sum() > 0)``: named by this call
-            raise data_dependent_error(
-                _short_name(func), f"Python control flow on {error.cond}, a number read from tensor data"
-            ) from error
+            raise data_dependent_error(_short_name(func), branch_refused(self.recording, error.cond)) from error
         except ValueError as error:
             if not str(error).startswith("Cannot view a tensor with shape"):
                 raise
@@ -320,6 +319,10 @@ class CallAnnotator(TorchFunctionMode):
                 f"view size is not compatible with input tensor's size and stride ({error}). Use .reshape(...) instead."
             ) from error
         except RuntimeError as error:
+            if _SYMBOLIC_NUMEL in str(error) and func is torch.Tensor.__bool__ and not free_unbacked_symbols(args[0]):
+                raise RuntimeError(
+                    "Boolean value of Tensor with more than one value is ambiguous"
+                ) from error  # (sizes >= 2)
             refused = refusal(_short_name(func), error, received(args[0]) if args else None)
             if refused is not None:
                 raise refused from error

@@ -94,6 +94,20 @@ def _cone(symbols: list[BoundSymbol], source: TensorProxy) -> list[int] | None:
     return cone
 
 
+def branch_refused(recording, cond) -> str:
+    """What the refusal of a Python branch on ``cond`` says was asked, and why it could not be
+    checked at run time where that can be named: an in-place write before it."""
+    what = f"Python control flow on {cond}, a number read from tensor data"
+    written = next((b for b in recording.bound_symbols if b.op is not None and b.op._schema.is_mutable), None)
+    if written is None:
+        return what
+    return (
+        f"{what}, after an in-place write ({written.note or written.op}): a branch on data is checked at the "
+        "program's start, before anything runs, and is not moved past a write, even of a tensor it does not read. "
+        "Write after the branch, or branch before the write"
+    )
+
+
 def value_now(recording, source: TensorProxy):
     """``source.item()`` computed from the call's real inputs (see the module docstring),
     and the indices of the symbols that compute it; None when it cannot be."""

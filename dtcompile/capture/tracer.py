@@ -27,7 +27,7 @@ from .block_training import BlockReplayFailed
 from .blocks import RepeatedBlocks
 from .c10d import object_collective_refusal, symbolic_splits
 from .cached_functions import cached_stand_ins, put_back_cached
-from .data_branches import assumptions_unlogged, checks_first
+from .data_branches import assumptions_unlogged, branch_refused, checks_first
 from .fake_calls import storage_refusal
 from .fsdp import FSDPTracing, option_reads, reaches_fsdp, refusing_recomputes
 from .global_state import (
@@ -294,7 +294,7 @@ def _capture(
             readers = [recording.read_by[s] for s in sorted(error.cond.free_symbols, key=str) if s in recording.read_by]
             raise data_dependent_error(
                 readers[0] if readers else recording.current_call,
-                f"Python control flow on {error.cond}, a number read from tensor data",
+                branch_refused(recording, error.cond),
             ) from error
         except Exception as error:
             refusal = object_collective_refusal(error) or storage_refusal(error)
