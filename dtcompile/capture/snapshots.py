@@ -21,6 +21,7 @@ import types
 
 import torch
 
+from ..core import TensorProxy
 from ..core.torch_internals import dispatch_modes_off, saved_tensors_hooks
 from .global_state import user_global_hook_functions
 from .objects import TORCH_USER_STATE, is_rebuildable_object, object_state, read_through
@@ -207,7 +208,9 @@ class DataSnapshot:
             return
         if isinstance(value, torch.Tensor) and depth:
             # A closed-over tensor's Python attributes (``W.calls += 1``): set once, while tracing.
-            self.add(vars(value), (path, (".", "__dict__")), depth - 1)
+            # Not a traced one's (a hook's closure holding an input): they are the trace's own.
+            if not isinstance(getattr(value, "_local_tensor", value), TensorProxy):
+                self.add(vars(value), (path, (".", "__dict__")), depth - 1)
             return
         if isinstance(value, _NOT_USER_DATA):
             return
