@@ -522,3 +522,39 @@ def test_a_hook_closing_over_a_tensor_of_the_call(cache):
     eager(x).sum().backward()
     dtcompile.jit(module, cache=cache)(x).sum().backward()
     torch.testing.assert_close(module.lin.weight.grad, eager.lin.weight.grad)
+
+
+class _HandMadeCache(torch.nn.Module):
+    """A KV cache kept as a list and a dict of tensors on the module, written in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.caches = [torch.zeros(3)]
+        self.table = {"k": torch.zeros(3)}
+
+    def forward(self, x):
+        self.caches[0].add_(x)
+        self.table["k"].add_(2 * x)
+        return x * 2
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("how", ["module's list and dict", "inference mode", ".data"])
+def test_check_eager_puts_back_what_no_version_counts(how, cache):
+    # Written twice (eager's run, then the program's), with a false mismatch reported:
+    # the state was put back only where a version counter had moved.
+    x = torch.ones(3)
+    if how == "module's list and dict":
+        module = _HandMadeCache()
+        dtcompile.jit(module, cache=cache, check="eager")(x)
+        assert torch.equal(module.caches[0], x) and torch.equal(module.table["k"], 2 * x)
+        return
+
+    def fn(y, state):
+        (state.data if how == ".data" else state).add_(y)  # (an inference tensor counts no version)
+        return y * 2
+
+    with torch.inference_mode() if how == "inference mode" else torch.no_grad():
+        state = torch.zeros(3)
+        dtcompile.jit(fn, cache=cache, check="eager")(x, state)
+    assert torch.equal(state, x)

@@ -88,8 +88,8 @@ def _state_tensors(module, args: tuple, kwargs: dict) -> list[tuple[str, torch.T
             visit(tensor, f"module.{name}", 0)
         for path, submodule in module.named_modules():
             for key, value in vars(submodule).items():
-                if isinstance(value, torch.Tensor):
-                    visit(value, f"module.{path + '.' if path else ''}{key}", 0)
+                if isinstance(value, (torch.Tensor, list, tuple, dict)) and not key.startswith("_"):
+                    visit(value, f"module.{path + '.' if path else ''}{key}", 2)  # (a hand-made KV cache's list)
     return found
 
 
@@ -115,7 +115,9 @@ class _SavedState:
         self.objects.put_back()
         with torch.no_grad():
             for tensor, saved, version in self.tensors:
-                if _version(tensor) != version:  # (only what the call wrote: a copy would count as a write)
+                # Only what the call wrote (a copy counts as a write): its version counted it, or, where
+                # none did (an inference tensor, a write through ``.data``, a DTensor's local), its values.
+                if _version(tensor) != version or not torch.equal(tensor, saved):
                     tensor.copy_(saved)
         torch.set_rng_state(self.rng)
         if self.cuda_rng is not None:
