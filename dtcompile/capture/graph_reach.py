@@ -49,14 +49,18 @@ def reaching(outputs: list, wrt: list) -> list[int]:
     None (a parameter that only feeds an output the loss does not use)."""
     leaf_index: dict[int, int] = {}
     node_index: dict[int, int] = {}
+    # The nodes met, kept so that their ids stay theirs: a node's Python object lives only as
+    # long as something holds it (the next ``grad_fn`` read may make another, at another id).
+    alive: list = []
     for i, tensor in enumerate(wrt):
         for t in _targets(tensor):
-            if t.grad_fn is None:
+            node = t.grad_fn
+            if node is None:
                 leaf_index[id(t)] = i
             else:
-                node_index[id(t.grad_fn)] = node_index.get(id(t.grad_fn), 0) | 1 << i
+                alive.append(node)
+                node_index[id(node)] = node_index.get(id(node), 0) | 1 << i
     reach: dict = {}  # id(node) -> bit mask over wrt (a replayed block's: one per output)
-    alive: list = []  # the nodes walked, kept so that their ids stay unique
     masks = [0] * len(wrt)
     for k, out in enumerate(outputs):
         hit = 1 << leaf_index[id(out)] if id(out) in leaf_index else 0
