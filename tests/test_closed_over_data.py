@@ -161,3 +161,47 @@ def test_a_number_read_from_a_closed_over_dtensor(mesh, read, placement, cache):
     for value in (2.0, 3.0, 2.0):
         held.to_local().fill_(value)
         assert torch.equal(compiled(x), fn(x))
+
+
+class _CountingBuffer(torch.nn.Module):
+    def __init__(self, mesh):
+        super().__init__()
+        self.register_buffer("seen", distribute_tensor(torch.zeros(4), mesh, [Replicate()]))
+
+    def forward(self, x):
+        self.seen.add_(1)
+        self.seen.mul_(1)
+        return x * 2
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("how", ["argument", "closed over", "module buffer"])
+def test_a_dtensor_written_in_place_counts_the_writes_as_eager(mesh, how, cache):
+    # Its version stayed where it was (the program writes the local tensor): an eager graph
+    # that had saved it ran its backward with the new values, where eager's raises.
+    def make():
+        return distribute_tensor(torch.arange(4.0) + 1, mesh, [Replicate()])
+
+    if how == "module buffer":
+        eager, compiled = _CountingBuffer(mesh), _CountingBuffer(mesh)
+        eager(torch.ones(2))
+        dtcompile.jit(compiled, cache=cache)(torch.ones(2))
+        assert compiled.seen._version == eager.seen._version
+        return
+    versions = []
+    for jitted in (False, True):
+        a = make()
+        held = torch.nn.Parameter(make())
+
+        def update(x, held=held):
+            (held if how == "closed over" else x).mul_(2)
+
+        w = torch.nn.Parameter(make())
+        target = held if how == "closed over" else a
+        loss = (target * w).to_local().sum()  # saves target for its backward
+        with torch.no_grad():
+            (dtcompile.jit(update, cache=cache) if jitted else update)(a)
+        versions.append(target._version)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+    assert versions[0] == versions[1]

@@ -228,6 +228,19 @@ class InputProxifier:
         changes (``grad_checks.py``)."""
         return HeldFlags.of([(traced, node.path) for traced, node, _ in self._tensors.values()])
 
+    def written_dtensors(self, recording) -> list[tuple[object, int]]:
+        """``(a DTensor input's node, or the index of a closed-over DTensor, writes)`` for each
+        the traced code wrote in place: DTensor counts such writes on its own version counter,
+        which the program's writes to the local tensor do not move, so the prologue counts
+        them (an eager graph that saved the DTensor then refuses its backward, as eager's)."""
+        with torch._C.DisableTorchFunction():
+            found: list[tuple[object, int]] = [(n, _writes(w)) for w, n in self.traced_dtensors if _writes(w)]
+            for index, held in enumerate(recording.captured_held):
+                traced = recording.captured_dtensors.get(id(held)) if isinstance(held, DTensor) else None
+                if traced is not None and _writes(traced):
+                    found.append((index, _writes(traced)))
+        return found
+
     def respecced(self) -> InputPath | None:
         """The path of a DTensor input whose spec the traced code changed in place
         (``squeeze_`` re-indexing a ``Shard``, an ``out=`` of other placements); None."""
@@ -284,6 +297,10 @@ class InputProxifier:
         if value.requires_grad:
             self.differentiable.append((proxy, wrapped))
         return wrapped, node
+
+
+def _writes(traced: DTensor) -> int:
+    return 0 if traced.is_inference() else traced._version  # (an inference tensor counts none)
 
 
 def _requires_grad(node: InputNode) -> bool:

@@ -153,3 +153,13 @@ class ModuleState:
                 described = describe(value, f"the module attribute {path!r}")
             updates.append(ModuleUpdate(module, table, key, described, path))
         return updates
+
+
+def tensor_attributes(module: torch.nn.Module):
+    """``(dotted name, tensor)`` for each plain tensor attribute of the module and its
+    submodules (a cached mask, say): neither parameters nor buffers, but read at every
+    call like them, so that assigning a new tensor is seen."""
+    for owner_name, owner in module.named_modules(remove_duplicate=False):
+        for attr, value in vars(owner).items():
+            if isinstance(value, torch.Tensor):
+                yield (f"{owner_name}.{attr}" if owner_name else attr), value

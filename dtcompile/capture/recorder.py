@@ -88,7 +88,7 @@ class Recording:
         self.snapshot = None  # a DataSnapshot of the user's data the traced code must not change
         self.captured_held: list[torch.Tensor] = []  # what the program holds of each: the tensor, or its DTensor
         self.captured_flags: list[tuple[torch.Tensor, str, tuple]] = []  # (a closed-over tensor, where, grad_state)
-        self._captured_dtensors: dict[int, DTensor] = {}  # id of a closed-over DTensor -> its traced stand-in
+        self.captured_dtensors: dict[int, DTensor] = {}  # id of a closed-over DTensor -> its traced stand-in
         self.dtensor_modes = DTensorModes()  # entered inside the call (loss_parallel): kept for the backward
         self.call_log = None  # a layer's torch-level calls logged, or checked against a log (``verified.py``)
         self.made_again: set[int] = set()  # ids of tensors made, not dispatched (``tensor_versions``)
@@ -213,19 +213,19 @@ class Recording:
         called inside a loss function): a DTensor around the captured proxy of its local
         tensor, with its spec, so that its ops are recorded and run at every call, and
         gradients flow to it when it requires grad."""
-        traced = self._captured_dtensors.get(id(real))
+        traced = self.captured_dtensors.get(id(real))
         if traced is None:
             proxy = self.capture(real._local_tensor)
             self.captured_held[next(i for i, p in enumerate(self.captured_proxies) if p is proxy)] = real
             traced = make_dtensor(proxy, real._spec, requires_grad=real.requires_grad)
             self.captured_flags.append((traced, _closed_over(real), grad_state(traced)))  # what the code uses
-            self._captured_dtensors[id(real)] = traced
+            self.captured_dtensors[id(real)] = traced
         return traced
 
     def respecced(self) -> str | None:
         """What names a closed-over DTensor whose spec the traced code changed in place; None."""
         for held in self.captured_held:
-            if isinstance(held, DTensor) and not same_spec(self._captured_dtensors[id(held)]._spec, held._spec):
+            if isinstance(held, DTensor) and not same_spec(self.captured_dtensors[id(held)]._spec, held._spec):
                 return _closed_over(held)
         return None
 
@@ -238,7 +238,7 @@ class Recording:
                 # A DTensor's stand-in; a plain tensor as it is, or its proxy where it is no
                 # leaf (``closed_over.needs_stand_in``)
                 traced = held if held.grad_fn is None else proxy
-                found.append((proxy, self._captured_dtensors[id(held)] if isinstance(held, DTensor) else traced))
+                found.append((proxy, self.captured_dtensors[id(held)] if isinstance(held, DTensor) else traced))
         return found
 
     def _captured_tensor(self, x):

@@ -47,7 +47,7 @@ from .input_fakes import InputFakes
 from .input_nodes import DictInput, DTensorInput, InputNode, ObjectInput, SequenceInput, brings_proxy, iter_leaves
 from .inputs import InputProxifier
 from .method_checks import effects_refused, retained_outputs
-from .module_state import ModuleState, ModuleUpdate
+from .module_state import ModuleState, ModuleUpdate, tensor_attributes
 from .objects import AttributeUpdate, respec_refusal
 from .outlining import outline
 from .outputs import OutputCollector, OutputNode
@@ -100,6 +100,7 @@ class CapturedCall:
     # Attributes the forward assigned on the module's submodules, made again after each call.
     module_updates: list[ModuleUpdate] = field(default_factory=list)
     input_fakes: InputFakes | None = None  # the fakes of the real tensors that entered the trace
+    dtensor_writes: list = field(default_factory=list)  # (``Proxifier.written_dtensors``): versions to count
 
     @property
     def python_state(self) -> PythonState:
@@ -182,7 +183,7 @@ def _capture(
         for kind, named in (
             ("params", module.named_parameters(remove_duplicate=False)),
             ("buffers", module.named_buffers(remove_duplicate=False)),
-            ("attributes", _tensor_attributes(module)),
+            ("attributes", tensor_attributes(module)),
         ):
             for name, tensor in named:
                 # A tensor under a second name (tied weights, an argument the module also
@@ -353,6 +354,7 @@ def _capture(
     )
     verify(trace)
     meshes = list({id(node.spec.mesh): node.spec.mesh for node in proxifier.dtensor_inputs}.values())
+    dtensor_writes = proxifier.written_dtensors(recording)
     return CapturedCall(
         trace,
         inputs,
@@ -367,6 +369,7 @@ def _capture(
         updates,
         module_updates,
         recording.fakes,
+        dtensor_writes,
     )
 
 
@@ -379,16 +382,6 @@ def _repeated_blocks(recording: Recording, module_state: ModuleState, fsdp: FSDP
 
 
 REPLAY_BLOCKS = True  # False traces every block (tests compare the two programs)
-
-
-def _tensor_attributes(module: torch.nn.Module):
-    """``(dotted name, tensor)`` for each plain tensor attribute of the module and its
-    submodules (a cached mask, say): neither parameters nor buffers, but read at every
-    call like them, so that assigning a new tensor is seen."""
-    for owner_name, owner in module.named_modules(remove_duplicate=False):
-        for attr, value in vars(owner).items():
-            if isinstance(value, torch.Tensor):
-                yield (f"{owner_name}.{attr}" if owner_name else attr), value
 
 
 def _input_note(node) -> str:

@@ -259,6 +259,7 @@ class CompiledFunction:
                 shape_env=captured.shape_env if symbolic else None,
                 objects=captured.objects,
                 input_labels=_computation_inputs(captured),
+                dtensor_writes=captured.dtensor_writes,
             ),
             run=run,
             epilogue=epilogue,

@@ -1,7 +1,9 @@
-"""Runtime helpers the generated prologues call when a fast identity check fails, and the
-error of a guard no prologue can make."""
+"""Runtime helpers the generated prologues call when a fast identity check fails, the error
+of a guard no prologue can make, and a prologue's lines that count a call's DTensor writes."""
 
 from __future__ import annotations
+
+from torch.autograd.graph import increment_version
 
 from ..core import TracingError
 
@@ -34,3 +36,19 @@ def unbound_sizes(symbols) -> TracingError:
         "tensors of the call share memory in a way symbolic sizes do not describe (an argument that views a "
         "tensor the module holds, say). Pass a copy (.clone()), or use cache='constant values'"
     )
+
+
+def writes_counted(b, dtensor_writes) -> None:
+    """The prologue's last lines, once the call is accepted: each DTensor the call writes in
+    place (``Proxifier.written_dtensors``: a node, or a closed-over DTensor's index) gets
+    the writes DTensor counts on its version, which the program's writes to the local do not."""
+    for written, count in dtensor_writes:
+        var = f"CAPTURED{written}" if isinstance(written, int) else b.tensor_vars[id(written)]
+        b.globals["count_writes"] = count_writes
+        b.lines.append(f"    count_writes({var}, {count})")
+
+
+def count_writes(tensor, count: int) -> None:
+    if not tensor.is_inference():  # (an inference tensor counts none)
+        for _ in range(count):
+            increment_version(tensor)

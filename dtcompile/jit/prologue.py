@@ -47,7 +47,7 @@ from .batched_guards import (
     reached_otherwise,
     stand_in,
 )
-from .guards import meshes_match, spec_matches, unbound_sizes
+from .guards import meshes_match, spec_matches, unbound_sizes, writes_counted
 from .state_guards import global_state_checks, state_checks
 
 
@@ -341,24 +341,23 @@ def build_prologue(
     shape_env=None,
     objects: list[ObjectInput] = (),
     input_labels: list[str] | None = None,
+    dtensor_writes=(),
 ) -> GeneratedFunction:
-    """The prologue of one cache entry (see the module docstring), for a call traced with
-    grad mode ``grad_enabled`` and under ``global_state``. With
-    ``unwrap_differentiable=False`` it returns a DTensor that requires grad itself, not its
-    local tensor. With a ``shape_env`` (symbolic values) it binds the symbolic sizes and
-    checks the ShapeEnv's guards. After the computation's inputs it returns ``objects``
-    (input objects the epilogue updates or returns). ``input_labels``: the computation's
-    inputs, in order; the results are checked against them as the prologue is built."""
+    """The prologue of one cache entry (see the module docstring), for a call traced with grad mode
+    ``grad_enabled`` and under ``global_state``. With ``unwrap_differentiable=False`` it returns a DTensor
+    that requires grad itself, not its local tensor. With a ``shape_env`` (symbolic values) it binds the
+    symbolic sizes and checks the ShapeEnv's guards. After the computation's inputs it returns ``objects``
+    (input objects the epilogue updates or returns). ``input_labels``: the computation's inputs, in order;
+    the results are checked against them as the prologue is built. Last, it counts ``dtensor_writes``."""
     b = _Builder(unwrap_differentiable)
     b.fail_if(f"torch.is_grad_enabled() is not {grad_enabled}")
     global_state_checks(b, global_state)
     # The arguments first: a call an entry does not fit usually fails there, cheaply.
     b.node(inputs.args, "args")
     b.node(inputs.kwargs, "kwargs")
-    # The module tree, then the Python values read: a module's attributes are read from
-    # the modules traced. Global module hooks (debugging tools such as CommDebugMode
-    # install them) are not guarded: they ran while tracing, and run again only when a
-    # call compiles.
+    # The module tree, then the Python values read: a module's attributes are read from the modules
+    # traced. Global module hooks (debugging tools such as CommDebugMode install them) are not
+    # guarded: they ran while tracing, and run again only when a call compiles.
     sources = state_checks(b, module, inputs.python_state)
     if module is not None:
         module_tensors(b, module, inputs, sources)
@@ -396,5 +395,6 @@ def build_prologue(
         )
     # Input objects, and DTensors returned as the caller's own (bound as tensors).
     b.results += [b.object_vars.get(id(node)) or b.tensor_vars[id(node)] for node in objects]
+    writes_counted(b, dtensor_writes)
     lines = ["def prologue(module, args, kwargs):", *b.lines, f"    return {b.tuple_of(b.results)}"]
     return GeneratedFunction("prologue", lines, b.globals, "prologue: guards the call and unpacks its inputs")
