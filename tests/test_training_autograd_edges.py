@@ -146,8 +146,28 @@ def _gradient_transform_inside(x, w):
 def test_torch_func_gradient_transforms_are_refused_saying_what_to_write(cache):
     # The refusal told to apply torch.func transforms inside the call, which this one does.
     x, w = torch.randn(3), torch.randn(3)
-    with pytest.raises(dtcompile.TracingError, match="torch.func's gradient transforms .* torch.autograd.grad"):
+    with pytest.raises(dtcompile.TracingError, match="torch.func's transforms .* torch.autograd.grad"):
         dtcompile.jit(_gradient_transform_inside, cache=cache)(x, w)
+
+
+def _squashed(x, w):
+    return torch.tanh(x @ w).pow(2).sum()
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_torch_func_around_a_compiled_call_is_refused_once_it_holds_a_training_entry(cache):
+    # A warm entry's guards took the transform's wrapped tensor; its autograd Function then
+    # raised torch's error about a Function the user never wrote.
+    x, w = torch.randn(4, 3), torch.randn(3, 5)
+    jf = dtcompile.jit(_squashed, cache=cache)
+    jf(x, w.clone().requires_grad_())
+    with pytest.raises(dtcompile.TracingError, match="torch.func's transforms .*torch.func.grad around"):
+        torch.func.grad(jf, argnums=1)(x, w)
+    with pytest.raises(dtcompile.TracingError, match="torch.func's transforms"):
+        torch.func.vmap(jf, (None, 0))(x, w.clone().requires_grad_()[None].expand(2, 3, 5))
+    # Cold, vmap is refused while tracing, with the same advice.
+    with pytest.raises(dtcompile.TracingError, match="torch.func's transforms .*BatchedTensorImpl"):
+        torch.func.vmap(dtcompile.jit(_squashed, cache=cache), (0, None))(x[None].expand(2, 4, 3), w)
 
 
 _BASE = torch.randn(4, 3, requires_grad=True)

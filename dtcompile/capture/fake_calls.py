@@ -120,6 +120,16 @@ def refuse_metadata_changes(func, proxies: list, call: str | None) -> None:
 _NO_DATA = ("data is not allocated yet", "Cannot access storage of", "Cannot access data pointer of")
 
 
+def functorch_refusal(detail: str) -> TracingError:
+    """The clear error for a torch.func transform inside a compiled call or around one."""
+    return TracingError(
+        "dtcompile.jit: torch.func's transforms (grad, vjp, jacrev, hessian, vmap) cannot be traced, inside a "
+        "compiled call or around one: the tensors they wrap hide the traced ones. Inside the call, compute "
+        "gradients with torch.autograd.grad(..., create_graph=True); around it, compile the function the "
+        f"transform calls, not the transform ({detail})"
+    )
+
+
 def storage_refusal(error: Exception) -> TracingError | None:
     """The clear error for code that reached a traced tensor's data outside torch's ops
     (``torch.Tensor([t0, t1])``, ``FloatTensor``, a closed-over sparse or MKL-DNN tensor,
@@ -128,13 +138,8 @@ def storage_refusal(error: Exception) -> TracingError | None:
         return None
     if not any(text in str(error) for text in _NO_DATA):
         return None
-    if "TensorWrapper" in str(error):  # functorch's wrapper of a tensor a gradient transform tracks
-        return TracingError(
-            "dtcompile.jit: torch.func's gradient transforms (grad, vjp, jacrev, hessian) cannot be traced, inside "
-            "a compiled call or around one: the tensors they wrap hide the traced ones. Inside the call, compute "
-            "gradients with torch.autograd.grad(..., create_graph=True); around it, compile the function the "
-            f"transform calls, not the transform ({str(error).splitlines()[0]})"
-        )
+    if any(name in str(error) for name in ("TensorWrapper", "BatchedTensorImpl")):  # torch.func's wrappers
+        return functorch_refusal(str(error).splitlines()[0])
     return TracingError(
         f"dtcompile.jit: the traced code reads a tensor's data outside torch's ops ({str(error).splitlines()[0]}), "
         "which a traced tensor does not have: build tensors with torch.stack / torch.cat, keep sparse and "

@@ -244,6 +244,12 @@ def dtensor_refused_symbols(error: BaseException) -> bool:
     return False
 
 
+def functorch_transform() -> str | None:
+    """The torch.func transform running now (``grad``, ``vmap``, ...), or None."""
+    interpreter = torch._C._functorch.peek_interpreter_stack()
+    return None if interpreter is None else interpreter.key().name.lower()
+
+
 def dispatch_modes_off():
     """No torch dispatch mode active (as inside a mode's ``__torch_dispatch__``)."""
     from torch.utils._python_dispatch import _disable_current_modes

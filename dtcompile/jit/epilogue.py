@@ -7,6 +7,7 @@ constructor (no dispatch, no redistribution), and rebuilds the containers around
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 
@@ -209,3 +210,23 @@ def build_output_wrapper(output: OutputNode, slots: int) -> GeneratedFunction:
     result = f"({', '.join(wrapped)}{',' if slots == 1 else ''})"
     lines = ["def wrap_outputs(outs):", *b.statements, f"    return {result}"]
     return GeneratedFunction("wrap_outputs", lines, b.globals, "wraps a training step's local outputs")
+
+
+def views_made_own(outs, slots: int, inputs: list):
+    """``outs`` with each output that views memory nothing else the step has or returns
+    holds (``(x * 2).t()``: its base was the program's own) made a tensor of its own on that
+    memory. Eager's is a view of an intermediate, which the caller may change in place;
+    a custom Function's output that is a view may not be."""
+    views = [i for i in range(slots) if isinstance(outs[i], torch.Tensor) and outs[i]._base is not None]
+    if not views:
+        return outs
+    outs, memory = list(outs), collections.Counter()
+    for t in (*outs, *inputs):
+        if isinstance(t, torch.Tensor):
+            memory[t.untyped_storage()._cdata] += 1
+    for i in views:
+        t = outs[i]
+        if memory[t.untyped_storage()._cdata] == 1 and not (t.is_conj() or t.is_neg()):
+            own = torch.empty(0, dtype=t.dtype, device=t.device)
+            outs[i] = own.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    return outs

@@ -14,7 +14,6 @@ traced: the Function saves its own values without them; other hooks than traced:
 
 from __future__ import annotations
 
-import collections
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from ..capture import with_plain_sizes
 from ..capture.autograd import users_code_reached
+from ..capture.fake_calls import functorch_refusal
 from ..capture.global_state import autocast_devices, autocast_off
 from ..core import TensorProxy, TracingError
 from ..core.codegen import GeneratedFunction
@@ -31,12 +31,13 @@ from ..core.torch_internals import (
     DTensorSpec,
     compute_global_tensor_info,
     function_modes_off,
+    functorch_transform,
     make_dtensor,
     saved_tensors_hooks,
 )
 from ..core.trace import Zeros
 from ..transforms.effects import mutates
-from .epilogue import build_epilogue, build_output_wrapper, dtensor_outputs, with_sizes
+from .epilogue import build_epilogue, build_output_wrapper, dtensor_outputs, views_made_own, with_sizes
 from .saved_hooks import same_saved_hooks
 
 
@@ -197,7 +198,7 @@ class TrainingProgram:
 
     def __call__(self, inputs: tuple):
         hooks = saved_tensors_hooks()
-        if hooks is None and self.saved_hooks is None:
+        if hooks is None and self.saved_hooks is None and functorch_transform() is None:
             outs = CompiledStep.apply(self, *inputs)
         else:
             outs = self._apply_under_hooks(hooks, inputs)
@@ -220,7 +221,10 @@ class TrainingProgram:
         Traced under them, the programs do what they did to each tensor autograd saved
         (pack in the forward, unpack in the backward): the Function saves its values
         without them, else they would apply twice. A step traced under other hooks than
-        the call's (or none) would give other gradients than eager's: refused."""
+        the call's (or none) would give other gradients than eager's: refused. (So is a call
+        under a torch.func transform, whose wrapped tensors a custom Function cannot take.)"""
+        if (transform := functorch_transform()) is not None:
+            raise functorch_refusal(f"torch.func.{transform} around a call with gradients")
         if not same_saved_hooks(hooks, self.saved_hooks):
             raise TracingError(
                 "dtcompile.jit: this training call was compiled "
@@ -265,7 +269,7 @@ class CompiledStep(torch.autograd.Function):
             raise RuntimeError(_SAVED_INFERENCE)
         versions = [local_inputs[i]._version for i in program.read_back]
         ctx.dtensor_versions = [(i, inputs[i], inputs[i]._version) for i in program.dtensors_read_back]
-        outs = _views_made_own(program.forward(*local_inputs), program.slots, local_inputs)
+        outs = views_made_own(program.forward(*local_inputs), program.slots, local_inputs)
         ctx.program = program
         ctx.arrived_before = 0  # the outputs earlier backwards had gradients of (bit i: cotangents[i])
         ctx.written = [i for i, v in zip(program.read_back, versions) if local_inputs[i]._version != v]
@@ -365,26 +369,6 @@ class CompiledStep(torch.autograd.Function):
             if not gradient.sources or gradient.sources & arrived:
                 result[1 + gradient.position] = gradient.wrap(grad, shape)
         return tuple(result)
-
-
-def _views_made_own(outs, slots: int, inputs: list):
-    """``outs`` with each output that views memory nothing else the step has or returns
-    holds (``(x * 2).t()``: its base was the program's own) made a tensor of its own on that
-    memory. Eager's is a view of an intermediate, which the caller may change in place;
-    a custom Function's output that is a view may not be."""
-    views = [i for i in range(slots) if isinstance(outs[i], torch.Tensor) and outs[i]._base is not None]
-    if not views:
-        return outs
-    outs, memory = list(outs), collections.Counter()
-    for t in (*outs, *inputs):
-        if isinstance(t, torch.Tensor):
-            memory[t.untyped_storage()._cdata] += 1
-    for i in views:
-        t = outs[i]
-        if memory[t.untyped_storage()._cdata] == 1 and not (t.is_conj() or t.is_neg()):
-            own = torch.empty(0, dtype=t.dtype, device=t.device)
-            outs[i] = own.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
-    return outs
 
 
 def _read_back(joint, inputs: list, by_memory: bool = False) -> tuple:
