@@ -389,3 +389,36 @@ def test_bool_of_a_tensor_of_several_elements_raises_eagers_error(cache):
 
     with pytest.raises(RuntimeError, match="Boolean value of Tensor with more than one value is ambiguous"):
         dtcompile.jit(fn, cache=cache)(torch.randn(4, 3))
+
+
+_BOOLS_READ = {
+    "returned": lambda x: (x * 2, (x.sum() > 0).item()),
+    "a factor": lambda x: x * (x.sum() > 0).item(),
+    "any, returned": lambda x: (x.exp(), (x > 1).any().item()),
+    "tolist of a mask": lambda x: ((x * 3).sum(), (x[0] > 0).tolist()),
+}
+
+
+def _first(result):
+    return result[0] if isinstance(result, tuple) else result
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("case", list(_BOOLS_READ))
+def test_a_bool_read_from_data_in_a_call_with_gradients(case, cache):
+    # A bool read is Eq(u0, 1): dead-code elimination and the forward's saved numbers looked
+    # it up by its expression where they knew symbols, and the call raised that u0 was held
+    # by no tensor.
+    fn = _BOOLS_READ[case]
+    jf = dtcompile.jit(fn, cache=cache)
+    for seed in range(3):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed))
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        expected, got = fn(xe), jf(xc)
+        assert_same(_first(got).detach(), _first(expected).detach())
+        if isinstance(expected, tuple):
+            assert got[1] == expected[1] and type(got[1]) is type(expected[1])
+        _first(expected).sum().backward()
+        _first(got).sum().backward()
+        assert_same(xc.grad, xe.grad)
+    assert dtcompile.cache_misses(jf) == 1

@@ -52,7 +52,12 @@ def dce(trace: Trace) -> Trace:
     kept = []
     for bsym in reversed(symbols):
         number = bsym.output if isinstance(bsym.output, NumberProxy) else None
-        read = number is not None and isinstance(number.provenance, FromData) and number.expr in live_symbols
+        # (a bool read is ``Eq(u0, 1)``: by its symbol)
+        read = (
+            number is not None
+            and isinstance(number.provenance, FromData)
+            and bool(number.expr.free_symbols & live_symbols)
+        )
         # A collective is kept though nothing reads it: every rank runs it in eager, and a
         # rank whose code does not use its result (``if rank == 0``) must still meet its peers.
         kept_anyway = has_side_effects(bsym) or is_communication(bsym.op)

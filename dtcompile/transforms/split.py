@@ -172,10 +172,11 @@ def split_forward_backward(
         if proxy.label not in seen:
             seen.add(proxy.label)
             saved.append(proxy)
-    read_from_data = {
-        b.output.expr: b.output
+    read_from_data = {  # by its symbol (a bool read is ``Eq(u0, 1)``)
+        symbol: b.output
         for b in forward_symbols
         if isinstance(b.output, NumberProxy) and isinstance(b.output.provenance, FromData)
+        for symbol in b.output.expr.free_symbols
     }
     available = [p for p in saved if isinstance(p, TensorProxy)] + list(cotangents)
     holders, size_reads = _holders_of_missing_sizes(backward_only, available, primals, read_from_data)
