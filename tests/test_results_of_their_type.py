@@ -6,6 +6,7 @@ import array
 import collections
 import dataclasses
 import enum
+import functools
 import types
 
 import pytest
@@ -274,3 +275,87 @@ def test_a_dict_keyed_by_a_str_enum_member_is_not_the_entry_of_the_equal_string(
     for key in ("x", _StrEnum.X, "x"):
         got = jitted(torch.ones(2), {key: torch.ones(2)})
         assert got[1] is key and got[2] == type(key).__name__
+
+
+def _helper(a, b=0):
+    return a + b
+
+
+def _closures_made(x, scale: float):
+    def scaled(v):
+        return v * scale
+
+    return x * 2, scaled, lambda: scale, functools.partial(_helper, b=1), _helper
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_functions_and_partials_the_call_makes_are_made_anew_at_each_call(cache):
+    # They were the ones made while tracing: an attribute one caller set, or a partial's
+    # keywords changed, showed in every later call's result.
+    jf = dtcompile.jit(_closures_made, cache=cache)
+    first = jf(torch.ones(2), 3.0)
+    first[1].calls = 1
+    first[3].keywords["b"] = 100
+    second = jf(torch.ones(2), 3.0)
+    assert second[1] is not first[1] and not hasattr(second[1], "calls") and second[1](2.0) == 6.0
+    assert second[2] is not first[2] and second[2]() == 3.0
+    assert second[3] is not first[3] and second[3](1) == 2 and second[3].func is _helper
+    assert second[4] is _helper  # one there before the call: itself, as in eager
+    assert jf(torch.ones(2), 4.0)[1](2.0) == 8.0
+
+
+def _counter_made(x):
+    count = []
+
+    def step():
+        count.append(1)
+        return len(count)
+
+    return x + 1, step
+
+
+def _nonlocal_made(x):
+    n = 0
+
+    def step():
+        nonlocal n
+        n += 1
+        return n
+
+    return x + 1, step
+
+
+class _Acc:
+    def __init__(self):
+        self.items = []
+
+    def add(self, v):
+        self.items.append(v)
+
+
+def _bound_method_made(x):
+    return x + 1, _Acc().add
+
+
+def _class_made(x):
+    class Local:
+        hits = []
+
+    return x + 1, Local
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize(
+    "fn, named",
+    [
+        (_counter_made, "the list 'count' it closes over"),
+        (_nonlocal_made, "the variable 'n' it rebinds"),
+        (_bound_method_made, "the _Acc it is bound to"),
+        (_class_made, "a class defined in the function"),
+    ],
+)
+def test_a_function_the_call_makes_keeping_its_state_is_refused(fn, named, cache):
+    # Eager's is made anew at each call; the compiled call's was one object, whose state
+    # (a counter, a list) carried from one call's result into the next one's.
+    with pytest.raises(dtcompile.TracingError, match=f"made inside the call, which keeps state of the call \\({named}"):
+        dtcompile.jit(fn, cache=cache)(torch.ones(2))

@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from ..core import TensorProxy, TracingError
 from ..core.symbolic import SYMBOLIC_TYPES, as_constant, is_symbolic
 from ..core.torch_internals import TensorMeta, mask_buffer
+from .made_callables import check_remakable, made_in_call
 from .objects import MODULES_MADE, StateObjects, holds_proxies, is_rebuildable_object, object_state, plain_object
 from .user_code import is_library
 
@@ -35,6 +36,7 @@ class OutputNode:
 class ConstantOutput(OutputNode):
     value: object
     copied: bool = False  # a container holding no tensor the call made (a set): a copy at each call
+    remade: bool = False  # a function or partial the call made, keeping none of its state: made anew
 
 
 @dataclass
@@ -243,6 +245,9 @@ class OutputCollector:
                 f"dtcompile.jit: {where} holds a {type(value).__name__} (an iterator, a generator, a dict's view), "
                 "whose items the compiled call cannot tell without running it; return a list or a dict instead"
             )
+        if made_in_call(value, self._existing()):  # (a closure, a partial): made anew, or refused
+            check_remakable(value, self._existing(), where)
+            return ConstantOutput(value, remade=True)
         # Made by the call (not reached from what it read of Python state), holding no
         # tensor: made anew at each call, as eager's.
         if _mutable_kind(value) and id(value) not in self._existing():

@@ -29,6 +29,7 @@ from ..capture import (
     TensorOutput,
     new_object,
 )
+from ..capture.made_callables import remade
 from ..core.codegen import GeneratedFunction, literal_or_global
 from ..core.torch_internals import DTensorSpec, TensorMeta, keep_mask
 
@@ -119,6 +120,9 @@ class _Builder:
         if isinstance(node, (TensorOutput, NumberOutput)):
             return f"outs[{node.index}]"
         if isinstance(node, ConstantOutput):
+            if node.remade:
+                self.globals["remade"] = remade
+                return f"remade({self.constant(node.value, 'MADE')})"
             if node.copied:
                 self.globals["deepcopy"] = copy.deepcopy
                 return f"deepcopy({self.constant(node.value, 'MADE')})"
