@@ -83,6 +83,12 @@ class DTensorOutput(OutputNode):
     # Whether it is a DTensor input of the call itself (not a new DTensor around its local
     # tensor, as a redistribute to the same placements makes).
     given: bool = False
+    # Eager's is an autograd view of (``x[:, 1:]``; ``link_views``): another DTensor output,
+    # a DTensor of the call (its index in the epilogue's objects, without gradients), or a
+    # DTensor input of a training step (its local tensor's label).
+    view_of_output: DTensorOutput | None = None
+    view_of_object: int | None = None
+    view_of_input: str | None = None
 
 
 @dataclass
@@ -158,6 +164,7 @@ class OutputCollector:
         # ``python_reads.Read``): objects there before the call, returned as they are.
         self.reads: list = []
         self._existing_ids: set[int] | None = None
+        self._views: list[tuple[DTensorOutput, DTensor]] = []  # (a DTensor output, the DTensor it views)
 
     def _slot(self, proxy: TensorProxy, value=None) -> int:
         self.proxies.append(proxy)
@@ -292,15 +299,35 @@ class OutputCollector:
                 masks.append((i, self._slot(buffer.data)))
                 self.mask_buffers.append(buffer)
         meta = value._spec.tensor_meta
+        base = value._base
         flag = {
             "local_requires_grad": value._local_tensor.requires_grad,
             "given": self._call_dtensors.get(id(value)) is value,
         }
         if not any(is_symbolic(x) for x in (*meta.shape, *meta.stride)):
-            return DTensorOutput(slot, with_plain_sizes(value._spec), value.requires_grad, tuple(masks), **flag)
-        shape = tuple(self._size(x) for x in meta.shape)
-        stride = tuple(self._size(x) for x in meta.stride)
-        return DTensorOutput(slot, value._spec, value.requires_grad, tuple(masks), shape, stride, **flag)
+            node = DTensorOutput(slot, with_plain_sizes(value._spec), value.requires_grad, tuple(masks), **flag)
+        else:
+            shape = tuple(self._size(x) for x in meta.shape)
+            stride = tuple(self._size(x) for x in meta.stride)
+            node = DTensorOutput(slot, value._spec, value.requires_grad, tuple(masks), shape, stride, **flag)
+        if isinstance(base, DTensor) and not node.given:
+            self._views.append((node, base))
+        return node
+
+    def link_views(self) -> None:
+        """Each DTensor output eager makes a view of a DTensor output or a DTensor of the
+        call (``x[:, 1:]``, ``y.t()``) names it (the program's local tensor is a view of the
+        base's; the epilogue makes the DTensor one too, sharing its version counter, and
+        within a training step autograd then refuses writes through it, as through a plain
+        tensor's). Called once the result and the updates are described."""
+        for node, base in self._views:
+            returned = self._dtensors.get(id(base))
+            if returned is not None and returned[0] is base:
+                node.view_of_output = returned[1]
+            elif self._call_dtensors.get(id(base)) is base:
+                node.view_of_object = self.objects.index_of(base)
+                node.view_of_input = base._local_tensor.label if node.view_of_object is None else None
+        self._views.clear()
 
     def _new_object(self, value: object, where: object) -> NewObjectOutput:
         if id(value) in self._describing:

@@ -272,6 +272,7 @@ def _capture(
             attribute_writes_refused(proxifier.traced_tensors(), collector.values)
             retained_outputs(recording, collector.values)
             updates = proxifier.objects.updates(collector.describe)
+            collector.link_views()
             if training and proxifier.objects.needed:
                 raise TracingError(
                     "dtcompile.jit: a call that needs gradients returns or changes an input object "

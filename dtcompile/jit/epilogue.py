@@ -13,6 +13,7 @@ import dataclasses
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..capture import (
     ConstantOutput,
@@ -51,6 +52,26 @@ def with_sizes(spec: DTensorSpec, shape: tuple, stride: tuple) -> DTensorSpec:
     return made
 
 
+class _Answer(TorchDispatchMode):
+    """Answers the op dispatched under it with ``made``."""
+
+    def __init__(self, made: DTensor):
+        super().__init__()
+        self.made = made
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.made
+
+
+def as_view_of(base: DTensor, made: DTensor) -> DTensor:
+    """``made`` (a DTensor just made, around a view of ``base``'s local tensor) as an autograd
+    view of ``base``, as eager's (``x[:, 1:]``): sharing its version counter, ``_base`` it,
+    and inside a custom Function refused in-place writes. Autograd makes a view of what a
+    view op returns; the op, answered with ``made`` below it, runs no DTensor dispatch."""
+    with _Answer(made):
+        return torch.ops.aten.as_strided.default(base, made.shape, made.stride(), made.storage_offset())
+
+
 def requiring_grad(dtensor: DTensor) -> DTensor:
     """``dtensor`` with its local tensor (its own, detached) marked as requiring grad."""
     dtensor._local_tensor.requires_grad_()
@@ -63,6 +84,7 @@ class _Builder:
         self.statements: list[str] = []
         self._made: dict[int, str] = {}  # id of a DTensor (or shared) output node -> the variable it is made in
         self.uses: dict[int, int] = {}  # id of a node -> how many places of the result hold it
+        self.input_positions: dict[str, int] = {}  # a training step's DTensor inputs: local label -> position
 
     def constant(self, obj: object, prefix: str) -> str:
         return literal_or_global(obj, self.globals, prefix)
@@ -72,9 +94,23 @@ class _Builder:
         would; under symbolic values the spec is made anew with this call's global sizes.
         Made once, in a variable: a DTensor the call returns twice (``y, y``) is one object."""
         if id(node) not in self._made:
+            made = self._new_dtensor(node)
+            base = self._view_base(node)
+            if base is not None:  # eager's is an autograd view of ``base``
+                self.globals["as_view_of"] = as_view_of
+                made = f"as_view_of({base}, {made})"
             self._made[id(node)] = name = f"d{len(self._made)}"
-            self.statements.append(f"    {name} = {self._new_dtensor(node)}")
+            self.statements.append(f"    {name} = {made}")
         return self._made[id(node)]
+
+    def _view_base(self, node: DTensorOutput) -> str | None:
+        if node.view_of_output is not None:
+            return self.dtensor(node.view_of_output)
+        if node.view_of_object is not None:
+            return f"objs[{node.view_of_object}]"
+        if node.view_of_input is not None and node.view_of_input in self.input_positions:
+            return f"inputs[{self.input_positions[node.view_of_input]}]"
+        return None
 
     def _new_dtensor(self, node: DTensorOutput) -> str:
         spec = self.constant(node.spec, "SPEC")
@@ -204,15 +240,18 @@ def build_epilogue(output: OutputNode, wrap: bool = True, updates=(), module_upd
     return GeneratedFunction("epilogue", lines, b.globals, "epilogue: rebuilds the result from the local outputs")
 
 
-def build_output_wrapper(output: OutputNode, slots: int) -> GeneratedFunction:
-    """``wrap_outputs(outs)``: each of the ``slots`` local outputs as the call returns it
-    (DTensor slots wrapped), flat, for a training step's autograd function to return."""
+def build_output_wrapper(output: OutputNode, slots: int, input_positions: dict[str, int]) -> GeneratedFunction:
+    """``wrap_outputs(outs, inputs)``: each of the ``slots`` local outputs as the call returns
+    it (DTensor slots wrapped; one eager makes a view of a DTensor of ``inputs``, the step's,
+    at ``input_positions`` by its local tensor's label, a view of it), flat, for a training
+    step's autograd function to return."""
     b = _Builder()
+    b.input_positions = input_positions
     wrapped = [f"outs[{i}]" for i in range(slots)]
     for node in dtensor_outputs(output):
         wrapped[node.index] = b.dtensor(node)
     result = f"({', '.join(wrapped)}{',' if slots == 1 else ''})"
-    lines = ["def wrap_outputs(outs):", *b.statements, f"    return {result}"]
+    lines = ["def wrap_outputs(outs, inputs):", *b.statements, f"    return {result}"]
     return GeneratedFunction("wrap_outputs", lines, b.globals, "wraps a training step's local outputs")
 
 

@@ -167,13 +167,16 @@ class TrainingProgram:
             if grad is not None
         ]
         traced_slots = set(backward_capture.cotangent_slots)
-        dtensors = [
-            position[p.label] for p, traced in backward_capture.differentiable_values if isinstance(traced, DTensor)
+        dtensor_positions = [
+            (p, position[p.label])
+            for p, traced in backward_capture.differentiable_values
+            if isinstance(traced, DTensor)
         ]
+        dtensors = [i for _, i in dtensor_positions]
         return TrainingProgram(
             forward=forward,
             backward=backward,
-            wrap_outputs=build_output_wrapper(output, slots),
+            wrap_outputs=build_output_wrapper(output, slots, {p.label: i for p, i in dtensor_positions}),
             rebuild=build_epilogue(output, wrap=False),
             slots=slots,
             dtensor_inputs=dtensors,
@@ -286,7 +289,7 @@ class CompiledStep(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.local_shapes = [outs[c.slot].shape for c in program.cotangents]
         ctx.input_shapes = [inputs[g.position].shape if g.sizes_per_call else None for g in program.gradients]
-        wrapped = program.wrap_outputs.fn(outs[: program.slots])
+        wrapped = program.wrap_outputs.fn(outs[: program.slots], inputs)
         ctx.mark_non_differentiable(*(wrapped[i] for i in program.non_differentiable))
         return wrapped
 

@@ -880,3 +880,53 @@ def non_leaf_dtensor_written(placement: str) -> list[str]:
 def test_a_write_to_a_non_leaf_dtensor_argument_is_a_clear_error(placement, ranks2):
     for written in ranks2.run(non_leaf_dtensor_written, placement):
         assert written == list(_NON_LEAF_WRITES) * 2
+
+
+_DTENSOR_VIEWS = {
+    "x[:, 1:]": lambda x: x[:, 1:],
+    "x.t()": lambda x: x.t(),
+    "x.view(-1) of a Replicate": lambda x: x.redistribute(x.device_mesh, [Replicate()]).view(-1),
+    "(y, y[:, 1:])": lambda x: (lambda y: (y, y[:, 1:]))(x * 2),
+    "(y[1:], y)": lambda x: (lambda y: (y[1:], y))(x * 2),
+}
+
+
+def dtensor_views_returned(cache: str) -> list:
+    """A DTensor output eager makes a view of a DTensor argument or of another output: the
+    compiled one is one too (its ``_base``, its version counter: a write through it counts
+    on the argument's), and in a call with gradients a write through it is refused, as
+    through a plain tensor's, where it gave a silently wrong gradient."""
+    mesh = _mesh()
+    seen = []
+    for name, fn in _DTENSOR_VIEWS.items():
+        jitted = dtcompile.jit(fn, cache=cache)
+        for call in range(2):
+            x = distribute_tensor(torch.randn(4, 6, generator=torch.Generator().manual_seed(call)), mesh, [Shard(0)])
+            results = []
+            for f in (fn, jitted):
+                with torch.no_grad():
+                    a = x.clone()
+                    out = f(a)
+                    outs = out if isinstance(out, tuple) else (out,)
+                    bases = [o._base is a or any(o._base is p for p in outs) for o in outs]
+                    before = a._version
+                    outs[-1].add_(1)
+                    results.append((bases, a._version - before, a.full_tensor(), [o.full_tensor() for o in outs]))
+            (eb, ev, ea, eo), (cb, cv, ca, co) = results
+            assert (eb, ev) == (cb, cv), (name, results)
+            assert_same(ca, ea, name)
+            assert_all_same(co, eo)
+            if not any(eb):
+                continue  # (a view of a value of the call's own: eager's may be written, and the compiled one)
+            outs = jitted(x.clone().requires_grad_() * 1)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+                next(o for o in outs if o._base is not None).mul_(3)
+        seen.append(name)
+    return seen
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_a_dtensor_output_viewing_an_argument_or_an_output_is_a_view_as_eagers(ranks2, cache):
+    for seen in ranks2.run(dtensor_views_returned, cache):
+        assert seen == list(_DTENSOR_VIEWS)
