@@ -83,3 +83,30 @@ def test_dtype_checked_ops_with_sizes_from_shapes_under_symbolic_values(fn):
     for length in (8, 5, 12):
         x = torch.randn(2, 3, length)
         torch.testing.assert_close(jitted(x), fn(x), rtol=1e-6, atol=2e-6)
+
+
+_FLOAT_INTO_INTEGERS = {
+    "an argument, mul_": lambda a, b: a.mul_(b),
+    "an intermediate, mul_": lambda a, b: (a * 1).mul_(b),
+    "an intermediate, *=": lambda a, b: a.clone().__imul__(b),
+    "index_put_": lambda a, b: (a * 1).index_put_((torch.tensor([0]),), b[:1]),
+    "a bool tensor, add_": lambda a, b: (a > 1).add_(b),
+}
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("case", _FLOAT_INTO_INTEGERS)
+def test_a_float_written_into_an_integer_tensor_in_place_raises_eagers_error(case, cache):
+    # The fake kernels wrote it; with gradients autograd then took the integer tensor for
+    # one needing a gradient: a false refusal, or torch's internal assert in the backward.
+    fn = _FLOAT_INTO_INTEGERS[case]
+    for requires_grad in (True, False):
+
+        def arguments():
+            return torch.tensor([1, 2]), torch.tensor([1.5, 2.0]).requires_grad_(requires_grad)
+
+        with pytest.raises(RuntimeError) as eager:
+            fn(*arguments())
+        with pytest.raises(RuntimeError) as compiled:
+            dtcompile.jit(fn, cache=cache)(*arguments())
+        assert type(compiled.value) is type(eager.value) and str(compiled.value) == str(eager.value)

@@ -43,12 +43,32 @@ _SAME_DTYPE_CHECKED = frozenset(
 
 
 def dtype_checked(func, leaves: list) -> bool:
-    """Whether ``func`` on these arguments is run on stand-ins first (see above)."""
+    """Whether ``func`` on these arguments is run on stand-ins first (see above; and an
+    in-place method writing an integer or bool tensor with a float: eager's kernel cannot
+    cast it, where the fake one writes it, and autograd then took the integer tensor for
+    one needing a gradient)."""
     if func in DTYPE_CHECKED:
         return True
+    if _in_place_method(func) and leaves and isinstance(leaves[0], torch.Tensor):
+        written = leaves[0].dtype
+        if not (written.is_floating_point or written.is_complex):
+            return any(
+                (x.dtype.is_floating_point or x.dtype.is_complex)
+                if isinstance(x, torch.Tensor)
+                else type(x) in (float, complex)
+                for x in leaves[1:]
+            )
     if func not in _SAME_DTYPE_CHECKED or torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
         return False  # (autocast casts them to one)
     return len({x.dtype for x in leaves if isinstance(x, torch.Tensor) and x.dtype.is_floating_point}) > 1
+
+
+def _in_place_method(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.startswith("_")) or name in _IN_PLACE_OPERATORS
+
+
+_IN_PLACE_OPERATORS = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__", "__imod__"})
 
 
 def eager_error(func, args: tuple, kwargs: dict, error: RuntimeError) -> BaseException | None:
