@@ -51,6 +51,50 @@ def test_a_checkpointed_batch_norm_updates_its_statistics_as_eager(cache, dropou
     assert model.bn.num_batches_tracked.item() == 4
 
 
+class _CheckpointedState(nn.Module):
+    """A checkpointed region updating module state in place: a BatchNorm's statistics, a
+    counter under no_grad, an exponential average."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.bn, self.b = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(16))
+
+    def body(self, h):
+        with torch.no_grad():
+            self.calls += 1
+            self.ema.mul_(0.9).add_(h.mean(0), alpha=0.1)
+        return torch.tanh(self.bn(h)) * self.ema
+
+    def forward(self, x):
+        return self.b(checkpoint(self.body, self.a(x), use_reentrant=False))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("pattern", ["one loss of two calls", "two calls, then two backwards"])
+def test_two_calls_of_a_checkpointed_region_updating_state_before_their_backward(cache, pattern):
+    # The buffers the recompute updates were saved by the first call and checked for
+    # changes: its backward raised autograd's error, where eager's recompute reads them
+    # as they are.
+    torch.manual_seed(0)
+    eager = _CheckpointedState()
+    model = copy.deepcopy(eager)
+    jitted = dtcompile.jit(model, cache=cache)
+    x1, x2 = torch.randn(6, 8), torch.randn(6, 8)
+    for fn in (eager, jitted):
+        if pattern == "one loss of two calls":
+            (fn(x1).pow(2).mean() + fn(x2).pow(2).mean()).backward()
+        else:
+            first, second = fn(x1).pow(2).mean(), fn(x2).pow(2).mean()
+            first.backward()
+            second.backward()
+    for (name, e), c in zip(eager.state_dict().items(), model.state_dict().values()):
+        assert_same(c, e, name, rtol=0, atol=0)
+    for (name, e), c in zip(eager.named_parameters(), model.parameters()):
+        assert_same(c.grad, e.grad, name, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("p", [0.1, 0.3, 0.45])

@@ -358,7 +358,7 @@ class CompiledFunction:
         inputs = captured.trace.inputs[: len(captured.trace.inputs) - len(backward.cotangents)]
         program = TrainingProgram.make(
             forward_execution.compile(),
-            backward_execution.compile(),
+            backward_execution,
             captured.output,
             inputs,
             backward,

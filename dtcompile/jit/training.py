@@ -130,6 +130,9 @@ class TrainingProgram:
     # The DTensor inputs whose memory it reads (through a view the forward saved: ``w.t()``),
     # checked by their own versions, as eager's autograd checks the DTensors it saved.
     dtensors_read_back: tuple = ()
+    # Saved values that are inputs the backward writes (a buffer a checkpointed region's
+    # recompute updates): read as they are at the backward, as eager's recompute reads them.
+    live_saved: frozenset = frozenset()
     # The Python values the call's code read while traced (``Read``), where its backward
     # runs code of the user's: checked before each backward, since eager's backward reads
     # them then (a Function's ``ctx.mod.scale`` changed between the call and backward()).
@@ -140,9 +143,9 @@ class TrainingProgram:
 
     @staticmethod
     def make(forward, backward, output, captured_inputs, backward_capture, slots: int, joint) -> TrainingProgram:
-        """The program of a captured training call: ``captured_inputs`` the computation's
-        input proxies, ``backward_capture`` what tracing the backward recorded, ``joint``
-        the recorded trace (forward, then backward)."""
+        """The program of a captured training call: ``backward`` its execution trace,
+        ``captured_inputs`` the computation's input proxies, ``backward_capture`` what
+        tracing the backward recorded, ``joint`` the recorded trace (forward, then backward)."""
         trace_output = joint.output
         position = {p.label: i for i, p in enumerate(captured_inputs)}
         # A new DTensor around an input's local (a no-op redistribute): eager's is no input.
@@ -175,7 +178,8 @@ class TrainingProgram:
         dtensors = [i for _, i in dtensor_positions]
         return TrainingProgram(
             forward=forward,
-            backward=backward,
+            backward=backward.compile(),
+            live_saved=_live_saved(backward, captured_inputs, len(backward_capture.cotangents)),
             wrap_outputs=build_output_wrapper(output, slots, {p.label: i for p, i in dtensor_positions}),
             rebuild=build_epilogue(output, wrap=False),
             slots=slots,
@@ -280,8 +284,9 @@ class CompiledStep(torch.autograd.Function):
         # second one then raises), and checked for in-place changes before the backward.
         # Numbers (read from tensor data) are kept beside them, in their places.
         saved = outs[program.slots :]
-        ctx.numbers = [(i, v) for i, v in enumerate(saved) if not isinstance(v, torch.Tensor)]
-        tensors = [v for v in saved if isinstance(v, torch.Tensor)]
+        live = program.live_saved
+        ctx.numbers = [(i, v) for i, v in enumerate(saved) if not isinstance(v, torch.Tensor) or i in live]
+        tensors = [v for i, v in enumerate(saved) if isinstance(v, torch.Tensor) and i not in live]
         ctx.saves = bool(tensors)  # (saving none, a second backward runs, as eager's through nodes saving none)
         ctx.save_for_backward(*tensors)
         # Gradients autograd computes none for stay None (not zeros made now, alive through
@@ -372,6 +377,14 @@ class CompiledStep(torch.autograd.Function):
             if not gradient.sources or gradient.sources & arrived:
                 result[1 + gradient.position] = gradient.wrap(grad, shape)
         return tuple(result)
+
+
+def _live_saved(backward, inputs: list, cotangents: int) -> frozenset:
+    """``TrainingProgram.live_saved`` of the ``backward`` execution trace."""
+    saved = backward.inputs[: len(backward.inputs) - cotangents]
+    written = {p.memory for b in backward.bound_symbols if mutates(b) for p in b.input_tensors()}
+    labels = {p.label for p in inputs}
+    return frozenset(i for i, p in enumerate(saved) if p.label in labels and p.memory in written)
 
 
 def _read_back(joint, inputs: list, by_memory: bool = False) -> tuple:
