@@ -102,7 +102,7 @@ def test_a_float_written_into_an_integer_tensor_in_place_raises_eagers_error(cas
     fn = _FLOAT_INTO_INTEGERS[case]
     for requires_grad in (True, False):
 
-        def arguments():
+        def arguments(requires_grad=requires_grad):
             return torch.tensor([1, 2]), torch.tensor([1.5, 2.0]).requires_grad_(requires_grad)
 
         with pytest.raises(RuntimeError) as eager:

@@ -14,6 +14,7 @@ traced: the Function saves its own values without them; other hooks than traced:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -36,9 +37,9 @@ from ..core.torch_internals import (
     saved_tensors_hooks,
 )
 from ..core.trace import Zeros
-from ..transforms.effects import mutates
 from .epilogue import build_epilogue, build_output_wrapper, dtensor_outputs, views_made_own, with_sizes
 from .saved_hooks import same_saved_hooks
+from .saved_reads import live_saved, read_back, saved_dtensor_outputs
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,7 @@ class TrainingProgram:
     # Saved values that are inputs the backward writes (a buffer a checkpointed region's
     # recompute updates): read as they are at the backward, as eager's recompute reads them.
     live_saved: frozenset = frozenset()
+    saved_dtensor_outputs: tuple = ()  # ``saved_reads.saved_dtensor_outputs``
     # The Python values the call's code read while traced (``Read``), where its backward
     # runs code of the user's: checked before each backward, since eager's backward reads
     # them then (a Function's ``ctx.mod.scale`` changed between the call and backward()).
@@ -179,7 +181,10 @@ class TrainingProgram:
         return TrainingProgram(
             forward=forward,
             backward=backward.compile(),
-            live_saved=_live_saved(backward, captured_inputs, len(backward_capture.cotangents)),
+            live_saved=live_saved(backward, captured_inputs, len(backward_capture.cotangents)),
+            saved_dtensor_outputs=saved_dtensor_outputs(
+                backward, trace_output, {n.index for n in dtensor_outputs(output)}, len(backward_capture.cotangents)
+            ),
             wrap_outputs=build_output_wrapper(output, slots, {p.label: i for p, i in dtensor_positions}),
             rebuild=build_epilogue(output, wrap=False),
             slots=slots,
@@ -199,8 +204,8 @@ class TrainingProgram:
             dtensor_modes=backward_capture.dtensor_modes,
             autocast_allowed=backward_capture.autocast_allowed,
             users_code=backward_capture.users_code,
-            read_back=_read_back(joint, captured_inputs),
-            dtensors_read_back=tuple(i for i in _read_back(joint, captured_inputs, by_memory=True) if i in dtensors),
+            read_back=read_back(joint, captured_inputs),
+            dtensors_read_back=tuple(i for i in read_back(joint, captured_inputs, by_memory=True) if i in dtensors),
         )
 
     def __call__(self, inputs: tuple):
@@ -296,6 +301,9 @@ class CompiledStep(torch.autograd.Function):
         ctx.input_shapes = [inputs[g.position].shape if g.sizes_per_call else None for g in program.gradients]
         wrapped = program.wrap_outputs.fn(outs[: program.slots], inputs)
         ctx.mark_non_differentiable(*(wrapped[i] for i in program.non_differentiable))
+        # (by weak reference: a reference would hold the output's own node; one let go
+        # cannot be written, and its views hold it)
+        ctx.output_versions = [(weakref.ref(wrapped[i]), wrapped[i]._version) for i in program.saved_dtensor_outputs]
         return wrapped
 
     @staticmethod
@@ -318,11 +326,14 @@ class CompiledStep(torch.autograd.Function):
                 "one of the variables needed for gradient computation has been modified by an inplace operation: "
                 f"input {ctx.written[0]} of the compiled call, through another input that shares its memory"
             )
-        changed = [i for i, dtensor, version in ctx.dtensor_versions if dtensor._version != version]
+        changed = [f"input {i}" for i, dtensor, version in ctx.dtensor_versions if dtensor._version != version]
+        changed += [
+            "an output" for ref, version in ctx.output_versions if getattr(ref(), "_version", version) != version
+        ]
         if changed:  # eager's DTensor autograd saved the DTensor itself, and checks its version
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace operation: "
-                f"input {changed[0]} of the compiled call (a DTensor), changed in place after the call"
+                f"{changed[0]} of the compiled call (a DTensor), changed in place after the call"
             )
         changed = next((read for read in program.backward_reads if not read.unchanged()), None)
         if changed is not None:
@@ -377,24 +388,3 @@ class CompiledStep(torch.autograd.Function):
             if not gradient.sources or gradient.sources & arrived:
                 result[1 + gradient.position] = gradient.wrap(grad, shape)
         return tuple(result)
-
-
-def _live_saved(backward, inputs: list, cotangents: int) -> frozenset:
-    """``TrainingProgram.live_saved`` of the ``backward`` execution trace."""
-    saved = backward.inputs[: len(backward.inputs) - cotangents]
-    written = {p.memory for b in backward.bound_symbols if mutates(b) for p in b.input_tensors()}
-    labels = {p.label for p in inputs}
-    return frozenset(i for i, p in enumerate(saved) if p.label in labels and p.memory in written)
-
-
-def _read_back(joint, inputs: list, by_memory: bool = False) -> tuple:
-    """``TrainingProgram.read_back`` of the recorded ``joint`` trace (``by_memory``: its
-    ``dtensors_read_back``, of every input)."""
-    position = {p.label: i for i, p in enumerate(inputs)}
-    backward = [p for b in joint.bound_symbols if b.in_backward for p in b.input_tensors()]
-    written = {p.memory for b in joint.bound_symbols if not b.in_backward and mutates(b) for p in b.input_tensors()}
-    if by_memory:
-        memory = {p.memory for p in backward}
-        return tuple(i for i, p in enumerate(inputs) if p.memory in memory and p.memory not in written)
-    read = {p.label for p in backward} & position.keys()
-    return tuple(sorted(position[label] for label in read if inputs[position[label]].memory not in written))

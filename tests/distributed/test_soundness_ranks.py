@@ -930,3 +930,46 @@ def dtensor_views_returned(cache: str) -> list:
 def test_a_dtensor_output_viewing_an_argument_or_an_output_is_a_view_as_eagers(ranks2, cache):
     for seen in ranks2.run(dtensor_views_returned, cache):
         assert seen == list(_DTENSOR_VIEWS)
+
+
+_OUTPUTS_WRITTEN = {  # name -> (function, whether eager's backward saved the output written)
+    "exp saves its result": (lambda x: (x.exp(), x * 3), True),
+    "sin saves its input, returned": (lambda x: (lambda y: (y, y.sin()))(x * 2), True),
+    "a view of a saved intermediate": (lambda x: (lambda y: (y.t(), y.sin()))(x * 2), True),
+    "nothing saves it": (lambda x: (x * 2, x.sin()), False),
+}
+
+
+def dtensor_outputs_written_before_backward(cache: str) -> list:
+    """A DTensor output the backward reads, written in place by the caller before the
+    backward: eager's autograd checks the DTensor's own version and raises; the compiled
+    step saved its local tensor, whose version the DTensor's write does not count, and
+    gave a silently wrong gradient. One the backward does not read may be written."""
+    mesh = _mesh()
+    seen = []
+    for name, (fn, saved) in _OUTPUTS_WRITTEN.items():
+        results = []
+        for f in (fn, dtcompile.jit(fn, cache=cache)):
+            x = distribute_tensor(torch.randn(4, 6, generator=torch.Generator().manual_seed(0)), mesh, [Shard(0)])
+            x.requires_grad_()
+            a, b = f(x)
+            a.mul_(3)
+            try:
+                (a.sum() + b.sum()).backward()
+                results.append(x.grad.full_tensor())
+            except RuntimeError as error:
+                assert "modified by an inplace operation" in str(error), (name, error)
+                results.append("raised")
+        assert (results[0] == "raised") is saved, name
+        if saved:
+            assert results[1] == "raised", name
+        else:
+            assert_same(results[1], results[0], name)
+        seen.append(name)
+    return seen
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_a_dtensor_output_the_backward_reads_written_in_place_raises_as_eager(ranks2, cache):
+    for seen in ranks2.run(dtensor_outputs_written_before_backward, cache):
+        assert seen == list(_OUTPUTS_WRITTEN)

@@ -1,0 +1,37 @@
+"""What a training step's backward reads of its inputs and outputs as they are, which
+``CompiledStep`` checks (or reads live) as eager's autograd would: found in its traces."""
+
+from __future__ import annotations
+
+from ..core import TensorProxy
+from ..transforms.effects import mutates
+
+
+def live_saved(backward, inputs: list, cotangents: int) -> frozenset:
+    """``TrainingProgram.live_saved`` of the ``backward`` execution trace."""
+    saved = backward.inputs[: len(backward.inputs) - cotangents]
+    written = {p.memory for b in backward.bound_symbols if mutates(b) for p in b.input_tensors()}
+    labels = {p.label for p in inputs}
+    return frozenset(i for i, p in enumerate(saved) if p.label in labels and p.memory in written)
+
+
+def read_back(joint, inputs: list, by_memory: bool = False) -> tuple:
+    """``TrainingProgram.read_back`` of the recorded ``joint`` trace (``by_memory``: its
+    ``dtensors_read_back``, of every input)."""
+    position = {p.label: i for i, p in enumerate(inputs)}
+    backward = [p for b in joint.bound_symbols if b.in_backward for p in b.input_tensors()]
+    written = {p.memory for b in joint.bound_symbols if not b.in_backward and mutates(b) for p in b.input_tensors()}
+    if by_memory:
+        memory = {p.memory for p in backward}
+        return tuple(i for i, p in enumerate(inputs) if p.memory in memory and p.memory not in written)
+    read = {p.label for p in backward} & position.keys()
+    return tuple(sorted(position[label] for label in read if inputs[position[label]].memory not in written))
+
+
+def saved_dtensor_outputs(backward, output_proxies: list, dtensor_slots: set, cotangents: int) -> tuple:
+    """The DTensor output slots whose memory the ``backward`` execution trace reads (saved by
+    the forward: ``y = x.exp()``, ``y.sin()`` of a returned ``y``). Eager's autograd saved
+    the DTensor and checks its version; a write through the returned DTensor counts on its
+    own counter, not its local tensor's, which autograd saved here: checked by the step."""
+    saved = {p.memory for p in backward.inputs[: len(backward.inputs) - cotangents] if isinstance(p, TensorProxy)}
+    return tuple(i for i in sorted(dtensor_slots) if output_proxies[i].memory in saved)
