@@ -167,3 +167,38 @@ def test_torch_ops_loading_a_namespace_is_no_change_the_backward_sees(cache):
         loss = jitted(torch.randn(2, 8)).sum()
         getattr(torch.ops, f"dtcompile_test_namespace_{cache[0]}{step}")  # a namespace loaded after the call
         loss.backward()
+
+
+class _CheckpointedInner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.inner = nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8))
+
+    def body(self, h):
+        return torch.tanh(self.inner(h)) * (2.0 if self.training else 1.0)
+
+    def forward(self, x):
+        return checkpoint(self.body, self.a(x), use_reentrant=False).pow(2).mean()
+
+
+_MODULE_CHANGES = {
+    "eval()": lambda m: m.eval(),
+    "a parameter rebound": lambda m: setattr(m.inner[0], "weight", nn.Parameter(torch.ones(8, 8))),
+    "a submodule replaced": lambda m: m.inner.__setitem__(0, nn.Linear(8, 8)),
+    "a forward hook added": lambda m: m.inner[0].register_forward_hook(lambda mod, i, o: o * 2),
+}
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("change", _MODULE_CHANGES)
+def test_module_state_a_recompute_reads_changed_before_the_backward_is_a_clear_error(change, cache):
+    # Eager's recompute reads the module as it is at the backward; the compiled backward
+    # replayed the traced one, silently.
+    torch.manual_seed(0)
+    model = _CheckpointedInner()
+    jitted = dtcompile.jit(model, cache=cache)
+    jitted(torch.randn(4, 8)).backward()  # (unchanged: runs)
+    loss = jitted(torch.randn(4, 8))
+    _MODULE_CHANGES[change](model)
+    with pytest.raises(RuntimeError, match="the module inner.* its training flag or tables|the module .*training flag"):
+        loss.backward()

@@ -1,11 +1,10 @@
 """A compiled function: its cache of entries, the compilation pipeline and its stats.
 
-Per call: run the prologue of each entry, the most recently used first, until one
-accepts the call (a hit), then the entry's program. No entry accepts: trace, run the
-passes, lower onto the executors, check that the ranks agree (``consistency/``: a rank that
-fails while compiling tells the others), and add the entry (a miss).
-A call that needs gradients compiles a forward and a backward program run by one
-autograd Function (``training.py``).
+Per call: run the prologue of each entry, the most recently used first, until one accepts
+the call (a hit), then the entry's program. No entry accepts: trace, run the passes, lower
+onto the executors, check that the ranks agree (``consistency/``: a rank that fails while
+compiling tells the others), and add the entry (a miss). A call that needs gradients
+compiles a forward and a backward program run by one autograd Function (``training.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +43,7 @@ from .consistency import (
 from .epilogue import build_epilogue
 from .program_run import eager_after_failing, run_eagerly, run_entry
 from .prologue import build_prologue
+from .saved_reads import backward_reads
 from .training import TrainingProgram
 
 ENTRIES_WARNING = 32  # entries of one function after which a warning says so
@@ -365,7 +365,7 @@ class CompiledFunction:
             slots,
             captured.trace,
         )
-        program.backward_reads = tuple(captured.python_state.reads) if backward.users_code_ran else ()
+        program.backward_reads = backward_reads(captured, backward, self.module)
         traces = [*joint_traces, *forward_traces, *forward_blocks, forward_execution]
         traces += [*backward_traces, *backward_blocks, backward_execution]
         to_check = [pipelines.before_finish(forward_traces), pipelines.before_finish(backward_traces)]

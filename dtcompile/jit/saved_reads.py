@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import torch
+
+from ..capture.fsdp import reaches_fsdp
 from ..core import TensorProxy
 from ..transforms.effects import mutates
 
@@ -35,3 +38,38 @@ def saved_dtensor_outputs(backward, output_proxies: list, dtensor_slots: set, co
     own counter, not its local tensor's, which autograd saved here: checked by the step."""
     saved = {p.memory for p in backward.inputs[: len(backward.inputs) - cotangents] if isinstance(p, TensorProxy)}
     return tuple(i for i in sorted(dtensor_slots) if output_proxies[i].memory in saved)
+
+
+_TABLES = ("_parameters", "_buffers", "_modules", "_forward_pre_hooks", "_forward_hooks")
+
+
+class ModuleRead:
+    """A module's state that code of the user's in the backward (a checkpointed region's
+    recompute, a tensor hook) may read, as it is at the backward: its training flag and
+    the objects in its tables (parameters, buffers, submodules, forward hooks). The
+    program holds what it was when traced, where eager's backward would read the new."""
+
+    def __init__(self, module: torch.nn.Module, path: str):
+        self.module, self.where = module, f"the module {path or '(the one called)'}: its training flag or tables"
+        self.state = self._now()
+
+    def _now(self) -> list:
+        state = vars(self.module)
+        return [state.get("training"), *(x for table in _TABLES for item in state.get(table, {}).items() for x in item)]
+
+    def unchanged(self) -> bool:
+        now = self._now()
+        return len(now) == len(self.state) and all(
+            a is b or (type(a) is str and a == b) for a, b in zip(now, self.state)
+        )
+
+
+def backward_reads(captured, backward, module: torch.nn.Module | None) -> tuple:
+    """``TrainingProgram.backward_reads``: where the backward runs code of the user's, the
+    Python values the call's code read, and the state of each module of ``module``'s tree."""
+    if not backward.users_code_ran:
+        return ()
+    modules = []
+    if module is not None and not reaches_fsdp([module]):  # (FSDP2 swaps what the tables hold)
+        modules = [ModuleRead(m, path) for path, m in module.named_modules()]
+    return (*captured.python_state.reads, *modules)
