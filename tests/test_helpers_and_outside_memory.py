@@ -110,6 +110,42 @@ def test_an_lru_cached_helper_keeps_no_traced_tensor(cache):
     assert_same(dtcompile.jit(_masked, cache=cache)(x.double()), _masked(x.double()))
 
 
+def _cached_helpers_held(how: str):
+    @functools.lru_cache
+    def doubled_ones(n):
+        return torch.ones(n) * 2
+
+    if how == "a default":
+
+        def fn(x, make=doubled_ones):
+            return x + make(x.shape[0])
+
+    elif how == "a list":
+        held = [doubled_ones]
+
+        def fn(x):
+            return x + held[0](x.shape[0])
+
+    else:
+        held = {"make": doubled_ones}
+
+        def fn(x):
+            return x + held["make"](x.shape[0])
+
+    return fn, doubled_ones
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("how", ["a default", "a list", "a dict"])
+def test_an_lru_cached_helper_held_by_a_default_a_list_or_a_dict_keeps_no_traced_tensor(how, cache):
+    # Called while traced, it kept the trace's proxy, which the caller's next call got.
+    fn, helper = _cached_helpers_held(how)
+    jitted = dtcompile.jit(fn, cache=cache)
+    for n in (3, 3, 4):
+        assert_same(jitted(torch.ones(n)), torch.full((n,), 3.0))
+        assert type(helper(n)) is torch.Tensor and type(helper(n + 5)) is torch.Tensor
+
+
 ARRAY = np.zeros(3, dtype=np.float32)
 BUFFER = bytearray(12)
 

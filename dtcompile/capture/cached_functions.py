@@ -27,30 +27,42 @@ _TRACED_NUMBERS = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 def cached_stand_ins(python_state) -> list[tuple]:
-    """Put a stand-in in place of each cached user function ``python_state`` read; what to
-    give to :func:`put_back_cached`."""
+    """Put a stand-in in place of each cached user function ``python_state`` read (or that
+    a list, dict or function defaults it read hold); what to give to :func:`put_back_cached`."""
     swapped = []
     for read in list(python_state.reads):
-        cached = read.value
-        if not isinstance(cached, functools._lru_cache_wrapper) or is_library(getattr(cached, "__wrapped__", cached)):
-            continue
-        stand_in = _stand_in(cached, python_state, read.where)
-        if read.key is not None and isinstance(read.holder, dict):
-            read.holder[read.key] = stand_in
-        elif read.key is None:
-            setattr(read.holder, read.attribute, stand_in)
-        else:
-            continue
-        swapped.append(read)
+        value = read.value
+        if _user_cached(value):
+            stand_in = _stand_in(value, python_state, read.where)
+            if read.key is not None and isinstance(read.holder, dict):
+                swapped.append((read.holder, read.key, value))
+                read.holder[read.key] = stand_in
+            elif read.key is None:
+                swapped.append((read.holder, read.attribute, value))
+                setattr(read.holder, read.attribute, stand_in)
+        elif isinstance(value, (list, dict)):  # (``fns[0](3)``, ``table["mask"](n)``)
+            for key, item in list(value.items() if isinstance(value, dict) else enumerate(value)):
+                if _user_cached(item):
+                    swapped.append((value, key, item))
+                    value[key] = _stand_in(item, python_state, f"{read.where}[{key!r}]")
+        elif isinstance(value, tuple) and read.key is None and read.attribute == "__defaults__":
+            if any(map(_user_cached, value)):  # (``def f(x, mk=mk)``)
+                swapped.append((read.holder, read.attribute, value))
+                made = (_stand_in(v, python_state, f"{read.where}, a default") if _user_cached(v) else v for v in value)
+                setattr(read.holder, read.attribute, tuple(made))
     return swapped
 
 
 def put_back_cached(swapped: list) -> None:
-    for read in swapped:
-        if read.key is not None:
-            read.holder[read.key] = read.value
+    for holder, key, value in reversed(swapped):
+        if isinstance(holder, (dict, list)):
+            holder[key] = value
         else:
-            setattr(read.holder, read.attribute, read.value)
+            setattr(holder, key, value)
+
+
+def _user_cached(value) -> bool:
+    return isinstance(value, functools._lru_cache_wrapper) and not is_library(getattr(value, "__wrapped__", value))
 
 
 def _stand_in(cached, python_state, where: str):
