@@ -359,3 +359,42 @@ def test_a_function_the_call_makes_keeping_its_state_is_refused(fn, named, cache
     # (a counter, a list) carried from one call's result into the next one's.
     with pytest.raises(dtcompile.TracingError, match=f"made inside the call, which keeps state of the call \\({named}"):
         dtcompile.jit(fn, cache=cache)(torch.ones(2))
+
+
+async def _async_add(x):
+    return x + 1
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_an_async_function_is_refused_not_its_coroutine_returned(cache):
+    # The coroutine made while tracing was returned at every call, holding the traced
+    # stand-in of the argument: awaiting it raised an error about a proxy.
+    with pytest.raises(dtcompile.TracingError, match="coroutine .*compile the function it awaits"):
+        dtcompile.jit(_async_add, cache=cache)(torch.ones(2))
+
+
+def _itself(x):
+    return x
+
+
+def _beside(x):
+    return x + 1, x
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("fn", [_itself, _beside])
+def test_an_inference_tensor_the_caller_made_is_returned_as_itself(fn, cache):
+    # Refused as a tensor made under inference_mode inside the call: it is the caller's.
+    with torch.inference_mode():
+        x = torch.ones(3)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            got = dtcompile.jit(fn, cache=cache)(x)
+        assert (got if fn is _itself else got[1]) is x
+    with pytest.raises(dtcompile.TracingError, match="made under torch.inference_mode"):  # one made inside: refused
+        dtcompile.jit(lambda t: _made_in_inference_mode(t), cache=cache)(torch.ones(3))
+
+
+def _made_in_inference_mode(t):
+    with torch.inference_mode():
+        return t * 2

@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from ..core import TensorProxy, TracingError
+from ..core import InputPath, TensorProxy, TracingError
 from ..core.symbolic import SYMBOLIC_TYPES, as_constant, is_symbolic
 from ..core.torch_internals import TensorMeta, mask_buffer
 from .made_callables import check_remakable, made_in_call
@@ -191,7 +191,8 @@ class OutputCollector:
                 self._dtensors[id(value)] = (value, self._dtensor(value))
             return self._dtensors[id(value)][1]
         if isinstance(value, TensorProxy):
-            if value.is_inference() and not torch.is_inference_mode_enabled():
+            made_here = not isinstance(value.provenance, InputPath)  # (an input's: the caller's own, as it is)
+            if made_here and value.is_inference() and not torch.is_inference_mode_enabled():
                 raise TracingError(
                     f"dtcompile.jit: {where} holds a tensor made under torch.inference_mode() inside the call: "
                     "eager's is an inference tensor, the compiled call's would not be. Enter inference_mode "
@@ -247,6 +248,13 @@ class OutputCollector:
                     "class with its own __new__); return a tuple, list, dict, namedtuple, dataclass or plain object instead"
                 )
             return self._new_object(value, where)
+        if isinstance(value, (types.CoroutineType, types.AsyncGeneratorType)):
+            if isinstance(value, types.CoroutineType):
+                value.close()  # (never awaited: no warning)
+            raise TracingError(
+                f"dtcompile.jit: {where} holds a {type(value).__name__} (an async def's call), whose code runs when "
+                "it is awaited, after the compiled call; compile the function it awaits, not the async one"
+            )
         if hasattr(type(value), "__next__") or isinstance(value, _VIEWS):
             raise TracingError(
                 f"dtcompile.jit: {where} holds a {type(value).__name__} (an iterator, a generator, a dict's view), "
