@@ -579,3 +579,30 @@ def test_adaptive_average_pooling_to_one_of_a_channels_last_input(cache):
     pool = nn.AdaptiveAvgPool2d(1)
     x = torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last)
     assert_same_tensor(dtcompile.jit(pool, cache=cache)(x), pool(x))
+
+
+class _TakesModule(torch.nn.Module):
+    def forward(self, x, module=1.0):
+        return x * module
+
+
+class _PassesModule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _TakesModule()
+
+    def forward(self, x, module=1.0, fn=2.0):
+        return self.inner(x, module=module) * fn
+
+
+def _takes_self(t, self=1.0, cls=2.0):
+    return t * self + cls
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_keyword_arguments_named_as_dtcompiles_own_parameters(cache):
+    # ``module=`` to a submodule met the ``module`` of the wrapper patched over
+    # nn.Module.__call__, ``self=`` that of the jitted function's __call__: a TypeError.
+    model = _PassesModule()
+    assert torch.equal(dtcompile.jit(model, cache=cache)(torch.ones(2), module=3.0, fn=0.5), torch.full((2,), 1.5))
+    assert torch.equal(dtcompile.jit(_takes_self, cache=cache)(torch.ones(2), self=3.0, cls=1.0), torch.full((2,), 4.0))

@@ -81,7 +81,7 @@ class RepeatedBlocks:
         self._original = torch.nn.Module.__call__
         original, blocks = self._original, self
 
-        def call(module, *args, **kwargs):
+        def call(module, /, *args, **kwargs):
             return blocks.call(original, module, args, kwargs)
 
         torch.nn.Module.__call__ = call

@@ -272,7 +272,7 @@ def effects_refused():
     steps = register_optimizer_step_pre_hook(_optimizer_step_refused)
     module_init = torch.nn.Module.__init__
 
-    def noted_module_init(module, *args, **kwargs):  # (one the call returns or keeps is refused)
+    def noted_module_init(module, /, *args, **kwargs):  # (one the call returns or keeps is refused)
         module_init(module, *args, **kwargs)
         MODULES_MADE.add(module)
 

@@ -19,7 +19,7 @@ def function_applies(swap):
     original = base.__dict__["apply"]  # a classmethod the subclasses inherit
     apply_function = original.__func__
 
-    def apply(cls, *args, **kwargs):
+    def apply(cls, /, *args, **kwargs):
         return apply_function(cls, *map(swap, args), **{name: swap(value) for name, value in kwargs.items()})
 
     base.apply = classmethod(apply)

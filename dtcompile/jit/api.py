@@ -25,7 +25,7 @@ class JittedFunction:
         self._bound: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         functools.update_wrapper(self, fn)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, /, *args, **kwargs):
         return self._dtcompile(None, args, kwargs)
 
     def __get__(self, instance, owner=None):
@@ -48,7 +48,7 @@ class JittedFunction:
         return bound
 
 
-def _jitted_module_call(self, *args, **kwargs):
+def _jitted_module_call(self, /, *args, **kwargs):
     compiled = self._dtcompile
     cls = type(self)
     if cls is not compiled.jitted_class or _names(cls) != compiled.jitted_names:
@@ -103,7 +103,7 @@ def _jitted_module_reduce_ex(self, protocol):
 _jitted_classes: dict[type, type] = {}
 
 
-def _plain_new(cls, *args, **kwargs):
+def _plain_new(cls, /, *args, **kwargs):
     """``type(jitted)(...)`` (architecture-cloning code, ``from_pretrained``): a module of
     the class itself, as eager's ``type(model)(...)`` makes."""
     return cls.__bases__[0](*args, **kwargs)
