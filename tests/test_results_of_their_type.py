@@ -398,3 +398,28 @@ def test_an_inference_tensor_the_caller_made_is_returned_as_itself(fn, cache):
 def _made_in_inference_mode(t):
     with torch.inference_mode():
         return t * 2
+
+
+_CONFIG = {"lr": 1}
+
+
+class _Things(list):
+    pass
+
+
+def _made_twice(x):
+    s = {1, 2}
+    things = _Things([_CONFIG])
+    add = functools.partial(_helper, b=1)
+    return x + 1, s, [s], things, {"things": things}, add, (add,)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_an_object_the_call_makes_returned_twice_is_one_object_holding_what_existed(cache):
+    # Each place got its own deep copy, and the copy held copies of the global it held.
+    jf = dtcompile.jit(_made_twice, cache=cache)
+    for _ in range(2):
+        _, s, in_list, things, in_dict, add, in_tuple = jf(torch.ones(2))
+        assert in_list[0] is s and in_dict["things"] is things and in_tuple[0] is add
+        assert type(things) is _Things and things[0] is _CONFIG
+    assert jf(torch.ones(2))[1] is not s  # (made anew at each call)

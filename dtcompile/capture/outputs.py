@@ -23,6 +23,7 @@ from ..core import InputPath, TensorProxy, TracingError
 from ..core.symbolic import SYMBOLIC_TYPES, as_constant, is_symbolic
 from ..core.torch_internals import TensorMeta, mask_buffer
 from .made_callables import check_remakable, made_in_call
+from .made_copies import kept_in
 from .objects import MODULES_MADE, StateObjects, holds_proxies, is_rebuildable_object, object_state, plain_object
 from .user_code import is_library
 
@@ -36,6 +37,7 @@ class OutputNode:
 class ConstantOutput(OutputNode):
     value: object
     copied: bool = False  # a container holding no tensor the call made (a set): a copy at each call
+    kept: tuple = ()  # (copied) what it holds that was there before the call: not copied
     remade: bool = False  # a function or partial the call made, keeping none of its state: made anew
 
 
@@ -178,7 +180,8 @@ class OutputCollector:
         if shared is not None and shared[0] is value:
             return shared[1]
         node = self._describe(value, where)
-        if isinstance(node, (SequenceOutput, DictOutput, PytreeOutput, NewObjectOutput)):
+        made_anew = isinstance(node, ConstantOutput) and (node.copied or node.remade)  # (``s, [s]``: one object)
+        if isinstance(node, (SequenceOutput, DictOutput, PytreeOutput, NewObjectOutput)) or made_anew:
             self._shared[id(value)] = (value, node)
         return node
 
@@ -268,7 +271,7 @@ class OutputCollector:
         if _mutable_kind(value) and id(value) not in self._existing():
             if plain_object(value) and (type(value) is types.SimpleNamespace or not is_library(type(value))):
                 return self._new_object(value, where)
-            return ConstantOutput(value, copied=True)
+            return ConstantOutput(value, copied=True, kept=kept_in(value, self._existing()))
         return ConstantOutput(value)
 
     def existed(self, value) -> bool:

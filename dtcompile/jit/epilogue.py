@@ -8,7 +8,6 @@ constructor (no dispatch, no redistribution), and rebuilds the containers around
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 
 import torch
@@ -31,6 +30,7 @@ from ..capture import (
     new_object,
 )
 from ..capture.made_callables import remade
+from ..capture.made_copies import copied
 from ..core.codegen import GeneratedFunction, literal_or_global
 from ..core.torch_internals import DTensorSpec, TensorMeta, keep_mask
 
@@ -139,7 +139,8 @@ class _Builder:
     def rebuild(self, node: OutputNode, wrap: bool) -> str:
         """The expression of ``node``; a container or object node met again (the call
         returned it twice) is made once, in a variable."""
-        if not isinstance(node, (SequenceOutput, DictOutput, PytreeOutput, NewObjectOutput)):
+        made_once = (SequenceOutput, DictOutput, PytreeOutput, NewObjectOutput)
+        if not isinstance(node, made_once) and not (isinstance(node, ConstantOutput) and (node.copied or node.remade)):
             return self._rebuild(node, wrap)
         if id(node) in self._made:
             return self._made[id(node)]
@@ -160,8 +161,8 @@ class _Builder:
                 self.globals["remade"] = remade
                 return f"remade({self.constant(node.value, 'MADE')})"
             if node.copied:
-                self.globals["deepcopy"] = copy.deepcopy
-                return f"deepcopy({self.constant(node.value, 'MADE')})"
+                self.globals["copied"] = copied
+                return f"copied({self.constant(node.value, 'MADE')}, {self.constant(node.kept, 'KEPT')})"
             if type(node.value) in (list, dict, tuple):  # one there before the call: that very object
                 name = f"CONST{len(self.globals)}"
                 self.globals[name] = node.value
