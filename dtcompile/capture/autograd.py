@@ -49,6 +49,9 @@ class BackwardCapture:
     # Whether the user's code called torch in the backward: it read Python values then,
     # which the compiled backward holds as they were (``TrainingProgram.backward_reads``).
     users_code_ran: bool = False
+    # The modules the backward called (a checkpointed region's recompute): whose state it
+    # reads, checked unchanged when the compiled backward runs; empty: every module's.
+    modules_called: tuple = ()
     # The saved_tensors_hooks (pack, unpack) active around the call: traced into the
     # programs, so the compiled step must not apply them again (jit/training.py).
     saved_hooks: tuple | None = None
@@ -110,7 +113,7 @@ def capture_backward(
         sources = reaching(outputs, wrt)
     modes, needed = recording.dtensor_modes, None
     # Outside autocast, as torch asks of a backward: run under it, its ops are cast as eager's are.
-    with _rng_state_reads() as state_reads, autocast_off():
+    with _rng_state_reads() as state_reads, autocast_off(), _modules_called() as called:
         start = len(recording.bound_symbols)
         try:
             grads = _grad(outputs, wrt, cotangents, retain=modes.seen()) if outputs else [None] * len(wrt)
@@ -155,9 +158,26 @@ def capture_backward(
         grad_sources=sources,
         users_code=users_code,
         users_code_ran=recording.users_backward_ran,
+        modules_called=tuple({id(m): m for m in called}.values()),
         saved_hooks=saved_tensors_hooks(),
         dtensor_modes=needed,
     )
+
+
+@contextlib.contextmanager
+def _modules_called():
+    """The modules called while it is entered, in a list."""
+    called, original = [], torch.nn.Module.__call__
+
+    def call(module, /, *args, **kwargs):
+        called.append(module)
+        return original(module, *args, **kwargs)
+
+    torch.nn.Module.__call__ = call
+    try:
+        yield called
+    finally:
+        torch.nn.Module.__call__ = original
 
 
 def _users_code(recording: Recording, start: int, cotangents: list[TensorProxy]) -> frozenset[int]:

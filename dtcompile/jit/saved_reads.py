@@ -71,5 +71,7 @@ def backward_reads(captured, backward, module: torch.nn.Module | None) -> tuple:
         return ()
     modules = []
     if module is not None and not reaches_fsdp([module]):  # (FSDP2 swaps what the tables hold)
-        modules = [ModuleRead(m, path) for path, m in module.named_modules()]
+        # The modules the backward called and theirs (a recompute's); else (a hook's) all.
+        read = {id(m) for called in backward.modules_called for m in called.modules()}
+        modules = [ModuleRead(m, path) for path, m in module.named_modules() if not read or id(m) in read]
     return (*captured.python_state.reads, *modules)
