@@ -5,12 +5,16 @@ why that costs: the input gradients of q, k and v are each all-reduced (one per
 ``from_local`` of the column-parallel inputs), then added. A sum commutes with an
 all-reduce(sum), so ``all_reduce(a) + all_reduce(b)`` is ``all_reduce(a + b)``: one
 collective instead of two, which is what hand-written Megatron code does. The results
-agree to float rounding (the additions happen in another order), not bit for bit.
+agree to float rounding (the additions happen in another order), not bit for bit, and
+where the partial values cancel (``1e8 + 1`` on one rank, ``-1e8`` on the other) not at
+all: so it runs only where asked for (:data:`ENABLED`, ``DTCOMPILE_COMBINE_ALL_REDUCES=1``);
+by default each value is reduced as eager reduces it.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections import Counter
 from dataclasses import dataclass
 
@@ -20,6 +24,9 @@ from torch.utils._pytree import tree_flatten
 from ..core import BoundSymbol, NoProvenance, Note, TensorProxy, Trace, aten_symbol, is_proxy
 from ..core.symbolic import known_shape_equal
 from .effects import mutates
+
+# Every rank must agree (each compares its program with the others'): set it on all of them.
+ENABLED = os.environ.get("DTCOMPILE_COMBINE_ALL_REDUCES", "") == "1"
 
 functional = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -62,7 +69,9 @@ def _is_plain_sum(bsym: BoundSymbol, reduced: dict[str, _Reduced], uses: Counter
 def combine_all_reduces(trace: Trace) -> Trace:
     """Replace ``add(wait(all_reduce(a)), wait(all_reduce(b)))`` by
     ``wait(all_reduce(add(a, b)))`` where nothing else reads the two reduced values,
-    repeatedly, so a chain of sums needs a single all-reduce."""
+    repeatedly, so a chain of sums needs a single all-reduce (where :data:`ENABLED`)."""
+    if not ENABLED:
+        return trace.derive(f"{trace.fn_name}, summed all-reduces (not combined: eager's sums)", trace.bound_symbols)
     if any(mutates(b) for b in trace.bound_symbols):
         # A partial value changed between its all-reduce and the sum: not the same sum.
         return trace.derive(

@@ -764,13 +764,25 @@ def _summed_on_rank_0(x):
 
 
 def sums_of_all_reduces_on_one_rank():
-    """Rank 0 sums two all-reduces, which its program reduces once (``combine_all_reduces``);
-    rank 1 keeps both. Their forwards differ, also where forward and backward together run
-    as many collectives on each rank: a clear error on every rank, not a hang."""
+    """Rank 0 sums two all-reduces, which its program reduces once where the combination is
+    asked for (``all_reduce_sums.ENABLED``); rank 1 keeps both. Their forwards differ, also
+    where forward and backward together run as many collectives on each rank: a clear error
+    on every rank, not a hang. By default each is reduced as in eager: eager's results."""
+    from dtcompile.transforms import all_reduce_sums
+
     for grad in (False, True):
         x = torch.ones(3, requires_grad=grad)
-        with pytest.raises(dtcompile.RankMismatchError, match="different collectives"):
-            dtcompile.jit(_summed_on_rank_0)(x)
+        if grad:  # (the backward's collectives differ, as eager's would: rank 1 differentiates one)
+            with pytest.raises(dtcompile.RankMismatchError, match="different collectives"):
+                dtcompile.jit(_summed_on_rank_0)(x)
+        else:
+            assert torch.equal(dtcompile.jit(_summed_on_rank_0)(x), _summed_on_rank_0(x))
+        all_reduce_sums.ENABLED = True
+        try:
+            with pytest.raises(dtcompile.RankMismatchError, match="different collectives"):
+                dtcompile.jit(_summed_on_rank_0)(x)
+        finally:
+            all_reduce_sums.ENABLED = False
     return True
 
 

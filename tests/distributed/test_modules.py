@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 import dtcompile
 from dtcompile.testing.models import parallel_block, parallel_mlp
@@ -71,10 +71,15 @@ def test_llama_block(mesh_shape, sequence_parallel, ranks2, ranks4):
     assert pool.run(block_case, mesh_shape, sequence_parallel) == [(1, 1)] * world
 
 
-def summed_all_reduces_case():
-    """Two all-reduced values summed, one of them also returned: the sum may be reduced
-    once, but the returned value must still be its own all-reduce."""
+def summed_all_reduces_case(combine: bool):
+    """Two all-reduced values summed, one of them also returned: with the combination asked
+    for (``all_reduce_sums.ENABLED``), the sum may be reduced once, but the returned value
+    must still be its own all-reduce; by default each is reduced as eager reduces it."""
     import torch.distributed._functional_collectives as funcol
+
+    from dtcompile.transforms import all_reduce_sums
+
+    all_reduce_sums.ENABLED = combine
 
     group = dist.group.WORLD
 
@@ -91,12 +96,37 @@ def summed_all_reduces_case():
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e)
     collectives = [b for b in dtcompile.last_traces(jitted)[-1].bound_symbols if b.symbol.name.startswith("all_reduce")]
+    all_reduce_sums.ENABLED = False
+    if not combine:
+        for g, e in zip(got, expected):
+            assert torch.equal(g, e)  # (eager's sums, bit for bit)
     return len(collectives)
 
 
 def test_summed_all_reduces_combine_only_where_nothing_else_reads_them(ranks2):
     # a and b stay (a is returned), the last two are summed into one: three in all.
-    assert ranks2.run(summed_all_reduces_case) == [3, 3]
+    assert ranks2.run(summed_all_reduces_case, True) == [3, 3]
+    assert ranks2.run(summed_all_reduces_case, False) == [4, 4]
+
+
+def cancelling_partial_sums(cache: str):
+    """Two Partial DTensors reduced and added: eager reduces each, then adds; one
+    all-reduce of their sum rounds otherwise, and where they cancel gives another value."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    rank = dist.get_rank()
+    a = DTensor.from_local(torch.tensor([1e8 if rank == 0 else -1e8]), mesh, [Partial()])
+    b = DTensor.from_local(torch.tensor([1.0 if rank == 0 else 0.0]), mesh, [Partial()])
+
+    def fn(a, b):
+        return a.full_tensor() + b.full_tensor()
+
+    with torch.no_grad():
+        return dtcompile.jit(fn, cache=cache)(a, b).item(), fn(a, b).item()
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_summed_partial_values_are_reduced_as_eager_reduces_them(ranks2, cache):
+    assert ranks2.run(cancelling_partial_sums, cache) == [(1.0, 1.0)] * 2
 
 
 def exchange_case():
