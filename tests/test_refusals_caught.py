@@ -270,3 +270,28 @@ def test_a_recurrent_op_with_gradients_is_refused_and_without_is_eagers():
     with torch.no_grad():
         x = torch.randn(3, 2, 4)
         assert_same(dtcompile.jit(model)(x), model(x), rtol=0, atol=0)
+
+
+def _checked(x):
+    if x.shape[0] > 2:
+        raise ValueError(f"too long for this model: {x}")
+    return x * 2
+
+
+def _printed(x):
+    print(f"x is {x.sum():.2f}")
+    return x * 2
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_code_formatting_a_tensor_into_the_error_it_raises_raises_its_own(cache):
+    # The text refusal fired first: a library's check (local_map's placements) or the
+    # user's raised dtcompile's advice to print outside the call, the real cause lost.
+    x = torch.ones(3)
+    with pytest.raises(ValueError) as eager:
+        _checked(x)
+    with pytest.raises(ValueError) as compiled:
+        dtcompile.jit(_checked, cache=cache)(x)
+    assert str(compiled.value) == str(eager.value)
+    with pytest.raises(dtcompile.TracingError, match="turns args\\[0\\] into text|turns a tensor into text"):
+        dtcompile.jit(_printed, cache=cache)(x)  # (a formatted print is still refused, not a TypeError)

@@ -208,7 +208,7 @@ class TensorProxy(torch.Tensor):
 
     def __format__(self, spec: str) -> str:
         _refuse_user_text(self)
-        return object.__format__(self, spec)
+        return repr(self) if spec else object.__format__(self, spec)  # (``f"{x:.2f}"``: refused, not a TypeError)
 
 
 class TextRefusals:
@@ -242,8 +242,11 @@ def _refuse_user_text(proxy: TensorProxy) -> None:
             break
         frame = frame.f_back
     if frame is not None and not library_code(module, frame.f_code.co_filename):
+        # Made, not raised: it is raised once the traced code is done (``TracingError.made``),
+        # so code that formats a tensor into the error it is about to raise (a library's
+        # check, the user's ``raise ValueError(f"bad {x}")``) raises its own, as eager does.
         what = proxy.provenance if isinstance(proxy.provenance, InputPath) else "a tensor"
-        raise TracingError(
+        TracingError(
             f"dtcompile.jit: the traced code turns {what} into text (print, str, repr, format, logging): its "
             "data is not known while tracing, and a compiled call would not do it at each call. Print outside "
             "the call"
