@@ -128,6 +128,25 @@ def _nothing_saved(x, w):
     return (x + w).sum()
 
 
+def _scalar_saved(x, w):
+    return (x + w * 0.5).sum() + w.sum() / 3.0  # (w * 0.5 saves the scalar; the program, nothing)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_second_backward_where_eagers_graph_saved_a_scalar_raises_as_eager(cache):
+    # The program saved no tensor, so a second backward without retain_graph ran and
+    # added the gradients again, where eager's freed the scalar its node saved and raised.
+    x, w = torch.randn(6, 4), torch.randn(6, 4, requires_grad=True)
+    for fn in (_scalar_saved, dtcompile.jit(_scalar_saved, cache=cache)):
+        y = fn(x, w)
+        y.backward()
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            y.backward()
+        y = fn(x, w)
+        y.backward(retain_graph=True)
+        y.backward()  # (retained: runs, in both)
+
+
 @torch.enable_grad()
 @pytest.mark.parametrize("cache", CACHES)
 def test_a_graph_that_saves_nothing_can_be_differentiated_twice_as_in_eager(cache):

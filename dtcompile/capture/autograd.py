@@ -52,6 +52,9 @@ class BackwardCapture:
     # The modules the backward called (a checkpointed region's recompute): whose state it
     # reads, checked unchanged when the compiled backward runs; empty: every module's.
     modules_called: tuple = ()
+    # Whether a node of eager's graph saved a tensor (``w * 0.5`` saves the scalar): then a
+    # second backward without retain_graph raises, as eager's, though the program saves none.
+    graph_saves: bool = True
     # The saved_tensors_hooks (pack, unpack) active around the call: traced into the
     # programs, so the compiled step must not apply them again (jit/training.py).
     saved_hooks: tuple | None = None
@@ -112,6 +115,7 @@ def capture_backward(
     with torch._C.DisableTorchFunction():  # autograd's graph, not the tracing annotator's to see
         sources = reaching(outputs, wrt)
     modes, needed = recording.dtensor_modes, None
+    graph_saves = _graph_saves(outputs)  # (before the backward frees what the nodes saved)
     # Outside autocast, as torch asks of a backward: run under it, its ops are cast as eager's are.
     with _rng_state_reads() as state_reads, autocast_off(), _modules_called() as called:
         start = len(recording.bound_symbols)
@@ -159,6 +163,7 @@ def capture_backward(
         users_code=users_code,
         users_code_ran=recording.users_backward_ran,
         modules_called=tuple({id(m): m for m in called}.values()),
+        graph_saves=graph_saves,
         saved_hooks=saved_tensors_hooks(),
         dtensor_modes=needed,
     )
@@ -247,6 +252,26 @@ def _saved_alias_written(recording: Recording, forward_end: int, saving: dict[st
                         f"with {saved.provenance}, which the backward reads as it was before; eager raises "
                         "autograd's error at the backward. Change a copy, or pass tensors that do not share memory"
                     )
+
+
+def _graph_saves(outputs: list) -> bool:
+    """Whether a node of the autograd graph behind ``outputs`` saved a tensor."""
+    with torch._C.DisableTorchFunction():
+        stack, seen = [t.grad_fn for t in outputs if t.grad_fn is not None], set()
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            if any(name.startswith("_raw_saved_") for name in dir(node)):
+                return True
+            try:  # (an autograd.Function's node)
+                if getattr(node, "saved_tensors", ()):
+                    return True
+            except RuntimeError:
+                return True
+            stack += [next_node for next_node, _ in node.next_functions]
+    return False
 
 
 def _node_of(proxy: TensorProxy):

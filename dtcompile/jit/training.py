@@ -135,6 +135,7 @@ class TrainingProgram:
     # recompute updates): read as they are at the backward, as eager's recompute reads them.
     live_saved: frozenset = frozenset()
     saved_dtensor_outputs: tuple = ()  # ``saved_reads.saved_dtensor_outputs``
+    graph_saves: bool = True  # ``BackwardCapture.graph_saves``
     # The Python values the call's code read while traced (``Read``), where its backward
     # runs code of the user's: checked before each backward, since eager's backward reads
     # them then (a Function's ``ctx.mod.scale`` changed between the call and backward()).
@@ -182,6 +183,7 @@ class TrainingProgram:
             forward=forward,
             backward=backward.compile(),
             live_saved=live_saved(backward, captured_inputs, len(backward_capture.cotangents)),
+            graph_saves=backward_capture.graph_saves,
             saved_dtensor_outputs=saved_dtensor_outputs(
                 backward, trace_output, {n.index for n in dtensor_outputs(output)}, len(backward_capture.cotangents)
             ),
@@ -292,8 +294,10 @@ class CompiledStep(torch.autograd.Function):
         live = program.live_saved
         ctx.numbers = [(i, v) for i, v in enumerate(saved) if not isinstance(v, torch.Tensor) or i in live]
         tensors = [v for i, v in enumerate(saved) if isinstance(v, torch.Tensor) and i not in live]
-        ctx.saves = bool(tensors)  # (saving none, a second backward runs, as eager's through nodes saving none)
-        ctx.save_for_backward(*tensors)
+        # (saving none, a second backward runs, as eager's through nodes saving none; where
+        # eager's saved some, a tensor of no elements is saved, for autograd to free)
+        ctx.saves, ctx.stand_in = bool(tensors) or program.graph_saves, not tensors
+        ctx.save_for_backward(*(tensors or [torch.empty(0)] * program.graph_saves))
         # Gradients autograd computes none for stay None (not zeros made now, alive through
         # the whole backward): the program makes them where it first reads them.
         ctx.set_materialize_grads(False)
@@ -348,6 +352,7 @@ class CompiledStep(torch.autograd.Function):
         arrived = sum(1 << i for i, c in enumerate(program.cotangents) if grad_outputs[c.slot] is not None)
         try:
             inputs = list(ctx.saved_tensors) if ctx.saves else []
+            inputs = [] if ctx.stand_in else inputs
         except RuntimeError as error:
             if "A view was created in no_grad mode" in str(error):  # a view of an input the program saved
                 raise RuntimeError(
