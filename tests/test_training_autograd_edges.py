@@ -597,3 +597,14 @@ def test_check_eager_puts_back_what_no_version_counts(how, cache):
         state = torch.zeros(3)
         dtcompile.jit(fn, cache=cache, check="eager")(x, state)
     assert torch.equal(state, x)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_forward_mode_ad_through_a_call_with_gradients_is_refused_clearly(cache):
+    # torch's error spoke of a jvp the user's Function lacks: dtcompile's own Function.
+    import torch.autograd.forward_ad as fwAD
+
+    w = torch.randn(3, 3, requires_grad=True)
+    jf = dtcompile.jit(lambda x: (x @ w).tanh(), cache=cache)
+    with fwAD.dual_level(), pytest.raises(dtcompile.TracingError, match="forward-mode AD"):
+        jf(fwAD.make_dual(torch.randn(2, 3), torch.randn(2, 3)))

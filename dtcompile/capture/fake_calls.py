@@ -123,8 +123,8 @@ _NO_DATA = ("data is not allocated yet", "Cannot access storage of", "Cannot acc
 def functorch_refusal(detail: str) -> TracingError:
     """The clear error for a torch.func transform inside a compiled call or around one."""
     return TracingError(
-        "dtcompile.jit: torch.func's transforms (grad, vjp, jacrev, hessian, vmap) cannot be traced, inside a "
-        "compiled call or around one: the tensors they wrap hide the traced ones. Inside the call, compute "
+        "dtcompile.jit: torch.func's transforms (grad, vjp, jacrev, hessian, vmap) and forward-mode AD cannot be "
+        "traced, inside a compiled call or around one: the tensors they wrap hide the traced ones. Inside the call, compute "
         "gradients with torch.autograd.grad(..., create_graph=True); around it, compile the function the "
         f"transform calls, not the transform ({detail})"
     )

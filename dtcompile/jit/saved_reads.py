@@ -75,3 +75,10 @@ def backward_reads(captured, backward, module: torch.nn.Module | None) -> tuple:
         read = {id(m) for called in backward.modules_called for m in called.modules()}
         modules = [ModuleRead(m, path) for path, m in module.named_modules() if not read or id(m) in read]
     return (*captured.python_state.reads, *modules)
+
+
+SAVED_INFERENCE = (  # eager's error, where autograd would save an inference tensor
+    "Inference tensors cannot be saved for backward. Please do not use Tensors created in inference mode in "
+    "computation tracked by autograd. To work around this, you can make a clone to get a normal tensor and use it "
+    "in autograd, or use `torch.no_grad()` instead of `torch.inference_mode()`."
+)

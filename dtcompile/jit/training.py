@@ -39,7 +39,7 @@ from ..core.torch_internals import (
 from ..core.trace import Zeros
 from .epilogue import build_epilogue, build_output_wrapper, dtensor_outputs, views_made_own, with_sizes
 from .saved_hooks import same_saved_hooks
-from .saved_reads import live_saved, read_back, saved_dtensor_outputs
+from .saved_reads import SAVED_INFERENCE, live_saved, read_back, saved_dtensor_outputs
 
 
 @dataclass(frozen=True)
@@ -212,10 +212,17 @@ class TrainingProgram:
 
     def __call__(self, inputs: tuple):
         hooks = saved_tensors_hooks()
-        if hooks is None and self.saved_hooks is None and functorch_transform() is None:
-            outs = CompiledStep.apply(self, *inputs)
-        else:
-            outs = self._apply_under_hooks(hooks, inputs)
+        try:
+            if hooks is None and self.saved_hooks is None and functorch_transform() is None:
+                outs = CompiledStep.apply(self, *inputs)
+            else:
+                outs = self._apply_under_hooks(hooks, inputs)
+        except NotImplementedError as error:  # (torch's, of the Function dtcompile runs the step in)
+            if "jvp" not in str(error):
+                raise
+            raise functorch_refusal(
+                "forward-mode AD (torch.autograd.forward_ad) through a call with gradients"
+            ) from error
         outs = list(outs)
         for slot in self.non_differentiable:
             if outs[slot].requires_grad and slot not in self.returned_slots:
@@ -264,13 +271,6 @@ class TrainingProgram:
                 torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 
-_SAVED_INFERENCE = (  # eager's error, where autograd would save an inference tensor
-    "Inference tensors cannot be saved for backward. Please do not use Tensors created in inference mode in "
-    "computation tracked by autograd. To work around this, you can make a clone to get a normal tensor and use it "
-    "in autograd, or use `torch.no_grad()` instead of `torch.inference_mode()`."
-)
-
-
 class CompiledStep(torch.autograd.Function):
     """Runs a :class:`TrainingProgram` (see the module docstring)."""
 
@@ -280,7 +280,7 @@ class CompiledStep(torch.autograd.Function):
         for position in program.dtensor_inputs:
             local_inputs[position] = local_inputs[position]._local_tensor
         if any(local_inputs[i].is_inference() for i in program.read_back):  # (they have no version)
-            raise RuntimeError(_SAVED_INFERENCE)
+            raise RuntimeError(SAVED_INFERENCE)
         versions = [local_inputs[i]._version for i in program.read_back]
         ctx.dtensor_versions = [(i, inputs[i], inputs[i]._version) for i in program.dtensors_read_back]
         outs = views_made_own(program.forward(*local_inputs), program.slots, local_inputs)
