@@ -110,3 +110,20 @@ def test_a_float_written_into_an_integer_tensor_in_place_raises_eagers_error(cas
         with pytest.raises(RuntimeError) as compiled:
             dtcompile.jit(fn, cache=cache)(*arguments())
         assert type(compiled.value) is type(eager.value) and str(compiled.value) == str(eager.value)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("where", ["made inside", "an argument"])
+def test_matmul_out_with_an_argument_requiring_grad_raises_eagers_error(where, cache):
+    # torch's Python form of matmul.out recorded it: the call ran (or refused with another
+    # message) where eager's kernel raises that out= does not support autograd.
+    def fn(a, b, o=None):
+        return torch.matmul(a, b, out=torch.empty(2, 2) if o is None else o)
+
+    args = (torch.randn(2, 3, requires_grad=True), torch.randn(3, 2))
+    args += () if where == "made inside" else (torch.empty(2, 2),)
+    with pytest.raises(RuntimeError) as eager:
+        fn(*args)
+    with pytest.raises(RuntimeError) as compiled:
+        dtcompile.jit(fn, cache=cache)(*args)
+    assert type(compiled.value) is type(eager.value) and str(compiled.value) == str(eager.value)

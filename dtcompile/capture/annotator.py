@@ -28,7 +28,7 @@ from ..core.torch_internals import dtensor_implicit_replication
 from . import closed_over
 from .block_training import BlockReplayFailed
 from .data_branches import branch_refused
-from .eager_errors import dtype_checked, eager_error, eager_failure
+from .eager_errors import dtype_checked, eager_error, eager_failure, out_with_grad
 from .graph_reach import tag_backward_nodes
 from .method_checks import (
     AUTOGRAD_ATTRIBUTES,
@@ -298,7 +298,8 @@ class CallAnnotator(TorchFunctionMode):
             if out is not MISSED:
                 return out
             specs, before = [getattr(x, "_spec", None) for x in leaves], state(self.recording)
-        if dtype_checked(func, leaves) and (eager := eager_failure(func, args, kwargs)) is not None:
+        grad = out_with_grad(kwargs, leaves)
+        if (grad or dtype_checked(func, leaves)) and (eager := eager_failure(func, args, kwargs, grad)) is not None:
             raise eager  # a dtype eager's kernel rejects, which the traced form does not check
         handled_by_dtensor = any(isinstance(x, DTensor) for x in leaves)
         if handled_by_dtensor:

@@ -63,6 +63,18 @@ def dtype_checked(func, leaves: list) -> bool:
     return len({x.dtype for x in leaves if isinstance(x, torch.Tensor) and x.dtype.is_floating_point}) > 1
 
 
+def out_with_grad(kwargs: dict, leaves: list) -> bool:
+    """An ``out=`` call under grad mode with an argument that requires grad: eager's kernels
+    refuse it (out= does not support autograd), where torch's Python forms of some
+    (``matmul``'s) record it, and those of others have no derivative eager would not ask
+    for (``diag``): run on stand-ins first."""
+    return (
+        kwargs.get("out") is not None
+        and torch.is_grad_enabled()
+        and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
+    )
+
+
 def _in_place_method(func) -> bool:
     name = getattr(func, "__name__", "")
     return (name.endswith("_") and not name.startswith("_")) or name in _IN_PLACE_OPERATORS
@@ -78,15 +90,20 @@ def eager_error(func, args: tuple, kwargs: dict, error: RuntimeError) -> BaseExc
     return eager if eager is not None and type(eager) is not type(error) else None
 
 
-def eager_failure(func, args: tuple, kwargs: dict) -> BaseException | None:
+def eager_failure(func, args: tuple, kwargs: dict, grad: bool = False) -> BaseException | None:
     """The exception eager's ``func`` raises on stand-ins of the arguments; None where it
-    raises none, or where it cannot be run on stand-ins."""
+    raises none, or where it cannot be run on stand-ins (``grad``: each stand-in requires
+    grad where its tensor does, an ``out=`` tensor's check)."""
     if any(isinstance(x, (DTensor, torch.Generator)) for x in tree_flatten((args, kwargs))[0]):
         return None  # DTensor's own checks run while tracing, as in eager; a generator is the user's
     if _communicates(func):
         return None  # run for real, a collective would wait for peers that run no such thing
     try:
         real_args, real_kwargs = tree_map(_stand_in, (args, kwargs))
+        if grad:
+            for real, traced in zip(tree_flatten(real_args)[0], tree_flatten(args)[0]):
+                if isinstance(traced, torch.Tensor) and traced.requires_grad:
+                    real.requires_grad_()
     except _GiveUp:
         return None
     random_state = torch.default_generator.get_state()  # a random op draws nothing for the user
