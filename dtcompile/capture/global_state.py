@@ -217,15 +217,16 @@ def autocast_cache_off():
 
 @contextlib.contextmanager
 def parametrize_cache_off():
-    """While tracing, ``torch.nn.utils.parametrize.cached()`` caches nothing and reads no
-    entry: one made then (a proxy) would outlive the call, and one made before (a real
-    tensor, from the user's eager call in the region) would be baked into the program,
-    read at every call, outside the region too. The program computes each
-    parametrization, as eager does outside the region."""
+    """While tracing, ``torch.nn.utils.parametrize.cached()`` keeps what the call computes
+    for the call only (a proxy would outlive it), as eager's call computes each
+    parametrization once in a region and reuses it; one the region held before the call
+    is not read (a real tensor, it would be baked into the program, read at every call,
+    outside the region too): the program computes it again, equal unless the parameter
+    changed in place in between. Outside a region it computes each at each use, as eager."""
     from torch.nn.utils import parametrize
 
     saved = parametrize._cache_enabled, parametrize._cache
-    parametrize._cache_enabled, parametrize._cache = 0, {}
+    parametrize._cache = {}
     try:
         yield
     finally:
