@@ -21,7 +21,7 @@ from ..core.op_classes import draws_random_numbers
 from ..core.proxy import contiguous_strides
 from ..core.torch_internals import DTensorSpec, TensorMeta, make_dtensor, saved_tensors_hooks
 from .global_state import autocast_off
-from .graph_reach import reached_by_none, reaching
+from .graph_reach import reached_by_none, reaching, saves_a_tensor
 from .recorder import Recording
 
 
@@ -115,7 +115,7 @@ def capture_backward(
     with torch._C.DisableTorchFunction():  # autograd's graph, not the tracing annotator's to see
         sources = reaching(outputs, wrt)
     modes, needed = recording.dtensor_modes, None
-    graph_saves = _graph_saves(outputs)  # (before the backward frees what the nodes saved)
+    graph_saves = saves_a_tensor(outputs)  # (before the backward frees what the nodes saved)
     # Outside autocast, as torch asks of a backward: run under it, its ops are cast as eager's are.
     with _rng_state_reads() as state_reads, autocast_off(), _modules_called() as called:
         start = len(recording.bound_symbols)
@@ -252,26 +252,6 @@ def _saved_alias_written(recording: Recording, forward_end: int, saving: dict[st
                         f"with {saved.provenance}, which the backward reads as it was before; eager raises "
                         "autograd's error at the backward. Change a copy, or pass tensors that do not share memory"
                     )
-
-
-def _graph_saves(outputs: list) -> bool:
-    """Whether a node of the autograd graph behind ``outputs`` saved a tensor."""
-    with torch._C.DisableTorchFunction():
-        stack, seen = [t.grad_fn for t in outputs if t.grad_fn is not None], set()
-        while stack:
-            node = stack.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            if any(name.startswith("_raw_saved_") for name in dir(node)):
-                return True
-            try:  # (an autograd.Function's node)
-                if getattr(node, "saved_tensors", ()):
-                    return True
-            except RuntimeError:
-                return True
-            stack += [next_node for next_node, _ in node.next_functions]
-    return False
 
 
 def _node_of(proxy: TensorProxy):

@@ -130,3 +130,23 @@ def tag_backward_nodes(inputs: list, outputs: list, note: Note) -> None:
         seen.add(id(node))
         node.metadata.setdefault("dtcompile_note", note)
         pending.extend(next_node for next_node, _ in node.next_functions)
+
+
+def saves_a_tensor(outputs: list) -> bool:
+    """Whether a node of the autograd graph behind ``outputs`` saved a tensor."""
+    with torch._C.DisableTorchFunction():
+        stack, seen = [t.grad_fn for t in outputs if t.grad_fn is not None], set()
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            if any(name.startswith("_raw_saved_") for name in dir(node)):
+                return True
+            try:  # (an autograd.Function's node)
+                if getattr(node, "saved_tensors", ()):
+                    return True
+            except RuntimeError:
+                return True
+            stack += [next_node for next_node, _ in node.next_functions]
+    return False
