@@ -423,3 +423,28 @@ def test_an_object_the_call_makes_returned_twice_is_one_object_holding_what_exis
         assert in_list[0] is s and in_dict["things"] is things and in_tuple[0] is add
         assert type(things) is _Things and things[0] is _CONFIG
     assert jf(torch.ones(2))[1] is not s  # (made anew at each call)
+
+
+def _parameters_made(x):
+    return torch.nn.Parameter(x * 2, requires_grad=False), torch.nn.Parameter(x.sum(0), False)
+
+
+class _KeepsAParameter(torch.nn.Module):
+    def forward(self, x):
+        self.p = torch.nn.Parameter(x.sum(0) * 2, requires_grad=False)
+        return x + 1
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_parameter_the_call_makes_is_a_parameter(cache):
+    # A plain tensor came back (and was put in the module's _parameters).
+    x = torch.ones(2, 3)
+    with torch.no_grad():
+        frozen, trained = dtcompile.jit(_parameters_made, cache=cache)(x)
+        expected = _parameters_made(x)
+        module = _KeepsAParameter()
+        dtcompile.jit(module, cache=cache)(x)
+    for got, want in zip((frozen, trained), expected):
+        assert type(got) is torch.nn.Parameter and got.requires_grad == want.requires_grad
+        assert torch.equal(got, want)
+    assert type(module._parameters["p"]) is torch.nn.Parameter and not module.p.requires_grad

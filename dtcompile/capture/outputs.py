@@ -55,6 +55,9 @@ class HeldOutput(OutputNode):
 @dataclass
 class TensorOutput(OutputNode):
     index: int  # into the computation's flat result
+    # An ``nn.Parameter`` the call made (of a traced tensor: one marked so): whether it
+    # requires grad; None: no Parameter.
+    parameter: bool | None = None
 
 
 @dataclass
@@ -201,7 +204,8 @@ class OutputCollector:
                     "eager's is an inference tensor, the compiled call's would not be. Enter inference_mode "
                     "around the call instead"
                 )
-            return TensorOutput(self._slot(value))
+            parameter = value.requires_grad if made_here and vars(value).get("_is_param", False) else None
+            return TensorOutput(self._slot(value), parameter)
         if isinstance(value, torch.Tensor):
             return ConstantOutput(value)  # a tensor the program closes over, returned as is
         if is_symbolic(value):

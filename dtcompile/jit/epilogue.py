@@ -154,6 +154,8 @@ class _Builder:
     def _rebuild(self, node: OutputNode, wrap: bool) -> str:
         if isinstance(node, DTensorOutput):
             return self.dtensor(node) if wrap else f"outs[{node.index}]"
+        if isinstance(node, TensorOutput) and node.parameter is not None:  # (eager's nn.Parameter(x * 2))
+            return f"torch.nn.Parameter(outs[{node.index}], {node.parameter})"
         if isinstance(node, (TensorOutput, NumberOutput)):
             return f"outs[{node.index}]"
         if isinstance(node, ConstantOutput):
