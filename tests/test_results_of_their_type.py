@@ -448,3 +448,10 @@ def test_a_parameter_the_call_makes_is_a_parameter(cache):
         assert type(got) is torch.nn.Parameter and got.requires_grad == want.requires_grad
         assert torch.equal(got, want)
     assert type(module._parameters["p"]) is torch.nn.Parameter and not module.p.requires_grad
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_tensor_of_another_class_made_around_a_traced_one_is_refused_clearly(cache):
+    # as_subclass dispatches past the recording modes: torch's error spoke of a proxy.
+    with pytest.raises(dtcompile.TracingError, match="a tensor of another class around a traced one"):
+        dtcompile.jit(lambda x: (x * 2).as_subclass(torch.Tensor), cache=cache)(torch.ones(3))

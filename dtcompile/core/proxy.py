@@ -147,8 +147,15 @@ class TensorProxy(torch.Tensor):
         # before DTensor does: defer to the other subclass, as the recorder did.
         if any(not issubclass(t, TensorProxy) for t in types):
             return NotImplemented
-        # Otherwise reaching here means a proxy escaped its trace.
+        # Otherwise reaching here means a proxy escaped its trace, or (while a call is traced)
+        # code dispatched past the recording modes: a tensor of another class made around one.
         names = [a.label for a in args if isinstance(a, TensorProxy)]
+        if TextRefusals.active:
+            raise TracingError(
+                f"dtcompile.jit: the traced code made a tensor of another class around a traced one ({func}: "
+                "Tensor.as_subclass, torch.Tensor._make_subclass), which dispatches past dtcompile's recording. "
+                "Make it outside the call, or use x.view_as(x)"
+            )
         raise RuntimeError(
             f"dtcompile: {func} was called on proxy {', '.join(names)} outside of tracing; "
             "proxies only exist while a call is being traced"
