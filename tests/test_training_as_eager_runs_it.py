@@ -268,3 +268,33 @@ def test_a_parametrization_read_several_times_in_a_cached_region_is_computed_onc
     with parametrize.cached():
         assert type(model.cell.weight) is torch.Tensor  # (computed by eager code in the region, before the call)
         assert_same(jitted(x), eager(x), rtol=0, atol=0)
+
+
+class _AverageSavedOutside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+        self.register_buffer("ema", torch.zeros(8))
+
+    def update(self, h):
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(h.mean(0), alpha=0.1)
+        return torch.tanh(h)
+
+    def forward(self, x):
+        h = checkpoint(self.update, self.a(x), use_reentrant=False)
+        return self.b(h * self.ema).pow(2).mean()  # (the product saves the average)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_buffer_a_recompute_writes_and_an_op_outside_saves_is_checked_as_eager(cache):
+    # Read as it was at the backward (as the recompute reads it), a change in between went
+    # unseen where eager's product, which saved it, raises.
+    torch.manual_seed(0)
+    model = _AverageSavedOutside()
+    jitted = dtcompile.jit(model, cache=cache)
+    jitted(torch.randn(4, 8)).backward()  # (unchanged: runs)
+    loss = jitted(torch.randn(4, 8))
+    model.ema.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -55,6 +55,9 @@ class BackwardCapture:
     # Whether a node of eager's graph saved a tensor (``w * 0.5`` saves the scalar): then a
     # second backward without retain_graph raises, as eager's, though the program saves none.
     graph_saves: bool = True
+    # Inputs the forward writes that a node of eager's graph saved (not through a hook, as a
+    # checkpoint's recompute reads them): eager checks their versions at the backward.
+    saved_by_nodes: frozenset = frozenset()
     # The saved_tensors_hooks (pack, unpack) active around the call: traced into the
     # programs, so the compiled step must not apply them again (jit/training.py).
     saved_hooks: tuple | None = None
@@ -164,6 +167,7 @@ def capture_backward(
         users_code_ran=recording.users_backward_ran,
         modules_called=tuple({id(m): m for m in called}.values()),
         graph_saves=graph_saves,
+        saved_by_nodes=frozenset(saving),
         saved_hooks=saved_tensors_hooks(),
         dtensor_modes=needed,
     )
@@ -263,13 +267,15 @@ def _node_of(proxy: TensorProxy):
 
 
 def _holds(node, proxy: TensorProxy) -> bool:
-    """Whether autograd's ``node`` saved ``proxy`` (its ``_saved_*`` values)."""
+    """Whether autograd's ``node`` saved ``proxy`` (its ``_saved_*`` values; an
+    autograd.Function's ``saved_tensors``)."""
     if node is None:
         return False
     for name in dir(node):
-        if name.startswith("_saved_") and not name.endswith("_raw"):
-            raw = getattr(node, "_raw" + name, None)
-            if any(getattr(r, "unpack_hook", None) is not None for r in (raw if isinstance(raw, list) else (raw,))):
+        if (name.startswith("_saved_") and not name.endswith("_raw")) or name == "saved_tensors":
+            raw = getattr(node, "_raw_" + name.removeprefix("_"), None)
+            raw = raw if isinstance(raw, (list, tuple)) else (raw,)
+            if any(getattr(r, "unpack_hook", None) is not None for r in raw):
                 continue  # packed by a hook (a checkpoint's): reading it would run the hook (recompute the region)
             try:
                 value = getattr(node, name)

@@ -10,11 +10,12 @@ from ..core import TensorProxy
 from ..transforms.effects import mutates
 
 
-def live_saved(backward, inputs: list, cotangents: int) -> frozenset:
-    """``TrainingProgram.live_saved`` of the ``backward`` execution trace."""
+def live_saved(backward, inputs: list, cotangents: int, checked: frozenset = frozenset()) -> frozenset:
+    """``TrainingProgram.live_saved`` of the ``backward`` execution trace (but the inputs
+    ``checked`` by label: ones a node of eager's graph saved, whose versions it checks)."""
     saved = backward.inputs[: len(backward.inputs) - cotangents]
     written = {p.memory for b in backward.bound_symbols if mutates(b) for p in b.input_tensors()}
-    labels = {p.label for p in inputs}
+    labels = {p.label for p in inputs} - checked
     return frozenset(i for i, p in enumerate(saved) if p.label in labels and p.memory in written)
 
 

@@ -182,7 +182,9 @@ class TrainingProgram:
         return TrainingProgram(
             forward=forward,
             backward=backward.compile(),
-            live_saved=live_saved(backward, captured_inputs, len(backward_capture.cotangents)),
+            live_saved=live_saved(
+                backward, captured_inputs, len(backward_capture.cotangents), backward_capture.saved_by_nodes
+            ),
             graph_saves=backward_capture.graph_saves,
             saved_dtensor_outputs=saved_dtensor_outputs(
                 backward, trace_output, {n.index for n in dtensor_outputs(output)}, len(backward_capture.cotangents)
