@@ -422,3 +422,19 @@ def test_a_bool_read_from_data_in_a_call_with_gradients(case, cache):
         _first(got).sum().backward()
         assert_same(xc.grad, xe.grad)
     assert dtcompile.cache_misses(jf) == 1
+
+
+def _bool_read_as_numbers(x):
+    return x * float((x.sum() > 0).item()) + int((x.mean() < 0).item())
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_float_and_int_of_a_bool_read_from_data_branch_on_it(cache):
+    # float() of the read raised a TypeError while tracing: every call ran eagerly, warning,
+    # and traced again. It is a branch on the value now: one entry per value.
+    jf = dtcompile.jit(_bool_read_as_numbers, cache=cache)
+    for seed in range(6):
+        x = torch.randn(3, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            assert_same(jf(x), _bool_read_as_numbers(x))
+    assert dtcompile.cache_misses(jf) == 2

@@ -110,6 +110,12 @@ def _eager_namespaces() -> list:
     return _found[1]
 
 
+def _bool_as_float(value) -> float:
+    """``float()`` of a SymBool, as of a Python bool: a branch on its value (one read from
+    data is traced as taken and checked at each call)."""
+    return 1.0 if value else 0.0
+
+
 @contextlib.contextmanager
 def compiling():
     """Inside, ``torch.compiler.is_compiling()`` is True, and numbers read from tensor data
@@ -137,6 +143,7 @@ def compiling():
             eager.append(namespace)
     for cls, original in hashes.items():
         cls.__hash__ = _hash_unless_from_data(original)
+    torch.SymBool.__float__ = _bool_as_float  # (``float(b)`` of a Python bool: 1.0 or 0.0)
     try:
         yield
     finally:
@@ -145,3 +152,4 @@ def compiling():
             namespace["torch"] = torch
         for cls, original in hashes.items():
             cls.__hash__ = original
+        del torch.SymBool.__float__
