@@ -186,6 +186,7 @@ _MODULE_CHANGES = {
     "a parameter rebound": lambda m: setattr(m.inner[0], "weight", nn.Parameter(torch.ones(8, 8))),
     "a submodule replaced": lambda m: m.inner.__setitem__(0, nn.Linear(8, 8)),
     "a forward hook added": lambda m: m.inner[0].register_forward_hook(lambda mod, i, o: o * 2),
+    "a parameter frozen": lambda m: m.inner[0].weight.requires_grad_(False),
 }
 
 

@@ -46,8 +46,9 @@ _TABLES = ("_parameters", "_buffers", "_modules", "_forward_pre_hooks", "_forwar
 
 class ModuleRead:
     """A module's state that code of the user's in the backward (a checkpointed region's
-    recompute, a tensor hook) may read, as it is at the backward: its training flag and
-    the objects in its tables (parameters, buffers, submodules, forward hooks). The
+    recompute, a tensor hook) may read, as it is at the backward: its training flag, the
+    objects in its tables (parameters, buffers, submodules, forward hooks) and whether its
+    parameters require grad. The
     program holds what it was when traced, where eager's backward would read the new."""
 
     def __init__(self, module: torch.nn.Module, path: str):
@@ -56,7 +57,12 @@ class ModuleRead:
 
     def _now(self) -> list:
         state = vars(self.module)
-        return [state.get("training"), *(x for table in _TABLES for item in state.get(table, {}).items() for x in item)]
+        flags = [p is not None and p.requires_grad for p in state.get("_parameters", {}).values()]
+        return [
+            state.get("training"),
+            *flags,
+            *(x for table in _TABLES for item in state.get(table, {}).items() for x in item),
+        ]
 
     def unchanged(self) -> bool:
         now = self._now()
