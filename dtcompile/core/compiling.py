@@ -143,6 +143,7 @@ def compiling():
             eager.append(namespace)
     for cls, original in hashes.items():
         cls.__hash__ = _hash_unless_from_data(original)
+    own_float = vars(torch.SymBool).get("__float__")
     torch.SymBool.__float__ = _bool_as_float  # (``float(b)`` of a Python bool: 1.0 or 0.0)
     try:
         yield
@@ -152,4 +153,7 @@ def compiling():
             namespace["torch"] = torch
         for cls, original in hashes.items():
             cls.__hash__ = original
-        del torch.SymBool.__float__
+        if own_float is None:
+            del torch.SymBool.__float__
+        else:
+            torch.SymBool.__float__ = own_float

@@ -52,10 +52,10 @@ def _no_torch_function(relevant_args) -> bool:
 # Ops whose Python kernels (``torch._decomp``), which the Python dispatcher tracing enables
 # runs instead of eager's C++ ones, compute otherwise than eager: ``aten.dropout`` becomes
 # ``native_dropout`` (its scale applied after the mask, one rounding apart from eager's
-# CPU composite, ``input * (bernoulli_(1 - p) / (1 - p))``); ``aten.matmul``'s asks whether
-# to fold a batch into one matrix product of its second operand's layout where eager's asks
-# of its transpose's (``vector @ batched matrix`` took another path, 1e-7 apart).
-_EAGER_KERNELS = (torch.ops.aten.dropout.default, torch.ops.aten.matmul.default)
+# CPU composite, ``input * (bernoulli_(1 - p) / (1 - p))``). (``aten.matmul``'s Python form
+# folds ``vector @ batched matrix`` otherwise than eager's, 1e-7 apart; eager's C++ kernel
+# cannot take symbolic sizes on torch 2.10, so it stays.)
+_EAGER_KERNELS = (torch.ops.aten.dropout.default,)
 _SET_ASIDE = (torch._C.DispatchKey.Autograd, torch._C.DispatchKey.CompositeImplicitAutograd)
 
 
