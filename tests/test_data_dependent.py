@@ -438,3 +438,18 @@ def test_float_and_int_of_a_bool_read_from_data_branch_on_it(cache):
         with torch.no_grad():
             assert_same(jf(x), _bool_read_as_numbers(x))
     assert dtcompile.cache_misses(jf) == 2
+
+
+def _bool_in_arithmetic(x):
+    b = (x > 0).any().item()
+    return x * (-b + abs(b) + b / 2 + b**2 + (b // 1) + (b % 2) + round(b))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_bool_read_from_data_in_python_arithmetic(cache):
+    # A SymBool lacks int's operators a Python bool has: a TypeError while tracing.
+    jf = dtcompile.jit(_bool_in_arithmetic, cache=cache)
+    for sign in (1.0, -1.0):
+        x = torch.full((3,), sign)
+        with torch.no_grad():
+            assert_same(jf(x), _bool_in_arithmetic(x))

@@ -455,3 +455,23 @@ def test_a_tensor_of_another_class_made_around_a_traced_one_is_refused_clearly(c
     # as_subclass dispatches past the recording modes: torch's error spoke of a proxy.
     with pytest.raises(dtcompile.TracingError, match="a tensor of another class around a traced one"):
         dtcompile.jit(lambda x: (x * 2).as_subclass(torch.Tensor), cache=cache)(torch.ones(3))
+
+
+def _keyed_by_a_made_function(x):
+    def handler(v):
+        return v + 1
+
+    p = torch.nn.Parameter(x * 2, requires_grad=False)
+    return x + 1, {handler: "handler"}, {handler}, handler, p, [p]
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_made_function_held_as_a_key_and_a_parameter_returned_twice_are_one_object(cache):
+    # The function returned was made anew while the dict's key stayed the traced one
+    # (`g in d` False); the Parameter was made at each place it was returned.
+    jf = dtcompile.jit(_keyed_by_a_made_function, cache=cache)
+    for _ in range(2):
+        with torch.no_grad():
+            _, table, members, handler, p, in_list = jf(torch.ones(2))
+        assert handler in table and handler in members and table[handler] == "handler"
+        assert in_list[0] is p and type(p) is torch.nn.Parameter

@@ -12,6 +12,7 @@ import array
 import collections.abc
 import dataclasses
 import enum
+import functools
 import types
 from dataclasses import dataclass
 
@@ -170,6 +171,7 @@ class OutputCollector:
         self.reads: list = []
         self._existing_ids: set[int] | None = None
         self._views: list[tuple[DTensorOutput, DTensor]] = []  # (a DTensor output, the DTensor it views)
+        self._keys: set[int] = set()  # ids of objects the epilogue holds as constants (dict keys, in copies)
 
     def _slot(self, proxy: TensorProxy, value=None) -> int:
         self.proxies.append(proxy)
@@ -184,6 +186,7 @@ class OutputCollector:
             return shared[1]
         node = self._describe(value, where)
         made_anew = isinstance(node, ConstantOutput) and (node.copied or node.remade)  # (``s, [s]``: one object)
+        made_anew = made_anew or (isinstance(node, TensorOutput) and node.parameter is not None)
         if isinstance(node, (SequenceOutput, DictOutput, PytreeOutput, NewObjectOutput)) or made_anew:
             self._shared[id(value)] = (value, node)
         return node
@@ -228,6 +231,7 @@ class OutputCollector:
                 "(its key would be the traced stand-in); key it by a name instead"
             )
         if type(value) is dict:
+            self._keys.update(map(id, value))  # (constants of the epilogue: a function there is not made anew)
             return DictOutput(tuple(value.keys()), [self.describe(v, where) for v in value.values()])
         if type(value) in pytree.SUPPORTED_NODES:
             node = pytree.SUPPORTED_NODES[type(value)]
@@ -275,7 +279,9 @@ class OutputCollector:
         if _mutable_kind(value) and id(value) not in self._existing():
             if plain_object(value) and (type(value) is types.SimpleNamespace or not is_library(type(value))):
                 return self._new_object(value, where)
-            return ConstantOutput(value, copied=True, kept=kept_in(value, self._existing()))
+            kept = kept_in(value, self._existing())
+            self._keys.update(id(k) for k in _held_functions(value))  # (a copy holds them as they are)
+            return ConstantOutput(value, copied=True, kept=kept)
         return ConstantOutput(value)
 
     def existed(self, value) -> bool:
@@ -335,6 +341,9 @@ class OutputCollector:
         base's; the epilogue makes the DTensor one too, sharing its version counter, and
         within a training step autograd then refuses writes through it, as through a plain
         tensor's). Called once the result and the updates are described."""
+        for value, node in self._shared.values():  # (a function made anew but held as a key: the traced one)
+            if isinstance(node, ConstantOutput) and node.remade and id(value) in self._keys:
+                node.remade = False
         for node, base in self._views:
             returned = self._dtensors.get(id(base))
             if returned is not None and returned[0] is base:
@@ -365,6 +374,16 @@ class OutputCollector:
         fills them with each call's real mask, as eager DTensor does."""
         for buffer in self.mask_buffers:
             buffer.data, buffer.refcount = None, 0
+
+
+def _held_functions(value, depth: int = 3) -> list:
+    """The functions and partials a container holds, a few levels down."""
+    if isinstance(value, (types.FunctionType, functools.partial)):
+        return [value]
+    if depth and isinstance(value, (list, tuple, set, frozenset, dict, collections.deque)):
+        items = [*value.keys(), *value.values()] if isinstance(value, dict) else list(value)
+        return [f for item in items for f in _held_functions(item, depth - 1)]
+    return []
 
 
 def with_plain_sizes(spec):

@@ -110,10 +110,20 @@ def _eager_namespaces() -> list:
     return _found[1]
 
 
-def _bool_as_float(value) -> float:
-    """``float()`` of a SymBool, as of a Python bool: a branch on its value (one read from
-    data is traced as taken and checked at each call)."""
-    return 1.0 if value else 0.0
+# What Python's bool has of int's and a SymBool lacks: each is int's, of 1 or 0, by a
+# branch on the value (one read from data is traced as taken and checked at each call).
+_BOOL_AS_INT = (
+    *("__float__", "__index__", "__neg__", "__pos__", "__abs__", "__invert__", "__round__", "__trunc__"),
+    *("__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__divmod__"),
+    *("__pow__", "__rpow__", "__lshift__", "__rshift__", "__sub__", "__rsub__", "__radd__"),
+)
+
+
+def _as_int(name: str):
+    def method(value, *args):
+        return getattr(1 if value else 0, name)(*args)
+
+    return method
 
 
 @contextlib.contextmanager
@@ -143,8 +153,10 @@ def compiling():
             eager.append(namespace)
     for cls, original in hashes.items():
         cls.__hash__ = _hash_unless_from_data(original)
-    own_float = vars(torch.SymBool).get("__float__")
-    torch.SymBool.__float__ = _bool_as_float  # (``float(b)`` of a Python bool: 1.0 or 0.0)
+    own = {name: vars(torch.SymBool).get(name) for name in _BOOL_AS_INT}
+    for name in _BOOL_AS_INT:  # (``float(b)``, ``-b``, ``b / 2`` of a Python bool: as of 1 or 0)
+        if own[name] is None:
+            setattr(torch.SymBool, name, _as_int(name))
     try:
         yield
     finally:
@@ -153,7 +165,6 @@ def compiling():
             namespace["torch"] = torch
         for cls, original in hashes.items():
             cls.__hash__ = original
-        if own_float is None:
-            del torch.SymBool.__float__
-        else:
-            torch.SymBool.__float__ = own_float
+        for name, method in own.items():
+            if method is None:
+                delattr(torch.SymBool, name)

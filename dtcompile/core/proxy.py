@@ -210,12 +210,19 @@ class TensorProxy(torch.Tensor):
         )
 
     def __repr__(self) -> str:  # type: ignore[override]
-        _refuse_user_text(self)
+        if _refuse_user_text(self):
+            return self._refused_text()
         return f"TensorProxy({self.label}: {self.type_string()}, {self.provenance})"
 
     def __format__(self, spec: str) -> str:
-        _refuse_user_text(self)
-        return repr(self) if spec else object.__format__(self, spec)  # (``f"{x:.2f}"``: refused, not a TypeError)
+        if _refuse_user_text(self):  # (``f"{x:.2f}"`` too: refused, not a TypeError)
+            return self._refused_text()
+        return object.__format__(self, spec)
+
+    def _refused_text(self) -> str:
+        """The text the user's code gets until the refusal is raised (it goes on: its own
+        error, formatting the tensor, is raised as eager's)."""
+        return f"<a traced tensor of shape {tuple(self.shape)}: dtcompile refuses its text>"
 
 
 class TextRefusals:
@@ -232,7 +239,7 @@ class TextRefusals:
 PASSING_FRAMES: set = set()
 
 
-def _refuse_user_text(proxy: TensorProxy) -> None:
+def _refuse_user_text(proxy: TensorProxy) -> bool:
     """The user's code turning a traced tensor into text while tracing (``print(x)``,
     ``f"{x.sum():.2f}"``, a DTensor's repr, a log line): eager's text shows the data,
     which a trace does not have, and a compiled call would not print. Who asks is the
@@ -240,7 +247,7 @@ def _refuse_user_text(proxy: TensorProxy) -> None:
     modes'; dtcompile's own code and other libraries' (a log line of transformers) get the
     proxy's description."""
     if not TextRefusals.active:
-        return  # not while tracing: a trace's proxy, inspected
+        return False  # not while tracing: a trace's proxy, inspected
     frame = sys._getframe(2)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
@@ -258,6 +265,8 @@ def _refuse_user_text(proxy: TensorProxy) -> None:
             "data is not known while tracing, and a compiled call would not do it at each call. Print outside "
             "the call"
         )
+        return True
+    return False
 
 
 def _expression(size):

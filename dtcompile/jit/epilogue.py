@@ -140,7 +140,10 @@ class _Builder:
         """The expression of ``node``; a container or object node met again (the call
         returned it twice) is made once, in a variable."""
         made_once = (SequenceOutput, DictOutput, PytreeOutput, NewObjectOutput)
-        if not isinstance(node, made_once) and not (isinstance(node, ConstantOutput) and (node.copied or node.remade)):
+        made_anew = (isinstance(node, ConstantOutput) and (node.copied or node.remade)) or (
+            isinstance(node, TensorOutput) and node.parameter is not None
+        )
+        if not isinstance(node, made_once) and not made_anew:
             return self._rebuild(node, wrap)
         if id(node) in self._made:
             return self._made[id(node)]
