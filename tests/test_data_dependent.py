@@ -453,3 +453,4 @@ def test_a_bool_read_from_data_in_python_arithmetic(cache):
         x = torch.full((3,), sign)
         with torch.no_grad():
             assert_same(jf(x), _bool_in_arithmetic(x))
+    assert dtcompile.cache_misses(jf) == 2  # (compiled, one entry per value: not run eagerly)
