@@ -346,11 +346,11 @@ class OutputCollector:
                 node.remade = False
         for node, base in self._views:
             returned = self._dtensors.get(id(base))
-            if returned is not None and returned[0] is base:
-                node.view_of_output = returned[1]
-            elif self._call_dtensors.get(id(base)) is base:
+            if self._call_dtensors.get(id(base)) is base:  # (returned too, it is the caller's: ``w, w.t()``)
                 node.view_of_object = self.objects.index_of(base)
                 node.view_of_input = base._local_tensor.label if node.view_of_object is None else None
+            elif returned is not None and returned[0] is base:
+                node.view_of_output = returned[1]
         self._views.clear()
 
     def _new_object(self, value: object, where: object) -> NewObjectOutput:

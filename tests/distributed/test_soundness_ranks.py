@@ -888,6 +888,7 @@ _DTENSOR_VIEWS = {
     "x.view(-1) of a Replicate": lambda x: x.redistribute(x.device_mesh, [Replicate()]).view(-1),
     "(y, y[:, 1:])": lambda x: (lambda y: (y, y[:, 1:]))(x * 2),
     "(y[1:], y)": lambda x: (lambda y: (y[1:], y))(x * 2),
+    "(x, x.t())": lambda x: (x, x.t()),  # (the view's base is the argument, returned too)
 }
 
 
@@ -918,8 +919,13 @@ def dtensor_views_returned(cache: str) -> list:
             assert_all_same(co, eo)
             if not any(eb):
                 continue  # (a view of a value of the call's own: eager's may be written, and the compiled one)
-            outs = jitted(x.clone().requires_grad_() * 1)
-            outs = outs if isinstance(outs, tuple) else (outs,)
+            trained = []
+            for f in (fn, jitted):
+                a = x.clone().requires_grad_() * 1
+                outs = f(a)
+                outs = outs if isinstance(outs, tuple) else (outs,)
+                trained.append([o._base is a for o in outs])
+            assert trained[1] == trained[0], (name, trained)  # (a view of the argument is one, returned beside it too)
             with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
                 next(o for o in outs if o._base is not None).mul_(3)
         seen.append(name)
