@@ -442,7 +442,8 @@ def test_float_and_int_of_a_bool_read_from_data_branch_on_it(cache):
 
 def _bool_in_arithmetic(x):
     b = (x > 0).any().item()
-    return x * (-b + abs(b) + b / 2 + b**2 + (b // 1) + (b % 2) + round(b))
+    flipped = b ^ True
+    return x * (-b + abs(b) + b / 2 + b**2 + (b // 1) + (b % 2) + round(b) + max(b, 0) + (b < 1)), flipped
 
 
 @pytest.mark.parametrize("cache", CACHES)
@@ -452,5 +453,7 @@ def test_a_bool_read_from_data_in_python_arithmetic(cache):
     for sign in (1.0, -1.0):
         x = torch.full((3,), sign)
         with torch.no_grad():
-            assert_same(jf(x), _bool_in_arithmetic(x))
+            (got, flipped), (expected, eager_flipped) = jf(x), _bool_in_arithmetic(x)
+        assert_same(got, expected)
+        assert flipped is eager_flipped  # (a bool, as Python's)
     assert dtcompile.cache_misses(jf) == 2  # (compiled, one entry per value: not run eagerly)

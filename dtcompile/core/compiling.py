@@ -110,18 +110,19 @@ def _eager_namespaces() -> list:
     return _found[1]
 
 
-# What Python's bool has of int's and a SymBool lacks: each is int's, of 1 or 0, by a
+# What Python's bool has of int's and a SymBool lacks: each is Python's bool's, by a
 # branch on the value (one read from data is traced as taken and checked at each call).
 _BOOL_AS_INT = (
     *("__float__", "__index__", "__neg__", "__pos__", "__abs__", "__invert__", "__round__", "__trunc__"),
     *("__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__divmod__"),
     *("__pow__", "__rpow__", "__lshift__", "__rshift__", "__sub__", "__rsub__", "__radd__"),
+    *("__lt__", "__le__", "__gt__", "__ge__", "__xor__", "__rxor__"),
 )
 
 
 def _as_int(name: str):
     def method(value, *args):
-        return getattr(1 if value else 0, name)(*args)
+        return getattr(bool(value), name)(*args)  # (Python's bool's own: ``b ^ True`` is a bool)
 
     return method
 
