@@ -127,3 +127,34 @@ def test_matmul_out_with_an_argument_requiring_grad_raises_eagers_error(where, c
     with pytest.raises(RuntimeError) as compiled:
         dtcompile.jit(fn, cache=cache)(*args)
     assert type(compiled.value) is type(eager.value) and str(compiled.value) == str(eager.value)
+
+
+def _weighted_cov(x, w):
+    return torch.cov(x, aweights=w)
+
+
+def _inverse_into(a, o):
+    return torch.linalg.inv(a, out=o)
+
+
+def _restrided_beyond_the_view(x):
+    return x.as_strided_((2, 2), (1, 2), storage_offset=10)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize(
+    "fn, make",
+    [
+        (_weighted_cov, lambda: (torch.randn(2, 3), torch.tensor([0.3, 0.2, 0.4]))),
+        (_inverse_into, lambda: (torch.randn(4, 4) + 4 * torch.eye(4), torch.zeros(4, 4))),
+        (_restrided_beyond_the_view, lambda: (torch.randn(20)[5:15],)),
+    ],
+)
+def test_a_refusal_is_not_replaced_by_an_error_eager_raises_on_zeros(fn, make, cache):
+    # Where tracing refused an op, eager's kernel ran on zero stand-ins of the arguments, and
+    # its error replaced the refusal: "weights sum to zero", "matrix is singular", "out of
+    # bounds for storage" (the view's stand-in has only its own storage), for inputs eager
+    # takes. The refusal is what the user gets now.
+    fn(*make())  # eager runs
+    with pytest.raises(dtcompile.TracingError, match="dtcompile.jit: "):
+        dtcompile.jit(fn, cache=cache)(*make())

@@ -1128,3 +1128,27 @@ def test_interpolation_of_sizes_that_are_numbers_is_eagers_kernel(layout, mode, 
         got.pow(2).sum().backward()
         expected.pow(2).sum().backward()
         torch.testing.assert_close(x_compiled.grad, x_eager.grad, rtol=0, atol=0)
+
+
+# A helper of torch's own namespace that seeds (as torch.testing's ``wrapper_set_seed``), or
+# saves and restores the generator around its draws: it is the user's code here, which the
+# compiled program would not run again.
+_TORCH_NAMED = {"__name__": "torch.testing._seeding_helper", "torch": torch}
+exec(
+    "def seeded_draw(x):\n"
+    "    state = torch.get_rng_state()\n"
+    "    torch.manual_seed(42)\n"
+    "    y = x + torch.rand(3)\n"
+    "    torch.set_rng_state(state)\n"
+    "    return y\n",
+    _TORCH_NAMED,
+)
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_seeding_in_torch_named_code_that_is_not_a_random_op_of_torch_is_refused(cache):
+    # Torch's modules were let seed, for DTensor's random regions; a seed set and the state
+    # put back by another of torch's helpers made the program draw from the caller's
+    # generator, where eager draws seed 42's numbers at every call.
+    with pytest.raises(dtcompile.TracingError, match="called torch.get_rng_state"):
+        dtcompile.jit(_TORCH_NAMED["seeded_draw"], cache=cache)(torch.ones(3))

@@ -47,7 +47,7 @@ from .number_tensors import FACTORIES, holds_traced_numbers, tensor_of_numbers
 from .op_memo import MISSED, OpMemo, state
 from .placements import describe_argument, describe_output
 from .recorder import Recording
-from .traced_errors import data_read_refusal, refusal
+from .traced_errors import data_read_refusal, refusal, symbolic_sizes_refusal
 from .verified import VerifyFailed
 
 # Tensor methods that hand the caller a tensor's data outside torch (NumPy, Python lists).
@@ -351,9 +351,13 @@ class CallAnnotator(TorchFunctionMode):
                         "and is not a leaf (made by an op that autograd records); a compiled call cannot extend its "
                         "graph. Clone it before the call, or change it outside"
                     ) from error
-                eager = eager_error(func, args, kwargs, error)  # torch's fake kernels may raise another type
+                # Torch's fake kernels may raise another type than eager's; a refusal of ours
+                # stands (eager's kernel on zero stand-ins fails where it reads values).
+                eager = None if isinstance(error, TracingError) else eager_error(func, args, kwargs, error)
                 if eager is not None:
                     raise eager from error
+                if _SYMBOLIC_NUMEL in str(error):  # (C++ code asking a symbolic size's value)
+                    raise symbolic_sizes_refusal(_short_name(func)) from error
                 raise
         finally:
             self.recording.dtensor_calls = outer_dtensor_calls

@@ -290,6 +290,12 @@ _SEEDING = ("manual_seed", "seed", "set_rng_state", "fork_rng")  # in torch and 
 _SEED_READS = ("initial_seed", "get_rng_state")  # the values they give would be held by the program
 
 
+# torch's code that seeds or restores the generators for a random op it runs (DTensor's
+# random regions, ``fork_rng``'s own calls), which the program runs as it was traced. Other
+# torch code that seeds (``torch.testing``'s wrappers) is the user's code here.
+_SEEDS_WHILE_TRACED = ("torch.distributed.", "torch.random", "torch.cuda.", "torch.xpu.", "torch.mtia.")
+
+
 def _ours(module: str) -> bool:
     return module.startswith("dtcompile.") and not module.startswith("dtcompile.testing")
 
@@ -299,7 +305,7 @@ def seeding_refused():
     """While tracing, torch's seeding functions raise where the user's code calls them:
     code that seeds, or restores the generator's state to draw the same numbers again
     (``fork_rng``), would do so once, while tracing, not at each call. Torch's own calls
-    (DTensor's random regions) go through."""
+    for the random ops it runs (DTensor's random regions) go through."""
     saved = [
         (owner, name, getattr(owner, name))
         for owner in (torch, torch.random)
@@ -312,7 +318,7 @@ def seeding_refused():
             caller = sys._getframe(1)
             while _ours(caller.f_globals.get("__name__", "")):  # (a wrapper of ours)
                 caller = caller.f_back
-            if caller.f_globals.get("__name__", "").partition(".")[0] == "torch":
+            if caller.f_globals.get("__name__", "").startswith(_SEEDS_WHILE_TRACED):
                 return original(*args, **kwargs)
             if name in _SEED_READS:
                 raise TracingError(

@@ -33,10 +33,7 @@ def refusal(call: str, error: RuntimeError, first_argument: str | None) -> Traci
             "y = x.conj(); y.add_(1), x.add_(1))"
         )
     if _CONCRETE_SIZES in message:  # torch has no kernel for symbolic sizes (``generator=``)
-        return TracingError(
-            f"dtcompile.jit: {call} cannot take symbolic sizes in torch (its kernel, here, "
-            "takes concrete ones: a random op with generator=, say); use cache='constant values'"
-        )
+        return symbolic_sizes_refusal(call)
     if _NO_SHAPE_ENV in message:
         # DTensor sizes its result under a fake mode of its own, which cannot make the
         # number of elements a slice keeps when its bound is read from data (``x[:, :k]``,
@@ -48,6 +45,15 @@ def refusal(call: str, error: RuntimeError, first_argument: str | None) -> Traci
             "(x.to_local(), then DTensor.from_local)"
         )
     return None
+
+
+def symbolic_sizes_refusal(call: str) -> TracingError:
+    """Where torch's code for ``call`` takes concrete sizes only (a kernel, or C++ code asking
+    a tensor's element count: ``torch.cov`` with weights)."""
+    return TracingError(
+        f"dtcompile.jit: {call} cannot take symbolic sizes in torch (its code, here, takes concrete "
+        "ones: a random op with generator=, torch.cov with weights, say); use cache='constant values'"
+    )
 
 
 def data_read_refusal(call: str, func, args: tuple, kwargs: dict) -> BaseException:
