@@ -457,3 +457,18 @@ def test_a_bool_read_from_data_in_python_arithmetic(cache):
         assert_same(got, expected)
         assert flipped is eager_flipped  # (a bool, as Python's)
     assert dtcompile.cache_misses(jf) == 2  # (compiled, one entry per value: not run eagerly)
+
+
+def _branch_on_first_element(x):
+    return x * 2 if x[0, 0] else x * 3
+
+
+def test_bool_of_one_element_at_a_symbolic_offset_reads_its_value():
+    # The element of a row-sliced input sits at a storage offset a symbol gives: torch's
+    # C++ bool() asked its element count and failed, which dtcompile took for a tensor of
+    # several elements ("more than one value is ambiguous").
+    jitted = dtcompile.jit(_branch_on_first_element, cache="symbolic values")
+    for rows, first in ((5, 0.0), (6, 1.0), (7, 0.0)):
+        x = torch.randn(rows, 4)
+        x[1, 0] = first
+        assert_same(jitted(x[1:]), _branch_on_first_element(x[1:]))

@@ -295,3 +295,22 @@ def test_code_formatting_a_tensor_into_the_error_it_raises_raises_its_own(cache)
     assert str(compiled.value) == str(eager.value)
     with pytest.raises(dtcompile.TracingError, match="turns args\\[0\\] into text|turns a tensor into text"):
         dtcompile.jit(_printed, cache=cache)(x)  # (a formatted print is still refused, not a TypeError)
+
+
+def _view_under_no_grad(x, written):
+    with torch.no_grad():
+        y = x[1:]
+        if written:
+            y.add_(1)
+    return (x * 2).sum(), y
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("written", [False, True])
+def test_a_view_taken_under_no_grad_and_returned_from_a_call_with_gradients_is_refused_as_such(written, cache):
+    # Refused as "a leaf tensor made inside the call"; written in place, autograd's own error
+    # ("A view was created in no_grad mode ...") came out of dtcompile's check of the outputs.
+    x = torch.ones(4, 5, requires_grad=True)
+    _view_under_no_grad(x, written)  # eager runs
+    with pytest.raises(TracingError, match="a view of a tensor that requires grad, taken under torch.no_grad"):
+        dtcompile.jit(_view_under_no_grad, cache=cache)(torch.ones(4, 5, requires_grad=True), written)

@@ -321,6 +321,8 @@ class CallAnnotator(TorchFunctionMode):
             ) from error
         except RuntimeError as error:
             if _SYMBOLIC_NUMEL in str(error) and func is torch.Tensor.__bool__ and not free_unbacked_symbols(args[0]):
+                if all(size == 1 for size in args[0].shape):  # one element, at an offset a symbol gives
+                    return self.__torch_function__(func, (), (args[0].clone(),), kwargs)
                 raise RuntimeError(
                     "Boolean value of Tensor with more than one value is ambiguous"
                 ) from error  # (sizes >= 2)

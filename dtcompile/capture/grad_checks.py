@@ -48,6 +48,9 @@ class HeldFlags:
         return None if now == self.flags else next(w for w, a, b in zip(self.wheres, now, self.flags) if a != b)
 
 
+_NO_GRAD_VIEW = torch._C._autograd.CreationMeta.NO_GRAD_MODE
+
+
 def gradient_refusal(
     held: HeldFlags, closed_over: list[tuple[torch.Tensor, str, tuple]], outputs: list, training: bool
 ) -> None:
@@ -85,6 +88,12 @@ def gradient_refusal(
                 "made so inside it (torch.enable_grad() in a call made without gradients, requires_grad_(), "
                 "a factory with requires_grad=True, nn.Parameter) while no input needs gradients; it is compiled without autograd. Call it "
                 "with gradients enabled and an input that requires grad, or turn gradients on outside"
+            )
+        if tensor._is_view() and torch._C._autograd._get_creation_meta(tensor) == _NO_GRAD_VIEW:
+            raise TracingError(  # (before ``is_leaf``, which raises for one written in place since)
+                "dtcompile.jit: the call returns a view of a tensor that requires grad, taken under "
+                "torch.no_grad() (with torch.no_grad(): y = x[1:]); a compiled call with gradients does not "
+                "rebuild such a view yet. Take the view outside the call, or return a copy (y.clone())"
             )
         if tensor.is_leaf:
             raise TracingError(
