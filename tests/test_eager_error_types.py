@@ -158,3 +158,17 @@ def test_a_refusal_is_not_replaced_by_an_error_eager_raises_on_zeros(fn, make, c
     fn(*make())  # eager runs
     with pytest.raises(dtcompile.TracingError, match="dtcompile.jit: "):
         dtcompile.jit(fn, cache=cache)(*make())
+
+
+def _rank_into(a, o):
+    return torch.linalg.matrix_rank(a, out=o)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_an_out_call_torch_computes_without_writing_out_is_refused(cache):
+    # Under any dispatch mode torch runs matrix_rank's out= form functionally and writes no
+    # out tensor: the program was empty, and the caller's out tensor kept its zero (eager 4).
+    a = torch.randn(4, 4)
+    assert _rank_into(a, torch.zeros((), dtype=torch.int64)) == 4
+    with pytest.raises(dtcompile.TracingError, match="matrix_rank with out= writes no out tensor"):
+        dtcompile.jit(_rank_into, cache=cache)(a, torch.zeros((), dtype=torch.int64))

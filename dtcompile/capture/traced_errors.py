@@ -56,6 +56,25 @@ def symbolic_sizes_refusal(call: str) -> TracingError:
     )
 
 
+def out_versions(kwargs: dict) -> list[int] | None:
+    """The versions of a call's ``out=`` tensors (None: it has none), which its write bumps."""
+    out = kwargs.get("out")
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if not outs or not all(isinstance(t, torch.Tensor) and not t.is_inference() for t in outs):
+        return None  # (an inference tensor counts no versions)
+    return [t._version for t in outs]
+
+
+def lost_out_write(call: str) -> TracingError:
+    """Where torch, under a dispatch mode, computes an ``out=`` call's result and writes no
+    ``out`` tensor (``torch.linalg.matrix_rank(a, out=o)``): the program would leave it."""
+    return TracingError(
+        f"dtcompile.jit: {call} with out= writes no out tensor while traced (torch computes it without its "
+        "out= form under a dispatch mode); the compiled program would leave it as it was. Call it without "
+        "out= and copy the result (o.copy_(...))"
+    )
+
+
 def data_read_refusal(call: str, func, args: tuple, kwargs: dict) -> BaseException:
     """The error for the traced code reading a traced tensor's data out of torch (``numpy()``,
     ``data_ptr()``): eager's own where eager raises before reading any (``numpy()`` of a
