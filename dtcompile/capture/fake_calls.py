@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_flatten
 
 from ..core import TracingError, data_dependent_error
@@ -145,3 +146,38 @@ def storage_refusal(error: Exception) -> TracingError | None:
         "which a traced tensor does not have: build tensors with torch.stack / torch.cat, keep sparse and "
         "MKL-DNN tensors outside the call"
     )
+
+
+class DataReads:
+    """The fakes torch holds a number read from their data on (``.item()``'s, ``nonzero``'s
+    and ``unique``'s count: the same symbol for the next read). Torch forgets it when the
+    fake's version changes, which a write recorded below autograd does not change: so each
+    write forgets the reads of the fakes sharing its memory (``s.item(); s.add_(1);
+    s.item()`` reads twice)."""
+
+    _MEMOS = ("item_memo", "nonzero_memo", "unique_memo", "unique_consecutive_memo")
+
+    def __init__(self):
+        self.fakes: list[torch.Tensor] = []
+
+    def after(self, func, args: tuple, kwargs: dict, out) -> None:
+        """Note the fakes ``func`` read a number of; forget those its write reached."""
+        if free_unbacked_symbols(out):
+            self.fakes += [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        if self.fakes and _writes_in_place(func):
+            written = {x.untyped_storage()._cdata for x in _written(func, args, kwargs)}
+            for fake in self.fakes:
+                if fake.untyped_storage()._cdata in written:
+                    for memo in self._MEMOS:
+                        setattr(fake, memo, None)
+
+
+def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    written = []
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = args[position] if position < len(args) else kwargs.get(argument.name)
+            written += [
+                v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.Tensor)
+            ]
+    return written

@@ -39,7 +39,7 @@ from ..core.torch_internals import fake_mode_active, make_dtensor, set_data_valu
 from .c10d import is_c10d_op, record_c10d
 from .data_branches import size_values_now, value_now
 from .dtensor_modes import DTensorModes
-from .fake_calls import fake_errors_unlogged, refuse_metadata_changes, run_on_fakes
+from .fake_calls import DataReads, fake_errors_unlogged, refuse_metadata_changes, run_on_fakes
 from .grad_checks import grad_state
 from .input_fakes import InputFakes
 from .objects import same_spec
@@ -56,6 +56,7 @@ class Recording:
     def __init__(self, fake_mode: FakeTensorMode):
         self.fake_mode = fake_mode
         self.fakes = InputFakes(fake_mode)  # the fake of each real tensor entering the trace
+        self.data_reads = DataReads()  # fakes torch holds a number read from their data on
         # The call's default dtype and kernel settings: the compiled program runs every op under them.
         self.default_dtype, self.kernel_settings = torch.get_default_dtype(), kernel_settings()
         self.bound_symbols: list[BoundSymbol] = []
@@ -320,6 +321,7 @@ class Recording:
 
         fake_args, fake_kwargs = map_leaves(to_fake, (args, kwargs))
         fake_out = run_on_fakes(self.fake_mode, func, fake_args, fake_kwargs, self.current_call)
+        self.data_reads.after(func, fake_args, fake_kwargs, fake_out)
         refuse_metadata_changes(func, proxies, self.current_call)
         made_by = NoProvenance(str(func))
 
@@ -349,6 +351,7 @@ class Recording:
         (source,) = args
         with self.fake_mode, fake_errors_unlogged():
             symbol = func(source.fake, **kwargs)
+        self.data_reads.after(func, (source.fake,), kwargs, symbol)
         number = NumberProxy(self.new_name(), symbolic_expr(symbol), None, FromData(str(func)))
         self.read_by[number.expr] = self.current_call or str(func)
         # Its value now, for the traced code to branch on (``data_branches.py``).
