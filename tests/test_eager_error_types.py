@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import dtcompile
+from dtcompile.testing.compare import assert_same
 
 CACHES = ["constant values", "symbolic values"]
 
@@ -172,3 +173,22 @@ def test_an_out_call_torch_computes_without_writing_out_is_refused(cache):
     assert _rank_into(a, torch.zeros((), dtype=torch.int64)) == 4
     with pytest.raises(dtcompile.TracingError, match="matrix_rank with out= writes no out tensor"):
         dtcompile.jit(_rank_into, cache=cache)(a, torch.zeros((), dtype=torch.int64))
+
+
+def _kron_into(a, b, o):
+    return torch.kron(a, b, out=o)
+
+
+def _unbind_into(a, o1, o2):
+    torch.unbind_copy(a, out=[o1, o2])
+    return o1, o2
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_out_calls_writing_through_a_view_of_out_or_a_list_run(cache):
+    # (The check of an out= call's write sees those written through a view of the out
+    # tensor, kron's, or into a list of them, unbind_copy's.)
+    a, b = torch.randn(2, 3), torch.randn(3, 2)
+    assert_same(dtcompile.jit(_kron_into, cache=cache)(a, b, torch.empty(6, 6)), _kron_into(a, b, torch.empty(6, 6)))
+    outs = lambda: (torch.empty(3), torch.empty(3))  # noqa: E731
+    assert_same(dtcompile.jit(_unbind_into, cache=cache)(a, *outs()), _unbind_into(a, *outs()))

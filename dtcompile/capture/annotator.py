@@ -47,7 +47,7 @@ from .number_tensors import FACTORIES, holds_traced_numbers, tensor_of_numbers
 from .op_memo import MISSED, OpMemo, state
 from .placements import describe_argument, describe_output
 from .recorder import Recording
-from .traced_errors import data_read_refusal, lost_out_write, out_versions, refusal, symbolic_sizes_refusal
+from .traced_errors import data_read_refusal, lost_out_write, out_tensors, out_written, refusal, symbolic_sizes_refusal
 from .verified import VerifyFailed
 
 # Tensor methods that hand the caller a tensor's data outside torch (NumPy, Python lists).
@@ -309,7 +309,7 @@ class CallAnnotator(TorchFunctionMode):
             self.recording.dtensor_calls = 0  # the user's code in a backward, on plain tensors: the program's
         self.recording.dtensor_calls += handled_by_dtensor
         outer_call, self.recording.current_call = self.recording.current_call, _short_name(func)
-        written = out_versions(kwargs)
+        outs = out_tensors(func, kwargs)
         try:
             out = func(*args, **kwargs)
         except GuardOnDataDependentSymNode as error:  # ``bool(x.sum() > 0)``: named by this call
@@ -365,7 +365,7 @@ class CallAnnotator(TorchFunctionMode):
         finally:
             self.recording.dtensor_calls = outer_dtensor_calls
             self.recording.current_call = outer_call
-        if written is not None and written == out_versions(kwargs):
+        if outs is not None and not out_written(self.recording.bound_symbols[start:], outs):
             raise lost_out_write(_short_name(func))
         new = self.recording.bound_symbols[start:]
         if new:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..core import TracingError, data_dependent_error
+from ..core import TensorProxy, TracingError, data_dependent_error
+from ..core.op_classes import written_tensors
 
 # torch's messages, each the sign of one case below
 _RESIZED = "directly modify sizes for customized tensor"
@@ -56,13 +57,21 @@ def symbolic_sizes_refusal(call: str) -> TracingError:
     )
 
 
-def out_versions(kwargs: dict) -> list[int] | None:
-    """The versions of a call's ``out=`` tensors (None: it has none), which its write bumps."""
+def out_tensors(func, kwargs: dict) -> list[TensorProxy] | None:
+    """A call's ``out=`` tensors, where it has traced ones (None: it has none; ``empty``'s
+    out= form writes nothing, in eager too)."""
     out = kwargs.get("out")
     outs = out if isinstance(out, (tuple, list)) else (out,)
-    if not outs or not all(isinstance(t, torch.Tensor) and not t.is_inference() for t in outs):
-        return None  # (an inference tensor counts no versions)
-    return [t._version for t in outs]
+    if not outs or not all(isinstance(t, TensorProxy) for t in outs) or "empty" in getattr(func, "__name__", ""):
+        return None
+    return list(outs)
+
+
+def out_written(bound_symbols: list, outs: list[TensorProxy]) -> bool:
+    """Whether an op among ``bound_symbols`` writes the memory of one of ``outs`` (the call's
+    own out= form, or an op writing a view of it: ``kron``'s)."""
+    memory = {out.fake.untyped_storage()._cdata for out in outs}
+    return any(t.fake.untyped_storage()._cdata in memory for b in bound_symbols for t in written_tensors(b))
 
 
 def lost_out_write(call: str) -> TracingError:
