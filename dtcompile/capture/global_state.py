@@ -290,10 +290,14 @@ _SEEDING = ("manual_seed", "seed", "set_rng_state", "fork_rng")  # in torch and 
 _SEED_READS = ("initial_seed", "get_rng_state")  # the values they give would be held by the program
 
 
-# torch's code that seeds or restores the generators for a random op it runs (DTensor's
-# random regions, ``fork_rng``'s own calls), which the program runs as it was traced. Other
-# torch code that seeds (``torch.testing``'s wrappers) is the user's code here.
-_SEEDS_WHILE_TRACED = ("torch.distributed.", "torch.random", "torch.cuda.", "torch.xpu.", "torch.mtia.")
+# torch's code that seeds, or saves and restores the generators, around random ops it runs
+# (DTensor's random regions, ``fork_rng``'s own calls, a checkpoint's saved state), which
+# the program runs as it was traced. Other torch code that seeds (``torch.testing``'s
+# wrappers, ``torch._numpy.random``) is the user's code here.
+_SEEDS_WHILE_TRACED = (
+    *("torch.distributed.", "torch.random", "torch.utils.checkpoint", "torch._higher_order_ops."),
+    *("torch._prims", "torch._decomp", "torch.cuda.", "torch.xpu.", "torch.mtia."),
+)
 
 
 def _ours(module: str) -> bool:
