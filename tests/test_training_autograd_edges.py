@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import dtcompile
+from dtcompile.testing.compare import assert_same
 
 CACHES = ["constant values", "symbolic values"]
 
@@ -608,3 +609,23 @@ def test_forward_mode_ad_through_a_call_with_gradients_is_refused_clearly(cache)
     jf = dtcompile.jit(lambda x: (x @ w).tanh(), cache=cache)
     with fwAD.dual_level(), pytest.raises(dtcompile.TracingError, match="forward-mode AD"):
         jf(fwAD.make_dual(torch.randn(2, 3), torch.randn(2, 3)))
+
+
+def _sign_of_scaled(x):
+    return (x * 2.0).sgn()
+
+
+def _sign_in_place(x):
+    y = x * 1.0
+    y.sgn_()
+    return y
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("fn", [_sign_of_scaled, _sign_in_place])
+def test_a_backward_through_a_memoryless_zero_gradient_compiles(fn, cache):
+    # sgn's gradient of a real input is torch's memory-less zero tensor; tracing ran mul's
+    # backward on it for real, to know its value while tracing, and the process died (SIGSEGV).
+    x = torch.randn(4, 3, requires_grad=True)
+    expected = torch.autograd.grad(fn(x).sum(), x)
+    assert_same(torch.autograd.grad(dtcompile.jit(fn, cache=cache)(x).sum(), x), expected)

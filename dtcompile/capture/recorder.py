@@ -32,6 +32,7 @@ from ..core import (
     TracingError,
     aten_symbol,
 )
+from ..core.op_classes import valued_while_traced
 from ..core.printing import NamedConstant, Unprintable, python_literal
 from ..core.symbol import backward_note, leaves, map_leaves
 from ..core.symbolic import LARGEST_SYMBOLIC_SIZE, is_symbolic, symbolic_expr
@@ -186,20 +187,19 @@ class Recording:
         """The op's real result when every proxy among its arguments has a known value, so
         that code reading values made from constants and captured tensors works while
         tracing (DTensor's ``arange(n)...tolist()`` index arithmetic in ``redistribute``);
-        else None. The op stays in the program either way. Random ops get no value (drawing
-        at trace time would move the generator), nor do in-place ops (running one at trace
-        time would change a captured tensor once more than eager does), nor do collectives
-        (the other ranks may not have a value for theirs: they would wait for this rank)."""
-        if func.namespace == "_c10d_functional":
-            return None
+        else None. The op stays in the program either way. In-place ops get no value (run
+        at trace time, one would change a captured tensor once more than eager does), nor
+        do those ``valued_while_traced`` names (random ops, collectives)."""
         if func._schema.is_mutable:
             # It may change a valued tensor, or a view of one: those values are stale now.
             for proxy in self.valued:
                 proxy.value = None
             self.valued.clear()
             return None
+        if not valued_while_traced(func):
+            return None
         symbolic = any(is_symbolic(x) for x in leaves((args, kwargs)))
-        if symbolic or torch.Tag.nondeterministic_seeded in func.tags or any(p.value is None for p in proxies):
+        if symbolic or any(p.value is None for p in proxies):
             return None
 
         def to_value(x):

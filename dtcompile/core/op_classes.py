@@ -80,6 +80,20 @@ def is_row_major(proxy: TensorProxy) -> bool:
     return known_shape_equal(proxy.stride(), contiguous_strides(proxy.shape))
 
 
+def valued_while_traced(op) -> bool:
+    """Whether an op may run on real values while tracing (``Recording.trace_time_value``):
+    not a collective (the other ranks would not run theirs), a random op (it would move the
+    generator), nor a memory-less zero tensor (an op on it, run for real, reads no memory)."""
+    return (
+        op.namespace != "_c10d_functional"
+        and torch.Tag.nondeterministic_seeded not in op.tags
+        and op is not _ZERO_TENSOR
+    )
+
+
+_ZERO_TENSOR = torch.ops.aten._efficientzerotensor.default
+
+
 def draws_random_numbers(bsym) -> bool:
     """Whether a symbol's op draws random numbers: a seeded op (its tag), but attention
     with ``dropout_p`` 0, which draws none."""
