@@ -573,3 +573,41 @@ def test_a_tensor_parallel_model_under_inference_mode_compiles_once_for_every_le
     symbolic = cache == "symbolic values" and torch.__version__ >= "2.13"
     assert dtcompile.cache_misses(jitted) == (1 if symbolic else 3)
     assert not any("captured" in str(p.provenance) for p in dtcompile.last_traces(jitted)[0].inputs)
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("fn", [torch.sgn, torch.copysign], ids=["sgn", "copysign"])
+def test_a_gradient_torch_makes_as_a_plain_zero_tensor_is_made_at_each_backward(fake_world, fn, cache):
+    # Over DTensors, sgn's gradient (and copysign's for its second input) is a plain,
+    # memory-less zero tensor of no traced op: the backward trace held it as a constant it
+    # could not print (Unprintable). Replicated inputs: nothing is communicated, values hold.
+    fake_world(2)
+    mesh = init_device_mesh("cpu", (2,))
+    values = [torch.randn(4, 3) for _ in range(2 if fn is torch.copysign else 1)]
+
+    def grads(f):
+        inputs = [distribute_tensor(v.clone(), mesh, [Replicate()]).requires_grad_() for v in values]
+        f(*inputs).sum().backward()
+        return [x.grad for x in inputs]
+
+    jitted = dtcompile.jit(fn, cache=cache)
+    if fn is torch.sgn and cache == "symbolic values":  # (DTensor's sgn backward asks a symbolic size)
+        with pytest.raises(dtcompile.TracingError, match="the backward of the call cannot take symbolic sizes"):
+            grads(jitted)
+        return
+    for _ in range(2):  # (a new tensor at each backward: the first's .grad is not the second's)
+        for got, expected in zip(grads(jitted), grads(fn)):
+            assert type(got) is type(expected)
+            got, expected = [g.full_tensor() if isinstance(g, DTensor) else g for g in (got, expected)]
+            assert torch.equal(got, expected) and got.stride() == expected.stride()
+
+
+def test_torch_code_asking_a_symbolic_dtensor_for_a_size_is_refused_clearly(fake_world):
+    # torch.gradient's C++ code asks a DTensor of symbolic sizes for one: torch's raw "could
+    # not look up op for aten::size"; a refusal naming the call now (constant values compile).
+    fake_world(2)
+    mesh = init_device_mesh("cpu", (2,))
+    x = distribute_tensor(torch.randn(6), mesh, [Replicate()])
+    assert torch.equal(dtcompile.jit(torch.gradient)(x)[0].to_local(), torch.gradient(x)[0].to_local())
+    with pytest.raises(dtcompile.TracingError, match="torch.gradient cannot take symbolic sizes"):
+        dtcompile.jit(torch.gradient, cache="symbolic values")(x)

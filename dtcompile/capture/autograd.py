@@ -4,8 +4,7 @@ The forward ran on proxies that require grad, so autograd recorded its graph ove
 (DTensor's ops, redistributions and ``from_local``/``to_local`` included). Calling
 ``torch.autograd.grad`` with cotangent proxies then runs DTensor's backward; its local
 ops and collectives come back to the recorder like the forward's did. No gradient rule
-of our own is involved: the gradients are whatever DTensor computes, placements
-included.
+of our own is involved: the gradients are whatever DTensor computes, placements included.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from ..core.torch_internals import DTensorSpec, TensorMeta, make_dtensor, saved_
 from .global_state import autocast_off
 from .graph_reach import reached_by_none, reaching, saves_a_tensor
 from .recorder import Recording
+from .traced_errors import refusal
 
 
 @dataclass
@@ -148,6 +148,8 @@ def capture_backward(
     users_code = _users_code(recording, forward_symbols, proxies)
     grad_locals, grad_specs = [], []
     for grad in grads:
+        if isinstance(grad, torch.Tensor) and not isinstance(grad, (DTensor, TensorProxy)):
+            grad = _made_at_each_call(recording, grad)
         if isinstance(grad, DTensor):
             grad_locals.append(grad._local_tensor)
             grad_specs.append(grad._spec)
@@ -171,6 +173,16 @@ def capture_backward(
         saved_hooks=saved_tensors_hooks(),
         dtensor_modes=needed,
     )
+
+
+def _made_at_each_call(recording: Recording, grad: torch.Tensor) -> TensorProxy:
+    """A gradient torch's formula made of no traced op (``sgn``'s zeros over DTensors: a
+    memory-less zero tensor), made by the program at each backward, as eager's backward does."""
+    if grad._is_zerotensor():
+        return recording.record(
+            torch.ops.aten.zeros.default, (list(grad.shape),), {"dtype": grad.dtype, "device": grad.device}
+        )
+    return recording.record(torch.ops.aten.clone.default, (grad,), {})  # (captured: a copy at each call)
 
 
 @contextlib.contextmanager
@@ -300,11 +312,9 @@ _SYMBOLIC_NUMEL = "Cannot call numel() on tensor with symbolic sizes/strides"
 
 @contextlib.contextmanager
 def _hooks_aside(wrt: list):
-    """The hooks of the real tensors among ``wrt`` (a parameter the call closes over, of a
-    model a loss function calls) put aside while the backward is traced: they run at each
-    call, when the compiled backward hands the tensor its gradient, as eager's run. Run while
-    tracing too, a hook that changes the gradient changed it twice, and one that logs logged
-    once more, a traced value."""
+    """The hooks of the real tensors among ``wrt`` (a closed-over parameter) put aside while
+    the backward is traced: they run at each call, as eager's (run while tracing too, one
+    would change the gradient twice)."""
     real = [t for t in wrt if not isinstance(t, (TensorProxy, DTensor)) and t._backward_hooks]
     tables = [(t._backward_hooks, dict(t._backward_hooks)) for t in real]
     for table, _ in tables:
@@ -340,6 +350,8 @@ def _grad(outputs: list, wrt: list, cotangents: list, retain: bool = False) -> t
                 "runs only under .backward() without inputs=; a compiled call traces its backward with "
                 "torch.autograd.grad. Pass use_reentrant=False (torch's recommended form: same gradients)"
             ) from error
+        if (refused := refusal("the backward of the call", error, None)) is not None:
+            raise refused from error  # (``sgn``'s of a DTensor of symbolic sizes)
         if "backward through the graph a second time" not in str(error):
             if type(error) is not RuntimeError or _MIXED in str(error):  # (dtcompile's own, or handled above)
                 raise
@@ -353,9 +365,8 @@ def _grad(outputs: list, wrt: list, cotangents: list, retain: bool = False) -> t
 
 
 def _backward_failed(error: Exception) -> Exception:
-    """An op's backward raising (a ``funcol.all_reduce(x, "max")``, a derivative torch does
-    not implement, a Function's ``backward`` that raises): eager's exception, of its type,
-    saying that eager raises it only at a backward that reaches the op, if any does."""
+    """An op's backward raising (``funcol.all_reduce(x, "max")``'s, a Function's): eager's
+    exception, of its type, saying that eager raises it only at a backward reaching the op."""
     return type(error)(
         f"{error} (dtcompile.jit: raised by the backward of the call, which a compiled call differentiates while "
         "compiling, where eager raises it only at a backward that reaches the op: detach the outputs no gradient "

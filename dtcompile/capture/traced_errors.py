@@ -15,6 +15,7 @@ _RESIZED = "directly modify sizes for customized tensor"
 _MATH_BITS = "MathBitsFallback"
 _CONCRETE_SIZES = "expected to contain only concrete integers"
 _NO_SHAPE_ENV = "Must have shape_env to create symint"
+_SIZE_LOOKUP = "could not look up op for aten::size"
 
 
 def refusal(call: str, error: RuntimeError, first_argument: str | None) -> TracingError | None:
@@ -33,7 +34,9 @@ def refusal(call: str, error: RuntimeError, first_argument: str | None) -> Traci
             "(x.conj(), torch._neg_view), which cannot be recorded: write to the tensor itself (for "
             "y = x.conj(); y.add_(1), x.add_(1))"
         )
-    if _CONCRETE_SIZES in message:  # torch has no kernel for symbolic sizes (``generator=``)
+    if _CONCRETE_SIZES in message or _SIZE_LOOKUP in message:
+        # torch has no kernel for symbolic sizes (``generator=``), or its C++ code asks a
+        # DTensor of symbolic sizes for one (``torch.gradient``, ``F.interpolate``)
         return symbolic_sizes_refusal(call)
     if _NO_SHAPE_ENV in message:
         # DTensor sizes its result under a fake mode of its own, which cannot make the
@@ -53,7 +56,8 @@ def symbolic_sizes_refusal(call: str) -> TracingError:
     a tensor's element count: ``torch.cov`` with weights)."""
     return TracingError(
         f"dtcompile.jit: {call} cannot take symbolic sizes in torch (its code, here, takes concrete "
-        "ones: a random op with generator=, torch.cov with weights, say); use cache='constant values'"
+        "ones: a random op with generator=, torch.cov with weights, torch.gradient of a DTensor, say); use "
+        "cache='constant values'"
     )
 
 
