@@ -611,3 +611,16 @@ def test_torch_code_asking_a_symbolic_dtensor_for_a_size_is_refused_clearly(fake
     assert torch.equal(dtcompile.jit(torch.gradient)(x)[0].to_local(), torch.gradient(x)[0].to_local())
     with pytest.raises(dtcompile.TracingError, match="torch.gradient cannot take symbolic sizes"):
         dtcompile.jit(torch.gradient, cache="symbolic values")(x)
+
+
+@pytest.mark.parametrize(
+    "fn", [lambda x: torch.geqrf(x)[0], lambda x: torch.histogram(x, 4)[0]], ids=["geqrf", "histogram"]
+)
+def test_an_op_dtensor_propagates_on_fakes_without_a_fake_kernel_is_refused_clearly(fake_world, fn):
+    # Under symbolic values DTensor's sharding propagation runs the op on fake tensors, which
+    # have no kernel for it: its raw "Sharding propagation failed" RuntimeError, where eager
+    # runs (geqrf) or raises NotImplementedError (histogram).
+    fake_world(2)
+    x = distribute_tensor(torch.randn(4, 4), init_device_mesh("cpu", (2,)), [Replicate()])
+    with pytest.raises(dtcompile.TracingError, match="cannot take symbolic sizes"):
+        dtcompile.jit(fn, cache="symbolic values")(x)

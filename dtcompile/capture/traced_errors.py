@@ -6,6 +6,7 @@ instead. (Errors eager raises as well are ``eager_errors``' business.)"""
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import UnsupportedOperatorException
 
 from ..core import TensorProxy, TracingError, data_dependent_error
 from ..core.op_classes import written_tensors
@@ -34,7 +35,7 @@ def refusal(call: str, error: RuntimeError, first_argument: str | None) -> Traci
             "(x.conj(), torch._neg_view), which cannot be recorded: write to the tensor itself (for "
             "y = x.conj(); y.add_(1), x.add_(1))"
         )
-    if _CONCRETE_SIZES in message or _SIZE_LOOKUP in message:
+    if _CONCRETE_SIZES in message or _SIZE_LOOKUP in message or _no_fake_kernel_for_dtensor(error):
         # torch has no kernel for symbolic sizes (``generator=``), or its C++ code asks a
         # DTensor of symbolic sizes for one (``torch.gradient``, ``F.interpolate``)
         return symbolic_sizes_refusal(call)
@@ -49,6 +50,12 @@ def refusal(call: str, error: RuntimeError, first_argument: str | None) -> Traci
             "(x.to_local(), then DTensor.from_local)"
         )
     return None
+
+
+def _no_fake_kernel_for_dtensor(error: RuntimeError) -> bool:
+    """DTensor's sharding propagation running an op with no fake kernel on symbolic shapes
+    (``torch.geqrf``, ``torch.histogram`` of a DTensor: constant values run them)."""
+    return "Sharding propagation failed" in str(error) and isinstance(error.__cause__, UnsupportedOperatorException)
 
 
 def symbolic_sizes_refusal(call: str) -> TracingError:
