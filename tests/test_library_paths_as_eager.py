@@ -99,3 +99,26 @@ def test_fused_kernels_turned_away_under_the_callers_function_mode(cache):
     x = torch.randn(2, 5, 8)
     with torch.no_grad(), torch.device("cpu"):
         torch.testing.assert_close(dtcompile.jit(layer, cache=cache)(x), layer(x), rtol=0, atol=0)
+
+
+def _pooled_over_time(h):
+    return torch.nn.functional.max_pool1d(h.transpose(1, 2), 2)
+
+
+def _pooled_module(h):
+    return torch.nn.MaxPool1d(3, ceil_mode=True)(h.mT)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("fn", [_pooled_over_time, _pooled_module])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_max_pool1d_of_a_transposed_input_is_laid_out_as_eager(fn, requires_grad, cache):
+    # max_pool1d's C++ code takes a CPU fast path with a contiguous result, but for a tensor
+    # subclass (a traced one) or one needing a gradient: the compiled result followed the
+    # transposed input's layout, (16, 1, 4) where eager's is (16, 4, 1).
+    h = torch.randn(2, 9, 4, requires_grad=requires_grad)
+    expected, got = fn(h), dtcompile.jit(fn, cache=cache)(h)
+    assert torch.equal(got, expected) and got.stride() == expected.stride()
+    if requires_grad:
+        (eager_grad,), (grad,) = torch.autograd.grad(expected.sum(), h), torch.autograd.grad(got.sum(), h)
+        assert torch.equal(grad, eager_grad) and grad.stride() == eager_grad.stride()
