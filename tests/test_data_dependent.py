@@ -527,3 +527,19 @@ def test_a_number_read_from_data_is_read_again_after_a_write(fn, make, cache):
     jitted = dtcompile.jit(fn, cache=cache)
     for value in (2.0, 5.0):
         assert_same(jitted(make(value)), fn(make(value)))
+
+
+def _masked_rows_set(x, v, mask):
+    y = x * 1
+    y[[False, True, False, False], :, mask] = v
+    return y.sum()
+
+
+def test_a_gradient_sized_by_a_mask_count_is_refused_clearly():
+    # v's gradient is sized by the mask's count (u1), which autograd compares with v's 5:
+    # autograd's raw "IndexPutBackward0 returned an invalid gradient" came out while compiling.
+    mask = torch.tensor([True] * 5 + [False])
+    args = lambda: (torch.randn(4, 5, 6, requires_grad=True), torch.randn(5, 5, requires_grad=True), mask)  # noqa: E731
+    _masked_rows_set(*args()).backward()  # eager runs
+    with pytest.raises(dtcompile.TracingError, match="a gradient sized by a number read from data"):
+        dtcompile.jit(_masked_rows_set)(*args())

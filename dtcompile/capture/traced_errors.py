@@ -5,6 +5,8 @@ instead. (Errors eager raises as well are ``eager_errors``' business.)"""
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch._subclasses.fake_tensor import UnsupportedOperatorException
 
@@ -17,6 +19,7 @@ _MATH_BITS = "MathBitsFallback"
 _CONCRETE_SIZES = "expected to contain only concrete integers"
 _NO_SHAPE_ENV = "Must have shape_env to create symint"
 _SIZE_LOOKUP = "could not look up op for aten::size"
+_INVALID_GRADIENT = "returned an invalid gradient at index"
 
 
 def refusal(call: str, error: RuntimeError, first_argument: str | None) -> TracingError | None:
@@ -39,6 +42,11 @@ def refusal(call: str, error: RuntimeError, first_argument: str | None) -> Traci
         # torch has no kernel for symbolic sizes (``generator=``), or its C++ code asks a
         # DTensor of symbolic sizes for one (``torch.gradient``, ``F.interpolate``)
         return symbolic_sizes_refusal(call)
+    if _INVALID_GRADIENT in message and re.search(r"\bu\d+\b", message):
+        # (``y[[False, True], :, mask] = v``'s gradient for ``v``, sized by the mask's count)
+        return data_dependent_error(
+            call, "a gradient sized by a number read from data, which autograd compares with its input's size"
+        )
     if _NO_SHAPE_ENV in message:
         # DTensor sizes its result under a fake mode of its own, which cannot make the
         # number of elements a slice keeps when its bound is read from data (``x[:, :k]``,
