@@ -12,6 +12,9 @@ import contextlib
 
 import torch
 
+from ..core.proxy import contiguous_strides
+from ..core.symbolic import known_shape_equal
+
 _MAX_POOL1D = torch.ops.aten.max_pool1d.default
 _KEY = torch._C.DispatchKey.CompositeImplicitAutograd
 
@@ -19,7 +22,10 @@ _KEY = torch._C.DispatchKey.CompositeImplicitAutograd
 def _as_eager(input, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
     out = torch.ops.aten.max_pool1d_with_indices(input, kernel_size, stride, padding, dilation, ceil_mode)[0]
     fast_path = input.device.type == "cpu" and not (input.requires_grad and torch.is_grad_enabled())
-    return out.contiguous() if fast_path and type(input) is not torch.distributed.tensor.DTensor else out
+    if not fast_path or type(input) is torch.distributed.tensor.DTensor:
+        return out
+    out, strides = out.contiguous(), contiguous_strides(out.shape)  # (eager's: a fresh tensor's)
+    return out if known_shape_equal(out.stride(), strides) else out.as_strided(out.shape, strides)
 
 
 @contextlib.contextmanager
