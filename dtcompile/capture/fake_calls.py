@@ -15,7 +15,6 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_flatten
 
 from ..core import TracingError, data_dependent_error
@@ -160,9 +159,10 @@ class DataReads:
     def __init__(self):
         self.fakes: list[torch.Tensor] = []
 
-    def after(self, func, args: tuple, kwargs: dict, out) -> None:
-        """Note the fakes ``func`` read a number of; forget those its write reached."""
-        if free_unbacked_symbols(out):
+    def after(self, func, args: tuple, kwargs: dict, read: bool) -> None:
+        """Note the fakes ``func`` read a number of (``read``: its result holds a number read
+        from data); forget those its write reached."""
+        if read:
             self.fakes += [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
         if self.fakes and _writes_in_place(func):
             written = {x.untyped_storage()._cdata for x in _written(func, args, kwargs)}

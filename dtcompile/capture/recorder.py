@@ -321,7 +321,7 @@ class Recording:
 
         fake_args, fake_kwargs = map_leaves(to_fake, (args, kwargs))
         fake_out = run_on_fakes(self.fake_mode, func, fake_args, fake_kwargs, self.current_call)
-        self.data_reads.after(func, fake_args, fake_kwargs, fake_out)
+        self.data_reads.after(func, fake_args, fake_kwargs, unbacked := bool(free_unbacked_symbols(fake_out)))
         refuse_metadata_changes(func, proxies, self.current_call)
         made_by = NoProvenance(str(func))
 
@@ -339,7 +339,7 @@ class Recording:
                     proxy.value_is_state = from_state
         note = backward_note()  # None in the forward: the CallAnnotator notes those
         self.bound_symbols.append(BoundSymbol(aten_symbol(func), tuple(args), dict(kwargs), output, note, op=func))
-        if free_unbacked_symbols(fake_out):
+        if unbacked:
             size_values_now(self, len(self.bound_symbols) - 1)
         return output
 
@@ -351,7 +351,7 @@ class Recording:
         (source,) = args
         with self.fake_mode, fake_errors_unlogged():
             symbol = func(source.fake, **kwargs)
-        self.data_reads.after(func, (source.fake,), kwargs, symbol)
+        self.data_reads.after(func, (source.fake,), kwargs, True)
         number = NumberProxy(self.new_name(), symbolic_expr(symbol), None, FromData(str(func)))
         self.read_by[number.expr] = self.current_call or str(func)
         # Its value now, for the traced code to branch on (``data_branches.py``).
