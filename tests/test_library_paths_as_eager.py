@@ -126,3 +126,20 @@ def test_max_pool1d_of_a_transposed_input_is_laid_out_as_eager(fn, requires_grad
     if requires_grad:
         (eager_grad,), (grad,) = torch.autograd.grad(expected.sum(), h), torch.autograd.grad(got.sum(), h)
         assert torch.equal(grad, eager_grad) and grad.stride() == eager_grad.stride()
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_multilabel_margin_loss_with_padded_targets_is_eagers(reduction, cache):
+    # Traced under torch's Python dispatcher, the loss ran torch's decomposition, which does
+    # not stop at a target's first -1 (eager [2.78, 1.76], compiled [15.98, 6.01], gradients
+    # apart too) and gives a 1-D input's unreduced loss the shape (1,) where eager's is ().
+    def loss(x, target):
+        return torch.nn.functional.multilabel_margin_loss(x, target, reduction=reduction)
+
+    target = torch.tensor([[3, 0, -1, 1], [1, 2, 3, -1]])
+    for x, t in ((torch.randn(2, 4), target), (torch.randn(4), target[0])):
+        x.requires_grad_()
+        expected, got = loss(x, t), dtcompile.jit(loss, cache=cache)(x, t)
+        assert torch.allclose(got, expected) and got.shape == expected.shape
+        assert torch.allclose(torch.autograd.grad(got.sum(), x)[0], torch.autograd.grad(expected.sum(), x)[0])

@@ -23,7 +23,6 @@ from ..core.torch_internals import (
     function_modes,
     saved_tensors_hooks,
 )
-from .pooling import eager_max_pool1d
 from .torch_settings import (
     autocast_cache_seen,
     outer_autocast_cache,
@@ -283,7 +282,7 @@ def _changes_autocast(region) -> bool:
 @contextlib.contextmanager
 def torch_caches_off():
     """What tracing changes of torch's state while it runs (each put back after)."""
-    with autocast_cache_off(), parametrize_cache_off(), native_upsampling(), eager_max_pool1d():
+    with autocast_cache_off(), parametrize_cache_off(), native_upsampling():
         yield
 
 

@@ -19,8 +19,8 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, S
 
 from ..core import InputPath, Trace, TracingError, data_dependent_error, verify
 from ..core.compiling import compiling
+from ..core.eager_paths import eager_paths
 from ..core.torch_internals import dtensor_refused_symbols
-from ..core.trace_hooks import eager_kernels
 from .annotator import CallAnnotator
 from .autograd import BackwardCapture, capture_backward
 from .block_training import BlockReplayFailed
@@ -233,7 +233,7 @@ def _capture(
         sizes_as_values_in_user_text(),
         assumptions_unlogged(),
         enable_python_dispatcher(),
-        eager_kernels(),
+        eager_paths(),
         CallAnnotator(recording, replay),  # (traced again where a replay or check failed: no alias made again)
         OpRecorder(recording),
         seeding_refused(),

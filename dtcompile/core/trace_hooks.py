@@ -47,31 +47,3 @@ def function_mode_on_in_grad(mode):
 
 def _no_torch_function(relevant_args) -> bool:
     return False
-
-
-# Ops whose Python kernels (``torch._decomp``), which the Python dispatcher tracing enables
-# runs instead of eager's C++ ones, compute otherwise than eager: ``aten.dropout`` becomes
-# ``native_dropout`` (its scale applied after the mask, one rounding apart from eager's
-# CPU composite, ``input * (bernoulli_(1 - p) / (1 - p))``). (``aten.matmul``'s Python form
-# folds ``vector @ batched matrix`` otherwise than eager's, 1e-7 apart; eager's C++ kernel
-# cannot take symbolic sizes on torch 2.10, so it stays.)
-_EAGER_KERNELS = (torch.ops.aten.dropout.default,)
-_SET_ASIDE = (torch._C.DispatchKey.Autograd, torch._C.DispatchKey.CompositeImplicitAutograd)
-
-
-@contextlib.contextmanager
-def eager_kernels():
-    """While inside, the ops above run eager's C++ kernels under the Python dispatcher:
-    their Python kernels are taken out of the op's table (``py_kernels``, and the kernels
-    it has resolved, ``_dispatch_cache``), and put back after; no public API turns one off."""
-    taken = []
-    for op in _EAGER_KERNELS:
-        taken += [(op, key, op.py_kernels.pop(key)) for key in _SET_ASIDE if key in op.py_kernels]
-        op._dispatch_cache.clear()
-    try:
-        yield
-    finally:
-        for op, key, kernel in taken:
-            op.py_kernels[key] = kernel
-        for op in _EAGER_KERNELS:
-            op._dispatch_cache.clear()

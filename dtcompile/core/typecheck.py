@@ -21,6 +21,7 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .eager_paths import eager_paths
 from .printing import NamedConstant
 from .proxy import NumberProxy, TensorProxy
 from .symbolic import is_symbolic, known_shape_equal
@@ -75,7 +76,7 @@ def check_types(trace) -> None:
         args, kwargs = tree_map(_fake_argument, (bsym.args, bsym.kwargs))
         # As recorded (composite ops decompose); no autograd: the user's saved tensors hooks
         # would be called with fake tensors.
-        with fake_mode, enable_python_dispatcher(), torch.no_grad():
+        with fake_mode, enable_python_dispatcher(), eager_paths(), torch.no_grad():
             out = op(*args, **kwargs)
         out = with_eager_strides(fake_mode, op, args, out)
         got = [x for x in tree_flatten(out)[0] if hasattr(x, "dtype") and hasattr(x, "stride")]
