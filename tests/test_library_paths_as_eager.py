@@ -143,3 +143,16 @@ def test_multilabel_margin_loss_with_padded_targets_is_eagers(reduction, cache):
         expected, got = loss(x, t), dtcompile.jit(loss, cache=cache)(x, t)
         assert torch.allclose(got, expected) and got.shape == expected.shape
         assert torch.allclose(torch.autograd.grad(got.sum(), x)[0], torch.autograd.grad(expected.sum(), x)[0])
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.bool])
+def test_max_pool1d_of_integers_raises_eagers_error(dtype, cache):
+    # (Our kernel laying max_pool1d out as eager's fast path ran it for integers, where eager's
+    # fast path has no kernel for them.)
+    x = torch.ones(1, 2, 4, dtype=dtype)
+    with pytest.raises(NotImplementedError) as eager:
+        torch.nn.functional.max_pool1d(x, 2)
+    with pytest.raises(NotImplementedError) as compiled:
+        dtcompile.jit(lambda t: torch.nn.functional.max_pool1d(t, 2), cache=cache)(x)
+    assert str(compiled.value) == str(eager.value)

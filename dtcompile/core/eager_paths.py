@@ -38,8 +38,23 @@ def _max_pool1d(input, kernel_size, stride=(), padding=(0,), dilation=(1,), ceil
     fast_path = input.device.type == "cpu" and not (input.requires_grad and torch.is_grad_enabled())
     if not fast_path or type(input) is DTensor:
         return out
+    if not input.dtype.is_floating_point:  # (the fast path's kernel is for floats)
+        name = _C10_NAMES.get(input.dtype, str(input.dtype))
+        raise NotImplementedError(f"\"max_pool1d_impl\" not implemented for '{name}'")
     out, strides = out.contiguous(), contiguous_strides(out.shape)  # (eager's: a fresh tensor's)
     return out if known_shape_equal(out.stride(), strides) else out.as_strided(out.shape, strides)
+
+
+_C10_NAMES = {
+    torch.int64: "Long",
+    torch.int32: "Int",
+    torch.int16: "Short",
+    torch.int8: "Char",
+    torch.uint8: "Byte",
+    torch.bool: "Bool",
+    torch.complex64: "ComplexFloat",
+    torch.complex128: "ComplexDouble",
+}
 
 
 def _multilabel_forward(input, target, reduction):
