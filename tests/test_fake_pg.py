@@ -598,6 +598,8 @@ def test_a_gradient_torch_makes_as_a_plain_zero_tensor_is_made_at_each_backward(
     for _ in range(2):  # (a new tensor at each backward: the first's .grad is not the second's)
         for got, expected in zip(grads(jitted), grads(fn)):
             assert type(got) is type(expected)
+            if not isinstance(got, DTensor):  # (eager's is memory-less: a write into it raises)
+                assert got._is_zerotensor() == expected._is_zerotensor()
             got, expected = [g.full_tensor() if isinstance(g, DTensor) else g for g in (got, expected)]
             assert torch.equal(got, expected) and got.stride() == expected.stride()
 

@@ -179,9 +179,8 @@ def _made_at_each_call(recording: Recording, grad: torch.Tensor) -> TensorProxy:
     """A gradient torch's formula made of no traced op (``sgn``'s zeros over DTensors: a
     memory-less zero tensor), made by the program at each backward, as eager's backward does."""
     if grad._is_zerotensor():
-        return recording.record(
-            torch.ops.aten.zeros.default, (list(grad.shape),), {"dtype": grad.dtype, "device": grad.device}
-        )
+        zeros, options = torch.ops.aten._efficientzerotensor.default, {"dtype": grad.dtype, "device": grad.device}
+        return recording.record(zeros, (list(grad.shape),), options)
     return recording.record(torch.ops.aten.clone.default, (grad,), {})  # (captured: a copy at each call)
 
 
