@@ -4,6 +4,8 @@ does while dtcompile traces (``core/compiling.py``): torch.optim's functional op
 kernels of ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer``; the nested-tensor
 fast path of ``nn.TransformerEncoder``, which tracing cannot follow, is refused."""
 
+import contextlib
+
 import pytest
 import torch
 from torch.optim.adam import adam
@@ -156,3 +158,30 @@ def test_max_pool1d_of_integers_raises_eagers_error(dtype, cache):
     with pytest.raises(NotImplementedError) as compiled:
         dtcompile.jit(lambda t: torch.nn.functional.max_pool1d(t, 2), cache=cache)(x)
     assert str(compiled.value) == str(eager.value)
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_hugging_face_outputs_set_up_at_their_first_use_run_eagerly_once_then_compile(cache):
+    # transformers registers its output-capturing hooks on the layers at the first call that
+    # asks for hidden states: taken for the call changing module state, it was refused at
+    # every call. That call now runs eagerly (registering them, as eager's), the next compiles.
+    model, reference = _tiny_llama(), _tiny_llama()
+    jitted, ids = dtcompile.jit(model, cache=cache), torch.randint(0, 128, (1, 6))
+    with torch.no_grad():
+        for call in range(3):
+            with pytest.warns(UserWarning, match="LibrarySetUp") if call == 0 else contextlib.nullcontext():
+                got = jitted(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
+            expected = reference(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
+            assert all(torch.allclose(g, e, atol=1e-6) for g, e in zip(got, expected))
+    assert len(dtcompile.compile_seconds(jitted)) == 1  # (the second call compiled, the third reused it)

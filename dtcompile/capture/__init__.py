@@ -35,11 +35,12 @@ from .outputs import (
     with_plain_sizes,
 )
 from .placements import describe_placement, describe_placements
-from .snapshots import DataSnapshot
+from .snapshots import DataSnapshot, LibrarySetUp
 from .tracer import CallInputs, CapturedCall, capture_call, is_tracing
 
 __all__ = [
     "AttributeUpdate",
+    "LibrarySetUp",
     "ObjectInput",
     "ObjectOutput",
     "SameObjectInput",

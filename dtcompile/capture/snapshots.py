@@ -21,7 +21,7 @@ import types
 
 import torch
 
-from ..core import TensorProxy
+from ..core import TensorProxy, TracingError
 from ..core.torch_internals import dispatch_modes_off, saved_tensors_hooks
 from .global_state import user_global_hook_functions
 from .objects import TORCH_USER_STATE, is_rebuildable_object, object_state, read_through
@@ -198,6 +198,9 @@ class DataSnapshot:
         # nothing to copy, and are put back by emptying them.
         self._empty: list[tuple[dict, object]] = []
         self._depths: dict[int, int] = {}  # id -> how many levels down it was recorded
+        # The module hook tables library code filled while traced (put back, as the rest):
+        # transformers' output capturing hooks, registered at the first call asking for them.
+        self.library_setup: list[str] = []
 
     def add(self, value: object, path, depth: int = 3) -> None:
         """Record ``value`` (found at ``path``) and what it holds, ``depth`` levels down."""
@@ -276,7 +279,7 @@ class DataSnapshot:
         changed = []
         for value, path in self._empty:
             if value:
-                changed.append(_path(path))
+                (self.library_setup if _library_hooks(value, path) else changed).append(_path(path))
                 value.clear()
         for value, path, state in self._taken.values():
             if _same(_state(value), state):
@@ -311,6 +314,23 @@ class DataSnapshot:
 
 
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _library_hooks(table: dict, path) -> bool:
+    """Whether ``table``, empty before the trace, is a module's hook table (or one of its
+    flags' tables) that library code filled: each hook in it a library's function."""
+    name = path[1][1] if isinstance(path, tuple) else str(path).rpartition(" ")[2].rpartition(".")[2]
+    if not (name.startswith(("_forward", "_backward")) and "hooks" in name):
+        return False
+    return all(type(v) is bool or is_library(getattr(v, "func", v)) for v in table.values())
+
+
+class LibrarySetUp(TracingError):
+    """Library code registered module hooks while the call was traced, once, as at eager's
+    first call (transformers' for ``output_hidden_states``): the call runs eagerly, which
+    registers them, and the next call is traced with them in place."""
+
+
 _NOT_SNAPSHOTTED = frozenset({bool, int, float, str, type(None)})  # a module's flags and sizes: nothing held
 
 

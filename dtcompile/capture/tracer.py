@@ -56,7 +56,7 @@ from .placements import describe_placements
 from .python_state import PythonState
 from .recorder import OpRecorder, Recording
 from .size_text import sizes_as_values_in_user_text
-from .snapshots import ALL_LEVELS, user_data
+from .snapshots import ALL_LEVELS, LibrarySetUp, user_data
 from .tensor_attributes import attribute_writes_refused
 from .verified import VerifyFailed
 
@@ -327,6 +327,8 @@ def _capture(
             "the call, or restore it inside (a with block)"
         )
     changed += inputs.python_state.put_back_changed()
+    if snapshot.library_setup and not changed:
+        raise LibrarySetUp(f"library code the call runs registered hooks on {snapshot.library_setup[0]}")
     if changed:
         raise TracingError(
             f"dtcompile.jit: the traced code changed {changed[0]}, a Python value outside its inputs. A compiled "

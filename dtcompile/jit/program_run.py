@@ -6,7 +6,7 @@ import warnings
 
 import torch.distributed as dist
 
-from ..capture import TracingError, UnsupportedInputError
+from ..capture import LibrarySetUp, TracingError, UnsupportedInputError
 from ..capture.global_state import autocast_off
 from ..core.torch_internals import function_mode_count, function_modes_off
 from .consistency import RankMismatchError
@@ -33,6 +33,8 @@ def eager_after_failing(error: BaseException) -> bool:
     attribute set), which tracing made on stand-ins and put back. So where the error is the
     code's own or a torch kernel's check (not dtcompile's refusal or fault), in one process
     (eager on one rank alone would run collectives the others do not)."""
+    if isinstance(error, LibrarySetUp):  # (a library's one-time setup, alike on every rank)
+        return True
     if isinstance(error, (TracingError, UnsupportedInputError, RankMismatchError)) or not isinstance(error, Exception):
         return False
     if dist.is_initialized() and dist.get_world_size() > 1:
