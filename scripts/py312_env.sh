@@ -28,8 +28,12 @@ if [ ! -f "$ENV/.ready" ]; then
   # torch pinned in every install, so that nothing upgrades it.
   "$ENV/bin/python" -m pip install --quiet --disable-pip-version-check --pre "$TORCH_PIN" "$NVFUSER_PIN"
   "$ENV/bin/python" -m pip install --quiet --disable-pip-version-check "$TORCH_PIN" \
-    pytest pytest-xdist numpy "transformers>=5" "accelerate>=1.0"
+    pytest pytest-xdist numpy "transformers>=5" "accelerate>=1.0" expecttest
   touch "$ENV/.ready"
   echo "set up $ENV in $(( $(date +%s) - start )) s"
+fi
+# Added since: torch's op database (tests/test_opinfo.py) imports expecttest.
+if ! "$ENV/bin/python" -c "import expecttest" 2>/dev/null; then
+  "$ENV/bin/python" -m pip install --quiet --disable-pip-version-check "$TORCH_PIN" expecttest
 fi
 
