@@ -22,7 +22,7 @@ from ..core.torch_internals import DTensorSpec, TensorMeta, make_dtensor, saved_
 from .global_state import autocast_off
 from .graph_reach import reached_by_none, reaching, saves_a_tensor
 from .recorder import Recording
-from .traced_errors import refusal
+from .traced_errors import refusal, symbolic_sizes_refusal
 
 
 @dataclass
@@ -333,9 +333,10 @@ def _grad(outputs: list, wrt: list, cotangents: list, retain: bool = False) -> t
     except NotImplementedError as error:
         raise _backward_failed(error) from error
     except RuntimeError as error:
-        if _SYMBOLIC_NUMEL in str(error) and any(isinstance(t, DTensor) for t in (*outputs, *wrt)):
-            # DTensor asks a plain tensor beside a DTensor for its element count, never one when symbolic
-            raise RuntimeError(f"a backward op {_MIXED}, need to convert all torch.Tensor to DTensor") from error
+        if _SYMBOLIC_NUMEL in str(error):  # (DTensor asking a plain tensor beside one; torch 2.10's trace)
+            if any(isinstance(t, DTensor) for t in (*outputs, *wrt)):
+                raise RuntimeError(f"a backward op {_MIXED}, need to convert all torch.Tensor to DTensor") from error
+            raise symbolic_sizes_refusal("the backward of the call") from error
         if "modified by an inplace operation" in str(error):
             raise TracingError(
                 "dtcompile.jit: the call changes in place a value autograd saved for the backward (after "
