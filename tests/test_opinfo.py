@@ -28,7 +28,7 @@ REFUSALS = (dtcompile.TracingError, dtcompile.UnsupportedInputError)
 UNINITIALIZED = {"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided"}
 
 _DATA = "depends on the values in a tensor"  # (a Python bool, or sizes read from the data)
-_RESTRIDES = "changes the sizes or strides of"  # (in place; inside quantile's and stft's C++ code too)
+_RESTRIDES = "changes the sizes or strides of"  # (in place)
 _INPUT = "inputs must be tensors"
 _NO_FAKE = "no fake or meta kernel"
 
@@ -38,9 +38,7 @@ REFUSED: dict[str, str | tuple[str, ...]] = {
     **dict.fromkeys(
         ["allclose", "equal", "nn.functional.ctc_loss", "linalg.lstsq", "linalg.lstsq.grad_oriented"], _DATA
     ),
-    **dict.fromkeys(["stft", "resize_", "resize_.inplace"], _RESTRIDES),
-    # (torch 2.10's quantile first checks its q with ``equal``)
-    **dict.fromkeys(["quantile", "nanquantile"], (_RESTRIDES, _DATA)),
+    **dict.fromkeys(["resize_", "resize_.inplace"], _RESTRIDES),
     **dict.fromkeys([f"{name}.inplace" for name in ("squeeze", "unsqueeze", "transpose", "t")], _RESTRIDES),
     **dict.fromkeys(["as_strided.partial_views.inplace", "nn.functional.dropout3d.inplace"], _RESTRIDES),
     **dict.fromkeys(
@@ -204,7 +202,12 @@ GRAD_OPS = [
 # Refused with gradients (float64), beyond what is refused without them.
 REFUSED_GRAD: dict[str, str | tuple[str, ...]] = {
     "native_group_norm": _RESTRIDES,  # (its backward's C++ code, on an intermediate)
+    # (restriding in place a tensor they make that needs a gradient)
+    **dict.fromkeys(["quantile", "nanquantile", "stft"], _RESTRIDES),
 }
+if torch.__version__ < "2.11":  # (torch 2.10's quantile first checks its q with ``equal``)
+    REFUSED.update(dict.fromkeys(["quantile", "nanquantile"], _DATA))
+    REFUSED_GRAD.update(dict.fromkeys(["quantile", "nanquantile"], _DATA))
 REFUSED_GRAD_SYMBOLIC = {"nn.functional.fractional_max_pool3d": _NO_FAKE}  # (its backward)
 if torch.__version__ < "2.11":  # (its C++ backward asks for a symbolic size's value there)
     REFUSED_GRAD_SYMBOLIC["trace"] = "cannot take symbolic sizes"

@@ -120,8 +120,7 @@ _UNRECORDED_SETS = {
 
 
 def _calling_package(depth: int) -> str:
-    """The top-level package of the Python code running the current torch-level call
-    (``depth`` frames up from the caller of this function)."""
+    """The top-level package of the code running the current torch-level call (``depth`` frames up)."""
     frame = sys._getframe(depth + 1)
     if frame.f_globals.get("__name__") == "torch.overrides" and frame.f_back is not None:
         frame = frame.f_back  # a Tensor method written in Python (``__len__``) hands the call on
@@ -308,7 +307,8 @@ class CallAnnotator(TorchFunctionMode):
         if self.in_backward and not handled_by_dtensor:
             self.recording.dtensor_calls = 0  # the user's code in a backward, on plain tensors: the program's
         self.recording.dtensor_calls += handled_by_dtensor
-        outer_call, self.recording.current_call = self.recording.current_call, _short_name(func)
+        outer_call = self.recording.current_call, self.recording.call_start
+        self.recording.current_call, self.recording.call_start = _short_name(func), len(self.recording.bound_symbols)
         outs = out_tensors(func, kwargs)
         try:
             out = func(*args, **kwargs)
@@ -364,7 +364,7 @@ class CallAnnotator(TorchFunctionMode):
                 raise
         finally:
             self.recording.dtensor_calls = outer_dtensor_calls
-            self.recording.current_call = outer_call
+            self.recording.current_call, self.recording.call_start = outer_call
         if outs is not None and not out_written(self.recording.bound_symbols[start:], outs):
             raise lost_out_write(_short_name(func))
         new = self.recording.bound_symbols[start:]

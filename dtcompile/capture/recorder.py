@@ -44,6 +44,7 @@ from .fake_calls import DataReads, fake_errors_unlogged, refuse_metadata_changes
 from .grad_checks import grad_state
 from .input_fakes import InputFakes
 from .objects import same_spec
+from .restrided import restrided_in_call
 from .torch_settings import kernel_settings, kernel_settings_changed, kernel_settings_differ
 
 _DATA_DEPENDENT_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
@@ -87,6 +88,7 @@ class Recording:
         self.users_backward_ran = False  # the user's code called torch in a backward
         self.works: list = []  # the Works recorded collectives returned, alive while tracing (c10d.py)
         self.current_call: str | None = None  # the torch-level call of the user's code running now
+        self.call_start: int | None = None  # the index of its first symbol
         self.snapshot = None  # a DataSnapshot of the user's data the traced code must not change
         self.captured_held: list[torch.Tensor] = []  # what the program holds of each: the tensor, or its DTensor
         self.captured_flags: list[tuple[torch.Tensor, str, tuple]] = []  # (a closed-over tensor, where, grad_state)
@@ -201,12 +203,7 @@ class Recording:
         symbolic = any(is_symbolic(x) for x in leaves((args, kwargs)))
         if symbolic or any(p.value is None for p in proxies):
             return None
-
-        def to_value(x):
-            if isinstance(x, NamedConstant):
-                return x.value
-            return x.value if isinstance(x, TensorProxy) else x
-
+        to_value = lambda x: x.value if isinstance(x, (NamedConstant, TensorProxy)) else x  # noqa: E731
         return func(*tree_map(to_value, args), **tree_map(to_value, kwargs))
 
     def capture_dtensor(self, real: DTensor) -> DTensor:
@@ -306,6 +303,8 @@ class Recording:
             args[0].value_is_state = False  # (the literal's values are the code's)
         proxies = [x for x in leaves((args, kwargs)) if isinstance(x, TensorProxy)]
         value = self.trace_time_value(func, args, kwargs, proxies)
+        if (restrided := restrided_in_call(self, func, args, kwargs)) is not None:
+            return restrided  # (``x.unsqueeze_(0)`` of an ``x`` that torch's code made inside the call)
         from_state = any(p.value_is_state for p in proxies)
         if value is not None and not any(isinstance(v, torch.Tensor) for v in tree_flatten(value)[0]):
             if not from_state:
