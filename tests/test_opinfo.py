@@ -202,8 +202,6 @@ GRAD_OPS = [
 # Refused with gradients (float64), beyond what is refused without them.
 REFUSED_GRAD: dict[str, str | tuple[str, ...]] = {
     "native_group_norm": _RESTRIDES,  # (its backward's C++ code, on an intermediate)
-    # (restriding in place a tensor they make that needs a gradient)
-    **dict.fromkeys(["quantile", "nanquantile", "stft"], _RESTRIDES),
 }
 if torch.__version__ < "2.11":  # (torch 2.10's quantile first checks its q with ``equal``)
     REFUSED.update(dict.fromkeys(["quantile", "nanquantile"], _DATA))

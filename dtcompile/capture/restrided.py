@@ -74,7 +74,7 @@ def _made_in_call(recording, proxy) -> bool:
     that call's code holds it), and nothing else is known of it (a value, a gradient)."""
     if not isinstance(proxy, TensorProxy) or recording.current_call is None or recording.call_start is None:
         return False
-    if proxy.requires_grad or proxy.value is not None or not isinstance(proxy.provenance, NoProvenance):
+    if proxy.value is not None or not isinstance(proxy.provenance, NoProvenance):
         return False
     symbols = recording.bound_symbols
     return any(_holds(symbols[i].output, proxy) for i in range(recording.call_start, len(symbols)))
