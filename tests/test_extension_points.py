@@ -1,0 +1,63 @@
+"""Torch's extension points used inside a compiled call (probe AZ): eager's results, or a
+clear refusal where a program cannot hold what the code does."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import dtcompile
+
+CACHES = ["constant values", "symbolic values"]
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_swap_tensors_of_arguments_is_refused(cache):
+    def f(a, b):
+        torch.utils.swap_tensors(a, b)
+        return a * 2
+
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])
+    with pytest.raises(dtcompile.TracingError, match="swap_tensors"):
+        dtcompile.jit(f, cache=cache)(a, b)
+    assert a.tolist() == [1.0, 2.0] and b.tolist() == [3.0, 4.0]
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_swap_tensors_of_a_buffer_is_refused_even_where_caught(cache):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("b", torch.zeros(3))
+
+        def forward(self, x):
+            try:
+                torch.utils.swap_tensors(self.b, self.b + 1)
+            except Exception:
+                pass
+            return x + self.b
+
+    model = M()
+    with pytest.raises(dtcompile.TracingError, match="swap_tensors"):
+        dtcompile.jit(model, cache=cache)(torch.zeros(3))
+    assert model.b.tolist() == [0.0, 0.0, 0.0]
+
+
+def _cond(x, p):
+    return torch.cond(p, lambda a: a.sin() * 2, lambda a: a.cos() * 3, (x,))
+
+
+def _while(x):
+    return torch._higher_order_ops.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, a * 2), (torch.tensor(0), x))[1]
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("which", ["cond", "while_loop"])
+def test_torchs_compiler_inside_is_refused_and_eager_still_runs_after(which, cache):
+    """torch.cond with a tensor predicate and while_loop run torch.compile in eager: refused
+    before torch's compiler starts, so that nothing of the attempt stays in its caches."""
+    x, p = torch.randn(3, 4), torch.tensor(True)
+    fn, args = (_cond, (x, p)) if which == "cond" else (_while, (x,))
+    expected = fn(*args)
+    with pytest.raises(dtcompile.TracingError, match="torch.compile"):
+        dtcompile.jit(fn, cache=cache)(*args)
+    torch.testing.assert_close(fn(*args), expected)  # eager's, after the attempt
