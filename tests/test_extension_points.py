@@ -61,3 +61,32 @@ def test_torchs_compiler_inside_is_refused_and_eager_still_runs_after(which, cac
     with pytest.raises(dtcompile.TracingError, match="torch.compile"):
         dtcompile.jit(fn, cache=cache)(*args)
     torch.testing.assert_close(fn(*args), expected)  # eager's, after the attempt
+
+
+_LIB = torch.library.Library("dtc_probe_az", "DEF")
+_LIB.define("pair(Tensor x) -> (Tensor, Tensor)")
+_LIB.impl("pair", lambda x: (x.sin(), x.cos()), "CompositeExplicitAutograd")
+torch.library.register_fake("dtc_probe_az::pair", lambda x: (torch.empty_like(x), torch.empty_like(x)), lib=_LIB)
+
+
+def _pair_product(x):
+    a, b = torch.ops.dtc_probe_az.pair(x)
+    return a * b
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_library_op_with_no_autograd_kernel_is_refused_where_a_gradient_flows(cache):
+    """Eager's autograd fallback differentiates what its kernel runs; a compiled call would
+    record it as one op with no gradient (x.grad silently None): refused instead."""
+    with pytest.raises(dtcompile.TracingError, match="no autograd kernel"):
+        dtcompile.jit(_pair_product, cache=cache)(torch.randn(3, 4, requires_grad=True))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_library_op_with_no_autograd_kernel_runs_without_gradients(cache):
+    x = torch.randn(3, 4)
+    jitted = dtcompile.jit(_pair_product, cache=cache)
+    torch.testing.assert_close(jitted(x), _pair_product(x))
+    with torch.no_grad():
+        y = x.clone().requires_grad_()
+        torch.testing.assert_close(jitted(y), _pair_product(x))

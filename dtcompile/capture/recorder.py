@@ -43,6 +43,7 @@ from .dtensor_modes import DTensorModes
 from .fake_calls import DataReads, fake_errors_unlogged, refuse_metadata_changes, run_on_fakes
 from .grad_checks import grad_state
 from .input_fakes import InputFakes
+from .kernel_autograd import refuse_without_autograd
 from .objects import same_spec
 from .restrided import restrided_in_call
 from .torch_settings import kernel_settings, kernel_settings_changed, kernel_settings_differ
@@ -114,8 +115,7 @@ class Recording:
         return self._next_name, len(self._given)
 
     def forget_names_since(self, given: tuple[int, int]) -> None:
-        """Give again the names given since ``names_given`` (the symbols recorded since
-        were taken out: a repeated block's replay that was abandoned)."""
+        """Give again the names given since ``names_given`` (a repeated block's abandoned replay's)."""
         self._next_name = given[0]
         for name in self._given[given[1] :]:
             self.used_names.discard(name)
@@ -385,6 +385,7 @@ class OpRecorder(TorchDispatchMode):
             if func.namespace == "c10d":  # ``dist.all_reduce(dtensor)``: DTensor's error, as eager's
                 raise NotImplementedError(f"Operator {func} does not have a sharding strategy registered.")
             return NotImplemented
+        refuse_without_autograd(func, args, kwargs)  # (an op of the user's library)
         return self.recording.record(func, args, kwargs)
 
 
