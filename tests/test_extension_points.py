@@ -90,3 +90,60 @@ def test_a_library_op_with_no_autograd_kernel_runs_without_gradients(cache):
     with torch.no_grad():
         y = x.clone().requires_grad_()
         torch.testing.assert_close(jitted(y), _pair_product(x))
+
+
+class _SetsItsWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 3))
+
+    def forward(self, x):
+        y = x @ (self.w * 1).t()
+        with torch.no_grad():
+            self.w.set_(self.w * 0.9)
+        return y
+
+
+class _Symmetric(nn.Module):
+    def forward(self, X):
+        return X.triu() + X.triu(1).transpose(-1, -2)
+
+    def right_inverse(self, A):
+        return A.triu()
+
+
+class _AssignsItsParametrizedWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(3, 3)
+        torch.nn.utils.parametrize.register_parametrization(self.l, "weight", _Symmetric())
+
+    def forward(self, x):
+        y = self.l(x)
+        with torch.no_grad():
+            self.l.weight = self.l.weight * 0.9  # (parametrize's setter: original.set_(...))
+        return y
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("make", [_SetsItsWeight, _AssignsItsParametrizedWeight])
+def test_a_parameter_pointed_at_other_memory_in_a_training_call_is_refused(make, cache):
+    """Its gradient would be lost (torch.autograd.grad no longer counts it an input)."""
+    with pytest.raises(dtcompile.TracingError, match="points a tensor that requires grad at other memory"):
+        dtcompile.jit(make(), cache=cache)(torch.randn(2, 3))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("make", [_SetsItsWeight, _AssignsItsParametrizedWeight])
+def test_a_parameter_pointed_at_other_memory_without_gradients_runs_as_eager(make, cache):
+    torch.manual_seed(0)
+    model = make()
+    expected_model = make()
+    expected_model.load_state_dict(model.state_dict())
+    jitted = dtcompile.jit(model, cache=cache)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(2, 3)
+            torch.testing.assert_close(jitted(x), expected_model(x))
+            for got, expected in zip(model.parameters(), expected_model.parameters()):
+                torch.testing.assert_close(got, expected)

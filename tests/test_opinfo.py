@@ -22,6 +22,10 @@ import torch.testing._internal.common_methods_invocations as op_database
 
 import dtcompile
 
+# torch's test utilities freeze torch.backends' flags at import (their tests set them with
+# a context manager only); the other tests here set them directly, as users do.
+torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
+
 REFUSALS = (dtcompile.TracingError, dtcompile.UnsupportedInputError)
 
 # Ops whose outputs hold whatever memory they were given: only their metadata is compared.

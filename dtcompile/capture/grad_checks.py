@@ -123,3 +123,20 @@ def _from_the_call(tensor: torch.Tensor) -> bool:
     closed-over one): its proxy has a provenance in the call."""
     local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
     return isinstance(local, TensorProxy) and not isinstance(local.provenance, NoProvenance)
+
+
+def repointed_leaf_refusal(symbols: list, differentiable: list) -> None:
+    """A tensor gradients flow to, pointed at other memory in place inside the call
+    (``p.set_(q)``, which ``torch.nn.utils.parametrize``'s assignment calls): eager's
+    ``.backward()`` still reaches it through the graph made before, but autograd no longer
+    counts it as an input of that graph (``torch.autograd.grad`` gives it None), and a
+    compiled call's backward is such a ``grad``: its gradient would be lost."""
+    wrt = {id(t) for pair in differentiable for t in pair}
+    for symbol in symbols:
+        if symbol.op is not None and symbol.op.overloadpacket is torch.ops.aten.set_ and id(symbol.args[0]) in wrt:
+            raise TracingError(
+                f"dtcompile.jit: {symbol.note or symbol.op} points a tensor that requires grad at other memory "
+                "(Tensor.set_, which torch.nn.utils.parametrize's assignment calls), in a call that needs gradients: "
+                "its gradient would be lost. Copy the new values in (p.copy_(new) under torch.no_grad()), or "
+                "assign outside the call"
+            )

@@ -42,7 +42,7 @@ from .global_state import (
     torch_caches_off,
     user_global_hook_functions,
 )
-from .grad_checks import gradient_refusal
+from .grad_checks import gradient_refusal, repointed_leaf_refusal
 from .input_fakes import InputFakes
 from .input_nodes import DictInput, DTensorInput, InputNode, ObjectInput, SequenceInput, brings_proxy, iter_leaves
 from .inputs import InputProxifier
@@ -282,6 +282,7 @@ def _capture(
                 managed = module_state is not None and bool(fsdp.managed)
                 # (before the backward is traced: a checkpoint's recompute enters regions too)
                 backward_autocast = () if autocast_entered else autocast_devices()
+                repointed_leaf_refusal(recording.bound_symbols, proxifier.differentiable + closed)
                 with module_state.again() if module_state is not None else contextlib.nullcontext():
                     backward = refusing_recomputes(
                         managed, capture_backward, recording, proxifier.differentiable + closed, collector.values
