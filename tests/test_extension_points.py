@@ -147,3 +147,39 @@ def test_a_parameter_pointed_at_other_memory_without_gradients_runs_as_eager(mak
             torch.testing.assert_close(jitted(x), expected_model(x))
             for got, expected in zip(model.parameters(), expected_model.parameters()):
                 torch.testing.assert_close(got, expected)
+
+
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_users_dispatch_mode_sees_the_programs_ops_not_tracings(cache):
+    """A FlopCounterMode around the compiling call counted the traced (fake) ops and then
+    the program's: twice eager's, or a symbolic expression under symbolic values."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    jitted = dtcompile.jit(model, cache=cache)
+    for _ in range(2):
+        x = torch.randn(2, 8)
+        counts = []
+        for fn in (model, jitted):
+            with FlopCounterMode(display=False) as counter:
+                fn(x).sum().backward()
+            counts.append(counter.get_total_flops())
+        assert counts[0] == counts[1] and type(counts[1]) is int
+    jitted = dtcompile.jit(model, cache=cache)
+    logs = [_OpLog(), _OpLog()]
+    with torch.no_grad():
+        for fn, log in zip((model, jitted), logs):
+            with log:
+                fn(torch.randn(2, 8))
+    assert len(logs[1].ops) == len(logs[0].ops)

@@ -26,7 +26,7 @@ from ..capture.global_state import autocast_devices, autocast_off
 from ..core import DataCheckFailed, TensorProxy, Trace, verify
 from ..core.block_call import block_programs
 from ..core.codegen import GeneratedFunction
-from ..core.torch_internals import resolve_process_group, shape_guards
+from ..core.torch_internals import dispatch_modes_off, resolve_process_group, shape_guards
 from ..executors import lower, resolve_executors
 from ..transforms import has_symbolic_sizes, pipelines, saved_note, split_forward_backward
 from .check import checked_call, running_eager
@@ -221,7 +221,7 @@ class CompiledFunction:
         if self.calls_checked:
             post_miss(self.identity)
         try:
-            with _collector_paused():
+            with _collector_paused(), dispatch_modes_off():  # (the user's see the program run, not compiling)
                 try:
                     return self._compile(args, kwargs, agreement, self.symbolic)
                 except GuardsDiffer:  # every rank: its sizes as they are, so that all judge alike
