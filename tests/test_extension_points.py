@@ -183,3 +183,45 @@ def test_a_users_dispatch_mode_sees_the_programs_ops_not_tracings(cache):
             with log:
                 fn(torch.randn(2, 8))
     assert len(logs[1].ops) == len(logs[0].ops)
+
+
+@torch.library.custom_op("dtc_probe_az::scaled", mutates_args=())
+def _scaled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+_scaled.register_fake(lambda x: torch.empty_like(x))
+GRAD_SCALE = 5.0
+SETTINGS = {"k": 1.0}
+
+
+def _setup(ctx, inputs, output):
+    ctx.k = SETTINGS["k"]
+
+
+_scaled.register_autograd(lambda ctx, g: g * GRAD_SCALE * ctx.k, setup_context=_setup)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("route", ["definition", "torch.ops"])
+def test_what_a_custom_ops_registered_functions_read_is_guarded(route, cache):
+    """A global its backward reads, a dict its setup_context reads, and its backward
+    registered again: eager's gradients follow each change; the compiled ones kept the first
+    compile's, however the op is called."""
+    global GRAD_SCALE
+    op = _scaled if route == "definition" else torch.ops.dtc_probe_az.scaled
+
+    def f(x):
+        return op(x) + 1
+
+    jitted = dtcompile.jit(f, cache=cache)
+    for scale, k, again in ((5.0, 1.0, False), (6.0, 1.0, False), (6.0, 3.0, False), (6.0, 3.0, True)):
+        GRAD_SCALE, SETTINGS["k"] = scale, k
+        if again:
+            _scaled.register_autograd(lambda ctx, g: -g, setup_context=_setup)
+        x = torch.randn(3)
+        expected_x, got_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+        f(expected_x).sum().backward()
+        jitted(got_x).sum().backward()
+        torch.testing.assert_close(got_x.grad, expected_x.grad)
+    _scaled.register_autograd(lambda ctx, g: g * GRAD_SCALE * ctx.k, setup_context=_setup)

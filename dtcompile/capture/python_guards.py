@@ -38,13 +38,20 @@ class AfterTracing:
                 read.holder[read.key] = read.value
         return [read.where for read in changed]
 
-    def after_tracing(self, module_updates: list, grad_reads: list) -> None:
+    def after_tracing(self, module_updates: list, grad_reads: list, symbols: list) -> None:
         """The guards only the traced call tells: what the forward assigns
         (:meth:`forget_assigned`), the closed-over tensors' ``.grad`` it read, the names of
         the user classes followed where code loads a ``__name__`` or ``__qualname__``
-        (``type(self).__name__ == "Block"``; they live in the class object, not its dict)."""
+        (``type(self).__name__ == "Block"``; they live in the class object, not its dict);
+        the definition of each ``torch.library.custom_op`` it called (``symbols``), however
+        it reached them (``torch.ops.ns.op``): the functions registered there (a backward, a
+        ``setup_context``, a kernel) are the user's code, and what they read is guarded."""
         self.forget_assigned(module_updates)
         self.guard_grads(grad_reads)
+        for name in sorted({str(s.op._name) for s in symbols if s.op is not None and s.op.namespace != "aten"}):
+            definition = torch._library.custom_ops.OPDEFS.get(name)
+            if definition is not None:
+                self.follow(definition, f"the custom op {name}")
         for name in ("__name__", "__qualname__"):
             if name in self._attribute_loads:
                 for klass in self._classes.values():

@@ -337,7 +337,7 @@ def _capture(
             f"call{'' if 'not put back' in changed[0] else ' (the change was undone)'}. Return the values "
             "instead, or pass the object in the call (its attribute assignments are then replayed after each call)"
         )
-    inputs.python_state.after_tracing(module_updates, recording.grad_reads)
+    inputs.python_state.after_tracing(module_updates, recording.grad_reads, recording.bound_symbols)
 
     leaves = [n for top in inputs.nodes() for n in iter_leaves(top) if brings_proxy(n)]
     proxies = [n.proxy for n in leaves] + recording.captured_proxies
