@@ -225,3 +225,25 @@ def test_what_a_custom_ops_registered_functions_read_is_guarded(route, cache):
         jitted(got_x).sum().backward()
         torch.testing.assert_close(got_x.grad, expected_x.grad)
     _scaled.register_autograd(lambda ctx, g: g * GRAD_SCALE * ctx.k, setup_context=_setup)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_torch_compiled_module_called_inside_with_its_training_flag_switched(cache):
+    """Its training flag is a property (its module's): read as such, not as a dict entry,
+    which made a false "changed the training flag" refusal and left a stale entry."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 2))
+    compiled = torch.compile(model, backend="eager")
+
+    def outer(x):
+        return compiled(x).pow(2).sum()
+
+    jitted = dtcompile.jit(outer, cache=cache)
+    for training in (True, True, False, False, True):
+        compiled.train(training)
+        x = torch.randn(2, 4)
+        torch.manual_seed(1)
+        expected = model(x).pow(2).sum()
+        torch.manual_seed(1)
+        torch.testing.assert_close(jitted(x), expected)
+        assert "training" not in vars(compiled) and model.training is training

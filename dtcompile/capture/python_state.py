@@ -31,10 +31,9 @@ hook), so what is guarded is what the code *can* read, found before tracing:
   name that exists before the call (absent before, it is guarded absent).
 - **Plain objects and containers, all the way down**: the attributes of a plain object
   (a config; those in its ``__slots__`` too; an object the code calls, and an
-  ``lru_cache``'s wrapped function; a ``singledispatch`` function's implementations)
-  held in such an attribute, global or cell
-  (``self.config.scale``), the items of a container (and what a weak reference in one
-  refers to), and what those hold in turn
+  ``lru_cache``'s wrapped function; a ``singledispatch`` function's implementations) held
+  in such an attribute, global or cell (``self.config.scale``), the items of a container
+  (and what a weak reference in one refers to), and what those hold in turn
   (``self.config.attention.rope.theta``, ``TABLE[0]["act"]``), each object once.
 - **Classes**: every attribute a user class (a module's, a config's, one the code names)
   and its user bases define (methods by identity, constants by value, and what each holds
@@ -52,15 +51,16 @@ and by its contents (``python_reads.value_key``), whatever its size: lists, dict
 and deques of any class (an ``OrderedDict``, a ``defaultdict`` and its factory, a list
 subclass and its attributes), tuples holding such or objects, bytearrays, memoryviews and
 ctypes objects (by their bytes), arrays and NumPy arrays of numbers; the tensors in a
-container by identity (read at run time); anything else by identity.
+container by identity (read at run time); anything else by identity. A ``custom_op``'s
+definition is followed where the trace calls it (``python_guards.after_tracing``).
 
 Not guarded: iterators (one the traced code advances is refused: ``snapshots.py``), a
 library class's attributes but a module's ``forward`` (and ``nn.Module``'s own), a library
 object's (but ``objects.TORCH_USER_STATE``'s, as a plain object's: an optimizer's),
 values read inside library code (but what a library's wrapper of a user function wraps:
-``@torch.no_grad()``), names reached only through strings (``getattr(cfg, name)``), the
-contents of NumPy arrays of objects, objects of C types other than the containers above
-(a built-in bound method's object and a dict view's dict are followed). A global, class
+``@torch.no_grad()``), names reached only through strings (``getattr(cfg, name)``), NumPy
+arrays of objects' contents, objects of C types other than the containers above (a
+built-in bound method's object and a dict view's dict are followed). A global, class
 attribute or closure variable the traced code rebinds is refused and put back.
 """
 
@@ -151,7 +151,10 @@ class PythonState(AfterTracing):
             self._class(type(module), module_class=True)
             self._namespace(vars(module))
             if reached:
-                self._read(vars(module), "training", module.training, f"the training flag of {owner}")
+                if "training" in vars(module):
+                    self._read(vars(module), "training", module.training, f"the training flag of {owner}")
+                else:  # (torch.compile's module: a property, its module's flag)
+                    self._read(module, None, module.training, f"the training flag of {owner}", attribute="training")
                 self._read(module, None, type(module), f"the class of {owner}", attribute="__class__")
                 for table in _HOOK_TABLES:  # (the jitted module's are guarded with its tree)
                     self._read(vars(module), table, getattr(module, table), f"the {table} of {owner}")
@@ -369,10 +372,8 @@ class PythonState(AfterTracing):
                         self._read(names, name, attr, f"{name!r} of {owner}")
                     continue
                 self._read(names, name, attr, f"{name!r} of {owner}")
-                if isinstance(attr, (staticmethod, classmethod)):
-                    attr = attr.__func__
-                elif isinstance(attr, property):
-                    attr = attr.fget
+                attr = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
+                attr = attr.fget if isinstance(attr, property) else attr
                 # Its methods' code, and what other attributes hold: a descriptor's state, a
                 # nested class's attributes, the configs in a class-level table.
                 self.follow(attr, f"{name!r} of {owner}")
@@ -393,8 +394,7 @@ class PythonState(AfterTracing):
             self._read(vars(os.environ), "_data", os.environ._data, "the environment (os.environ)")
         for name in sorted(names):
             if name in contents:
-                value = contents[name]
-                where = f"{module.__name__}.{name}"
+                value, where = contents[name], f"{module.__name__}.{name}"
                 self._read(contents, name, value, where)
                 if not library or isinstance(value, types.ModuleType):
                     self.follow(value, where, names)  # a package's module: ``pkg.sub.X``
