@@ -247,3 +247,29 @@ def test_a_torch_compiled_module_called_inside_with_its_training_flag_switched(c
         torch.manual_seed(1)
         torch.testing.assert_close(jitted(x), expected)
         assert "training" not in vars(compiled) and model.training is training
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("first", [False, True])
+def test_distributions_argument_validation_switched_after_compiling(first, cache):
+    from torch.distributions import Distribution, Normal
+
+    def f(mu, scale):
+        return Normal(mu, scale).log_prob(mu)
+
+    saved = Distribution._validate_args
+    try:
+        Distribution.set_default_validate_args(first)
+        jitted = dtcompile.jit(f, cache=cache)
+        jitted(torch.randn(3), torch.ones(3))
+        Distribution.set_default_validate_args(not first)
+        mu, scale = torch.randn(3), torch.tensor([1.0, -1.0, 1.0])
+        if first:  # validation off now: both return NaN where the scale is negative
+            torch.testing.assert_close(jitted(mu, scale), f(mu, scale), equal_nan=True)
+        else:
+            with pytest.raises(ValueError):
+                f(mu, scale)
+            with pytest.raises(ValueError):
+                jitted(mu, scale)
+    finally:
+        Distribution.set_default_validate_args(saved)

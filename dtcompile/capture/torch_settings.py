@@ -27,8 +27,12 @@ def torch_settings() -> tuple:
         _mha_fastpath(),
         C._get_qengine(),  # (``torch.backends.quantized.engine``, as torch's enum)
         *_opt_einsum(),
+        _Distribution._validate_args,  # (``set_default_validate_args``: whether distributions check arguments)
         autocast_cache_seen(),
     )
+
+
+_Distribution = torch.distributions.Distribution
 
 
 _mha_fastpath = torch.backends.mha.get_fastpath_enabled
@@ -108,8 +112,8 @@ def put_settings_back(settings: tuple) -> None:
     """Set what :func:`torch_settings` reads back to ``settings``."""
     (deterministic, warn_only, fill, precision, threads, mkldnn, mkldnn_deterministic, *cudnn) = settings[:11]
     tf32, fp16, bf16, sdpa = settings[11:15]
-    (anomaly, check_nan, warn_always, cpu_dtype, cuda_dtype, fastpath, quantized, *opt_einsum) = settings[15:-1]
-    autocast_cache = settings[-1]
+    (anomaly, check_nan, warn_always, cpu_dtype, cuda_dtype, fastpath, quantized, *opt_einsum) = settings[15:-2]
+    validate_args, autocast_cache = settings[-2:]
     backends, matmul = torch.backends, torch.backends.cuda.matmul
     torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
     torch.utils.deterministic.fill_uninitialized_memory = fill
@@ -131,6 +135,7 @@ def put_settings_back(settings: tuple) -> None:
     backends.mha.set_fastpath_enabled(fastpath)
     torch._C._set_qengine(quantized)
     backends.opt_einsum.enabled, backends.opt_einsum.strategy = opt_einsum
+    _Distribution.set_default_validate_args(validate_args)
     if outer_autocast_cache:  # while tracing (``autocast_cache_off``)
         outer_autocast_cache[-1] = autocast_cache
     else:
