@@ -273,3 +273,51 @@ def test_distributions_argument_validation_switched_after_compiling(first, cache
                 jitted(mu, scale)
     finally:
         Distribution.set_default_validate_args(saved)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_hook_writing_an_argument_object_is_refused_without_a_misleading_advice(cache):
+    class Stats:
+        pass
+
+    def f(x, w, stats):
+        h = x * w
+
+        def hook(g):
+            stats.norm = g.norm()
+
+        h.register_hook(hook)
+        return h.tanh().sum()
+
+    w = torch.randn(3, requires_grad=True)
+    with pytest.raises(dtcompile.TracingError, match="tensor hook") as refusal:
+        dtcompile.jit(f, cache=cache)(torch.randn(3), w, Stats()).backward()
+    assert "outside its inputs" not in str(refusal.value) and "pass the object in the call" not in str(refusal.value)
+
+
+class _SinWithJvp(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return x.sin()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_forward(inputs[0])
+
+    @staticmethod
+    def jvp(ctx, tangent):
+        return tangent * ctx.saved_tensors[0].cos()
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_forward_ad_through_a_functions_jvp_is_refused_saying_so(cache):
+    import torch.autograd.forward_ad as forward_ad
+
+    def f(x, t):
+        with forward_ad.dual_level():
+            y = _SinWithJvp.apply(forward_ad.make_dual(x, t)) * 2
+            primal, tangent = forward_ad.unpack_dual(y)
+            return primal.clone(), tangent.clone()
+
+    with pytest.raises(dtcompile.TracingError, match="forward-mode AD.*torch.func.jvp"):
+        dtcompile.jit(f, cache=cache)(torch.randn(3), torch.randn(3))

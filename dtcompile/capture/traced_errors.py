@@ -47,6 +47,12 @@ def refusal(call: str, error: RuntimeError, first_argument: str | None) -> Traci
         return data_dependent_error(
             call, "a gradient sized by a number read from data, which autograd compares with its input's size"
         )
+    if "data is not allocated yet" in message and torch.autograd.forward_ad._current_level >= 0:
+        return TracingError(  # (a custom autograd.Function's jvp, on dual tensors)
+            f"dtcompile.jit: {call} under forward-mode AD (torch.autograd.forward_ad's dual tensors) reads a tensor's "
+            "data, which a traced tensor has none of: a custom autograd.Function's jvp does. Use torch.func.jvp "
+            "over the function instead, which compiles"
+        )
     if _NO_SHAPE_ENV in message:
         # DTensor sizes its result under a fake mode of its own, which cannot make the
         # number of elements a slice keeps when its bound is read from data (``x[:, :k]``,

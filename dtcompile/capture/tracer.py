@@ -331,11 +331,13 @@ def _capture(
     if snapshot.library_setup and not changed:
         raise LibrarySetUp(f"library code the call runs registered hooks on {snapshot.library_setup[0]}")
     if changed:
+        hook = "hook" in changed[0]  # (one in the backward: no assignment of it is replayed)
+        where = "" if hook else ", a Python value outside its inputs"
+        instead = "" if hook else ", or pass the object in the call (its attribute assignments are replayed after it)"
         raise TracingError(
-            f"dtcompile.jit: the traced code changed {changed[0]}, a Python value outside its inputs. A compiled "
-            "program runs the Python code once, while tracing, so such side effects would not happen at each "
-            f"call{'' if 'not put back' in changed[0] else ' (the change was undone)'}. Return the values "
-            "instead, or pass the object in the call (its attribute assignments are then replayed after each call)"
+            f"dtcompile.jit: the traced code changed {changed[0]}{where}. A compiled program runs the Python code "
+            "once, while tracing, so such side effects would not happen at each call"
+            f"{'' if 'not put back' in changed[0] else ' (the change was undone)'}. Return the values instead{instead}"
         )
     inputs.python_state.after_tracing(module_updates, recording.grad_reads, recording.bound_symbols)
 
