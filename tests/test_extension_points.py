@@ -321,3 +321,22 @@ def test_forward_ad_through_a_functions_jvp_is_refused_saying_so(cache):
 
     with pytest.raises(dtcompile.TracingError, match="forward-mode AD.*torch.func.jvp"):
         dtcompile.jit(f, cache=cache)(torch.randn(3), torch.randn(3))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_matmul_of_a_one_row_slice_takes_eagers_kernel(bias, cache):
+    """``x[:, 0:1]`` has strides (32, 16, 1): eager's matmul takes ``bmm`` where torch's
+    Python form folds it into ``mm`` (bits apart); traced as eager's."""
+    torch.manual_seed(0)
+    fns = [
+        lambda x, w, b: torch.nn.functional.linear(x[:, 0:1], w, b if bias else None),
+        lambda x, w, b: x[:, 1:2] @ w.t(),
+        lambda x, w, b: torch.matmul(x[:, 0:1], w.t()) + 1,
+    ]
+    for fn in fns:
+        jitted = dtcompile.jit(fn, cache=cache)
+        for seed in range(6):
+            torch.manual_seed(seed)
+            x, w, b = torch.randn(1, 2, 16), torch.randn(8, 16), torch.randn(8)
+            assert torch.equal(jitted(x, w, b), fn(x, w, b))

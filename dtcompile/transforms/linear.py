@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..core import BoundSymbol, NoProvenance, TensorProxy, Trace, aten_symbol, is_proxy, renamed
 from ..core.op_classes import RESHAPES, is_row_major
-from ..core.proxy import is_contiguous_stride
+from ..core.proxy import contiguous_strides
 from ..core.symbolic import known_equal, known_shape_equal
 
 aten = torch.ops.aten
@@ -48,7 +48,10 @@ def _folded_input(a: TensorProxy, producers: dict):
     if reshape is None or reshape.op not in RESHAPES:
         return None
     x = reshape.args[0]
-    if not isinstance(x, TensorProxy) or x.dim() < 3 or not is_contiguous_stride(x.shape, x.stride()):
+    # Row-major in every dim, those of size 1 too: ``aten::linear`` on a slice whose size-1 dim
+    # has another stride (a sequence-parallel shard of one row) takes matmul's other path,
+    # bits apart from eager's ``view`` and ``mm``.
+    if not isinstance(x, TensorProxy) or x.dim() < 3 or not known_shape_equal(x.stride(), contiguous_strides(x.shape)):
         return None
     if not known_equal(x.shape[-1], a.shape[-1]):
         return None

@@ -234,3 +234,35 @@ def gradients_sharded_unevenly(fn_name, dim, cache):
 )
 def test_gradients_sharded_unevenly_where_the_input_is_not(fn_name, dim, cache, ranks2):
     ranks2.run(gradients_sharded_unevenly, fn_name, dim, cache)
+
+
+def sequence_parallel_one_row(cache):
+    """A sequence-parallel column-wise layer at batch 1 with one token: the rank's gathered
+    input is a one-row slice of strides (2K, K, 1), which eager DTensor multiplies with
+    ``view`` and ``mm``; ``aten::linear`` on it takes ``bmm``, bits apart (the linear pass
+    must not put it back)."""
+    import copy
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    results = []
+    for bias, tokens in ((False, 1), (True, 1), (False, 3)):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=bias))
+        parallelize_module(model, mesh, {"0": ColwiseParallel(input_layouts=Shard(1), use_local_output=False)})
+        prepare = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=False
+        )
+        parallelize_module(model, mesh, prepare)
+        jitted = dtcompile.jit(copy.deepcopy(model), cache=cache)
+        for seed in range(4):
+            x = torch.randn(1, tokens, 16, generator=torch.Generator().manual_seed(seed))
+            with torch.no_grad():
+                results.append(torch.equal(jitted(x).to_local(), model(x).to_local()))
+    return all(results)
+
+
+@pytest.mark.parametrize("cache", ["constant values", SYMBOLIC])
+def test_a_one_row_sequence_parallel_shard_multiplies_as_eager(cache, ranks2):
+    assert ranks2.run(sequence_parallel_one_row, cache) == [True, True]
