@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from ..core import TracingError
 from ..core.torch_internals import dispatch_modes_off, fake_in_storage, fake_like, storage_id
@@ -90,6 +91,8 @@ class InputFakes:
             return self._converted(real, **options)
 
     def _converted(self, real: torch.Tensor, **options) -> torch.Tensor:
+        if isinstance(real, AsyncCollectiveTensor):  # (a DTensor's, from ``redistribute(async_op=True)``)
+            real = real.trigger_wait()  # its data, waited for, as eager's first op on it waits: a plain fake
         first = self._first(real)
         if first is not None and first is not _CONVERTED:
             if real.is_nested or real.is_quantized or real.layout is not torch.strided:

@@ -266,3 +266,30 @@ def sequence_parallel_one_row(cache):
 @pytest.mark.parametrize("cache", ["constant values", SYMBOLIC])
 def test_a_one_row_sequence_parallel_shard_multiplies_as_eager(cache, ranks2):
     assert ranks2.run(sequence_parallel_one_row, cache) == [True, True]
+
+
+def async_local_tensor(cache):
+    """A DTensor whose local tensor is an AsyncCollectiveTensor (``redistribute(...,
+    async_op=True)``, what a row-wise layer with ``use_local_output=False`` hands on): eager's
+    results at two lengths (under symbolic values its fake is made from the waited data)."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = init_device_mesh("cpu", (2,))
+    jitted = dtcompile.jit(lambda x: (x * 2).redistribute(placements=[Shard(1)]), cache=cache)
+    same = []
+    for rows in (6, 8, 6):
+        local = data(rows, 4, seed=rows)
+        x = DTensor.from_local(local, mesh, [Partial()], run_check=False).redistribute(
+            placements=[Shard(0)], async_op=True
+        )
+        y = DTensor.from_local(local, mesh, [Partial()], run_check=False).redistribute(
+            placements=[Shard(0)], async_op=True
+        )
+        assert type(x._local_tensor).__name__ == "AsyncCollectiveTensor"
+        same.append(torch.equal(jitted(x).full_tensor(), (y * 2).redistribute(placements=[Shard(1)]).full_tensor()))
+    return all(same)
+
+
+@pytest.mark.parametrize("cache", ["constant values", SYMBOLIC])
+def test_a_dtensor_around_an_async_collective_tensor(cache, ranks2):
+    assert ranks2.run(async_local_tensor, cache) == [True, True]
