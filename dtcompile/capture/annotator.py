@@ -47,6 +47,7 @@ from .number_tensors import FACTORIES, holds_traced_numbers, tensor_of_numbers
 from .op_memo import MISSED, OpMemo, state
 from .placements import describe_argument, describe_output
 from .recorder import Recording
+from .tensor_versions import made_again_history
 from .traced_errors import data_read_refusal, lost_out_write, out_tensors, out_written, refusal, symbolic_sizes_refusal
 from .verified import VerifyFailed
 
@@ -198,12 +199,8 @@ class CallAnnotator(TorchFunctionMode):
             if not _user_frame():
                 return func(*args, **kwargs)  # torch's and DTensor's own code in a traced backward
             self.recording.users_backward_ran = True  # (its Python state is checked at each backward)
-        if (
-            self.recording.made_again
-            and (history := _history_read(func))
-            and id(args[0]) in self.recording.made_again
-            and _user_frame()
-        ):
+        made = self.recording.made_again
+        if made and (history := made_again_history(func, args, kwargs, made)) and _user_frame():
             raise VerifyFailed(f"{history} of a tensor made again, not dispatched")  # (none is a view: traced again)
         if (
             func is torch.Tensor.retain_grad
@@ -386,15 +383,3 @@ class CallAnnotator(TorchFunctionMode):
 
 
 PASSING_FRAMES.add(CallAnnotator._dispatch.__code__)
-
-
-def _history_read(func) -> str | None:
-    """``_is_view()``, ``._base``, ``._version`` or ``.grad_fn``, where ``func`` reads one of a tensor: a tensor
-    made again (``tensor_versions``) has autograd's history of none (a ``detach()`` of it shares no version counter)."""
-    name = getattr(func, "__name__", "")
-    if name == "__get__":
-        name = getattr(getattr(func, "__self__", None), "__name__", "")
-    return f".{name}" if name in _HISTORY else None
-
-
-_HISTORY = frozenset({"_is_view", "_base", "_version", "grad_fn"})
