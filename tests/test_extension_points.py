@@ -340,3 +340,71 @@ def test_matmul_of_a_one_row_slice_takes_eagers_kernel(bias, cache):
             torch.manual_seed(seed)
             x, w, b = torch.randn(1, 2, 16), torch.randn(8, 16), torch.randn(8)
             assert torch.equal(jitted(x, w, b), fn(x, w, b))
+
+
+_LIB.define("bucket(Tensor x) -> Tensor")
+_LIB.impl("bucket", lambda x: (x > 0).long(), "CompositeExplicitAutograd")
+torch.library.register_fake("dtc_probe_az::bucket", lambda x: torch.empty_like(x, dtype=torch.long), lib=_LIB)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_library_op_with_only_integer_outputs_runs_with_gradients(cache):
+    """No gradient can flow back through an integer mask: not refused (only ops with
+    floating outputs are)."""
+
+    def f(x):
+        return x * torch.ops.dtc_probe_az.bucket(x)
+
+    x = torch.randn(5)
+    expected_x, got_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    f(expected_x).sum().backward()
+    dtcompile.jit(f, cache=cache)(got_x).sum().backward()
+    torch.testing.assert_close(got_x.grad, expected_x.grad)
+
+
+KERNEL_CALLS = [0]
+REPEATS = {"r": 2}
+
+
+@torch.library.custom_op("dtc_probe_az::counted", mutates_args=())
+def _counted(x: torch.Tensor) -> torch.Tensor:
+    KERNEL_CALLS[0] += 1  # (state of the kernel's own: the program runs it at each call)
+    return x + 1
+
+
+_counted.register_fake(lambda x: torch.empty_like(x))
+_LIB.define("repeated(Tensor x) -> Tensor")
+_LIB.impl("repeated", lambda x: x.repeat(REPEATS["r"]), "CompositeExplicitAutograd")
+torch.library.register_fake("dtc_probe_az::repeated", lambda x: x.new_empty(x.shape[0] * REPEATS["r"]))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_custom_ops_kernel_state_compiles_once(cache):
+    """Its kernel runs as one op of the program: what it reads is not guarded (it compiled
+    at every call when it was)."""
+    jitted = dtcompile.jit(lambda x: torch.ops.dtc_probe_az.counted(x) * 2, cache=cache)
+    for _ in range(4):
+        x = torch.randn(3)
+        torch.testing.assert_close(jitted(x), (x + 1) * 2)
+    assert dtcompile.cache_misses(jitted) == 1
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_what_a_library_ops_fake_reads_is_guarded(cache):
+    """The fake sizes the output (torch wraps it when registered without a library):
+    the program's sizes must follow it."""
+
+    def f(x):
+        y = torch.ops.dtc_probe_az.repeated(x)
+        return y.sum() / y.shape[0], torch.zeros(y.shape[0])
+
+    jitted = dtcompile.jit(f, cache=cache)
+    try:
+        for r in (2, 3, 3):
+            REPEATS["r"] = r
+            x = torch.arange(4.0)
+            expected, got = f(x), jitted(x)
+            torch.testing.assert_close(got[0], expected[0])
+            assert got[1].shape == expected[1].shape
+    finally:
+        REPEATS["r"] = 2

@@ -19,10 +19,13 @@ from ..core.symbol import leaves
 _TORCHS = ("aten", "prims", "c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor", "profiler")
 
 
-def refuse_without_autograd(func, args: tuple, kwargs: dict) -> None:
+def refuse_without_autograd(func, args: tuple, kwargs: dict, result) -> None:
     """Raise where ``func`` is an op of the user's with no autograd kernel, called on a
-    tensor that requires grad with gradients on."""
+    tensor that requires grad with gradients on, and giving a ``result`` a gradient could
+    flow back through (a floating or complex tensor: an integer mask has none)."""
     if func.namespace in _TORCHS or not torch.is_grad_enabled():
+        return
+    if not any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) for t in leaves(result)):
         return
     if not any(isinstance(x, TensorProxy) and x.requires_grad for x in leaves((args, kwargs))):
         return

@@ -40,7 +40,6 @@ TORCH_USER_STATE = (
     torch.optim.lr_scheduler.LRScheduler,
     torch.amp.GradScaler,
     torch.distributions.Distribution,
-    torch._library.custom_ops.CustomOpDef,  # (its registered backward, setup_context and kernels are the user's)
 )
 
 

@@ -49,9 +49,23 @@ class AfterTracing:
         self.forget_assigned(module_updates)
         self.guard_grads(grad_reads)
         for name in sorted({str(s.op._name) for s in symbols if s.op is not None and s.op.namespace != "aten"}):
-            definition = torch._library.custom_ops.OPDEFS.get(name)
-            if definition is not None:
-                self.follow(definition, f"the custom op {name}")
+            self.traced_registrations(name)
+
+    def traced_registrations(self, name: str) -> None:
+        """The functions registered for the op ``name`` that tracing ran: its fake kernels
+        (``register_fake``: they size its outputs), and a ``custom_op``'s backward and
+        ``setup_context`` (``register_autograd``: a new registration is seen by identity).
+        Not its kernel, which the program runs as one op at each call."""
+        entry = torch._library.simple_registry.singleton.find(name)
+        for kernel in entry.fake_impl.kernels:  # (torch may wrap it: ``_check_pystubs_once``'s closure holds it)
+            wrapped = is_library(kernel.func) and getattr(kernel.func, "__closure__", None) or ()
+            for function in [cell.cell_contents for cell in wrapped] or [kernel.func]:
+                self.follow(function, f"the fake kernel of {name}")
+        definition = torch._library.custom_ops.OPDEFS.get(name)
+        for attribute in ("_backward_fn", "_setup_context_fn") if definition is not None else ():
+            function = getattr(definition, attribute, None)
+            self._read(definition, None, function, f"the {attribute[1:-3]} of {name}", attribute=attribute)
+            self.follow(function, f"the {attribute[1:-3]} of {name}")
         for name in ("__name__", "__qualname__"):
             if name in self._attribute_loads:
                 for klass in self._classes.values():

@@ -106,7 +106,8 @@ class PythonState(AfterTracing):
     # class constant set on an instance, a method overriding a base class's).
     namespaces: list[dict] = field(default_factory=list)
     _seen_reads: set = field(default_factory=set, repr=False)
-    _walked: set = field(default_factory=set, repr=False)
+    _walked: set = field(default_factory=set, repr=False)  # ids: each held in ``_held`` (an id freed is reused)
+    _held: list = field(default_factory=list, repr=False)
     _seen_namespaces: set = field(default_factory=set, repr=False)
     # (id of a module's dict, name) the forward assigns or removes: made after each call.
     _assigned_names: dict = field(default_factory=dict, repr=False)
@@ -116,14 +117,12 @@ class PythonState(AfterTracing):
 
     @classmethod
     def of_function(cls, fn: object) -> PythonState:
-        state = cls()
-        state.follow(fn, getattr(fn, "__qualname__", "the function"))
+        (state := cls()).follow(fn, getattr(fn, "__qualname__", "the function"))
         return state
 
     @classmethod
     def of_module(cls, module: torch.nn.Module) -> PythonState:
-        state = cls()
-        state.module_tree(module, "", reached=False)
+        (state := cls()).module_tree(module, "", reached=False)
         return state
 
     def _read(self, holder: object, key: str | None, value: object, where: str, attribute="cell_contents") -> None:
@@ -193,6 +192,7 @@ class PythonState(AfterTracing):
         those hold in turn (``self.config.attention.rope.theta``), a Python module's ``names``."""
         if id(value) in self._walked or by_value(value) or isinstance(value, _NOT_FOLLOWED):
             return
+        self._held.append(value)
         if isinstance(value, torch.Tensor):  # a closed-over tensor's Python attributes (``w.scale``)
             self._walked.add(id(value))
             self._namespace(vars(value))  # (one added later: ``getattr(w, "scale", 1.0)``)

@@ -137,10 +137,9 @@ class Recording:
         return proxy
 
     def _input_proxy(self, real: torch.Tensor, name: str, provenance: InputPath, dynamic: bool) -> TensorProxy:
-        """A proxy for a real tensor that enters the trace from the call; with ``dynamic``
-        its sizes are symbols of the fake mode's ShapeEnv (sizes 0 and 1 stay constants),
-        known to be at most ``LARGEST_SYMBOLIC_SIZE`` (the prologue checks it), so that
-        ``x[:, 3]``'s full slice of a sharded dim is seen as one (``end > size``).
+        """A proxy for a real tensor entering the trace; with ``dynamic`` its sizes are
+        symbols of the fake mode's ShapeEnv (sizes 0 and 1 stay constants), at most
+        ``LARGEST_SYMBOLIC_SIZE`` (the prologue checks it): ``x[:, 3]``'s full slice of a sharded dim is one.
 
         Duck sizing: equal sizes share one symbol (``DimDynamic.DUCK``, torch.compile's
         default), so a program traced with two equal sizes may assume they are equal."""
@@ -385,8 +384,9 @@ class OpRecorder(TorchDispatchMode):
             if func.namespace == "c10d":  # ``dist.all_reduce(dtensor)``: DTensor's error, as eager's
                 raise NotImplementedError(f"Operator {func} does not have a sharding strategy registered.")
             return NotImplemented
-        refuse_without_autograd(func, args, kwargs)  # (an op of the user's library)
-        return self.recording.record(func, args, kwargs)
+        result = self.recording.record(func, args, kwargs)
+        refuse_without_autograd(func, args, kwargs, result)  # (an op of the user's library)
+        return result
 
 
 def _meta_only(arguments) -> bool:
