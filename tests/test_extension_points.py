@@ -408,3 +408,33 @@ def test_what_a_library_ops_fake_reads_is_guarded(cache):
             assert got[1].shape == expected[1].shape
     finally:
         REPEATS["r"] = 2
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("layout", ["last dims", "every other", "one row", "transposed"])
+def test_matmul_of_strided_operands_is_eagers_bit_for_bit(layout, cache):
+    """Eager's C++ matmul folds an operand into ``view`` and ``mm`` by a test of its leading
+    dims only, which torch's Python form (what tracing runs) decides otherwise for slices:
+    values and gradients must be eager's bits."""
+
+    def make(shape, seed):
+        generator = torch.Generator().manual_seed(seed)
+        big = torch.randn(*shape[:-1], 2 * shape[-1], generator=generator)
+        x = {
+            "last dims": big[..., : shape[-1]],
+            "every other": big[..., ::2],
+            "one row": big[..., : shape[-1]][:, 0:1],
+            "transposed": big[..., : shape[-1]].transpose(0, 1),
+        }[layout]
+        w = torch.randn(5, x.shape[-1], generator=generator)
+        return x.detach().requires_grad_(), w.requires_grad_()
+
+    for fn in (lambda x, w: torch.nn.functional.linear(x, w), lambda x, w: torch.matmul(x, w.t()) * 2):
+        jitted = dtcompile.jit(fn, cache=cache)
+        for shape in ((2, 3, 8), (3, 4, 2, 8)):
+            (x, w), (x2, w2) = make(shape, 0), make(shape, 0)
+            expected, got = fn(x, w), jitted(x2, w2)
+            assert torch.equal(got, expected) and got.stride() == expected.stride()
+            expected.sum().backward()
+            got.sum().backward()
+            assert torch.equal(x2.grad, x.grad) and torch.equal(w2.grad, w.grad)

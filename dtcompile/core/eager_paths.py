@@ -8,9 +8,9 @@ Python dispatcher tracing runs) differs from eager's, while tracing (:func:`eage
   stop at a target's first -1. (``aten.matmul``'s Python form folds ``vector @ batched
   matrix`` otherwise than eager's, 1e-7 apart; eager's C++ kernel cannot take symbolic
   sizes on torch 2.10, so it stays.)
-- ``matmul``'s Python form folds a 3-D operand whose dims of size 1 have other strides
-  (``x[:, 0:1]``) into ``view`` and ``mm`` where eager's C++ test of the leading dims
-  takes ``bmm``: its test is made eager's while inside (bits apart otherwise).
+- ``matmul``'s Python form decides whether to fold a 3-D operand into ``view`` and ``mm``
+  otherwise than eager's C++ test of its leading dims (``x[:, 0:1]``, ``x[..., :4]``): its
+  test is made eager's while inside (bits apart otherwise).
 - Kernels of ours: ``max_pool1d``'s C++ code takes a CPU fast path with a contiguous result
   for a tensor that needs no gradient and is not a subclass, and ``max_pool1d_with_indices``
   otherwise, whose result follows the input's layout (a transposed input's was transposed):
@@ -62,14 +62,17 @@ _C10_NAMES = {
 
 def _should_fold(tensor1, tensor2, is_out: bool) -> bool:
     """Whether ``matmul`` folds its larger operand into a matrix (``view`` and ``mm``) rather
-    than taking ``bmm``: torch's Python form, with eager's C++ test of the leading dims,
-    which does not skip those of size 1 (a one-row slice ``x[:, 0:1]`` of strides
-    ``(32, 16, 1)`` takes ``bmm`` in eager, bits apart from ``mm``)."""
+    than taking ``bmm``, as eager's C++ decides where the first operand is the larger: it
+    tests only the leading dims (``stride[i] == stride[i + 1] * size[i + 1]``), where torch's
+    Python form asks a row-major operand, skipping dims of size 1. Eager's folds
+    ``x[..., :4]`` and takes ``bmm`` for ``x[:, 0:1]`` of strides ``(32, 16, 1)``; torch's
+    Python form does the opposite of each (bits apart)."""
     from torch.fx.experimental.symbolic_shapes import guard_or_false
 
-    fold = _torch_should_fold(tensor1, tensor2, is_out)
-    if not fold or (tensor2.requires_grad and not is_out) or guard_or_false(tensor1.numel() == 0):
-        return fold  # (where it folds, tensor1 is the larger: a 2-D one never folds)
+    if tensor1.ndim < tensor2.ndim or not (tensor1.ndim >= 3 and tensor2.ndim <= 2):
+        return _torch_should_fold(tensor1, tensor2, is_out)
+    if (tensor2.requires_grad and not is_out) or guard_or_false(tensor1.numel() == 0):
+        return True
     shape, strides = tensor1.shape, tensor1.stride()
     return all(guard_or_false(strides[i] == strides[i + 1] * shape[i + 1]) for i in range(tensor1.ndim - 2))
 
