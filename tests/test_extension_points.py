@@ -417,7 +417,7 @@ def test_matmul_of_strided_operands_is_eagers_bit_for_bit(layout, cache):
     dims only, which torch's Python form (what tracing runs) decides otherwise for slices:
     values and gradients must be eager's bits."""
 
-    def make(shape, seed):
+    def make(shape, seed, grad=True):
         generator = torch.Generator().manual_seed(seed)
         big = torch.randn(*shape[:-1], 2 * shape[-1], generator=generator)
         x = {
@@ -427,11 +427,13 @@ def test_matmul_of_strided_operands_is_eagers_bit_for_bit(layout, cache):
             "transposed": big[..., : shape[-1]].transpose(0, 1),
         }[layout]
         w = torch.randn(5, x.shape[-1], generator=generator)
-        return x.detach().requires_grad_(), w.requires_grad_()
+        return x.detach().requires_grad_(grad), w.requires_grad_(grad)
 
     for fn in (lambda x, w: torch.nn.functional.linear(x, w), lambda x, w: torch.matmul(x, w.t()) * 2):
         jitted = dtcompile.jit(fn, cache=cache)
         for shape in ((2, 3, 8), (3, 4, 2, 8)):
+            (x, w), (x2, w2) = make(shape, 1, grad=False), make(shape, 1, grad=False)
+            assert torch.equal(jitted(x2, w2), fn(x, w))  # (a weight that needs a gradient always folds)
             (x, w), (x2, w2) = make(shape, 0), make(shape, 0)
             expected, got = fn(x, w), jitted(x2, w2)
             assert torch.equal(got, expected) and got.stride() == expected.stride()
