@@ -93,8 +93,10 @@ def _copy(obj, memo: dict):
     return obj
 
 
-def _call(fn, sample):
-    """``fn`` on copies of the sample, seeded; (outcome, result or error, the copies)."""
+def _call(fn, sample, differentiate: bool = False):
+    """``fn`` on copies of the sample, seeded; with ``differentiate``, then the gradients of
+    its outputs that need them, for seeded random cotangents, to each input that needs
+    them. (outcome, the result (and gradients) or the error, the copies)."""
     memo: dict = {}
     args = (_copy(sample.input, memo), *_copy(tuple(sample.args), memo))
     kwargs = _copy(dict(sample.kwargs), memo)
@@ -102,9 +104,35 @@ def _call(fn, sample):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return "ran", fn(*args, **kwargs), (args, kwargs)
+            result = fn(*args, **kwargs)
+            if differentiate:
+                outputs = [t for t in _tensors(result) if t.requires_grad]
+                generator = torch.Generator().manual_seed(1)
+                cotangents = [torch.randn(t.shape, dtype=t.dtype, generator=generator) for t in outputs]
+                leaves = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+                grads = torch.autograd.grad(outputs, leaves, cotangents, allow_unused=True) if outputs else ()
+                result = (result, list(grads))
+        return "ran", result, (args, kwargs)
     except Exception as error:  # eager's own errors are part of what is compared
         return "raised", error, (args, kwargs)
+
+
+def _assert_as_eager(name: str, jitted, sample, eager, refused: dict, values: bool, differs=None, grads=False):
+    """The jitted call, first and cached, against ``eager``: a refusal listed in ``refused``
+    with its words, a difference listed in ``differs``, or eager's results."""
+    for attempt in ("first call", "cached call"):
+        compiled = _call(jitted, sample, grads)
+        if differs is not None:
+            found = " ".join(_compare(compiled, eager, values))
+            assert differs in found, f"{name} ({attempt}) now as eager: take it off the differences ({found})"
+            continue
+        if compiled[0] == "raised" and isinstance(compiled[1], REFUSALS) and eager[0] == "ran":
+            assert name in refused, f"{name} refused: {compiled[1]}"
+            words = refused[name] if isinstance(refused[name], tuple) else (refused[name],)
+            assert any(w in str(compiled[1]) for w in words), f"{name} refused another way: {compiled[1]}"
+            return
+        assert name not in refused, f"{name} now compiles ({attempt}): take it off the refused"
+        assert not _compare(compiled, eager, values), f"{name} ({attempt}): {_compare(compiled, eager, values)}"
 
 
 def _tensors(obj) -> list:
@@ -185,18 +213,9 @@ def test_first_sample_as_eager(case, cache, monkeypatch):
         return fn(*args, **kwargs)
 
     jitted = dtcompile.jit(call, cache=cache)
-    eager = _call(call, sample)
-    name, values = _case_id(case), op.name not in UNINITIALIZED
     refused = REFUSED if cache == "constant values" else {**REFUSED, **REFUSED_SYMBOLIC}
-    for attempt in ("first call", "cached call"):
-        compiled = _call(jitted, sample)
-        if compiled[0] == "raised" and isinstance(compiled[1], REFUSALS) and eager[0] == "ran":
-            assert name in refused, f"{name} refused: {compiled[1]}"
-            words = refused[name] if isinstance(refused[name], tuple) else (refused[name],)
-            assert any(w in str(compiled[1]) for w in words), f"{name} refused another way: {compiled[1]}"
-            return
-        assert name not in refused, f"{name} now compiles ({attempt}): take it off the refused"
-        assert not _compare(compiled, eager, values), f"{name} ({attempt}): {_compare(compiled, eager, values)}"
+    name = _case_id(case)
+    _assert_as_eager(name, jitted, sample, _call(call, sample), refused, op.name not in UNINITIALIZED)
 
 
 GRAD_OPS = [
@@ -221,28 +240,6 @@ if torch.__version__ < "2.11":  # (its C++ backward asks for a symbolic size's v
 DIFFERS_GRAD = {"ormqr": "stride", "linalg.eig": "ill-defined"}
 
 
-def _gradients(fn, sample):
-    """``fn`` on copies of the sample, seeded, then the gradients of its outputs that need
-    them for seeded random cotangents, to each input that needs them; (outcome,
-    (outputs, gradients) or the error, the copies)."""
-    memo: dict = {}
-    args = (_copy(sample.input, memo), *_copy(tuple(sample.args), memo))
-    kwargs = _copy(dict(sample.kwargs), memo)
-    torch.manual_seed(0)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            result = fn(*args, **kwargs)
-            outputs = [t for t in _tensors(result) if t.requires_grad]
-            generator = torch.Generator().manual_seed(1)
-            cotangents = [torch.randn(t.shape, dtype=t.dtype, generator=generator) for t in outputs]
-            leaves = [t for t in _tensors((args, kwargs)) if t.requires_grad]
-            grads = torch.autograd.grad(outputs, leaves, cotangents, allow_unused=True) if outputs else ()
-        return "ran", (result, list(grads)), (args, kwargs)
-    except Exception as error:
-        return "raised", error, (args, kwargs)
-
-
 @pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
 @pytest.mark.parametrize("op", GRAD_OPS, ids=_name)
 def test_first_sample_gradients_as_eager(op, cache, monkeypatch):
@@ -253,21 +250,9 @@ def test_first_sample_gradients_as_eager(op, cache, monkeypatch):
         return op.op(*args, **kwargs)
 
     jitted = dtcompile.jit(call, cache=cache)
-    eager = _gradients(call, sample)
-    name, values = _name(op), op.name not in UNINITIALIZED
-    symbolic = cache == "symbolic values"
     refused = {**REFUSED, **REFUSED_GRAD}
-    refused.update({**REFUSED_SYMBOLIC, **REFUSED_GRAD_SYMBOLIC} if symbolic else {})
-    for attempt in ("first call", "cached call"):
-        compiled = _gradients(jitted, sample)
-        if name in DIFFERS_GRAD:
-            found = " ".join(_compare(compiled, eager, values))
-            assert DIFFERS_GRAD[name] in found, f"{name} ({attempt}) now as eager: take it off DIFFERS_GRAD ({found})"
-            continue
-        if compiled[0] == "raised" and isinstance(compiled[1], REFUSALS) and eager[0] == "ran":
-            assert name in refused, f"{name} refused: {compiled[1]}"
-            words = refused[name] if isinstance(refused[name], tuple) else (refused[name],)
-            assert any(w in str(compiled[1]) for w in words), f"{name} refused another way: {compiled[1]}"
-            return
-        assert name not in refused, f"{name} now compiles ({attempt}): take it off the refused"
-        assert not _compare(compiled, eager, values), f"{name} ({attempt}): {_compare(compiled, eager, values)}"
+    refused.update({**REFUSED_SYMBOLIC, **REFUSED_GRAD_SYMBOLIC} if cache == "symbolic values" else {})
+    name = _name(op)
+    eager = _call(call, sample, differentiate=True)
+    differs = DIFFERS_GRAD.get(name)
+    _assert_as_eager(name, jitted, sample, eager, refused, op.name not in UNINITIALIZED, differs, grads=True)
