@@ -440,3 +440,17 @@ def test_matmul_of_strided_operands_is_eagers_bit_for_bit(layout, cache):
             expected.sum().backward()
             got.sum().backward()
             assert torch.equal(x2.grad, x.grad) and torch.equal(w2.grad, w.grad)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_fullgraph_compiled_function_inside_is_refused_clearly(cache):
+    compiled = torch.compile(lambda x: x.sin() * 2, backend="eager", fullgraph=True)
+
+    def f(x):
+        return compiled(x) + 1
+
+    x = torch.randn(4)
+    expected = f(x)
+    with pytest.raises(dtcompile.TracingError, match="fullgraph=True"):
+        dtcompile.jit(f, cache=cache)(x)
+    torch.testing.assert_close(f(x), expected)  # (eager's, after the attempt)
