@@ -443,14 +443,18 @@ def test_matmul_of_strided_operands_is_eagers_bit_for_bit(layout, cache):
 
 
 @pytest.mark.parametrize("cache", CACHES)
-def test_a_fullgraph_compiled_function_inside_is_refused_clearly(cache):
-    compiled = torch.compile(lambda x: x.sin() * 2, backend="eager", fullgraph=True)
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_torch_compiled_function_inside_runs_as_written(fullgraph, cache):
+    """Compiling sets torch.compile's stance to eager: the function runs as written and is
+    traced (with fullgraph, dynamo raised that it compiled no frame, and kept that), and
+    eager's calls after are eager's."""
+    compiled = torch.compile(lambda x: x.sin() * 2, backend="eager", fullgraph=fullgraph)
 
     def f(x):
         return compiled(x) + 1
 
-    x = torch.randn(4)
-    expected = f(x)
-    with pytest.raises(dtcompile.TracingError, match="fullgraph=True"):
-        dtcompile.jit(f, cache=cache)(x)
-    torch.testing.assert_close(f(x), expected)  # (eager's, after the attempt)
+    jitted = dtcompile.jit(f, cache=cache)
+    for n in (4, 6):
+        x = torch.randn(n)
+        torch.testing.assert_close(jitted(x), x.sin() * 2 + 1)
+        torch.testing.assert_close(f(x), x.sin() * 2 + 1)

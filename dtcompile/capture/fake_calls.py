@@ -147,19 +147,6 @@ def storage_refusal(error: Exception) -> TracingError | None:
     )
 
 
-def compiler_refusal(error: Exception) -> TracingError | None:
-    """The clear error for a ``torch.compile(..., fullgraph=True)``'d function called inside
-    the traced code: torch's compiler skips frames under dtcompile's modes, and with
-    ``fullgraph`` raises that it compiled none; else None."""
-    if not isinstance(error, RuntimeError) or "fullgraph=True found no compiled frames" not in str(error):
-        return None
-    return TracingError(
-        "dtcompile.jit: the traced code calls a function compiled with torch.compile(..., fullgraph=True): torch's "
-        "compiler does not trace inside a dtcompile trace, and with fullgraph it raises. Compile it without "
-        "fullgraph=True (it then runs as written, and is traced), or call it outside the compiled call"
-    )
-
-
 class DataReads:
     """The fakes torch holds a number read from their data on (``.item()``'s, ``nonzero``'s
     and ``unique``'s count: the same symbol for the next read). Torch forgets it when the

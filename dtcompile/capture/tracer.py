@@ -28,7 +28,7 @@ from .blocks import RepeatedBlocks
 from .c10d import object_collective_refusal, symbolic_splits
 from .cached_functions import cached_stand_ins, put_back_cached
 from .data_branches import assumptions_unlogged, branch_refused, checks_first
-from .fake_calls import compiler_refusal, storage_refusal
+from .fake_calls import storage_refusal
 from .fsdp import FSDPTracing, option_reads, reaches_fsdp, refusing_recomputes
 from .global_state import (
     GlobalState,
@@ -300,7 +300,7 @@ def _capture(
                 branch_refused(recording, error.cond),
             ) from error
         except Exception as error:
-            refusal = object_collective_refusal(error) or storage_refusal(error) or compiler_refusal(error)
+            refusal = object_collective_refusal(error) or storage_refusal(error)
             if refusal is None:
                 raise
             raise refusal from error

@@ -221,7 +221,7 @@ class CompiledFunction:
         if self.calls_checked:
             post_miss(self.identity)
         try:
-            with _collector_paused(), dispatch_modes_off():  # (the user's see the program run, not compiling)
+            with _compiling():
                 try:
                     return self._compile(args, kwargs, agreement, self.symbolic)
                 except GuardsDiffer:  # every rank: its sizes as they are, so that all judge alike
@@ -373,22 +373,23 @@ class CompiledFunction:
 
 
 @contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector off while compiling: the objects tracing makes set off
-    full collections, which walk the whole heap (a quarter of a decode step's compile time)."""
-    if not gc.isenabled():  # the caller's choice: leave it as it is
-        yield
-        return
+def _compiling():
+    """While compiling: Python's cyclic garbage collector off (the objects tracing makes set
+    off full collections, walking the heap: a quarter of a decode step's compile time); the
+    user's dispatch modes aside (they see the program run); torch.compile'd code run as
+    written, and so traced (not compiled by dynamo inside the trace)."""
+    collecting = gc.isenabled()
     gc.disable()
     try:
-        yield
+        with dispatch_modes_off(), torch.compiler.set_stance("force_eager"):
+            yield
     finally:
-        gc.enable()
+        if collecting:
+            gc.enable()
 
 
 def _computation_inputs(captured: CapturedCall) -> list[str]:
-    """The labels of what the computation takes from the prologue, in order (a training
-    trace's cotangents come from autograd, not the prologue)."""
+    """The labels the computation takes from the prologue, in order (not a training trace's cotangents)."""
     labels = [p.label for p in captured.trace.inputs]
     if captured.backward is not None:
         labels = labels[: len(labels) - len(captured.backward.cotangents)]
