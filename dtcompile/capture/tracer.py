@@ -20,7 +20,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, S
 from ..core import InputPath, Trace, TracingError, data_dependent_error, verify
 from ..core.compiling import compiling
 from ..core.eager_paths import eager_paths
-from ..core.torch_internals import dtensor_refused_symbols
+from ..core.torch_internals import decomposed_strategies_untraced, dtensor_refused_symbols
 from .annotator import CallAnnotator
 from .autograd import BackwardCapture, capture_backward
 from .block_training import BlockReplayFailed
@@ -238,6 +238,7 @@ def _capture(
         OpRecorder(recording),
         seeding_refused(),
         torch_caches_off(),
+        decomposed_strategies_untraced(),
         autocast_regions(autocast_entered := []),
         outside_memory(collector.existed),
         effects_refused(),

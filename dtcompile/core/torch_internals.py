@@ -348,3 +348,30 @@ def _versions_follow_changes() -> bool:
 
 if dict_version is not None and not _versions_follow_changes():
     dict_version = None
+
+
+@contextlib.contextmanager
+def decomposed_strategies_untraced():
+    """DTensor's strategies for ops it derives through a decomposition (``addmv_`` of a
+    ``Shard(0)`` DTensor), found outside the tracing modes where the op's schema holds no
+    symbol: the decomposition runs once per candidate placement on meta tensors, and under
+    tracing's fake mode DTensor takes its uncached path, each through the recorder (19 s for
+    one ``addmv_``, eager's 1 s). The strategy is a function of the specs alone."""
+    from torch.distributed.tensor._decompositions import DecompShardingStrategy
+    from torch.utils._pytree import tree_flatten
+
+    propagate = DecompShardingStrategy.propagate_strategy
+
+    def untraced(self, op_schema):
+        leaves = tree_flatten((op_schema.args_schema, op_schema.kwargs_schema))[0]
+        shapes = [getattr(getattr(leaf, "tensor_meta", None), "shape", ()) for leaf in leaves]
+        if any(isinstance(s, torch.SymInt) for shape in shapes for s in shape):
+            return propagate(self, op_schema)
+        with dispatch_modes_off(), torch._C.DisableTorchFunction(), torch._C._DisablePythonDispatcher():
+            return propagate(self, op_schema)
+
+    DecompShardingStrategy.propagate_strategy = untraced
+    try:
+        yield
+    finally:
+        DecompShardingStrategy.propagate_strategy = propagate

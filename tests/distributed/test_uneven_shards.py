@@ -333,3 +333,29 @@ def in_place_into_a_row_wise_output(cache):
 @pytest.mark.parametrize("cache", ["constant values", SYMBOLIC])
 def test_in_place_into_a_row_wise_output_raises_eagers_error(cache, ranks2):
     assert ranks2.run(in_place_into_a_row_wise_output, cache) == [True, True]
+
+
+def addmv_of_a_row_shard(cache):
+    """``x.addmv_(m, v)`` of a ``Shard(0)`` DTensor: DTensor derives its strategy through a
+    decomposition, once per candidate placement, found outside tracing's modes (it took 20
+    to 37 s to compile, eager's first call 1 s)."""
+    from torch.distributed.tensor import Replicate
+
+    mesh = init_device_mesh("cpu", (2,))
+    jitted = dtcompile.jit(lambda x, m, v: x.addmv_(m, v), cache=cache)
+    x0, m0, v0 = data(5, seed=1), data(5, 5, seed=2), data(5, seed=3)
+
+    def make():
+        return (
+            distribute_tensor(x0.clone(), mesh, [Shard(0)]),
+            distribute_tensor(m0.clone(), mesh, [Replicate()]),
+            distribute_tensor(v0.clone(), mesh, [Replicate()]),
+        )
+
+    expected, got = make()[0].addmv_(*make()[1:]), jitted(*make())
+    return torch.equal(got.full_tensor(), expected.full_tensor()) and got.placements == expected.placements
+
+
+@pytest.mark.parametrize("cache", ["constant values", SYMBOLIC])
+def test_addmv_of_a_row_shard(cache, ranks2):
+    assert ranks2.run(addmv_of_a_row_shard, cache) == [True, True]
