@@ -43,11 +43,16 @@ class AfterTracing:
         (:meth:`forget_assigned`), the closed-over tensors' ``.grad`` it read, the names of
         the user classes followed where code loads a ``__name__`` or ``__qualname__``
         (``type(self).__name__ == "Block"``; they live in the class object, not its dict);
-        the definition of each ``torch.library.custom_op`` it called (``symbols``), however
-        it reached them (``torch.ops.ns.op``): the functions registered there (a backward, a
-        ``setup_context``, a kernel) are the user's code, and what they read is guarded."""
+        what tracing ran of the registrations of each op of the user's it called
+        (``symbols``, however it reached them: :meth:`traced_registrations`)."""
         self.forget_assigned(module_updates)
         self.guard_grads(grad_reads)
+        for name in ("__name__", "__qualname__"):
+            if name in self._attribute_loads:
+                for klass in self._classes.values():
+                    self._read(
+                        klass, None, getattr(klass, name), f"the {name} of class {klass.__qualname__}", attribute=name
+                    )
         for name in sorted({str(s.op._name) for s in symbols if s.op is not None and s.op.namespace != "aten"}):
             self.traced_registrations(name)
 
@@ -66,12 +71,6 @@ class AfterTracing:
             function = getattr(definition, attribute, None)
             self._read(definition, None, function, f"the {attribute[1:-3]} of {name}", attribute=attribute)
             self.follow(function, f"the {attribute[1:-3]} of {name}")
-        for name in ("__name__", "__qualname__"):
-            if name in self._attribute_loads:
-                for klass in self._classes.values():
-                    self._read(
-                        klass, None, getattr(klass, name), f"the {name} of class {klass.__qualname__}", attribute=name
-                    )
 
     def guard_grads(self, reads: list) -> None:
         """Guard the ``.grad`` of each closed-over tensor the code read: the program holds it."""

@@ -374,10 +374,9 @@ class CompiledFunction:
 
 @contextmanager
 def _compiling():
-    """While compiling: Python's cyclic garbage collector off (the objects tracing makes set
-    off full collections, walking the heap: a quarter of a decode step's compile time); the
-    user's dispatch modes aside (they see the program run); torch.compile'd code run as
-    written, and so traced (not compiled by dynamo inside the trace)."""
+    """While compiling: Python's cyclic garbage collector off (tracing's objects set off full
+    collections: a quarter of a decode step's compile time); the user's dispatch modes aside
+    (they see the program run); torch.compile'd code run as written, and so traced."""
     collecting = gc.isenabled()
     gc.disable()
     try:
