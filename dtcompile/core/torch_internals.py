@@ -356,9 +356,15 @@ def decomposed_strategies_untraced():
     ``Shard(0)`` DTensor), found outside the tracing modes where the op's schema holds no
     symbol: the decomposition runs once per candidate placement on meta tensors, and under
     tracing's fake mode DTensor takes its uncached path, each through the recorder (19 s for
-    one ``addmv_``, eager's 1 s). The strategy is a function of the specs alone."""
-    from torch.distributed.tensor._decompositions import DecompShardingStrategy
+    one ``addmv_``, eager's 1 s). The strategy is a function of the specs alone. (torch 2.10
+    has no such strategies.)"""
     from torch.utils._pytree import tree_flatten
+
+    try:
+        from torch.distributed.tensor._decompositions import DecompShardingStrategy
+    except ImportError:
+        yield
+        return
 
     propagate = DecompShardingStrategy.propagate_strategy
 
