@@ -227,6 +227,44 @@ def test_what_a_custom_ops_registered_functions_read_is_guarded(route, cache):
     _scaled.register_autograd(lambda ctx, g: g * GRAD_SCALE * ctx.k, setup_context=_setup)
 
 
+_LIB.define("halved(Tensor x) -> Tensor")
+_LIB.impl("halved", lambda x: x / 2, "CPU")
+torch.library.register_fake("dtc_probe_az::halved", lambda x: torch.empty_like(x), lib=_LIB)
+
+
+def _halved_setup(ctx, inputs, output):
+    ctx.k = SETTINGS["k"]
+
+
+torch.library.register_autograd(
+    "dtc_probe_az::halved", lambda ctx, g: g * GRAD_SCALE * ctx.k, setup_context=_halved_setup, lib=_LIB
+)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_what_a_library_ops_registered_autograd_reads_is_guarded(cache):
+    """``register_autograd`` of a ``Library`` op (not a ``custom_op``): torch holds its
+    functions in the closure of a kernel only C++ holds. A global its backward reads and a
+    dict its setup_context reads: the compiled gradients kept the first compile's."""
+    global GRAD_SCALE
+
+    def f(x):
+        return torch.ops.dtc_probe_az.halved(x) * 3
+
+    jitted = dtcompile.jit(f, cache=cache)
+    try:
+        for scale, k in ((5.0, 1.0), (6.0, 1.0), (6.0, 3.0), (6.0, 3.0)):
+            GRAD_SCALE, SETTINGS["k"] = scale, k
+            x = torch.randn(3)
+            expected_x, got_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+            f(expected_x).sum().backward()
+            jitted(got_x).sum().backward()
+            torch.testing.assert_close(got_x.grad, expected_x.grad)
+        assert dtcompile.cache_misses(jitted) == 3
+    finally:
+        GRAD_SCALE, SETTINGS["k"] = 5.0, 1.0
+
+
 @pytest.mark.parametrize("cache", CACHES)
 def test_a_torch_compiled_module_called_inside_with_its_training_flag_switched(cache):
     """Its training flag is a property (its module's): read as such, not as a dict entry,

@@ -67,10 +67,11 @@ class AfterTracing:
             for function in [cell.cell_contents for cell in wrapped] or [kernel.func]:
                 self.follow(function, f"the fake kernel of {name}")
         definition = torch._library.custom_ops.OPDEFS.get(name)
-        for attribute in ("_backward_fn", "_setup_context_fn") if definition is not None else ():
-            function = getattr(definition, attribute, None)
-            self._read(definition, None, function, f"the {attribute[1:-3]} of {name}", attribute=attribute)
-            self.follow(function, f"the {attribute[1:-3]} of {name}")
+        for holder in [definition] if definition is not None else _autograd_infos(name):
+            for attribute in ("_backward_fn", "_setup_context_fn"):
+                function = getattr(holder, attribute, None)
+                self._read(holder, None, function, f"the {attribute[1:-3]} of {name}", attribute=attribute)
+                self.follow(function, f"the {attribute[1:-3]} of {name}")
 
     def guard_grads(self, reads: list) -> None:
         """Guard the ``.grad`` of each closed-over tensor the code read: the program holds it."""
@@ -134,3 +135,21 @@ class AfterTracing:
             guards.namespaces.append(names)
             guards.namespace_lengths.append(length)
         return first, rest
+
+
+def _autograd_infos(name: str) -> list:
+    """What ``torch.library.register_autograd`` gave for the ``Library`` op ``name``: the
+    ``Info`` (backward, setup_context) in the closure of the autograd Function torch made
+    for it, named after the op. Torch holds the kernel in C++ only; its Function class is
+    found among ``torch.autograd.Function``'s subclasses (an earlier registration's too,
+    while alive: its reads guarded as well, which can only cost a compile)."""
+    prefix = "GeneratedBackwardFor_" + name.replace("::", "_") + "_"
+    infos = []
+    for function_class in torch.autograd.Function.__subclasses__():
+        if function_class.__name__.startswith(prefix):
+            backward = function_class.__dict__.get("backward")
+            backward = getattr(backward, "__func__", backward)
+            cells = dict(zip(backward.__code__.co_freevars, backward.__closure__ or ()))
+            if "info" in cells:
+                infos.append(cells["info"].cell_contents)
+    return infos
