@@ -878,6 +878,35 @@ def test_containers_and_deletions_the_forward_makes_are_guarded(cls, misses):
     assert dtcompile.cache_misses(jitted) == misses
 
 
+class _StoresATensorAndATupleOfIt(torch.nn.Module):
+    def forward(self, x):
+        a = x * 2
+        self.a = a
+        self.pair = (a, x)  # a container of the last call's tensors: never read by name
+        return x + 1
+
+
+class _StoresAndReadsBack(torch.nn.Module):
+    def forward(self, x):
+        self.a = x * 2
+        self.pair = [self.a, x]  # ``self.a`` is read (after its assignment): guarded, so a compile a call
+        return x + 1
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("cls, misses", [(_StoresATensorAndATupleOfIt, 2), (_StoresAndReadsBack, 4)])
+def test_a_forward_storing_a_tensor_and_a_container_of_it(cls, misses, cache):
+    """At the next call the container holds a tensor of the call (the module's attribute
+    ``a``): that was refused as a table looked up by tensor, which no code reads here."""
+    model, reference = cls(), cls()
+    jitted = dtcompile.jit(model, cache=cache)
+    for _ in range(4):
+        x = torch.randn(3)
+        assert_same_tensor(jitted(x), reference(x))
+        assert torch.equal(model.a, reference.a) and model.pair[0] is model.a and model.pair[1] is x
+    assert dtcompile.cache_misses(jitted) == misses
+
+
 def test_a_simple_namespace_config_is_followed():
     config = types.SimpleNamespace(scale=2.0, inner=types.SimpleNamespace(shift=1.0))
 

@@ -131,14 +131,19 @@ class InputProxifier:
         traced, first, local = seen
         return traced, SameObjectInput(path, first, local)
 
-    def refuse_other_paths(self, reads: list) -> None:
+    def refuse_other_paths(self, reads: list, python_state) -> None:
         """An object of the call reached another way too (``objects.py``), or a tensor of
         the call (a module's parameter) held in a container the code reads (``REG[self.w]``,
         ``w in ACTIVE``): the traced code gets the tensor's stand-in, which no lookup or
-        ``is`` finds. Refused."""
+        ``is`` finds. Refused. Not where the container is a module attribute no code loads
+        by name (``self.pair = (self.a,)`` stored by an earlier call, to be read outside):
+        as for the attributes the forward assigns (``python_guards.forget_assigned``)."""
         self.objects.refuse_other_paths(reads)
+        module_dicts = {id(vars(module)) for _, module in python_state.modules}
         for read in reads:
             if optimizer_table(read.holder, read.key):  # (as code outside the optimizer does not look them up)
+                continue
+            if id(read.holder) in module_dicts and read.key not in python_state._attribute_loads:
                 continue
             held = _tensor_held(read.value, self._tensors) if read.contents else None
             if held is not None and read.key == "_flat_weights":  # (``nn.RNNBase``'s)

@@ -214,7 +214,7 @@ def _capture(
         inputs.python_state.follow(hook, where)
     inputs.python_state.follow_inputs(inputs.nodes())
     collector.reads = inputs.python_state.reads
-    proxifier.refuse_other_paths(inputs.python_state.reads)
+    proxifier.refuse_other_paths(inputs.python_state.reads, inputs.python_state)
     for read in inputs.python_state.reads:
         if read.contents:  # a global dict of settings: its items changed in place are seen, and put back
             snapshot.add(read.value, read.where, depth=ALL_LEVELS)  # as deep as it is guarded
