@@ -84,6 +84,16 @@ def reaches_fsdp(modules) -> bool:
     return any(_is_managed(m) for module in modules for m in module.modules())
 
 
+def refuse_fsdp_reached(modules: list) -> None:
+    """A function (not the module itself) reaching a module ``fully_shard`` manages: its
+    hooks are traced only where the module is what is compiled."""
+    if reaches_fsdp(modules):
+        raise TracingError(
+            "dtcompile.jit: the function calls a module managed by FSDP2's fully_shard; compile the module "
+            "itself (dtcompile.jit(model)) and compute the loss outside it"
+        )
+
+
 def _refuse(what: str, where: str) -> UnsupportedFSDPError:
     return UnsupportedFSDPError(
         f"dtcompile.jit: {what} (FSDP2 module {where or 'the root'!r}) is not supported; dtcompile compiles "

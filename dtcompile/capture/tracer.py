@@ -28,8 +28,9 @@ from .blocks import RepeatedBlocks
 from .c10d import object_collective_refusal, symbolic_splits
 from .cached_functions import cached_stand_ins, put_back_cached
 from .data_branches import assumptions_unlogged, branch_refused, checks_first
+from .data_parallel import refuse_data_parallel
 from .fake_calls import storage_refusal
-from .fsdp import FSDPTracing, option_reads, reaches_fsdp, refusing_recomputes
+from .fsdp import FSDPTracing, option_reads, refuse_fsdp_reached, refusing_recomputes
 from .global_state import (
     GlobalState,
     RandomStates,
@@ -205,11 +206,9 @@ def _capture(
         inputs.python_state.reads += option_reads(module)
     else:
         inputs.python_state = PythonState.of_function(fn)
-        if reaches_fsdp(reached for _, reached in inputs.python_state.modules):
-            raise TracingError(
-                "dtcompile.jit: the function calls a module managed by FSDP2's fully_shard; compile the module "
-                "itself (dtcompile.jit(model)) and compute the loss outside it"
-            )
+        refuse_fsdp_reached([reached for _, reached in inputs.python_state.modules])
+    reached = [module] if module is not None else [m for _, m in inputs.python_state.modules]
+    refuse_data_parallel(reached, "the module" if module is not None else "a module the function calls")
     for where, hook in user_global_hook_functions():
         inputs.python_state.follow(hook, where)
     inputs.python_state.follow_inputs(inputs.nodes())

@@ -788,3 +788,47 @@ def sums_of_all_reduces_on_one_rank():
 
 def test_all_reduces_summed_on_one_rank_are_a_clear_error(ranks2):
     assert all(ranks2.run(sums_of_all_reduces_on_one_rank))
+
+
+class _HoldsADataParallelBody(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2))
+
+    def forward(self, x):
+        return self.body(x) * 2
+
+
+def data_parallel_wrappers():
+    """A DDP (or composable ``replicate``) module compiled: its forward's reducer set-up ran
+    once, while tracing, so from the second call each rank kept its own gradients, silently.
+    Refused; the module it wraps, compiled, under DDP, reduces them at every step as eager."""
+    from torch.distributed._composable.replicate import replicate
+
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2))
+    targets = [
+        (torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2)), "the module is wrapped"),
+        (_HoldsADataParallelBody(), "the module \\(its 'body'\\)"),
+        (replicate(torch.nn.Linear(3, 2)), "wrapped by replicate"),
+        (lambda x: ddp(x).sum(), "a module the function calls"),
+    ]
+    for target, words in targets:
+        with pytest.raises(dtcompile.TracingError, match=words):
+            dtcompile.jit(target)(torch.ones(1, 3))
+    torch.manual_seed(0)
+    eager = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2))
+    torch.manual_seed(0)
+    inner = torch.nn.Linear(3, 2)
+    compiled = torch.nn.parallel.DistributedDataParallel(dtcompile.jit(inner))
+    for step in range(3):
+        x = torch.full((1, 3), float(dist.get_rank() + 1 + step))  # each rank its own data
+        eager(x).sum().backward()
+        compiled(x).sum().backward()
+        assert_same(inner.weight.grad, eager.module.weight.grad)
+        eager.zero_grad()
+        compiled.zero_grad()
+    return True
+
+
+def test_data_parallel_wrappers_are_refused_and_the_wrapped_compiled_module_reduces(ranks2):
+    assert all(ranks2.run(data_parallel_wrappers))
