@@ -27,7 +27,6 @@ import sys
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..core import TensorProxy, TracingError
 from ..core.code_origin import library_code
@@ -35,6 +34,7 @@ from ..core.errors import data_dependent_error
 from ..core.provenance import InputPath
 from ..core.proxy import TextRefusals
 from .objects import MODULES_MADE
+from .outside_effects import outside_effects_refused
 
 _BACKWARDS = {torch.Tensor.backward, torch.autograd.backward}
 _STORAGE_READS = {torch.Tensor.untyped_storage} | (
@@ -236,8 +236,8 @@ def retained_outputs(recording, outputs: list) -> None:
 def effects_refused():
     """While a call is traced: ``torch.autograd.backward`` called by the user's code is
     refused (torch 2.10 does not pass it through the torch function modes, so the
-    ``CallAnnotator`` does not see it), and so are a torch optimizer's step,
-    ``torch.utils.swap_tensors`` and ``torch.compile`` (``torch.cond``'s); and, after the traced call, a refusal the user's
+    ``CallAnnotator`` does not see it), and so are the effects of ``outside_effects.py``;
+    and, after the traced call, a refusal the user's
     code caught (``except Exception`` around ``x.numpy()``; ``logging`` reports a failed
     message and goes on) is raised: else the compiled call would take the way the code
     went on at every call, where eager takes the other."""
@@ -269,10 +269,7 @@ def effects_refused():
 
     torch.autograd.backward = backward
     torch.utils.dlpack.to_dlpack = torch.to_dlpack = to_dlpack
-    swap_impls, torch._C._swap_tensor_impl = torch._C._swap_tensor_impl, _swap_refused  # (torch.utils.swap_tensors)
-    torch_compile, torch.compile = torch.compile, _compile_refused
     GuardOnDataDependentSymNode.__init__ = noted_guard
-    steps = register_optimizer_step_pre_hook(_optimizer_step_refused)
     module_init = torch.nn.Module.__init__
 
     def noted_module_init(module, /, *args, **kwargs):  # (one the call returns or keeps is refused)
@@ -281,13 +278,12 @@ def effects_refused():
 
     torch.nn.Module.__init__ = noted_module_init
     try:
-        yield
+        with outside_effects_refused():
+            yield
     finally:
         torch.nn.Module.__init__ = module_init
-        steps.remove()
         torch.autograd.backward = original
         torch.utils.dlpack.to_dlpack = torch.to_dlpack = dlpack
-        torch._C._swap_tensor_impl, torch.compile = swap_impls, torch_compile
         GuardOnDataDependentSymNode.__init__ = guard_init
         TextRefusals.active -= 1
         swallowed = TracingError.made[:1] if outermost else []
@@ -298,33 +294,6 @@ def effects_refused():
     for error in guards_on_data:  # torch catches some itself, on its own frames only
         if _caught_by_user(error):
             raise data_dependent_error(None, f"Python control flow on {error.cond}, a number read from tensor data")
-
-
-def _swap_refused(*tensors):
-    raise TracingError(
-        "dtcompile.jit: the traced code calls torch.utils.swap_tensors, which swaps what two tensor objects are "
-        "(their data, metadata and attributes): a compiled program cannot record that of the caller's objects. "
-        "Copy the values instead (a.copy_(b)), or swap outside the call"
-    )
-
-
-def _compile_refused(*args, **kwargs):
-    raise TracingError(
-        "dtcompile.jit: the traced code calls torch.compile (torch.cond with a tensor predicate, torch.while_loop "
-        "and flex_attention call it to run their functions in eager): torch's compiler cannot trace inside a "
-        "dtcompile trace, and a failed attempt would stay in its caches. Call them outside the compiled call, or "
-        "compile a torch.compile'd function outside it and call that"
-    )
-
-
-def _optimizer_step_refused(optimizer, args, kwargs):
-    """A torch optimizer's step (before it runs: its global pre-hook)."""
-    raise TracingError(
-        f"dtcompile.jit: the traced code calls {type(optimizer).__name__}.step(), an optimizer step inside "
-        "the call: its state (step counts, moments, buffers) lives in the optimizer, which a program traced "
-        "once would hold traced tensors in, and torch.optim takes torch.compile's paths while traced, which "
-        "round otherwise than eager's. Call the optimizer step outside the compiled function"
-    )
 
 
 def _caught_by_user(error: BaseException) -> bool:

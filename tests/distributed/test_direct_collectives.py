@@ -832,3 +832,31 @@ def data_parallel_wrappers():
 
 def test_data_parallel_wrappers_are_refused_and_the_wrapped_compiled_module_reduces(ranks2):
     assert all(ranks2.run(data_parallel_wrappers))
+
+
+def _counts_its_calls_in_the_store(x):
+    step = distributed_c10d._get_default_store().add("dtc_calls", 1)
+    return x * step
+
+
+def _makes_a_group_inside(x):
+    y = x * 2
+    dist.all_reduce(y, group=dist.new_group(list(range(dist.get_world_size()))))  # (torch's own store calls)
+    return y
+
+
+def store_calls():
+    """A store's key-value calls ran once, while tracing: the counter stopped, and the
+    program returned the first call's value at every call. Refused; torch's own go on."""
+    store = distributed_c10d._get_default_store()
+    with pytest.raises(dtcompile.TracingError, match="store's key-value exchange"):
+        dtcompile.jit(_counts_its_calls_in_the_store)(torch.ones(2))
+    assert store.add("dtc_calls", 0) == 0  # refused before it ran
+    jitted = dtcompile.jit(_makes_a_group_inside)
+    for _ in range(2):
+        assert_same(jitted(torch.ones(2)), _makes_a_group_inside(torch.ones(2)))
+    return True
+
+
+def test_a_stores_calls_are_refused_and_torchs_own_go_on(ranks2):
+    assert all(ranks2.run(store_calls))
