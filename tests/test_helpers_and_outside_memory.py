@@ -291,3 +291,46 @@ def test_an_lru_cache_emptied_between_calls_is_computed_anew(cache):
     finally:
         WEIGHTS.fill_(1.0)
         _table.cache_clear()
+
+
+@functools.lru_cache
+def _counts_calls(n: int):
+    return torch.zeros(n)
+
+
+_TABLE_BASE = {"base": 1.0}
+
+
+@functools.lru_cache
+def _scaled_positions(n: int):
+    return torch.arange(n) * _TABLE_BASE["base"]
+
+
+def _counted(x):
+    c = _counts_calls(x.shape[0])
+    c.add_(1)  # eager: the cached tensor counts the calls of each length
+    return x + c
+
+
+def _positioned(x):
+    return x * _scaled_positions(x.shape[0])
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_an_lru_cached_helper_of_a_size_returns_what_its_cache_holds(cache):
+    """Eager returns the cached object: written in place by earlier calls, or made before a
+    global it read changed (no ``cache_clear``). Under symbolic values the program computed
+    it anew at each call; it is now called with the size's value, an entry per value."""
+    _counts_calls.cache_clear()
+    _scaled_positions.cache_clear()
+    jitted, jitted_positions = dtcompile.jit(_counted, cache=cache), dtcompile.jit(_positioned, cache=cache)
+    try:
+        for n, base in ((2, 1.0), (2, 2.0), (3, 2.0), (2, 3.0), (3, 3.0)):
+            _TABLE_BASE["base"] = base
+            x = torch.ones(n)
+            got = jitted(x)
+            _counts_calls(n).sub_(1)  # as if eager had not counted this call: its call counts it again
+            assert_same(got, _counted(x))
+            assert_same(jitted_positions(x), _positioned(x))
+    finally:
+        _TABLE_BASE["base"] = 1.0

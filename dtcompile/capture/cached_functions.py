@@ -7,9 +7,11 @@ reads it (a global, a class attribute, a closure cell):
   before, its attributes then guarded) or computes and keeps a real value, as eager's first
   call would; the program takes that value as eager does, and the prologue calls it again
   at each call, guarding that it returns the same (a cache emptied: computed anew);
-- with a traced value (a size under symbolic values, a traced tensor), the function it
-  wraps, traced: computed by the program at each call, and kept by no cache (it would hold
-  the trace's values and hand them to its next caller)."""
+- with a size under symbolic values, the same with the size's value, guarded (eager's
+  cache is keyed by it: an entry per value);
+- with a traced tensor, the function it wraps, traced: computed by the program at each
+  call, and kept by no cache (it would hold the trace's values and hand them to its next
+  caller)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import functools
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .python_reads import Read
 from .user_code import is_library
@@ -68,8 +70,14 @@ def _user_cached(value) -> bool:
 def _stand_in(cached, python_state, where: str):
     @functools.wraps(cached)
     def call(*args, **kwargs):
-        if any(_traced(leaf) for leaf in tree_flatten((args, kwargs))[0]):
+        leaves = tree_flatten((args, kwargs))[0]
+        if any(_traced(leaf) and not isinstance(leaf, _TRACED_NUMBERS) for leaf in leaves):
             return cached.__wrapped__(*args, **kwargs)
+        if any(isinstance(leaf, _TRACED_NUMBERS) for leaf in leaves):
+            # A size under symbolic values: eager's cache is keyed by its value, and returns
+            # the object it holds (written in place since, or made before a global changed).
+            # So the call is made with the value, guarded: an entry per value.
+            args, kwargs = tree_map(_value, (args, kwargs))
         with torch._C.DisableTorchFunction(), _disable_current_modes():
             result = cached(*args, **kwargs)
         call = _CachedCall(cached, args, kwargs)
@@ -93,6 +101,15 @@ class _CachedCall:
     @property
     def result(self):
         return self.fn(*self.args, **self.kwargs)
+
+
+def _value(leaf):
+    """A traced number's value (the guard that it is that value is the trace's)."""
+    if isinstance(leaf, torch.SymInt):
+        return int(leaf)
+    if isinstance(leaf, torch.SymFloat):
+        return float(leaf)
+    return bool(leaf) if isinstance(leaf, torch.SymBool) else leaf
 
 
 def _traced(leaf) -> bool:
