@@ -955,3 +955,79 @@ def test_attention_kernels_chosen_inside_the_call_are_eager_s_or_refused(cache, 
                 dtcompile.jit(fn, cache=cache)(q)
         else:
             assert torch.equal(dtcompile.jit(fn, cache=cache)(q), fn(q))
+
+
+_MODE_SCALE = 2.0
+
+
+class _ScalesAdds(torch.overrides.TorchFunctionMode):
+    def __init__(self, k=1.0):
+        super().__init__()
+        self.k = k
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * _MODE_SCALE * self.k if func is torch.Tensor.add else out
+
+
+class _NegatesAdds(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return -out if func is torch.Tensor.add else out
+
+
+def _adds(x):
+    return x.add(1) * 3
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_which_function_mode_is_around_the_call_and_what_it_reads_are_guarded(cache):
+    """The program holds what the modes did while tracing; only their number was guarded:
+    another mode, its attribute or a global its ``__torch_function__`` reads gave the first's."""
+    global _MODE_SCALE
+    jitted = dtcompile.jit(_adds, cache=cache)
+    try:
+        for mode, scale in [
+            (lambda: _ScalesAdds(1.0), 2.0),
+            (lambda: _ScalesAdds(1.0), 2.0),
+            (_NegatesAdds, 2.0),
+            (lambda: _ScalesAdds(1.0), 3.0),
+            (lambda: _ScalesAdds(5.0), 3.0),
+        ]:
+            _MODE_SCALE = scale
+            x = torch.ones(2)
+            with mode():
+                got, expected = jitted(x), _adds(x)
+            assert torch.equal(got, expected)
+        assert dtcompile.cache_misses(jitted) == 4  # (each ``with`` makes a new mode: alike, a hit)
+    finally:
+        _MODE_SCALE = 2.0
+
+
+_PACK_SCALE = 1.0
+
+
+def _scaled_pack(t):
+    return t * _PACK_SCALE
+
+
+def _times_w(x, w):
+    return (x * w).sum()
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_what_saved_tensors_hooks_read_is_guarded(cache):
+    global _PACK_SCALE
+    jitted = dtcompile.jit(_times_w, cache=cache)
+    try:
+        for scale in (1.0, 2.0, 3.0):
+            _PACK_SCALE = scale
+            grads = []
+            for fn in (_times_w, jitted):
+                w = torch.ones(3, requires_grad=True)
+                with torch.autograd.graph.saved_tensors_hooks(_scaled_pack, lambda t: t):
+                    fn(torch.ones(3), w).backward()
+                grads.append(w.grad)
+            assert torch.equal(grads[0], grads[1])
+    finally:
+        _PACK_SCALE = 1.0

@@ -23,6 +23,7 @@ from ..core.torch_internals import (
     function_modes,
     saved_tensors_hooks,
 )
+from .python_reads import value_key
 from .torch_settings import (
     autocast_cache_seen,
     outer_autocast_cache,
@@ -31,6 +32,7 @@ from .torch_settings import (
     torch_settings,
 )
 from .upsampling import native_upsampling
+from .user_code import is_library
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class GlobalState:
     settings: tuple  # torch's settings code may read and branch on (:func:`torch_settings`)
     saved_hooks: tuple | None  # the saved_tensors_hooks active (pack, unpack): the program holds what they do
     inference_mode: bool  # (code may branch on ``torch.is_inference_mode_enabled()``)
+    function_mode_states: list  # each function mode's class and attributes (:func:`function_mode_states`)
 
     @classmethod
     def now(cls) -> GlobalState:
@@ -66,6 +69,7 @@ class GlobalState:
             torch_settings(),
             saved_tensors_hooks(),
             torch.is_inference_mode_enabled(),
+            function_mode_states(),
         )
 
 
@@ -369,13 +373,25 @@ def user_global_hooks() -> tuple:
     )
 
 
+def function_mode_states() -> list:
+    """Each torch function mode active (innermost last): its class and, for a user's, its
+    attributes (by value, objects by identity; a library's are not guarded, as elsewhere:
+    a default device's is, apart). The program holds what the modes did while tracing, and
+    ``with Mode():`` makes a new one at each call."""
+    return [(type(mode), None if is_library(type(mode)) else value_key(vars(mode))) for mode in function_modes()]
+
+
 def user_global_hook_functions() -> list[tuple[str, object]]:
     """``(description, hook)`` for each global module hook not from torch: they run around
     every module call, so what they read is guarded and what they change is the user's
-    data, as a module's own hooks."""
-    return [
+    data, as a module's own hooks. So too for the other code torch's global state runs
+    around the call's ops: the torch function modes' classes, the saved tensors hooks."""
+    hooks = [
         (f"the global module hook {getattr(hook, '__qualname__', hook)} ({table.strip('_')})", hook)
         for table, items in zip(GLOBAL_HOOKS, user_global_hooks())
         for _, hook in items
         if table != "_global_forward_hooks_with_kwargs" and table != "_global_forward_hooks_always_called"
     ]
+    modes = [mode for mode in function_modes() if not is_library(type(mode))]
+    hooks += [(f"the torch function mode {type(mode).__qualname__}", type(mode)) for mode in modes]
+    return hooks + [(f"the saved tensors hook {hook}", hook) for hook in saved_tensors_hooks() or ()]

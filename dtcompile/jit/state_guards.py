@@ -20,7 +20,7 @@ from types import MappingProxyType
 
 import torch
 
-from ..capture.global_state import GlobalState, user_global_hooks
+from ..capture.global_state import GlobalState, function_mode_states, user_global_hooks
 from ..capture.python_reads import ABSENT, PythonGuards, ReadGroup, raw_memory, value_key
 from ..capture.python_state import PythonState
 from ..capture.torch_settings import torch_settings
@@ -80,6 +80,8 @@ def global_state_checks(b, state: GlobalState) -> None:
     if state.function_modes:  # a default device may be among them: the one traced
         b.globals.update(DEFAULT_DEVICE=state.device, default_device=torch.get_default_device)
         b.fail_if("default_device() != DEFAULT_DEVICE")
+        b.globals.update(function_mode_states=function_mode_states, FUNCTION_MODES=state.function_mode_states)
+        b.fail_if("function_mode_states() != FUNCTION_MODES")
     b.fail_if(f"implicit_replication() is not {state.implicit_replication}")
     b.globals.update(torch_settings=torch_settings, TORCH_SETTINGS=state.settings)
     b.fail_if("torch_settings() != TORCH_SETTINGS")
