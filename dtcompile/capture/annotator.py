@@ -27,6 +27,7 @@ from ..core.symbol import leaves as leaves_of
 from ..core.torch_internals import dtensor_implicit_replication
 from . import closed_over
 from .block_training import BlockReplayFailed
+from .code_ran import CodeRan
 from .data_branches import branch_refused
 from .eager_errors import dtype_checked, eager_error, eager_failure, out_with_grad
 from .graph_reach import tag_backward_nodes
@@ -171,6 +172,7 @@ class CallAnnotator(TorchFunctionMode):
         self.recording = recording
         self.memo = OpMemo(recording, memo)
         self.in_backward = 0  # inside torch.autograd.grad (closed_over.grad_under)
+        self.code_ran = recording.code_ran = CodeRan(sys._getframe(1))  # (read after tracing: ``python_guards``)
 
     def __enter__(self):
         self._entry_points = closed_over.stand_ins_at_entry_points(self.recording)
@@ -195,6 +197,7 @@ class CallAnnotator(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.code_ran.note(sys._getframe(1))
         if self.in_backward:
             if not _user_frame():
                 return func(*args, **kwargs)  # torch's and DTensor's own code in a traced backward

@@ -4,8 +4,11 @@ noted, and the reads split into the prologue's two sets of guards."""
 
 from __future__ import annotations
 
+import types
+
 import torch
 
+from .code_ran import found_for
 from .python_reads import ABSENT, PythonGuards, Read
 from .user_code import is_library
 
@@ -38,7 +41,7 @@ class AfterTracing:
                 read.holder[read.key] = read.value
         return [read.where for read in changed]
 
-    def after_tracing(self, module_updates: list, grad_reads: list, symbols: list) -> None:
+    def after_tracing(self, module_updates: list, recording) -> None:
         """The guards only the traced call tells: what the forward assigns
         (:meth:`forget_assigned`), the closed-over tensors' ``.grad`` it read, the names of
         the user classes followed where code loads a ``__name__`` or ``__qualname__``
@@ -46,7 +49,8 @@ class AfterTracing:
         what tracing ran of the registrations of each op of the user's it called
         (``symbols``, however it reached them: :meth:`traced_registrations`)."""
         self.forget_assigned(module_updates)
-        self.guard_grads(grad_reads)
+        self.guard_grads(recording.grad_reads)
+        symbols = recording.bound_symbols
         for name in ("__name__", "__qualname__"):
             if name in self._attribute_loads:
                 for klass in self._classes.values():
@@ -55,6 +59,20 @@ class AfterTracing:
                     )
         for name in sorted({str(s.op._name) for s in symbols if s.op is not None and s.op.namespace != "aten"}):
             self.traced_registrations(name)
+        self.code_ran_unfollowed(getattr(recording, "code_ran", None))
+
+    def code_ran_unfollowed(self, code_ran) -> None:
+        """Each user function that library code called while tracing and nothing the code
+        reads names (``code_ran.py``): followed, and the tables holding it guarded."""
+        walked = {id(value.__code__) for value in self._held if isinstance(value, types.FunctionType)}
+        for code in code_ran.entries if code_ran is not None else ():
+            if id(code) in walked:
+                continue
+            for function, tables in found_for(code):
+                where = f"{function.__qualname__}, which library code called"
+                self.follow(function, where)
+                for table, key in tables:
+                    self._read(table, key, function, f"the entry {key!r} holding {where}")
 
     def traced_registrations(self, name: str) -> None:
         """The functions registered for the op ``name`` that tracing ran: its fake kernels

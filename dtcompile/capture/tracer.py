@@ -339,7 +339,7 @@ def _capture(
             "once, while tracing, so such side effects would not happen at each call"
             f"{'' if 'not put back' in changed[0] else ' (the change was undone)'}. Return the values instead{instead}"
         )
-    inputs.python_state.after_tracing(module_updates, recording.grad_reads, recording.bound_symbols)
+    inputs.python_state.after_tracing(module_updates, recording)
 
     leaves = [n for top in inputs.nodes() for n in iter_leaves(top) if brings_proxy(n)]
     proxies = [n.proxy for n in leaves] + recording.captured_proxies
