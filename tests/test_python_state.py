@@ -1542,3 +1542,42 @@ def test_objects_and_modules_as_dict_keys_are_followed(how, cache):
             elif change == "hook":
                 linear.register_forward_hook(lambda m, i, o: o * 3)
             assert torch.equal(compiled(x, *args), fn(x, *args)), change
+
+
+class _HoldsAMockAndAnAutoConfig(torch.nn.Module):
+    """A logger mocked in a test, a config that makes an attribute when one is asked for
+    (``addict.Dict``-like): walking what they hold never ended (memory grew until killed),
+    or a probe made attributes and the call was refused as changing the module."""
+
+    class AutoConfig(dict):
+        def __missing__(self, key):
+            made = type(self)()
+            self[key] = made
+            return made
+
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return self[name]
+
+    def __init__(self, uses: bool):
+        super().__init__()
+        from unittest import mock
+
+        self.logger, self.cfg, self.uses = mock.MagicMock(), self.AutoConfig(scale=2.0), uses
+        self.lin = torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.lin(x) * (self.cfg.scale if self.uses else 1.0)
+
+
+@pytest.mark.parametrize("uses", [False, True])
+def test_a_mock_and_a_config_making_attributes_on_access(uses):
+    model = _HoldsAMockAndAnAutoConfig(uses)
+    jitted = dtcompile.jit(model)
+    for scale in (2.0, 2.0, 3.0):
+        model.cfg["scale"] = scale
+        x = torch.randn(1, 2)
+        with torch.no_grad():
+            assert_same_tensor(jitted(x), torch.nn.Linear.forward(model.lin, x) * (scale if uses else 1.0))
+    assert sorted(model.cfg) == ["scale"]

@@ -19,6 +19,8 @@ import collections
 import enum
 import functools
 import gc
+import inspect
+import sys
 import types
 import weakref
 from dataclasses import dataclass
@@ -106,9 +108,24 @@ def is_rebuildable_object(value: object) -> bool:
     return not type(value).__module__.startswith("torch")
 
 
+def makes_attributes(value: object) -> bool:
+    """A ``unittest.mock`` mock (a logger mocked in a test): any attribute asked for, of it
+    or of its class, is made then, so walking what it holds never ends, and reading it
+    changes it. Held by identity, not followed."""
+    mock = sys.modules.get("unittest.mock")
+    return mock is not None and isinstance(value, mock.NonCallableMock)
+
+
 def attribute_or_none(value: object, name: str) -> object:
     """``getattr(value, name, None)``, also where the class's ``__getattr__`` raises
-    something else than AttributeError (a KeyError from a dict it wraps)."""
+    something else than AttributeError (a KeyError from a dict it wraps); and None where
+    only its ``__getattr__`` would answer: a mock or an auto-vivifying config makes the
+    attribute asked for (a walk of what it holds then never ends)."""
+    if hasattr(type(value), "__getattr__"):
+        try:
+            inspect.getattr_static(value, name)
+        except AttributeError:
+            return None
     try:
         return getattr(value, name, None)
     except Exception:

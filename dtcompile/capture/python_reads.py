@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.torch_internals import dict_version
+from .objects import attribute_or_none
 
 ABSENT = object()  # what a read of a missing name gives
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
@@ -63,9 +64,9 @@ def _container_key(value: object) -> object:
         key = (kind, tuple(map(value_key, value)))
     elif isinstance(value, (dict, types.MappingProxyType)):  # (a proxy shows its dict's changes)
         items = tuple((value_key(k), value_key(v)) for k, v in value.items())
-        key = (kind, items, _Same(getattr(value, "default_factory", None)))
+        key = (kind, items, _Same(attribute_or_none(value, "default_factory")))
     elif isinstance(value, (bytearray, array.array)):
-        return (kind, getattr(value, "typecode", None), bytes(value))
+        return (kind, attribute_or_none(value, "typecode"), bytes(value))
     elif raw_memory(value) and (held := memory_copy(value)) is not None:
         return (kind, _Same(value), held)
     elif _numeric_array(value):
@@ -78,7 +79,7 @@ def _container_key(value: object) -> object:
         return (kind, repr(value))
     else:  # by identity: one that compares equal may still differ (a dataclass field with compare=False)
         return (kind, _Same(value))
-    own = getattr(value, "__dict__", None)  # a subclass's attributes (a list with a ``.scale``)
+    own = attribute_or_none(value, "__dict__")  # a subclass's attributes (a list with a ``.scale``)
     return key + (value_key(dict(own)),) if own else key
 
 

@@ -79,7 +79,15 @@ from dataclasses import dataclass, field
 import torch
 
 from .input_nodes import ObjectInput, iter_nodes
-from .objects import attribute_holder, attribute_or_none, dict_view, guarded_items, read_through, slot_names
+from .objects import (
+    attribute_holder,
+    attribute_or_none,
+    dict_view,
+    guarded_items,
+    makes_attributes,
+    read_through,
+    slot_names,
+)
 from .python_guards import AfterTracing
 from .python_reads import ABSENT, Read, by_value, contents_guarded, raw_memory, value_key
 from .user_code import class_namespace, code_names, is_library
@@ -190,7 +198,7 @@ class PythonState(AfterTracing):
         """What reading ``value`` lets the code read further: a user function's globals and
         cells, a user class's methods, a plain object's attributes, a container's items, what
         those hold in turn (``self.config.attention.rope.theta``), a Python module's ``names``."""
-        if id(value) in self._walked or by_value(value) or isinstance(value, _NOT_FOLLOWED):
+        if id(value) in self._walked or by_value(value) or isinstance(value, _NOT_FOLLOWED) or makes_attributes(value):
             return
         self._held.append(value)
         if isinstance(value, torch.Tensor):  # a closed-over tensor's Python attributes (``w.scale``)
@@ -229,7 +237,7 @@ class PythonState(AfterTracing):
         if compiled is not None and not isinstance(value, torch.nn.Module):
             self._walked.add(id(value))
             self._attributes(value, where, skip=("_dtcompile", "_fn"))  # (copied from the function)
-            self.follow(getattr(value, "_fn", None), where)
+            self.follow(attribute_or_none(value, "_fn"), where)
             return
         if isinstance(value, types.MethodType):
             self.follow(value.__func__, where)
@@ -248,14 +256,14 @@ class PythonState(AfterTracing):
             self.module_tree(value, where)
             return
         if isinstance(value, types.FunctionType) and isinstance(
-            getattr(value, "registry", None), types.MappingProxyType
+            attribute_or_none(value, "registry"), types.MappingProxyType
         ):
             # ``functools.singledispatch``: its implementations by class (one registered later
             # too), and the function it wraps
             self._walked.add(id(value))
             self._read(value, None, value.registry, f"the implementations of {where}", attribute="registry")
             self.follow(value.registry, f"the implementations of {where}")
-            self.follow(getattr(value, "__wrapped__", None), where)
+            self.follow(attribute_or_none(value, "__wrapped__"), where)
         elif isinstance(value, types.FunctionType):
             self._function(value)
         elif isinstance(value, type):

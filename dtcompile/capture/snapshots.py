@@ -24,7 +24,7 @@ import torch
 from ..core import TensorProxy, TracingError
 from ..core.torch_internals import dispatch_modes_off, saved_tensors_hooks
 from .global_state import user_global_hook_functions
-from .objects import TORCH_USER_STATE, is_rebuildable_object, object_state, read_through
+from .objects import TORCH_USER_STATE, is_rebuildable_object, makes_attributes, object_state, read_through
 from .python_reads import memory_copy, raw_memory, value_key
 from .user_code import is_library
 
@@ -40,6 +40,8 @@ def _state(value: object) -> tuple | None:
     kind = _EXACT_KINDS.get(type(value))  # most values: a module's tables, lists, numbers
     if kind is not None:
         return kind(value)
+    if makes_attributes(value):
+        return None
     if isinstance(value, list):
         return ("list", list(value))
     if isinstance(value, collections.deque):
