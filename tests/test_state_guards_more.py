@@ -1031,3 +1031,22 @@ def test_what_saved_tensors_hooks_read_is_guarded(cache):
             assert torch.equal(grads[0], grads[1])
     finally:
         _PACK_SCALE = 1.0
+
+
+class _CountsOps(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_function_mode_counting_the_ops_is_refused():
+    """It would count them once, while tracing (the guard on its state then turned down
+    the fresh entry: an internal error). The count is not eager's: the mode also sees
+    torch calls dtcompile makes while compiling."""
+    with _CountsOps():
+        with pytest.raises(dtcompile.TracingError, match="torch function mode _CountsOps"):
+            dtcompile.jit(_adds)(torch.ones(2))

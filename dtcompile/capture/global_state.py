@@ -384,14 +384,24 @@ def function_mode_states() -> list:
 def user_global_hook_functions() -> list[tuple[str, object]]:
     """``(description, hook)`` for each global module hook not from torch: they run around
     every module call, so what they read is guarded and what they change is the user's
-    data, as a module's own hooks. So too for the other code torch's global state runs
-    around the call's ops: the torch function modes' classes, the saved tensors hooks."""
-    hooks = [
+    data, as a module's own hooks."""
+    return [
         (f"the global module hook {getattr(hook, '__qualname__', hook)} ({table.strip('_')})", hook)
         for table, items in zip(GLOBAL_HOOKS, user_global_hooks())
         for _, hook in items
         if table != "_global_forward_hooks_with_kwargs" and table != "_global_forward_hooks_always_called"
     ]
-    modes = [mode for mode in function_modes() if not is_library(type(mode))]
-    hooks += [(f"the torch function mode {type(mode).__qualname__}", type(mode)) for mode in modes]
-    return hooks + [(f"the saved tensors hook {hook}", hook) for hook in saved_tensors_hooks() or ()]
+
+
+def user_function_modes() -> list:
+    """The torch function modes of the user's classes active now."""
+    return [mode for mode in function_modes() if not is_library(type(mode))]
+
+
+def code_around_ops() -> list[tuple[str, object]]:
+    """``(description, code)`` for what torch's global state runs around the call's ops, whose
+    reads are guarded: the global module hooks, the user's torch function modes' classes,
+    the saved tensors hooks."""
+    modes = [(f"the torch function mode {type(mode).__qualname__}", type(mode)) for mode in user_function_modes()]
+    saved = [(f"the saved tensors hook {hook}", hook) for hook in saved_tensors_hooks() or ()]
+    return user_global_hook_functions() + modes + saved

@@ -23,7 +23,7 @@ import torch
 
 from ..core import TensorProxy, TracingError
 from ..core.torch_internals import dispatch_modes_off, saved_tensors_hooks
-from .global_state import user_global_hook_functions
+from .global_state import user_function_modes, user_global_hook_functions
 from .objects import TORCH_USER_STATE, is_rebuildable_object, makes_attributes, object_state, read_through
 from .python_reads import memory_copy, raw_memory, value_key
 from .user_code import is_library
@@ -346,6 +346,8 @@ def user_data(fn, modules: list | None, paths: dict) -> DataSnapshot:
         snapshot.add_callable(hook, f"the saved tensors hook {getattr(hook, '__qualname__', hook)}")
     for where, hook in user_global_hook_functions():
         snapshot.add_callable(hook, where)
+    for mode in user_function_modes():  # (one counting the ops would count them once, while tracing)
+        snapshot.add(mode, f"the torch function mode {type(mode).__qualname__}")
     if modules is None:
         snapshot.add_callable(fn, getattr(fn, "__qualname__", "the function"))
         return snapshot

@@ -36,12 +36,12 @@ from .global_state import (
     RandomStates,
     autocast_devices,
     autocast_regions,
+    code_around_ops,
     generators_made,
     modes_left_changed,
     seeding_refused,
     state_put_back,
     torch_caches_off,
-    user_global_hook_functions,
 )
 from .grad_checks import gradient_refusal, repointed_leaf_refusal
 from .input_fakes import InputFakes
@@ -209,7 +209,7 @@ def _capture(
         refuse_fsdp_reached([reached for _, reached in inputs.python_state.modules])
     reached = [module] if module is not None else [m for _, m in inputs.python_state.modules]
     refuse_data_parallel(reached, "the module" if module is not None else "a module the function calls")
-    for where, hook in user_global_hook_functions():
+    for where, hook in code_around_ops():
         inputs.python_state.follow(hook, where)
     inputs.python_state.follow_inputs(inputs.nodes())
     collector.reads = inputs.python_state.reads
