@@ -1581,3 +1581,13 @@ def test_a_mock_and_a_config_making_attributes_on_access(uses):
         with torch.no_grad():
             assert_same_tensor(jitted(x), torch.nn.Linear.forward(model.lin, x) * (scale if uses else 1.0))
     assert sorted(model.cfg) == ["scale"]
+
+
+@pytest.mark.parametrize("make", [torch.jit.script, lambda m: torch.jit.trace(m, torch.randn(2, 4))])
+def test_torchscript_modules_are_refused_clearly(make):
+    """Reached by a function, or jitted: torch's raw AttributeError where eager runs."""
+    scripted = make(torch.nn.Linear(4, 4))
+    with pytest.raises(TypeError, match="TorchScript module"):
+        dtcompile.jit(scripted)
+    with pytest.raises(dtcompile.TracingError, match="TorchScript module"):
+        dtcompile.jit(lambda x: scripted(x) * 2)(torch.randn(2, 4))

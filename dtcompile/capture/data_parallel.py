@@ -1,5 +1,6 @@
-"""Data-parallel wrappers a call cannot run inside: ``DistributedDataParallel`` and the
-composable ``replicate``.
+"""Modules a call cannot run inside: TorchScript modules (run by TorchScript's interpreter,
+which tracing cannot see into), and the data-parallel wrappers ``DistributedDataParallel``
+and the composable ``replicate``.
 
 Their forward drives a C++ reducer (``prepare_for_backward``, the buckets' ready marks),
 which the gradients' hooks then act on. A compiled call runs that Python once, while
@@ -39,3 +40,11 @@ def refuse_data_parallel(modules, what: str) -> None:
                     "Compile the module it wraps, and wrap the compiled module: DDP(dtcompile.jit(model)) runs the "
                     "reducer at every call"
                 )
+
+
+def refuse_torchscript(module: torch.nn.Module, path: str) -> None:
+    if isinstance(module, torch.jit.ScriptModule):
+        raise TracingError(
+            f"dtcompile.jit: {path or 'the module'} is a TorchScript module (torch.jit.script or trace), which "
+            "runs in TorchScript's interpreter, where dtcompile cannot trace it; call the nn.Module it was made from"
+        )

@@ -165,8 +165,8 @@ def attribute_holder(value: object) -> bool:
     ``lru_cache`` wrapper and the function it wraps), one of torch's whose state is the
     user's (``TORCH_USER_STATE``: an optimizer); not one of dtcompile's own."""
     module = type(value).__module__
-    if module.startswith("dtcompile.") and not module.startswith("dtcompile.testing"):
-        return False  # a compiled function's state
+    if (module.startswith("dtcompile.") and not module.startswith("dtcompile.testing")) or makes_attributes(value):
+        return False  # a compiled function's state; a mock
     if plain_object(value) or (slot_names(type(value)) and is_rebuildable_object(value)):
         return True
     if isinstance(value, (*TORCH_USER_STATE, enum.Enum)):  # (an enum member's attributes: per-member config)

@@ -8,11 +8,9 @@ guarded like an argument, so that a change compiles a new entry, as eager would 
 Exact read tracking is not possible in Python (module ``__dict__`` lookups bypass every
 hook), so what is guarded is what the code *can* read, found before tracing:
 
-- **Code.** The traced function (or the methods of the module tree's classes, and the
-  functions in its hook tables) and, recursively, the user-level functions, classes and
-  Python modules these name through globals and closure cells. Library code is not
-  followed: torch, transformers, dtcompile itself (but for ``dtcompile.testing``), the
-  standard library, and anything installed in site-packages.
+- **Code.** The traced function (or the module tree's classes' methods and hooks) and the
+  user functions, classes and Python modules these name, recursively. Library code
+  (torch, transformers, dtcompile, the standard library, site-packages) is not followed.
 - **Globals** each such function's code loads (``LOAD_GLOBAL`` in its bytecode, nested
   functions and lambdas included), from its ``__globals__`` (one absent there, a builtin
   or a name not defined yet, is guarded as absent); the **closure cells** it holds; its
@@ -78,16 +76,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .data_parallel import refuse_torchscript
 from .input_nodes import ObjectInput, iter_nodes
-from .objects import (
-    attribute_holder,
-    attribute_or_none,
-    dict_view,
-    guarded_items,
-    makes_attributes,
-    read_through,
-    slot_names,
-)
+from .objects import attribute_holder, attribute_or_none, dict_view, guarded_items, read_through, slot_names
 from .python_guards import AfterTracing
 from .python_reads import ABSENT, Read, by_value, contents_guarded, raw_memory, value_key
 from .user_code import class_namespace, code_names, is_library
@@ -152,6 +143,7 @@ class PythonState(AfterTracing):
         for path, module in root.named_modules(prefix=prefix):
             if id(module) in self._walked:
                 continue
+            refuse_torchscript(module, path)
             self._walked.add(id(module))
             self.modules.append((path, module))
             owner = path or "the module"
@@ -198,7 +190,7 @@ class PythonState(AfterTracing):
         """What reading ``value`` lets the code read further: a user function's globals and
         cells, a user class's methods, a plain object's attributes, a container's items, what
         those hold in turn (``self.config.attention.rope.theta``), a Python module's ``names``."""
-        if id(value) in self._walked or by_value(value) or isinstance(value, _NOT_FOLLOWED) or makes_attributes(value):
+        if id(value) in self._walked or by_value(value) or isinstance(value, _NOT_FOLLOWED):
             return
         self._held.append(value)
         if isinstance(value, torch.Tensor):  # a closed-over tensor's Python attributes (``w.scale``)

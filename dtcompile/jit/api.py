@@ -145,6 +145,12 @@ def _jit_module(module: torch.nn.Module, cache: str, executors, check) -> torch.
     return jitted
 
 
+_TORCHSCRIPT = (
+    "dtcompile.jit: a TorchScript module (torch.jit.script or torch.jit.trace) runs in TorchScript's "
+    "interpreter, which dtcompile cannot trace; compile the nn.Module it was made from"
+)
+
+
 def jit(fn_or_module, *, cache: str = "constant values", executors=None, check: str | None = None):
     """Compile a function or module over DTensors (or plain tensors) into per-rank programs.
 
@@ -160,6 +166,8 @@ def jit(fn_or_module, *, cache: str = "constant values", executors=None, check: 
     changed inputs differ, naming the first line of the per-rank program whose value
     differs: a debugging mode (each call runs three or four times).
     """
+    if isinstance(fn_or_module, torch.jit.ScriptModule):
+        raise TypeError(_TORCHSCRIPT)
     if isinstance(fn_or_module, torch.nn.Module):
         return _jit_module(fn_or_module, cache, executors, check)
     if not callable(fn_or_module):
