@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..core import TensorProxy
 from ..core.torch_internals import make_dtensor, saved_tensors_hooks
+from .around_ops import GLOBAL_HOOKS
 from .block_calls import block_program, call_again, first_call, training_programs
 from .block_checks import Held, arguments_changed, inputs_depend, python_state, recording_counts, unreplayable
 from .block_identity import identity_read
@@ -51,7 +52,6 @@ from .equivalence import (
     same_blocks,
     tensors_key,
 )
-from .global_state import GLOBAL_HOOKS
 from .outlining import Stretches
 from .replay import ReplayDiverged, aliases_of, record_again
 from .tensor_attributes import user_attributes

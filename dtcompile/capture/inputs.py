@@ -36,7 +36,8 @@ from .input_nodes import (
     SequenceInput,
     TensorInput,
 )
-from .objects import StateObjects, is_state_object, new_stand_in, optimizer_table, same_spec
+from .objects import StateObjects, is_state_object, new_stand_in, optimizer_table
+from .placements import same_spec
 from .recorder import Recording
 from .tensor_attributes import carry_attributes
 

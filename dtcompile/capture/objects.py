@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from ..core import InputPath, TensorProxy, TracingError
-from ..core.symbolic import is_symbolic, symbolic_expr
+from ..core.symbolic import is_symbolic
+from .placements import same_spec
 
 _MISSING = object()
 
@@ -371,31 +372,6 @@ class StateObjects:
                 value = describe(state[name], traced.node.path.attr(name))
                 updates.append(AttributeUpdate(index, name, value))
         return updates
-
-
-def respec_refusal(where: object | None) -> None:
-    """Raise where the traced code changed, in place, the spec of a DTensor the call holds
-    (``where`` names it): eager changes the caller's DTensor, the program only its local."""
-    if where is not None:
-        raise TracingError(
-            f"dtcompile.jit: the call changes the placements or shape of {where} in place (squeeze_ "
-            "re-indexing a Shard, an out= of other placements); a compiled call changes only its local "
-            "tensor. Use the out-of-place op (y = x.squeeze(0))"
-        )
-
-
-def same_spec(spec, traced) -> bool:
-    """``spec`` is ``traced``, or DTensor set an equal one (an ``out=`` DTensor's); sizes
-    compared by their expressions (comparing SymInts would add guards)."""
-    if spec is traced:
-        return True
-    sizes = zip((*spec.shape, *spec.stride), (*traced.shape, *traced.stride))
-    return (
-        spec.mesh == traced.mesh
-        and spec.placements == traced.placements
-        and spec.tensor_meta.dtype == traced.tensor_meta.dtype
-        and all(symbolic_expr(a) == symbolic_expr(b) for a, b in sizes)
-    )
 
 
 def _differs(a, b, pairs: bool) -> bool:

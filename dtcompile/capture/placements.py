@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ..core import TensorProxy
+from ..core import TensorProxy, TracingError
+from ..core.symbolic import symbolic_expr
 
 
 def describe_placement(placement) -> str:
@@ -51,3 +52,28 @@ def describe_output(value) -> str:
     if isinstance(value, torch.Tensor):
         return "Tensor"
     return type(value).__name__
+
+
+def respec_refusal(where: object | None) -> None:
+    """Raise where the traced code changed, in place, the spec of a DTensor the call holds
+    (``where`` names it): eager changes the caller's DTensor, the program only its local."""
+    if where is not None:
+        raise TracingError(
+            f"dtcompile.jit: the call changes the placements or shape of {where} in place (squeeze_ "
+            "re-indexing a Shard, an out= of other placements); a compiled call changes only its local "
+            "tensor. Use the out-of-place op (y = x.squeeze(0))"
+        )
+
+
+def same_spec(spec, traced) -> bool:
+    """``spec`` is ``traced``, or DTensor set an equal one (an ``out=`` DTensor's); sizes
+    compared by their expressions (comparing SymInts would add guards)."""
+    if spec is traced:
+        return True
+    sizes = zip((*spec.shape, *spec.stride), (*traced.shape, *traced.stride))
+    return (
+        spec.mesh == traced.mesh
+        and spec.placements == traced.placements
+        and spec.tensor_meta.dtype == traced.tensor_meta.dtype
+        and all(symbolic_expr(a) == symbolic_expr(b) for a, b in sizes)
+    )

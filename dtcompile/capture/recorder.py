@@ -44,7 +44,7 @@ from .fake_calls import DataReads, fake_errors_unlogged, refuse_metadata_changes
 from .grad_checks import grad_state
 from .input_fakes import InputFakes
 from .kernel_autograd import refuse_without_autograd
-from .objects import same_spec
+from .placements import same_spec
 from .restrided import restrided_in_call
 from .torch_settings import kernel_settings, kernel_settings_changed, kernel_settings_differ
 

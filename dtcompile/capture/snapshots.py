@@ -23,7 +23,7 @@ import torch
 
 from ..core import TensorProxy, TracingError
 from ..core.torch_internals import dispatch_modes_off, saved_tensors_hooks
-from .global_state import user_function_modes, user_global_hook_functions
+from .around_ops import user_function_modes, user_global_hook_functions
 from .objects import TORCH_USER_STATE, is_rebuildable_object, makes_attributes, object_state, read_through
 from .python_reads import memory_copy, raw_memory, value_key
 from .user_code import is_library

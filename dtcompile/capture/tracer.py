@@ -22,6 +22,7 @@ from ..core.compiling import compiling
 from ..core.eager_paths import eager_paths
 from ..core.torch_internals import decomposed_strategies_untraced, dtensor_refused_symbols
 from .annotator import CallAnnotator
+from .around_ops import code_around_ops
 from .autograd import BackwardCapture, capture_backward
 from .block_training import BlockReplayFailed
 from .blocks import RepeatedBlocks
@@ -36,7 +37,6 @@ from .global_state import (
     RandomStates,
     autocast_devices,
     autocast_regions,
-    code_around_ops,
     generators_made,
     modes_left_changed,
     seeding_refused,
@@ -49,11 +49,11 @@ from .input_nodes import DictInput, DTensorInput, InputNode, ObjectInput, Sequen
 from .inputs import InputProxifier
 from .method_checks import effects_refused, retained_outputs
 from .module_state import ModuleState, ModuleUpdate, tensor_attributes
-from .objects import AttributeUpdate, respec_refusal
+from .objects import AttributeUpdate
 from .outlining import outline
 from .outputs import OutputCollector, OutputNode
 from .outside_memory import outside_memory
-from .placements import describe_placements
+from .placements import describe_placements, respec_refusal
 from .python_state import PythonState
 from .recorder import OpRecorder, Recording
 from .size_text import sizes_as_values_in_user_text

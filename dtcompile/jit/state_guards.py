@@ -20,7 +20,8 @@ from types import MappingProxyType
 
 import torch
 
-from ..capture.global_state import GlobalState, function_mode_states, user_global_hooks
+from ..capture.around_ops import function_mode_states, user_global_hooks
+from ..capture.global_state import GlobalState
 from ..capture.python_reads import ABSENT, PythonGuards, ReadGroup, raw_memory, value_key
 from ..capture.python_state import PythonState
 from ..capture.torch_settings import torch_settings
