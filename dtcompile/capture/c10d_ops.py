@@ -123,7 +123,7 @@ def _reduce_scatter(r: Recorder, outputs, input_lists, pg, reduce_op, *rest):
             raise RuntimeError(f"{r.call}: the input list holds {len(inputs)} tensors for a group of {size}")
         for input in inputs:
             _expect(r, input, list(output.shape), output.dtype, "each input")
-        _contiguous(r, inputs, "the inputs")
+        _contiguous(r, [*inputs, output], "the inputs and output")
         r.write(output, r.waited(functional.reduce_scatter_tensor.default, r.flat(inputs), op, size, group))
 
 
@@ -159,6 +159,7 @@ def _scatter(r: Recorder, outputs, input_lists, pg, root_rank, *rest):
     rank = r.rank(pg)
     for i, output in enumerate(outputs):
         n = output.numel()
+        _contiguous(r, input_lists[i] if input_lists else [], "the scatter list")
         source = r.flat(input_lists[i]) if input_lists else r.op(aten.new_empty.default, output, [size * n])
         everything = r.waited(functional.broadcast.default, source, root_rank, group)
         r.write(output, r.op(aten.slice.Tensor, everything, 0, rank * n, (rank + 1) * n), memory=True)

@@ -860,3 +860,32 @@ def store_calls():
 
 def test_a_stores_calls_are_refused_and_torchs_own_go_on(ranks2):
     assert all(ranks2.run(store_calls))
+
+
+def _scatter_of_column_major_pieces(x):
+    out = torch.empty(2, 3)
+    pieces = [c.t().contiguous().t() for c in x.chunk(dist.get_world_size())]  # gap-free, column-major
+    dist.scatter(out, pieces if dist.get_rank() == 0 else None, src=0)
+    return out
+
+
+def _reduce_scatter_into_a_column_major_output(x):
+    out = torch.empty(3, 2).t()
+    dist.reduce_scatter(out, [c.contiguous() for c in x.chunk(dist.get_world_size())])
+    return out
+
+
+def layouts_gloo_takes_by_memory():
+    """Gloo reads a scatter list's pieces and writes a list-form reduce_scatter's output in
+    the order of their memory; the program took them in the order of their elements, so a
+    column-major piece gave other values, silently. Refused, as the other list forms' are."""
+    x = torch.arange(12.0).reshape(4, 3)
+    for fn in (_scatter_of_column_major_pieces, _reduce_scatter_into_a_column_major_output):
+        with pytest.raises((dtcompile.TracingError, dtcompile.RankFailedError), match="non-contiguous"):
+            dtcompile.jit(fn)(x)
+    dist.barrier()
+    return True
+
+
+def test_layouts_gloo_takes_by_memory_are_refused(ranks2):
+    assert all(ranks2.run(layouts_gloo_takes_by_memory))
