@@ -210,7 +210,14 @@ def only_one_rank_compiles(timeout_s: str):
     os.environ["DTCOMPILE_SYNC_TIMEOUT"] = timeout_s
     try:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        jitted = dtcompile.jit(lambda x: x * 2)  # no collectives: rank 0 runs it alone
+
+        def fn(x):
+            y = x * 2
+            if x.shape[0] != 4:  # an all-gather: not the collectives the ranks agreed on (none)
+                y = y.redistribute(mesh, [Shard(0)]).redistribute(mesh, [Replicate()])
+            return y
+
+        jitted = dtcompile.jit(fn)  # no collectives at (4, 4): rank 0 runs it alone
         x = DTensor.from_local(torch.ones(4, 4), mesh, [Replicate()], run_check=False)
         first = _outcome(jitted, x)[0]
         # Rank 0 calls again with the same input (a hit), rank 1 with a new shape (a miss).

@@ -392,3 +392,37 @@ def test_a_bucketed_parameter_outside_the_losss_graph_gets_no_gradient(how, cach
     for grads in ranks2.run(skipped_member, cache, how):
         for name, (eager_none, compiled_none) in grads.items():
             assert eager_none == compiled_none, name
+
+
+def lengths_of_their_own():
+    """Each dp rank's batch of its own length, changing per step (packing, bucketing): under
+    constant values a rank meeting a new length compiled alone and waited for the others,
+    which ran their cached entries into FSDP2's collectives: a stall of 120 s, then an error
+    on one rank and a hang on the other. Its collectives (the parameters' all-gathers and
+    reduce-scatters) are those the ranks agreed on, so it needs no meeting."""
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+        fully_shard(model[0], mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    eager, compiled = build(), build()
+    jitted = dtcompile.jit(compiled)
+    for step, lengths in enumerate([[5, 5], [5, 7], [6, 7], [6, 8]]):
+        x = torch.randn(2, lengths[rank], 4, generator=torch.Generator().manual_seed(step + 10 * rank))
+        expected, got = eager(x).pow(2).mean(), jitted(x).pow(2).mean()
+        assert_same(got, expected)
+        expected.backward()
+        got.backward()
+        for a, b in zip(compiled.parameters(), eager.parameters()):
+            assert_same(a.grad, b.grad)
+        eager.zero_grad()
+        compiled.zero_grad()
+    return dtcompile.cache_misses(jitted)
+
+
+def test_ranks_with_batches_of_their_own_lengths_compile_alone(ranks2):
+    assert ranks2.run(lengths_of_their_own) == [2, 3]

@@ -16,6 +16,7 @@ from collections import defaultdict
 import torch.distributed as dist
 
 from ...core import Trace
+from .calls import calls_checked
 from .errors import GuardsDiffer, RankMismatchError
 from .exchange import MissingRanks, default_store, exchange, meet, post_failure, release
 from .identity import input_signature, next_compilation_key
@@ -97,6 +98,9 @@ class RankAgreement:
             for i, trace in enumerate(traces)
             for c in collective_lines(trace, labels)
         ]
+        alone = _alone_key(self.identity, collectives) if not guards and not calls_checked() else None
+        if alone in _AGREED_ALONE:  # (no key taken: the ranks' next compilation together keeps its number)
+            return _AGREED_ALONE[alone]
         inputs = [_INPUTS + " " + line for line in self.signature]
         common = [*inputs, *(_PROGRAM + " " + c.line for c in collectives)]
         sized: dict[tuple[int, ...], list[str]] = defaultdict(list)  # group -> its collectives with shapes
@@ -109,7 +113,9 @@ class RankAgreement:
             release(store, key, ranks, [f"{key}/hash/{r}" for r in ranks])
             if len({v.partition(_GUARDS)[2] for v in posted.values()}) > 1:
                 raise GuardsDiffer(self.what)
-            return ranks, _digest([f"{r} {v}" for r, v in sorted(hashes.items())])
+            agreed = ranks, _digest([f"{r} {v}" for r, v in sorted(hashes.items())])
+            _agree_alone(self.identity, alone, agreed)
+            return agreed
         text = "\n".join(
             [*inputs, *(f"{_PROGRAM} {c.line}\t{c.sized}\t{_ranks_text(c.group or ranks)}" for c in collectives)]
         )
@@ -163,6 +169,30 @@ class RankAgreement:
                 "Ranks that run different collectives hang at the first one that differs."
             )
         return None
+
+
+# A later compilation that one rank makes alone (its batch of another length, which the
+# others' cached entries took) needs no meeting where its collectives, with their shapes,
+# are those of every program of that code the ranks agreed on so far: whatever entry the
+# others run, its collectives pair with this one's. Keyed by the code and that sequence;
+# only while the ranks agreed on one sequence for the code (another: a meeting each time).
+_AGREED_ALONE: dict[tuple[str, str], tuple] = {}
+_SEQUENCES: dict[str, set[str]] = defaultdict(set)
+
+
+def _alone_key(identity: str, collectives: list) -> tuple[str, str]:
+    return identity, _digest([f"{c.line}\t{c.sized}\t{c.group}" for c in collectives])
+
+
+def _agree_alone(identity: str, key: tuple[str, str] | None, agreed: tuple) -> None:
+    if key is None:
+        return
+    _SEQUENCES[identity].add(key[1])
+    if len(_SEQUENCES[identity]) == 1:
+        _AGREED_ALONE[key] = agreed
+    else:
+        for sequence in _SEQUENCES[identity]:
+            _AGREED_ALONE.pop((identity, sequence), None)
 
 
 def _digest(lines: list[str]) -> str:
