@@ -40,6 +40,7 @@ from .objects import StateObjects, is_state_object, new_stand_in, optimizer_tabl
 from .placements import same_spec
 from .recorder import Recording
 from .tensor_attributes import carry_attributes
+from .user_code import is_library
 
 CONSTANT_TYPES = (
     bool,
@@ -136,11 +137,12 @@ class InputProxifier:
         """An object of the call reached another way too (``objects.py``), or a tensor of
         the call (a module's parameter) held in a container the code reads (``REG[self.w]``,
         ``w in ACTIVE``): the traced code gets the tensor's stand-in, which no lookup or
-        ``is`` finds. Refused. Not where the container is a module attribute no code loads
-        by name (``self.pair = (self.a,)`` stored by an earlier call, to be read outside):
-        as for the attributes the forward assigns (``python_guards.forget_assigned``)."""
+        ``is`` finds. Refused. Not where the container is an attribute of a user's module
+        (no library class's code reads it) that no code loads by name (``self.pair =
+        (self.a,)`` stored by an earlier call, to be read outside): as for the attributes the
+        forward assigns (``python_guards.forget_assigned``)."""
         self.objects.refuse_other_paths(reads)
-        module_dicts = {id(vars(module)) for _, module in python_state.modules}
+        module_dicts = {id(vars(m)) for _, m in python_state.modules if not _library_class_in(type(m))}
         for read in reads:
             if optimizer_table(read.holder, read.key):  # (as code outside the optimizer does not look them up)
                 continue
@@ -339,3 +341,9 @@ def _symbolic_spec(value: DTensor, proxy: TensorProxy) -> DTensorSpec:
     shape = [size * factor for size, factor in zip(proxy.shape, _shard_factors(value))]
     meta = TensorMeta(torch.Size(shape), contiguous_strides(shape), value.dtype)
     return dataclasses.replace(value._spec, tensor_meta=meta)
+
+
+def _library_class_in(cls: type) -> bool:
+    """Whether a library class (``nn.LSTM``) is among ``cls`` and its bases up to ``nn.Module``."""
+    mro = cls.__mro__
+    return any(is_library(klass) for klass in mro[: mro.index(torch.nn.Module)])
