@@ -1591,3 +1591,26 @@ def test_torchscript_modules_are_refused_clearly(make):
         dtcompile.jit(scripted)
     with pytest.raises(dtcompile.TracingError, match="TorchScript module"):
         dtcompile.jit(lambda x: scripted(x) * 2)(torch.randn(2, 4))
+
+
+class _MockConfigured(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        from unittest import mock
+
+        self.cfg, self.flags = mock.MagicMock(), mock.NonCallableMock()
+        self.cfg.scale, self.flags.shift = 1.0, False
+
+    def forward(self, x):
+        return x * self.cfg.scale + (1 if self.flags.shift else 0)
+
+
+def test_what_the_code_set_on_a_mock_config_is_guarded():
+    """A unit test's fake config: what was set on it is read as a config's attributes."""
+    model = _MockConfigured()
+    jitted = dtcompile.jit(model)
+    for scale, shift in ((1.0, False), (3.0, False), (3.0, True)):
+        model.cfg.scale, model.flags.shift = scale, shift
+        x = torch.ones(2)
+        with torch.no_grad():
+            assert_same_tensor(jitted(x), x * scale + (1 if shift else 0))

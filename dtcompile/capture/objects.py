@@ -56,7 +56,7 @@ def guarded_items(value: object) -> list[tuple[dict, str, object]]:
     but a GradScaler's per-optimizer stages, which only its step methods read (a compiled
     call does not run them; a change inside is refused) and ``update()`` replaces at each
     step: guarded, every step would compile anew."""
-    items = [(vars(value), name, item) for name, item in vars(value).items()]
+    items = [(vars(value), name, item) for name, item in object_state(value).items() if name in vars(value)]
     if isinstance(value, torch.amp.GradScaler):
         items = [i for i in items if i[1] != "_per_optimizer_states"]
     return items
@@ -79,6 +79,8 @@ def is_state_object(value: object) -> bool:
 def object_state(value: object) -> dict:
     """An object's attributes: its ``__dict__`` and the values in its ``__slots__``."""
     state = dict(getattr(value, "__dict__", None) or {})
+    if makes_attributes(value):  # what the code set on it (``cfg.scale = 2.0``): not the mock's own
+        return {k: v for k, v in state.items() if not k.startswith("_") and not makes_attributes(v)}
     for name in slot_names(type(value)):
         if hasattr(value, name):
             state.setdefault(name, getattr(value, name))
@@ -110,9 +112,9 @@ def is_rebuildable_object(value: object) -> bool:
 
 
 def makes_attributes(value: object) -> bool:
-    """A ``unittest.mock`` mock (a logger mocked in a test): any attribute asked for, of it
-    or of its class, is made then, so walking what it holds never ends, and reading it
-    changes it. Held by identity, not followed."""
+    """A ``unittest.mock`` mock (a logger mocked in a test, a config): any attribute asked
+    for, of it or of its class, is made then, so walking what it holds never ended, and
+    reading it changes it. Only what the code set on it is its state (:func:`object_state`)."""
     mock = sys.modules.get("unittest.mock")
     return mock is not None and isinstance(value, mock.NonCallableMock)
 
@@ -166,9 +168,9 @@ def attribute_holder(value: object) -> bool:
     ``lru_cache`` wrapper and the function it wraps), one of torch's whose state is the
     user's (``TORCH_USER_STATE``: an optimizer); not one of dtcompile's own."""
     module = type(value).__module__
-    if (module.startswith("dtcompile.") and not module.startswith("dtcompile.testing")) or makes_attributes(value):
-        return False  # a compiled function's state; a mock
-    if plain_object(value) or (slot_names(type(value)) and is_rebuildable_object(value)):
+    if module.startswith("dtcompile.") and not module.startswith("dtcompile.testing"):
+        return False  # a compiled function's state
+    if plain_object(value) or makes_attributes(value) or (slot_names(type(value)) and is_rebuildable_object(value)):
         return True
     if isinstance(value, (*TORCH_USER_STATE, enum.Enum)):  # (an enum member's attributes: per-member config)
         return isinstance(attribute_or_none(value, "__dict__"), dict)

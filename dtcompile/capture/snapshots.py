@@ -41,7 +41,7 @@ def _state(value: object) -> tuple | None:
     if kind is not None:
         return kind(value)
     if makes_attributes(value):
-        return None
+        return ("object", list(object_state(value).items()))
     if isinstance(value, list):
         return ("list", list(value))
     if isinstance(value, collections.deque):
