@@ -9,6 +9,7 @@ import sys
 import types
 from dataclasses import dataclass
 
+import numpy
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1614,3 +1615,38 @@ def test_what_the_code_set_on_a_mock_config_is_guarded():
         x = torch.ones(2)
         with torch.no_grad():
             assert_same_tensor(jitted(x), x * scale + (1 if shift else 0))
+
+
+class _HoldsOddValues(torch.nn.Module):
+    """A dict tree with parent links, a list holding itself, a 0-d NumPy array, a weak
+    proxy to a config: each raised an internal error (recursion, ``len()`` of an unsized
+    object, a ``__class__`` assignment) where eager runs."""
+
+    def __init__(self, config):
+        super().__init__()
+        import weakref
+
+        tree = {"scale": 2.0, "children": []}
+        tree["children"].append({"parent": tree})
+        loop = [1.0]
+        loop.append(loop)
+        self.tree, self.loop, self.zero_d, self.config = tree, loop, numpy.array(3.0), weakref.proxy(config)
+
+    def forward(self, x):
+        return x * self.tree["scale"] * float(self.zero_d) * self.config.shift
+
+
+class _Shift:
+    shift = 1.0
+
+
+def test_self_holding_containers_zero_d_arrays_and_weak_proxies():
+    config = _Shift()
+    model = _HoldsOddValues(config)
+    jitted = dtcompile.jit(model)
+    for scale, zero_d, shift in ((2.0, 3.0, 1.0), (5.0, 3.0, 1.0), (5.0, 4.0, 1.0), (5.0, 4.0, 0.5)):
+        model.tree["scale"], config.shift = scale, shift
+        model.zero_d[()] = zero_d
+        x = torch.ones(2)
+        with torch.no_grad():
+            assert_same_tensor(jitted(x), x * scale * zero_d * shift)

@@ -64,7 +64,7 @@ def put_back_cached(swapped: list) -> None:
 
 
 def _user_cached(value) -> bool:
-    return isinstance(value, functools._lru_cache_wrapper) and not is_library(getattr(value, "__wrapped__", value))
+    return issubclass(type(value), functools._lru_cache_wrapper) and not is_library(value.__wrapped__)
 
 
 def _stand_in(cached, python_state, where: str):

@@ -111,6 +111,20 @@ def is_rebuildable_object(value: object) -> bool:
     return not type(value).__module__.startswith("torch")
 
 
+WEAK_PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
+
+
+def referent(value: object) -> object:
+    """What a ``weakref.proxy`` refers to (None once it is dead: a dead one raises at any
+    use); any other value itself."""
+    if type(value) in WEAK_PROXIES:
+        try:
+            return value.__init__.__self__
+        except ReferenceError:
+            return None
+    return value
+
+
 def makes_attributes(value: object) -> bool:
     """A ``unittest.mock`` mock (a logger mocked in a test, a config): any attribute asked
     for, of it or of its class, is made then, so walking what it holds never ended, and

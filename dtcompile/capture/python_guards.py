@@ -28,6 +28,8 @@ class AfterTracing:
         changed = [read for read in self.reads if not read.contents and not read.unchanged()]
         for read in changed:
             klass = self._classes.get(id(read.holder))
+            if read.key is None and isinstance(getattr(type(read.holder), read.attribute, None), property):
+                continue  # (what a cached function returns: evicted by the call's own calls, it cannot be)
             if read.key is None:
                 setattr(read.holder, read.attribute, read.value)
             elif klass is not None:  # through the class, so that its method caches see it

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.torch_internals import dict_version
-from .objects import attribute_or_none
+from .objects import WEAK_PROXIES, attribute_or_none
 
 ABSENT = object()  # what a read of a missing name gives
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
@@ -38,15 +38,24 @@ def value_key(value: object) -> object:
     item (``(1,)`` differs from ``(1.0,)``), containers by what they hold now (a copy, so
     that a change in place shows)."""
     kind = type(value)
-    if kind is tuple or kind is list:
-        return (kind, tuple(map(value_key, value)))
     if kind is float or kind is complex:
         return (kind, repr(value))
     if kind in _SCALARS:
         return (kind, value)
-    if kind is dict:
-        return (dict, tuple((value_key(k), value_key(v)) for k, v in value.items()))
-    return _container_key(value)
+    if id(value) in _KEYING:  # a container holding itself (a tree's parent links): by identity there
+        return (kind, _Same(value))
+    _KEYING.add(id(value))
+    try:
+        if kind is tuple or kind is list:
+            return (kind, tuple(map(value_key, value)))
+        if kind is dict:
+            return (dict, tuple((value_key(k), value_key(v)) for k, v in value.items()))
+        return _container_key(value)
+    finally:
+        _KEYING.discard(id(value))
+
+
+_KEYING: set[int] = set()  # the ids of the values being keyed, outermost first
 
 
 def _container_key(value: object) -> object:
@@ -132,6 +141,8 @@ def contents_guarded(value: object) -> bool:
     sets and deques of any class and size (a table of activation functions, a list of
     config objects, an ``OrderedDict`` of settings), tuples holding such or objects,
     bytearrays, arrays and NumPy arrays of numbers: an item replaced in place is seen."""
+    if type(value) in WEAK_PROXIES:  # (guarded by identity; what it refers to is followed)
+        return False
     if _numeric_array(value) or isinstance(value, (bytearray, array.array)) or raw_memory(value):
         return True
     if type(value) is tuple:

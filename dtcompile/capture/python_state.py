@@ -9,8 +9,7 @@ Exact read tracking is not possible in Python (module ``__dict__`` lookups bypas
 hook), so what is guarded is what the code *can* read, found before tracing:
 
 - **Code.** The traced function (or the module tree's classes' methods and hooks) and the
-  user functions, classes and Python modules these name, recursively. Library code
-  (torch, transformers, dtcompile, the standard library, site-packages) is not followed.
+  user code these name, recursively; not library code (torch, the stdlib, site-packages).
 - **Globals** each such function's code loads (``LOAD_GLOBAL`` in its bytecode, nested
   functions and lambdas included), from its ``__globals__`` (one absent there, a builtin
   or a name not defined yet, is guarded as absent); the **closure cells** it holds; its
@@ -78,7 +77,7 @@ import torch
 
 from .data_parallel import refuse_torchscript
 from .input_nodes import ObjectInput, iter_nodes
-from .objects import attribute_holder, attribute_or_none, dict_view, guarded_items, read_through, slot_names
+from .objects import attribute_holder, attribute_or_none, dict_view, guarded_items, read_through, referent, slot_names
 from .python_guards import AfterTracing
 from .python_reads import ABSENT, Read, by_value, contents_guarded, raw_memory, value_key
 from .user_code import class_namespace, code_names, is_library
@@ -164,8 +163,8 @@ class PythonState(AfterTracing):
                         if isinstance(value, torch.Tensor):
                             self.follow(value, f"{name!r} of {owner}")
             for name, value in vars(module).items():
-                if name in _MODULE_TABLES or isinstance(value, (torch.Tensor, torch.nn.Module)):
-                    continue
+                if name in _MODULE_TABLES or issubclass(type(value), (torch.Tensor, torch.nn.Module)):
+                    continue  # (by type: a dead weak proxy raises at isinstance)
                 where = f"attribute {name!r} of {owner}"
                 self._read(vars(module), name, value, where)
                 self.follow(value, where)
@@ -190,6 +189,7 @@ class PythonState(AfterTracing):
         """What reading ``value`` lets the code read further: a user function's globals and
         cells, a user class's methods, a plain object's attributes, a container's items, what
         those hold in turn (``self.config.attention.rope.theta``), a Python module's ``names``."""
+        value = referent(value)  # (through a weak proxy)
         if id(value) in self._walked or by_value(value) or isinstance(value, _NOT_FOLLOWED):
             return
         self._held.append(value)

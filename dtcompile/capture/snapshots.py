@@ -24,7 +24,7 @@ import torch
 from ..core import TensorProxy, TracingError
 from ..core.torch_internals import dispatch_modes_off, saved_tensors_hooks
 from .around_ops import user_function_modes, user_global_hook_functions
-from .objects import TORCH_USER_STATE, is_rebuildable_object, makes_attributes, object_state, read_through
+from .objects import TORCH_USER_STATE, is_rebuildable_object, makes_attributes, object_state, read_through, referent
 from .python_reads import memory_copy, raw_memory, value_key
 from .user_code import is_library
 
@@ -168,18 +168,20 @@ def _path(path) -> str:
 def _same(a: tuple, b: tuple) -> bool:
     """Whether two states hold the same things: equal keys, and the very same objects."""
     (kind, items), (other_kind, other_items) = a, b
-    if kind != other_kind or len(items) != len(other_items):
+    if kind != other_kind:
         return False
-    if kind in ("set", "iterator", "random"):
-        return items == other_items
-    if kind == "buffer":  # the same bytes
-        return bytes(items) == bytes(other_items)
-    if kind == "array":  # the same numbers, bit for bit
+    if kind == "array":  # the same numbers, bit for bit (a 0-d one has no length)
         return (
             items.shape == other_items.shape
             and items.dtype == other_items.dtype
             and items.tobytes() == other_items.tobytes()
         )
+    if len(items) != len(other_items):
+        return False
+    if kind in ("set", "iterator", "random"):
+        return items == other_items
+    if kind == "buffer":  # the same bytes
+        return bytes(items) == bytes(other_items)
     if kind in ("list", "deque"):
         return all(x is y for x, y in zip(items, other_items))
     return all(_same_key(k, j) and x is y for (k, x), (j, y) in zip(items, other_items))
@@ -206,6 +208,7 @@ class DataSnapshot:
 
     def add(self, value: object, path, depth: int = 3) -> None:
         """Record ``value`` (found at ``path``) and what it holds, ``depth`` levels down."""
+        value = referent(value)  # (through a weak proxy)
         if type(value) in _PLAIN_DICTS and not value:
             self._empty.append((value, path))
             return

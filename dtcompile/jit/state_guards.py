@@ -364,6 +364,8 @@ def _containers(value: object, found: list, dicts: list) -> bool:
     array, a bytearray, a ``defaultdict``'s factory, a list subclass's attributes). Tensors,
     and objects whose attributes are guarded apart, are pinned by their identity."""
     kind = type(value)
+    if id(value) in _WALKING:  # (a container holding itself: covered where it was met first)
+        return True
     if kind is dict or kind is collections.OrderedDict:
         found += (value.keys(), value.values())
         dicts.append(value if kind is dict or len(value) < 2 else None)  # (``move_to_end``)
@@ -380,4 +382,11 @@ def _containers(value: object, found: list, dicts: list) -> bool:
             or isinstance(value, (list, tuple, dict, set, collections.deque, bytearray, array.array, MappingProxyType))
             or raw_memory(value)  # (a memoryview, a ctypes object)
         )
-    return all(_containers(item, found, dicts) for item in items)
+    _WALKING.add(id(value))
+    try:
+        return all(_containers(item, found, dicts) for item in items)
+    finally:
+        _WALKING.discard(id(value))
+
+
+_WALKING: set[int] = set()
