@@ -84,3 +84,53 @@ def test_a_hugging_face_attention_registered_by_name_reads_and_registration_are_
                 assert torch.equal(jitted(ids).logits, model(ids).logits)
     finally:
         SOFTCAP = None
+
+
+class _Weighted:
+    def __init__(self):
+        self.beta = 1.0
+
+    def kl(self, p, q):
+        return self.beta * (p.loc - q.loc) ** 2
+
+
+class _Scaled(Normal):
+    pass
+
+
+def _scaled_kl_loss(x):
+    return kl_divergence(_Scaled(x, 1.0), _Scaled(torch.zeros_like(x), 1.0)).sum()
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_method_registered_with_a_library_reads_its_objects_attributes(cache):
+    weighted = _Weighted()
+    register_kl(_Scaled, _Scaled)(weighted.kl)
+    jitted = dtcompile.jit(_scaled_kl_loss, cache=cache)
+    for beta in (1.0, 2.0, 5.0):
+        weighted.beta = beta
+        x = torch.arange(3.0)
+        assert torch.equal(jitted(x), _scaled_kl_loss(x))
+
+
+KL_LOG = []
+
+
+class _Logged(Normal):
+    pass
+
+
+@register_kl(_Logged, _Logged)
+def _logging_kl(p, q):
+    out = (p.loc - q.loc) ** 2
+    KL_LOG.append(out.detach())  # once per eager call; a compiled call would append once, while tracing
+    return out
+
+
+def test_what_a_function_a_library_calls_changes_is_refused_and_put_back():
+    def loss(x):
+        return kl_divergence(_Logged(x, 1.0), _Logged(torch.zeros_like(x), 1.0)).sum()
+
+    with pytest.raises(dtcompile.TracingError, match="KL_LOG"):
+        dtcompile.jit(loss)(torch.arange(3.0))
+    assert KL_LOG == []  # (not a traced tensor left in it)

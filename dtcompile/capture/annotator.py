@@ -172,7 +172,15 @@ class CallAnnotator(TorchFunctionMode):
         self.recording = recording
         self.memo = OpMemo(recording, memo)
         self.in_backward = 0  # inside torch.autograd.grad (closed_over.grad_under)
-        self.code_ran = recording.code_ran = CodeRan(sys._getframe(1))  # (read after tracing: ``python_guards``)
+        self.code_ran = recording.code_ran = CodeRan(
+            sys._getframe(1), self._entry_met
+        )  # (read after tracing: ``python_guards``)
+
+    def _entry_met(self, frame) -> None:
+        """User code that library code called (``code_ran.py``): what it can change is
+        snapshotted, as a hook's is."""
+        if self.recording.snapshot is not None:
+            self.recording.snapshot.add_frame(frame, f"{frame.f_code.co_qualname}, which library code called")
 
     def __enter__(self):
         self._entry_points = closed_over.stand_ins_at_entry_points(self.recording)

@@ -10,8 +10,11 @@ While tracing, the annotator hands :meth:`CodeRan.note` the frame of each torch-
 the frames above it are walked up to one walked before (held until the trace ends, so that
 no other frame takes its id; a generator's, which other callers resume, is walked past). A user frame called by library code is an entry. After
 tracing (``python_guards.AfterTracing.code_ran_unfollowed``), each entry's function not
-followed is followed, and the library's table that holds it is guarded by identity: a
-function registered in its place is seen.
+followed is followed (a method's object too), and the library's table that holds it is
+guarded by identity: a function registered in its place is seen. When an entry is first
+met, the data its globals and its method's object hold is snapshotted
+(``snapshots.DataSnapshot.add_frame``), as a hook's is: a change it makes (a statistic
+appended to a global list) would happen once, while tracing, so it is refused.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ _RESUMED = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERA
 
 
 class CodeRan:
-    def __init__(self, tracer_frame):
+    def __init__(self, tracer_frame, on_entry):
         # The tracer's frame, above the traced code: no walk goes past it (the caller's own
         # code, a test function pytest calls, is not the call's).
         self._frames: dict[int, types.FrameType] = {id(tracer_frame): tracer_frame}
+        self._on_entry = on_entry  # (the frame of an entry, when first met)
         self._user: dict[types.CodeType, bool] = {}
         self.entries: dict[types.CodeType, None] = {}  # user code called by library code, in order met
 
@@ -38,8 +42,10 @@ class CodeRan:
         while frame is not None and (id(frame) not in self._frames or frame.f_code.co_flags & _RESUMED):
             self._frames[id(frame)] = frame
             caller = frame.f_back
-            if caller is not None and self._is_user(frame) and not self._is_user(caller):
-                self.entries.setdefault(frame.f_code)
+            if caller is not None and frame.f_code not in self.entries and self._is_user(frame):
+                if not self._is_user(caller):
+                    self.entries[frame.f_code] = None
+                    self._on_entry(frame)
             frame = caller
 
     def _is_user(self, frame) -> bool:
@@ -50,15 +56,19 @@ class CodeRan:
         return known
 
 
-def found_for(code: types.CodeType) -> list[tuple[types.FunctionType, list[tuple[dict, object]]]]:
-    """Each live function whose code is ``code``, with ``(dict, key)`` for each dict (a
-    library's registry, a module's globals) holding it as a value. A search of the whole
-    heap (tens of milliseconds): kept for the next compile, and searched again where what
-    was found no longer holds."""
+def found_for(code: types.CodeType) -> list[tuple[object, list[tuple[dict, object]]]]:
+    """Each live function whose code is ``code``, and each method bound to one (a library
+    table may hold ``obj.forward``), with ``(dict, key)`` for each dict (a library's
+    registry, a module's globals) holding it as a value. A search of the whole heap (tens
+    of milliseconds): kept for the next compile, and searched again where what was found
+    no longer holds."""
     found = _FOUND.get(code)
-    if found is None or not all(f.__code__ is code and all(t.get(k) is f for t, k in tables) for f, tables in found):
+    if found is None or not all(all(t.get(k) is f for t, k in tables) for f, tables in found):
         functions = [f for f in gc.get_referrers(code) if isinstance(f, types.FunctionType) and f.__code__ is code]
-        found = _FOUND[code] = [(f, _tables_holding(f)) for f in functions]
+        methods = [
+            m for f in functions for m in gc.get_referrers(f) if isinstance(m, types.MethodType) and m.__func__ is f
+        ]
+        found = _FOUND[code] = [(f, _tables_holding(f)) for f in functions + methods]
     return found
 
 

@@ -274,6 +274,16 @@ class DataSnapshot:
             if name in names:
                 self.add(names[name], f"{name!r} (a global of {path})", depth=2)
 
+    def add_frame(self, frame, path: str) -> None:
+        """What a running user function can change: the globals its code names, and, in a
+        method, its object (``add_callable`` for a function known before the call)."""
+        code, names = frame.f_code, frame.f_globals
+        for name in code.co_names:
+            if name in names:
+                self.add(names[name], f"{name!r} (a global of {path})", depth=2)
+        if code.co_argcount and code.co_varnames[0] == "self":
+            self.add(frame.f_locals.get("self"), f"the object of {path}")
+
     def values(self) -> list:
         """The values recorded (reached from the roots before the trace)."""
         return [value for value, _, _ in self._taken.values()]
