@@ -217,7 +217,7 @@ class CompiledFunction:
         return result, CallTimes(guarded - start, computed - guarded, done - computed)
 
     def compile(self, args: tuple, kwargs: dict) -> CacheEntry:
-        agreement = RankAgreement(self.identity, self.name, args, kwargs, self.module)
+        agreement = RankAgreement(self.identity, self.name, args, kwargs, self.module, self)
         if self.calls_checked:
             post_miss(self.identity)
         try:
@@ -225,7 +225,7 @@ class CompiledFunction:
                 try:
                     return self._compile(args, kwargs, agreement, self.symbolic)
                 except GuardsDiffer:  # every rank: its sizes as they are, so that all judge alike
-                    agreement = RankAgreement(self.identity, self.name, args, kwargs, self.module)
+                    agreement = RankAgreement(self.identity, self.name, args, kwargs, self.module, self)
                     return self._compile(args, kwargs, agreement, False)
         except BaseException as error:
             agreement.report_failure(error)  # the ranks compiling with this one raise now

@@ -33,8 +33,11 @@ def _multi_process() -> bool:
 class RankAgreement:
     """The check of one compilation of the code named ``identity`` (see identity.py)."""
 
-    def __init__(self, identity: str, what: str, args: tuple, kwargs: dict, module):
+    def __init__(self, identity: str, what: str, args: tuple, kwargs: dict, module, compiled=None):
         self.identity = identity
+        # The sequences of collectives the ranks agreed on for this compiled function (not
+        # for its code: another jit of it, under other options, compiles other programs).
+        self.agreed = vars(compiled).setdefault("agreed_sequences", AgreedSequences()) if compiled else None
         self.what = what
         self.signature = input_signature(args, kwargs, module) if _multi_process() else []
         self.key: str | None = None  # taken by the exchange, a meeting or the failure report
@@ -98,9 +101,9 @@ class RankAgreement:
             for i, trace in enumerate(traces)
             for c in collective_lines(trace, labels)
         ]
-        alone = _alone_key(self.identity, collectives) if not guards and not calls_checked() else None
-        if alone in _AGREED_ALONE:  # (no key taken: the ranks' next compilation together keeps its number)
-            return _AGREED_ALONE[alone]
+        alone = _sequence(collectives) if self.agreed is not None and not guards and not calls_checked() else None
+        if self.agreed is not None and self.agreed.alone(alone) is not None:
+            return self.agreed.alone(alone)  # (no key taken: the ranks' next compilation together keeps its number)
         inputs = [_INPUTS + " " + line for line in self.signature]
         common = [*inputs, *(_PROGRAM + " " + c.line for c in collectives)]
         sized: dict[tuple[int, ...], list[str]] = defaultdict(list)  # group -> its collectives with shapes
@@ -114,7 +117,8 @@ class RankAgreement:
             if len({v.partition(_GUARDS)[2] for v in posted.values()}) > 1:
                 raise GuardsDiffer(self.what)
             agreed = ranks, _digest([f"{r} {v}" for r, v in sorted(hashes.items())])
-            _agree_alone(self.identity, alone, agreed)
+            if self.agreed is not None and alone is not None:
+                self.agreed.add(alone, agreed)
             return agreed
         text = "\n".join(
             [*inputs, *(f"{_PROGRAM} {c.line}\t{c.sized}\t{_ranks_text(c.group or ranks)}" for c in collectives)]
@@ -171,28 +175,28 @@ class RankAgreement:
         return None
 
 
-# A later compilation that one rank makes alone (its batch of another length, which the
-# others' cached entries took) needs no meeting where its collectives, with their shapes,
-# are those of every program of that code the ranks agreed on so far: whatever entry the
-# others run, its collectives pair with this one's. Keyed by the code and that sequence;
-# only while the ranks agreed on one sequence for the code (another: a meeting each time).
-_AGREED_ALONE: dict[tuple[str, str], tuple] = {}
-_SEQUENCES: dict[str, set[str]] = defaultdict(set)
+class AgreedSequences:
+    """A later compilation that one rank makes alone (its batch of another length, which
+    the others' cached entries took) needs no meeting where its collectives, with their
+    shapes, are those of every program of the function the ranks agreed on so far:
+    whatever entry the others run, its collectives pair with this one's. Only while the
+    ranks agreed on one sequence (another: a meeting each time)."""
+
+    def __init__(self):
+        self.sequences: dict[str, tuple] = {}  # each agreed sequence -> its (ranks, digest)
+
+    def add(self, sequence: str, agreed: tuple) -> None:
+        self.sequences[sequence] = agreed
+
+    def alone(self, sequence: str | None) -> tuple | None:
+        """The ``(ranks, digest)`` to keep where ``sequence`` may be compiled alone."""
+        if sequence is None or len(self.sequences) != 1:
+            return None
+        return self.sequences.get(sequence)
 
 
-def _alone_key(identity: str, collectives: list) -> tuple[str, str]:
-    return identity, _digest([f"{c.line}\t{c.sized}\t{c.group}" for c in collectives])
-
-
-def _agree_alone(identity: str, key: tuple[str, str] | None, agreed: tuple) -> None:
-    if key is None:
-        return
-    _SEQUENCES[identity].add(key[1])
-    if len(_SEQUENCES[identity]) == 1:
-        _AGREED_ALONE[key] = agreed
-    else:
-        for sequence in _SEQUENCES[identity]:
-            _AGREED_ALONE.pop((identity, sequence), None)
+def _sequence(collectives: list) -> str:
+    return _digest([f"{c.line}\t{c.sized}\t{c.group}" for c in collectives])
 
 
 def _digest(lines: list[str]) -> str:
