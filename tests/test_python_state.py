@@ -1650,3 +1650,56 @@ def test_self_holding_containers_zero_d_arrays_and_weak_proxies():
         x = torch.ones(2)
         with torch.no_grad():
             assert_same_tensor(jitted(x), x * scale * zero_d * shift)
+
+
+class _HoldsWeakProxy(torch.nn.Module):
+    """A weak proxy to a helper, alone and in a list, that the forward reads only while
+    its object lives (eager's ``ReferenceError`` caught): a dead one raised an internal
+    ``ReferenceError`` at any ``isinstance`` of it while tracing, where eager runs."""
+
+    def __init__(self, helper):
+        super().__init__()
+        import weakref
+
+        self.lin = torch.nn.Linear(3, 3)
+        self.helper, self.helpers = weakref.proxy(helper), [weakref.proxy(helper), weakref.proxy(print)]
+
+    def forward(self, x, options):
+        try:
+            scale = self.helper.scale * options.helper.scale
+        except ReferenceError:
+            scale = 0.5
+        return self.lin(x) * scale
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_weak_proxies_that_die_between_calls(cache, grad):
+    import weakref
+
+    helper = _Shift()
+    helper.scale = 3.0
+    model = _HoldsWeakProxy(helper)
+    jitted = dtcompile.jit(model, cache=cache)
+    options = types.SimpleNamespace(helper=weakref.proxy(helper))
+    for step in range(4):
+        if step == 1:
+            helper.scale = 4.0  # (read through both proxies)
+        if step == 2:
+            del helper  # every proxy dies: the forward takes the other branch, as eager does
+        x = torch.randn(step + 2, 3, requires_grad=grad)
+        with torch.set_grad_enabled(grad):  # (this file's tests run under no_grad)
+            out, expected = jitted(x, options), model(x, options)
+            assert_same_tensor(out, expected)
+            if grad:
+                (g,) = torch.autograd.grad(out.sum(), x)
+                (e,) = torch.autograd.grad(expected.sum(), x)
+                assert_same_tensor(g, e)
+
+
+def test_a_weak_proxy_to_a_tensor_as_input_is_refused():
+    import weakref
+
+    x = torch.ones(2)
+    with pytest.raises(dtcompile.UnsupportedInputError, match=r"args\[0\] is a weak proxy to a tensor"):
+        dtcompile.jit(lambda t: t * 2)(weakref.proxy(x))

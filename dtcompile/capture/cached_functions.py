@@ -42,12 +42,14 @@ def cached_stand_ins(python_state) -> list[tuple]:
             elif read.key is None:
                 swapped.append((read.holder, read.attribute, value))
                 setattr(read.holder, read.attribute, stand_in)
-        elif isinstance(value, (list, dict)):  # (``fns[0](3)``, ``table["mask"](n)``)
+        elif issubclass(
+            type(value), (list, dict)
+        ):  # (``fns[0](3)``, ``table["mask"](n)``; ``type``: a dead weak proxy raises at ``isinstance``)
             for key, item in list(value.items() if isinstance(value, dict) else enumerate(value)):
                 if _user_cached(item):
                     swapped.append((value, key, item))
                     value[key] = _stand_in(item, python_state, f"{read.where}[{key!r}]")
-        elif isinstance(value, tuple) and read.key is None and read.attribute == "__defaults__":
+        elif type(value) is tuple and read.key is None and read.attribute == "__defaults__":
             if any(map(_user_cached, value)):  # (``def f(x, mk=mk)``)
                 swapped.append((read.holder, read.attribute, value))
                 made = (_stand_in(v, python_state, f"{read.where}, a default") if _user_cached(v) else v for v in value)

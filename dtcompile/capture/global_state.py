@@ -172,7 +172,7 @@ def generators_made(constants: dict, snapshot, reads: list) -> list[str]:
     forward (``torch.Generator()``), which the program would draw from at every call where
     eager makes a new one."""
     known = [torch.default_generator, *(torch.cuda.default_generators if torch.cuda.is_initialized() else ())]
-    known += [read.value for read in reads if isinstance(read.value, torch.Generator)]
+    known += [read.value for read in reads if issubclass(type(read.value), torch.Generator)]
     known += [value for value in snapshot.values() if isinstance(value, torch.Generator)]
     with torch._C.DisableTorchFunction(), dispatch_modes_off():
         return [

@@ -36,7 +36,7 @@ from .input_nodes import (
     SequenceInput,
     TensorInput,
 )
-from .objects import StateObjects, is_state_object, new_stand_in, optimizer_table
+from .objects import WEAK_PROXIES, StateObjects, is_state_object, new_stand_in, optimizer_table, referent
 from .placements import same_spec
 from .recorder import Recording
 from .tensor_attributes import carry_attributes
@@ -168,6 +168,10 @@ class InputProxifier:
 
     def proxify(self, value: object, path: InputPath, name_hint: str) -> tuple[object, InputNode]:
         dynamic = self.symbolic and path.root in ("args", "kwargs")
+        if type(value) in WEAK_PROXIES:  # guarded as that very proxy; its object read as any the code reaches
+            if issubclass(type(referent(value)), torch.Tensor):
+                raise UnsupportedInputError(f"dtcompile.jit: {path} is a weak proxy to a tensor; pass the tensor")
+            return value, ConstantInput(path, value)
         if isinstance(value, torch.Tensor) and id(value) in self._tensors:
             return self._seen(value, path)
         if isinstance(value, DTensor):

@@ -89,7 +89,7 @@ class ModuleState:
             for name in _TABLES:
                 table = _table(module, name)
                 for key, value in list(table.items()):
-                    if isinstance(value, torch.Tensor) and id(value) in self.proxies:
+                    if id(value) in self.proxies:  # (tensors only: the keys are tensors' ids)
                         table[key] = stand_in = self.proxies[id(value)]
                         if isinstance(value, torch.nn.Parameter):
                             self._parameter_stand_ins.setdefault(id(stand_in), (stand_in, module, name, key))
