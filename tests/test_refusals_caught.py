@@ -314,3 +314,16 @@ def test_a_view_taken_under_no_grad_and_returned_from_a_call_with_gradients_is_r
     _view_under_no_grad(x, written)  # eager runs
     with pytest.raises(TracingError, match="a view of a tensor that requires grad, taken under torch.no_grad"):
         dtcompile.jit(_view_under_no_grad, cache=cache)(torch.ones(4, 5, requires_grad=True), written)
+
+
+def _same_memory(x, y):
+    return x * 2 if x.data_ptr() == y.data_ptr() else x + y
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_data_ptr_is_refused_as_an_address_not_as_values(cache):
+    """``data_ptr()`` reads no values: the refusal says what it reads."""
+    x = torch.randn(3)
+    with pytest.raises(TracingError, match=r"Tensor.data_ptr of a traced tensor: its memory address") as raised:
+        dtcompile.jit(_same_memory, cache=cache)(x, x.clone())
+    assert "depends on the values" not in str(raised.value)

@@ -115,4 +115,10 @@ def data_read_refusal(call: str, func, args: tuple, kwargs: dict) -> BaseExcepti
     tensor that requires grad: code may catch it and go on, as eager's does), else a refusal."""
     if func is torch.Tensor.numpy and args[0].requires_grad and not kwargs.get("force", args[1:2] == (True,)):
         return RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
+    if func is torch.Tensor.data_ptr:  # (an address, not the values: the message above would mislead)
+        return TracingError(
+            f"dtcompile.jit: {call} of a traced tensor: its memory address differs from call to call, so code "
+            "using it cannot be compiled (whether two inputs share memory is guarded: compare the tensors "
+            "themselves, or compile the code after the check)"
+        )
     return data_dependent_error(call, "the data leaves torch")
