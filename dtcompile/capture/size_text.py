@@ -131,6 +131,8 @@ def _exact_float_arithmetic():
     saved = {name: vars(cls)[name] for name in methods if name in vars(cls)}
     for name, original in saved.items():
         setattr(cls, name, _exact(original, *methods[name]))
+    int_pow = vars(torch.SymInt)["__pow__"]
+    torch.SymInt.__pow__ = _negative_power(int_pow)
     guards = {name: vars(SymNode)[name] for name in ("guard_int", "guard_bool", "guard_float", "expect_true")}
     for name, original in guards.items():
         setattr(SymNode, name, _nonzero(_signed(original) if name == "guard_float" else original))
@@ -139,6 +141,7 @@ def _exact_float_arithmetic():
     finally:
         for name, original in saved.items():
             setattr(cls, name, original)
+        torch.SymInt.__pow__ = int_pow
         for name, original in guards.items():
             setattr(SymNode, name, original)
 
@@ -164,6 +167,18 @@ def _exact(original, op, reflected: bool):
             )
         folded(shape_env).update(lost)
         return result
+
+    return method
+
+
+def _negative_power(original):
+    """A SymInt to a negative whole power, from the user's code: a float, as Python computes
+    it, for a negative base too (torch's own asks that the base is not negative)."""
+
+    def method(self, other):
+        if type(other) is int and other < 0 and _from_user_code():
+            return _in_python_order(self, operator.pow, self, other)
+        return original(self, other)
 
     return method
 
@@ -197,9 +212,13 @@ def _signed(original):  # float(k), and torch.tensor(k) from C++: -0.0 read from
 
 def _in_python_order(self, op, a, b):
     """``a op b`` as one float operation (``symbolic.python_float``) where it has symbols;
-    None where sympy's own is kept (comparisons, ``//``, ``%``, ``**``, a literal 0 divisor)."""
-    if op.__name__ not in ("add", "sub", "mul", "truediv") or not (_free_symbols(a) or _free_symbols(b)):
+    None where sympy's own is kept (comparisons, ``//``, ``%``, ``**`` but a data float's to a
+    whole number, a literal 0 divisor)."""
+    if op.__name__ not in ("add", "sub", "mul", "truediv", "pow") or not (_free_symbols(a) or _free_symbols(b)):
         return None
+    data_base = _data_floats(a) or (isinstance(a, torch.SymInt) and type(b) is int and b < 0)  # (``n ** -1``)
+    if op is operator.pow and not (data_base and type(b) in (int, float) and float(b).is_integer()):
+        return None  # (a fractional power of a negative float is complex: torch's own, which asks a >= 0)
     if op is operator.truediv and not isinstance(b, _SYMBOLIC) and b == 0:
         return None  # sympy's own error, as eager raises ZeroDivisionError
     if not all(isinstance(x, (torch.SymInt, torch.SymFloat, int, float)) and not isinstance(x, bool) for x in (a, b)):

@@ -157,7 +157,7 @@ class Then(sympy.logic.boolalg.BooleanFunction):
         return None
 
 
-_OPERATIONS = {"+": operator.add, "*": operator.mul, "/": operator.truediv}
+_OPERATIONS = {"+": operator.add, "*": operator.mul, "/": operator.truediv, "**": operator.pow}
 
 
 class _PythonFloat(sympy.Function):
@@ -188,20 +188,28 @@ class PythonTrueDiv(_PythonFloat):
     _torch_handler_name, python = "truediv", "/"
 
 
+class PythonPow(_PythonFloat):
+    """``a ** k`` of a float, ``k`` a whole number: defined for a negative ``a`` too, as in
+    Python (torch's own asks ``a >= 0``, for a fractional ``k`` would make it complex)."""
+
+    _torch_handler_name, python = "pow", "**"
+
+
 def python_float(op: str, a, b):
-    """``a op b`` (``op``: add, sub, mul, truediv) on sympy expressions, as Python's floats
-    compute it; ``a - b`` is ``a + (-b)``, which is exact in floats too."""
+    """``a op b`` (``op``: add, sub, mul, truediv, pow by a whole number) on sympy
+    expressions, as Python's floats compute it; ``a - b`` is ``a + (-b)``, which is exact in
+    floats too."""
     if op == "sub":
         op, b = "add", -b
-    return {"add": PythonAdd, "mul": PythonMul, "truediv": PythonTrueDiv}[op](a, b)
+    return {"add": PythonAdd, "mul": PythonMul, "truediv": PythonTrueDiv, "pow": PythonPow}[op](a, b)
 
 
 class _Printer(PythonPrinter):
     def _print__PythonFloat(self, expr) -> str:
         a, b = (self._print(arg) for arg in expr.args)
-        return f"({a} {expr.python} {b})"
+        return f"(({a}) {expr.python} ({b}))"  # (each side whole: ``w / -v`` printed ``w / (-1)*v`` was ``-w * v``)
 
-    _print_PythonAdd = _print_PythonMul = _print_PythonTrueDiv = _print__PythonFloat
+    _print_PythonAdd = _print_PythonMul = _print_PythonTrueDiv = _print_PythonPow = _print__PythonFloat
 
     def _print_Then(self, expr) -> str:
         return "(" + " and ".join(f"({self._print(a)})" for a in expr.args) + ")"
