@@ -626,3 +626,26 @@ def test_an_op_dtensor_propagates_on_fakes_without_a_fake_kernel_is_refused_clea
     x = distribute_tensor(torch.randn(4, 4), init_device_mesh("cpu", (2,)), [Replicate()])
     with pytest.raises(dtcompile.TracingError, match="cannot take symbolic sizes"):
         dtcompile.jit(fn, cache="symbolic values")(x)
+
+
+def test_a_checkpoint_around_a_compiled_tp_block_runs_as_eagers(fake_world):
+    """A non-reentrant checkpoint around a compiled TP block whose norm takes the call's
+    input raised autograd's "backward through the graph a second time" (its recompute ran
+    on the real inputs while the backward was traced). The fake group's collectives do
+    nothing, in eager's run as in the compiled one."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.utils.checkpoint import checkpoint
+
+    fake_world(2)
+    mesh = init_device_mesh("cpu", (2,))
+    grads = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(torch.nn.RMSNorm(4), torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+        block = parallelize_module(block, mesh, {"1": ColwiseParallel(), "2": RowwiseParallel()})
+        called = dtcompile.jit(block) if compiled else block
+        x = torch.randn(3, 4, requires_grad=True)
+        checkpoint(called, x, use_reentrant=False).sum().backward()
+        grads.append([x.grad, block[0].weight.grad, block[1].weight.grad.to_local()])
+    for got, expected in zip(grads[1], grads[0]):
+        assert torch.equal(got, expected)

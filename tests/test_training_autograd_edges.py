@@ -629,3 +629,46 @@ def test_a_backward_through_a_memoryless_zero_gradient_compiles(fn, cache):
     x = torch.randn(4, 3, requires_grad=True)
     expected = torch.autograd.grad(fn(x).sum(), x)
     assert_same(torch.autograd.grad(dtcompile.jit(fn, cache=cache)(x).sum(), x), expected)
+
+
+class _NormFirst(torch.nn.Module):
+    """torch's RMSNorm on the call's input (its saved tensors come from several ops), then
+    dropout: what a checkpointed transformer block starts with."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.a, self.b = torch.nn.RMSNorm(4), torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+        self.drop = torch.nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.b(self.drop(torch.tanh(self.a(self.norm(x)))))
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("around", ["the module", "a function calling it"])
+def test_a_checkpoint_around_a_compiled_call_gives_eagers_gradients(cache, around):
+    """``checkpoint(dtcompile.jit(block), x, use_reentrant=False)`` (torchtitan's order):
+    the checkpoint's recompute ran the block on the real inputs while the backward was
+    traced (a raw error under TP, a compile per step here), and dropout inside was refused
+    as a compiled checkpoint's. The call now saves what it saves itself."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    eager = _NormFirst()
+    model = copy.deepcopy(eager)
+    jitted = dtcompile.jit(model, cache=cache)
+
+    def wrapped(block):
+        return block if around == "the module" else (lambda x: block(x) * 2)
+
+    for step in range(3):
+        x = torch.randn(step + 2, 4, requires_grad=True)
+        grads = []
+        for block in (eager, jitted):
+            torch.manual_seed(step)
+            inputs = x.detach().clone().requires_grad_()
+            checkpoint(wrapped(block), inputs, use_reentrant=False).pow(2).sum().backward()
+            grads.append([inputs.grad] + [p.grad for p in (eager if block is eager else model).parameters()])
+        for got, expected in zip(grads[1], grads[0]):
+            assert_same(got, expected)
+    assert dtcompile.cache_misses(jitted) == (1 if cache == "symbolic values" else 3)

@@ -3,9 +3,8 @@
 Per call: run the prologue of each entry, the most recently used first, until one accepts
 the call (a hit), then the entry's program. No entry accepts: trace, run the passes, lower
 onto the executors, check that the ranks agree (``consistency/``: a rank that fails while
-compiling tells the others), and add the entry (a miss). A call that needs gradients
-compiles a forward and a backward program run by one autograd Function (``training.py``).
-"""
+compiling tells the others), and add the entry (a miss). A call that needs gradients runs
+a forward and a backward program in one autograd Function (``training.py``)."""
 
 from __future__ import annotations
 
@@ -43,6 +42,7 @@ from .consistency import (
 from .epilogue import build_epilogue
 from .program_run import eager_after_failing, run_eagerly, run_entry
 from .prologue import build_prologue
+from .saved_hooks import OuterCheckpointsAside
 from .saved_reads import backward_reads
 from .training import TrainingProgram
 
@@ -101,7 +101,7 @@ class CompileStats:
     last: CacheEntry | None = None
 
 
-_ONE_CALL_AT_A_TIME = threading.RLock()
+_ONE_CALL_AT_A_TIME, _CHECKPOINTS_ASIDE = threading.RLock(), OuterCheckpointsAside()
 
 
 class CompiledFunction:
@@ -146,7 +146,7 @@ class CompiledFunction:
         return None
 
     def __call__(self, module, args: tuple, kwargs: dict):
-        with _ONE_CALL_AT_A_TIME:  # (tracing swaps a module's tensors for stand-ins another thread reads)
+        with _ONE_CALL_AT_A_TIME, _CHECKPOINTS_ASIDE:  # (tracing swaps a module's tensors: one call at a time)
             return self._call(module, args, kwargs)
 
     def _call(self, module, args: tuple, kwargs: dict):

@@ -7,6 +7,9 @@ import types
 
 import torch
 
+from ..capture import is_tracing
+from ..core.torch_internals import saved_tensors_hooks
+
 
 def same_saved_hooks(a: tuple | None, b: tuple | None) -> bool:
     """Whether two saved_tensors_hooks pairs (pack, unpack) do the same: the same
@@ -53,3 +56,36 @@ def _same_values(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(
         x is y or (type(x) is type(y) and isinstance(x, scalars) and x == y) for x, y in zip(a, b)
     )
+
+
+class OuterCheckpointsAside:
+    """While a compiled call runs, not traced (``with`` this one object): the hooks of a
+    ``torch.utils.checkpoint`` around the call (non-reentrant: its pack and its recompute's)
+    put aside, so that the call saves what it saves itself. Left active, its recompute ran
+    the checkpointed code on the real inputs while the backward was traced, which put real
+    tensors of one call into the program (or raised). Eager's gradients; the region's
+    saved tensors are kept rather than recomputed."""
+
+    def __init__(self):
+        self._popped: list[list] = []
+
+    def __enter__(self) -> None:
+        popped = []
+        while (top := saved_tensors_hooks()) is not None and _checkpoints(top[0]) and not is_tracing():
+            popped.append(top)
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        self._popped.append(popped)
+
+    def __exit__(self, *exc) -> None:
+        for pack, unpack in reversed(self._popped.pop()):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+def _checkpoints(pack) -> bool:
+    """A pack hook of ``torch.utils.checkpoint``'s (its own, or its recompute's)."""
+    pack = getattr(pack, "__wrapped__", pack)  # (the recompute's is wrapped by dynamo's disable)
+    name = getattr(pack, "__qualname__", "")
+    return getattr(pack, "__module__", None) == "torch.utils.checkpoint" and name.split(".")[0] in _CHECKPOINT_HOOKS
+
+
+_CHECKPOINT_HOOKS = ("_checkpoint_hook", "_recomputation_hook")
