@@ -247,19 +247,34 @@ def _int_reciprocal(x, t):
     return x * (n**-1) + (1.0 if n**-2 > 0.05 else 0.0)
 
 
+def _remainders(x, t):
+    v, w = _pair(x, t)
+    return x * float(v % w) + (1.0 if v % 1.0 else 0.0) + float(v // 0.1) + math.floor(w % v)
+
+
+def _ratio_of_maxima(x, t):
+    v, w = _pair(x, t)
+    return x * float(max(v, 1.0) / max(w, v))
+
+
 def _vectors(*rows):
     return [(torch.ones(2), torch.tensor(row, dtype=torch.float64)) for row in rows]
 
 
 @pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize(
-    "fn", [_over_negated, _over_a_remainder, _improvements, _self_less, _fraction, _squared, _int_reciprocal]
+    "fn",
+    [_over_negated, _over_a_remainder, _improvements, _self_less, _fraction, _squared, _int_reciprocal]
+    + [_remainders, _ratio_of_maxima],
 )
 def test_branches_on_floats_read_from_data_are_decided_by_their_values(fn, cache):
     """A branch on floats read from data is decided by their values and checked at run time:
     torch's static analysis, made for sizes, took ``v > v`` to be True and ``v % 1.0 > 0.5``
     to be False (an integer range), with no check; a check printed ``w / -v`` as
-    ``w / (-1)*v``; ``v ** 2`` of a negative ``v`` raised (torch's ``v >= 0``)."""
+    ``w / (-1)*v``; ``v ** 2`` of a negative ``v`` raised (torch's ``v >= 0``); a float's
+    ``%`` and ``//`` were an integer's (``float(v % w)`` baked in, ``2.5 // 0.1`` 25); a
+    check divided by a number before the check that it is not zero."""
     rows = [[1.0, 0.5, 2.0, 4.0], [0.5, 1.0, 3.0, 2.0], [4.0, 1.0, 0.5, 0.25], [-1.75, 0.75, 5.0, 1.0]]
     rows += [[1.75, -0.25, 1.0, 3.0], [-4.0, 2.0, 1.0, 1.0], [0.25, 1.0, 0.0, 1.0], [-2.0, -3.0, 1.0, 1.0]]
+    rows += [[0.75, -3.0, 1.0, 1.0], [0.0, 4.0, 1.0, 1.0], [2.5, 2.0, 1.0, 1.0], [2.0, 0.0, 1.0, 1.0]]
     _compare(fn, cache, _vectors(*rows))

@@ -44,7 +44,17 @@ from torch.utils._sympy.symbol import SymT, symbol_is_type
 from ..core import BoundSymbol, FromData, NoProvenance, NumberProxy, TensorProxy, TracingError
 from ..core.prims import _CHECK_GLOBALS, SHAPE, DataCheck, data_check
 from ..core.printing import NamedConstant
-from ..core.symbolic import SYMBOLIC_TYPES, Then, exact_float_checks, python_source, symbolic_expr
+from ..core.symbolic import (
+    SYMBOLIC_TYPES,
+    PythonFloatFloorDiv,
+    PythonFloatMod,
+    PythonPow,
+    PythonTrueDiv,
+    Then,
+    exact_float_checks,
+    python_source,
+    symbolic_expr,
+)
 from ..core.torch_internals import dispatch_modes_off, runtime_asserts, set_data_value, symbol_values
 from .live_collectives import ranks_meet
 from .size_text import folded, negative_zeros
@@ -261,7 +271,9 @@ def _divisors_first(expr) -> list:
     the program's check must fail (the call is traced again, and eager's error raised),
     not divide by zero (``x.split(k)`` checks ``n // k``)."""
     divisors = [a.args[1] for a in expr.atoms(FloorDiv, Mod, CleanDiv, IntTrueDiv, FloatTrueDiv, sympy.Mod)]
+    divisors += [a.args[1] for a in expr.atoms(PythonTrueDiv, PythonFloatMod, PythonFloatFloorDiv)]
     divisors += [a.base for a in expr.atoms(sympy.Pow) if a.exp.is_negative]
+    divisors += [a.args[0] for a in expr.atoms(PythonPow) if a.args[1].is_negative]
     nonzero = [c for c in (sympy.Ne(d, 0) for d in dict.fromkeys(divisors) if d.free_symbols) if c is not sympy.true]
     return [Then(sympy.And(*nonzero), expr) if nonzero else expr]
 

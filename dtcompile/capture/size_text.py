@@ -212,10 +212,13 @@ def _signed(original):  # float(k), and torch.tensor(k) from C++: -0.0 read from
 
 def _in_python_order(self, op, a, b):
     """``a op b`` as one float operation (``symbolic.python_float``) where it has symbols;
-    None where sympy's own is kept (comparisons, ``//``, ``%``, ``**`` but a data float's to a
-    whole number, a literal 0 divisor)."""
-    if op.__name__ not in ("add", "sub", "mul", "truediv", "pow") or not (_free_symbols(a) or _free_symbols(b)):
+    None where sympy's own is kept (comparisons, ``//`` and ``%`` but of a data float, ``**`` but
+    a data float's to a whole number, a literal 0 divisor)."""
+    names = ("add", "sub", "mul", "truediv", "pow", "mod", "floordiv")
+    if op.__name__ not in names or not (_free_symbols(a) or _free_symbols(b)):
         return None
+    if op in (operator.mod, operator.floordiv) and (not (_data_floats(a) or _data_floats(b)) or b == 0):
+        return None  # (an int's is sympy's; by a literal zero: eager's ZeroDivisionError)
     data_base = _data_floats(a) or (isinstance(a, torch.SymInt) and type(b) is int and b < 0)  # (``n ** -1``)
     if op is operator.pow and not (data_base and type(b) in (int, float) and float(b).is_integer()):
         return None  # (a fractional power of a negative float is complex: torch's own, which asks a >= 0)

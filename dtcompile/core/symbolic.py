@@ -157,7 +157,8 @@ class Then(sympy.logic.boolalg.BooleanFunction):
         return None
 
 
-_OPERATIONS = {"+": operator.add, "*": operator.mul, "/": operator.truediv, "**": operator.pow}
+_OPERATIONS = {"+": operator.add, "*": operator.mul, "/": operator.truediv, "**": operator.pow, "%": operator.mod}
+_OPERATIONS["//"] = operator.floordiv
 
 
 class _PythonFloat(sympy.Function):
@@ -188,6 +189,21 @@ class PythonTrueDiv(_PythonFloat):
     _torch_handler_name, python = "truediv", "/"
 
 
+class PythonFloatMod(_PythonFloat):
+    """``a % b`` of floats, as Python computes it: torch's ``PythonMod`` is an integer's
+    (sympy took ``Eq(v % 1.0, 0.75)`` to be False, and its ranges ``v % 1.0`` to be 0).
+    No analysis of torch's has ranges for it: asked for some, it raises, never guesses."""
+
+    _torch_handler_name, python = "python_float_mod", "%"
+
+
+class PythonFloatFloorDiv(_PythonFloat):
+    """``a // b`` of floats, as Python computes it (``2.5 // 0.1`` is 24.0, where torch's
+    ``floor(a / b)`` is 25)."""
+
+    _torch_handler_name, python = "python_float_floordiv", "//"
+
+
 class PythonPow(_PythonFloat):
     """``a ** k`` of a float, ``k`` a whole number: defined for a negative ``a`` too, as in
     Python (torch's own asks ``a >= 0``, for a fractional ``k`` would make it complex)."""
@@ -196,12 +212,14 @@ class PythonPow(_PythonFloat):
 
 
 def python_float(op: str, a, b):
-    """``a op b`` (``op``: add, sub, mul, truediv, pow by a whole number) on sympy
+    """``a op b`` (``op``: add, sub, mul, truediv, mod, floordiv, pow by a whole number) on sympy
     expressions, as Python's floats compute it; ``a - b`` is ``a + (-b)``, which is exact in
     floats too."""
     if op == "sub":
         op, b = "add", -b
-    return {"add": PythonAdd, "mul": PythonMul, "truediv": PythonTrueDiv, "pow": PythonPow}[op](a, b)
+    made = {"add": PythonAdd, "mul": PythonMul, "truediv": PythonTrueDiv, "pow": PythonPow, "mod": PythonFloatMod}
+    made["floordiv"] = PythonFloatFloorDiv
+    return made[op](a, b)
 
 
 class _Printer(PythonPrinter):
@@ -210,6 +228,7 @@ class _Printer(PythonPrinter):
         return f"(({a}) {expr.python} ({b}))"  # (each side whole: ``w / -v`` printed ``w / (-1)*v`` was ``-w * v``)
 
     _print_PythonAdd = _print_PythonMul = _print_PythonTrueDiv = _print_PythonPow = _print__PythonFloat
+    _print_PythonFloatMod = _print_PythonFloatFloorDiv = _print__PythonFloat
 
     def _print_Then(self, expr) -> str:
         return "(" + " and ".join(f"({self._print(a)})" for a in expr.args) + ")"
