@@ -257,6 +257,11 @@ def _ratio_of_maxima(x, t):
     return x * float(max(v, 1.0) / max(w, v))
 
 
+def _bits(x, t):
+    n, m = t.to(torch.int64)[0].item(), t.to(torch.int64)[1].item()
+    return x * float(n & -3) + (1.0 if (n & m) < 0 else 0.0) + (1.0 if n | 4 > 5 else 0.0)
+
+
 def _vectors(*rows):
     return [(torch.ones(2), torch.tensor(row, dtype=torch.float64)) for row in rows]
 
@@ -265,7 +270,7 @@ def _vectors(*rows):
 @pytest.mark.parametrize(
     "fn",
     [_over_negated, _over_a_remainder, _improvements, _self_less, _fraction, _squared, _int_reciprocal]
-    + [_remainders, _ratio_of_maxima],
+    + [_remainders, _ratio_of_maxima, _bits],
 )
 def test_branches_on_floats_read_from_data_are_decided_by_their_values(fn, cache):
     """A branch on floats read from data is decided by their values and checked at run time:
@@ -273,7 +278,8 @@ def test_branches_on_floats_read_from_data_are_decided_by_their_values(fn, cache
     to be False (an integer range), with no check; a check printed ``w / -v`` as
     ``w / (-1)*v``; ``v ** 2`` of a negative ``v`` raised (torch's ``v >= 0``); a float's
     ``%`` and ``//`` were an integer's (``float(v % w)`` baked in, ``2.5 // 0.1`` 25); a
-    check divided by a number before the check that it is not zero."""
+    check divided by a number before the check that it is not zero; ``n & -3`` of a negative
+    int was decided by a non-negative int's ranges."""
     rows = [[1.0, 0.5, 2.0, 4.0], [0.5, 1.0, 3.0, 2.0], [4.0, 1.0, 0.5, 0.25], [-1.75, 0.75, 5.0, 1.0]]
     rows += [[1.75, -0.25, 1.0, 3.0], [-4.0, 2.0, 1.0, 1.0], [0.25, 1.0, 0.0, 1.0], [-2.0, -3.0, 1.0, 1.0]]
     rows += [[0.75, -3.0, 1.0, 1.0], [0.0, 4.0, 1.0, 1.0], [2.5, 2.0, 1.0, 1.0], [2.0, 0.0, 1.0, 1.0]]

@@ -19,8 +19,9 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, S
 
 from ..core import InputPath, Trace, TracingError, data_dependent_error, verify
 from ..core.compiling import compiling
+from ..core.data_symbols import decided_by_values
 from ..core.eager_paths import eager_paths
-from ..core.torch_internals import data_floats_never_static, decomposed_strategies_untraced, dtensor_refused_symbols
+from ..core.torch_internals import decomposed_strategies_untraced, dtensor_refused_symbols
 from .annotator import CallAnnotator
 from .around_ops import code_around_ops
 from .autograd import BackwardCapture, capture_backward
@@ -165,7 +166,7 @@ def _capture(
 ) -> CapturedCall:
     # A ShapeEnv under either cache option: numbers read from tensor data are its
     # (unbacked) symbols. Only under symbolic values do the inputs' sizes get symbols.
-    recording = Recording(FakeTensorMode(shape_env=data_floats_never_static(ShapeEnv())))
+    recording = Recording(FakeTensorMode(shape_env=decided_by_values(ShapeEnv())))
     proxifier = InputProxifier(recording, symbolic)
     names = _parameter_names(module.forward if module is not None else fn)
     arg_pairs = [

@@ -9,7 +9,7 @@ generated epilogue's ``DTensor(local, spec)`` (``jit/epilogue.py``: the call
 :func:`make_dtensor` makes, inlined in generated code); ``torch._C._current_autograd_node``
 (``capture/recorder.py``); the Python dispatcher (``capture/tracer.py``,
 ``core/typecheck.py``); a ShapeEnv's symbols on SymInts (``node.expr``, ``node.hint``,
-``core/symbolic.py``).
+``core/symbolic.py``); the ShapeEnv's static decisions (``core/data_symbols.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # no
 # The global shape and strides of a local tensor under placements, computed locally (for a
 # gradient's spec); the public DTensor.from_local(shape=None) runs a collective for it.
 from torch.distributed.tensor._utils import compute_global_tensor_info  # noqa: F401
-from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from dtcompile.core.dict_changes import dict_changes
 
@@ -273,22 +272,6 @@ def fake_mode_active() -> bool:
 def set_data_value(shape_env, symbol, value) -> None:
     setter = getattr(shape_env, "set_real_tensor_prop_unbacked_vals", None) or shape_env.set_unbacked_var_to_val
     setter(symbol, value)
-
-
-def data_floats_never_static(shape_env):
-    """``shape_env``, deciding no question on a float read from data but by its value (then
-    checked at run time): its static analysis, made for sizes, took ``v > v`` to be True,
-    ``v % 1.0 > 0.5`` False. ``_maybe_evaluate_static`` is where it decides (no public API)."""
-    static = shape_env._maybe_evaluate_static
-
-    def maybe_evaluate_static(expr, *, unbacked_only: bool = False, **kwargs):
-        if any(symbol_is_type(s, SymT.UNBACKED_FLOAT) for s in getattr(expr, "free_symbols", ())):
-            return expr if unbacked_only else None  # (``unbacked_only``: nothing eliminated)
-        return static(expr, unbacked_only=unbacked_only, **kwargs)
-
-    maybe_evaluate_static.cache_clear = static.cache_clear  # (the ShapeEnv clears its cache of answers)
-    shape_env._maybe_evaluate_static = maybe_evaluate_static
-    return shape_env
 
 
 def symbol_values(shape_env) -> dict:
