@@ -631,8 +631,9 @@ def test_an_op_dtensor_propagates_on_fakes_without_a_fake_kernel_is_refused_clea
 def test_a_checkpoint_around_a_compiled_tp_block_runs_as_eagers(fake_world):
     """A non-reentrant checkpoint around a compiled TP block whose norm takes the call's
     input raised autograd's "backward through the graph a second time" (its recompute ran
-    on the real inputs while the backward was traced). The fake group's collectives do
-    nothing, in eager's run as in the compiled one."""
+    on the real inputs while the backward was traced). The fake group's collectives leave
+    their outputs unset, so only what the gradients are is compared (the 2-rank run of the
+    same, with values: tests/distributed/test_training.py)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.utils.checkpoint import checkpoint
 
@@ -648,4 +649,4 @@ def test_a_checkpoint_around_a_compiled_tp_block_runs_as_eagers(fake_world):
         checkpoint(called, x, use_reentrant=False).sum().backward()
         grads.append([x.grad, block[0].weight.grad, block[1].weight.grad.to_local()])
     for got, expected in zip(grads[1], grads[0]):
-        assert torch.equal(got, expected)
+        assert (got.shape, got.stride(), got.dtype) == (expected.shape, expected.stride(), expected.dtype)

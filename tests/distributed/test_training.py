@@ -228,6 +228,28 @@ def test_gradient_accumulation_and_frozen_parameters(ranks2):
         assert counts == ((1, 2), (2, 2), (3, 2), (3, 3))
 
 
+def checkpoint_around_the_compiled_block():
+    """torchtitan's order: a non-reentrant checkpoint around a compiled TP block whose norm
+    takes the call's input (its recompute ran on the real inputs while the backward was
+    traced: autograd's "backward through the graph a second time")."""
+    from torch.utils.checkpoint import checkpoint
+
+    mesh, tp = _meshes((2,))
+    eager, compiled, jitted = _models("block", tp)
+    for step in range(3):
+        x, cotangent = _batch("block", mesh, tp, step)
+        x_eager, x_compiled = x.clone().requires_grad_(), x.clone().requires_grad_()
+        checkpoint(eager, x_eager, use_reentrant=False).backward(cotangent)
+        checkpoint(jitted, x_compiled, use_reentrant=False).backward(cotangent)
+        assert_same(x_compiled.grad, x_eager.grad)
+        assert_same_grads(compiled, eager)
+    return dtcompile.cache_misses(jitted)
+
+
+def test_a_checkpoint_around_the_compiled_block_gives_eagers_gradients(ranks2):
+    assert ranks2.run(checkpoint_around_the_compiled_block) == [1, 1]
+
+
 # ---------------------------------------------------------------------------------------
 # Cotangents with other placements than traced; autograd.grad with respect to inputs
 
