@@ -185,3 +185,34 @@ def test_hugging_face_outputs_set_up_at_their_first_use_run_eagerly_once_then_co
             expected = reference(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
             assert all(torch.allclose(g, e, atol=1e-6) for g, e in zip(got, expected))
     assert len(dtcompile.compile_seconds(jitted)) == 1  # (the second call compiled, the third reused it)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("model", ["falcon", "qwen2"])
+def test_hugging_face_sdpa_packs_a_one_token_querys_heads_as_eager(model, cache):
+    """Hugging Face's SDPA attention packs a one-token query's heads (multi- and grouped-query
+    attention) only when not compiling; traced, it repeated the key and value heads instead:
+    decode logits that differed in the last bits (Falcon always, Qwen2 with a padding mask)."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if model == "falcon":
+        config = transformers.FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+        eager = transformers.FalconForCausalLM(config).eval()
+    else:
+        config = transformers.Qwen2Config(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2,
+        )  # fmt: skip
+        eager = transformers.Qwen2ForCausalLM(config).eval()
+    jitted = dtcompile.jit(copy.deepcopy(eager), cache=cache)
+    ids, mask = torch.randint(1, 128, (2, 5)), torch.ones(2, 5, dtype=torch.long)
+    mask[0, :2] = 0
+    caches = transformers.DynamicCache(config=config), transformers.DynamicCache(config=config)
+    with torch.no_grad():
+        for _ in range(3):
+            expected = eager(input_ids=ids, attention_mask=mask, past_key_values=caches[0]).logits
+            got = jitted(input_ids=ids, attention_mask=mask, past_key_values=caches[1]).logits
+            assert torch.equal(got, expected)
+            ids, mask = expected[:, -1:].argmax(-1), torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)

@@ -94,6 +94,15 @@ _EAGER_MODULES = {
 }
 
 
+def _not_compiling() -> bool:
+    return False
+
+
+# Functions of libraries' modules that answer as in eager while dtcompile traces: Hugging
+# Face's SDPA attention packs a one-token query's heads (GQA) only when not compiling, and
+# eager's rounding is that path's.
+_EAGER_ANSWERS = {"transformers.integrations.sdpa_attention": {"is_torchdynamo_compiling": _not_compiling}}
+
 _CALLERS_MODES = [False]  # whether the call began under a torch function mode of the caller's
 _found: list = [0, []]  # (how many modules were loaded, the namespaces then found)
 
@@ -152,6 +161,10 @@ def compiling():
         if namespace.get("torch") is torch:
             namespace["torch"] = seen
             eager.append(namespace)
+    answers = [(vars(sys.modules[m]), dict(a)) for m, a in _EAGER_ANSWERS.items() if sys.modules.get(m) is not None]
+    for namespace, replaced in answers:
+        for name, answer in replaced.items():
+            replaced[name], namespace[name] = namespace.get(name), answer
     for cls, original in hashes.items():
         cls.__hash__ = _hash_unless_from_data(original)
     own = {name: vars(torch.SymBool).get(name) for name in _BOOL_AS_INT}
@@ -164,6 +177,8 @@ def compiling():
         torch.compiler._is_compiling_flag = saved
         for namespace in eager:
             namespace["torch"] = torch
+        for namespace, replaced in answers:
+            namespace.update(replaced)
         for cls, original in hashes.items():
             cls.__hash__ = original
         for name, method in own.items():
