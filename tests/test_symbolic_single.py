@@ -439,3 +439,33 @@ def test_a_size_of_zero_after_an_entry_whose_guards_divide_by_a_size():
         x = torch.randn(n, 4)
         got, expected = jitted(x), fn(x)
         assert got.shape == expected.shape and torch.equal(got, expected)
+
+
+def _heads_merged(a, w):
+    """What an attention does with SDPA's output for one decode token: heads moved next to
+    the features, merged, then its output projection (no bias: a bias takes ``addmm``)."""
+    return F.linear(a.transpose(1, 2).reshape(a.shape[0], 1, -1), w)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_size_one_dims_stride_is_eagers_inside_the_program(grad):
+    """A reshape's dim of size 1 gets eager's stride (the next dim's stride times its
+    size), not the source's: ``matmul`` folds a ``[b, 1, k]`` input into one ``mm`` only
+    then, and ran a ``bmm`` under symbolic values, rounding otherwise."""
+    torch.manual_seed(0)
+    jitted = dtcompile.jit(_heads_merged, cache=SYMBOLIC)
+    w = torch.randn(24, 32, requires_grad=grad)
+    with torch.set_grad_enabled(grad):
+        for batch in (2, 3, 5, 2):  # (2: as many as the heads, which then share a symbol)
+            a = torch.randn(batch, 2, 1, 16, requires_grad=grad)
+            inputs = [(a, w), (a.detach().clone().requires_grad_(grad), w.detach().clone().requires_grad_(grad))]
+            got, expected = jitted(*inputs[0]), _heads_merged(*inputs[1])
+            assert_same_tensor(got, expected)
+            assert "bmm" not in str(dtcompile.last_traces(jitted)[-1])
+            if grad:
+                grads = [
+                    torch.autograd.grad(out.pow(2).sum(), xs) for out, xs in ((got, inputs[0]), (expected, inputs[1]))
+                ]
+                for g, e in zip(*grads):
+                    assert_same_tensor(g, e)
+    assert dtcompile.cache_misses(jitted) == 2  # (a batch of 2, then of another size than the heads)

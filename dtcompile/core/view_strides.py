@@ -18,7 +18,7 @@ import torch
 from torch._dispatch.python import no_python_dispatcher
 
 from .symbol import leaves
-from .symbolic import is_symbolic
+from .symbolic import is_symbolic, known_equal, size_hint, symbolic_expr
 from .torch_internals import dispatch_modes_off, fake_in_storage
 
 _RESHAPING_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
@@ -75,7 +75,7 @@ def with_eager_view_strides(fake_mode, func, fake_args: tuple, fake_out):
     source = fake_args[0]
     metadata = (*source.shape, *source.stride(), source.storage_offset(), *leaves(fake_args[1:]))
     if any(is_symbolic(x) or isinstance(x, torch.SymInt) for x in metadata):
-        return fake_out
+        return _symbolic_size_one_strides(fake_mode, func, fake_args, fake_out)
     # Plain meta tensors, through the C++ kernels (the Python dispatcher's reshape is the fake's).
     with torch._C.DisableTorchFunction(), dispatch_modes_off(), no_python_dispatcher():
         meta = torch.empty_strided(source.shape, source.stride(), dtype=source.dtype, device="meta")
@@ -85,4 +85,30 @@ def with_eager_view_strides(fake_mode, func, fake_args: tuple, fake_out):
         like = torch.empty_strided(eager.shape, eager.stride(), dtype=eager.dtype, device="meta")
         like = like.as_strided(eager.shape, eager.stride(), fake_out.storage_offset())
     fake = fake_in_storage(fake_mode, like, fake_out)
+    return fake.requires_grad_(fake_out.requires_grad) if fake_out.requires_grad else fake
+
+
+def _symbolic_size_one_strides(fake_mode, func, fake_args: tuple, fake_out):
+    """Under symbolic sizes: eager's kernel gives a dim of size 1 the stride of the dims
+    inside it (the next dim's stride times its size; ``matmul`` folds a ``[b, 1, k]`` input
+    into one ``mm`` only then), where the fake keeps the source's. Taken where eager's
+    kernel, run on the traced sizes, gives the same."""
+    shape, stride = list(fake_out.shape), list(fake_out.stride())
+    for i in range(len(shape) - 2, -1, -1):
+        if symbolic_expr(shape[i]) == 1:
+            stride[i] = stride[i + 1] * shape[i + 1]
+    if all(known_equal(a, b) for a, b in zip(stride, fake_out.stride())):
+        return fake_out
+    hints = [size_hint(x) for x in (*fake_args[0].shape, *fake_args[0].stride(), *shape, *stride)]
+    args = [size_hint(x) if isinstance(x, torch.SymInt) else x for x in fake_args[1]] if len(fake_args) > 1 else None
+    if any(h is None for h in hints) or args is None or any(a is None for a in args):
+        return fake_out
+    rank = fake_args[0].dim()
+    with torch._C.DisableTorchFunction(), dispatch_modes_off(), no_python_dispatcher():
+        meta = torch.empty_strided(hints[:rank], hints[rank : 2 * rank], dtype=fake_out.dtype, device="meta")
+        eager = func(meta, args, *fake_args[2:])
+    if list(eager.stride()) != hints[2 * rank + len(shape) :]:
+        return fake_out
+    with fake_mode, torch._C.DisableTorchFunction(), no_python_dispatcher(), torch.no_grad():
+        fake = fake_out.detach().as_strided(shape, stride, fake_out.storage_offset())
     return fake.requires_grad_(fake_out.requires_grad) if fake_out.requires_grad else fake
