@@ -5,7 +5,9 @@ it sits here, beside ``torch_internals.py``)."""
 from __future__ import annotations
 
 import sympy
-from torch.utils._sympy.symbol import SymT, symbol_is_type
+from torch.utils._sympy.symbol import SymT, prefix_str, symbol_is_type
+
+_FLOAT, _INT = prefix_str[SymT.UNBACKED_FLOAT], prefix_str[SymT.UNBACKED_INT]  # (how their names start)
 
 
 def decided_by_values(shape_env):
@@ -27,9 +29,12 @@ def decided_by_values(shape_env):
 
 def _data_floats_or_bits(expr) -> bool:
     """A float read from data, or a bitwise op of an int read from data (``n & -3``: its
-    ranges are a non-negative int's) in ``expr``."""
-    symbols = getattr(expr, "free_symbols", ())
-    if any(symbol_is_type(s, SymT.UNBACKED_FLOAT) for s in symbols):
+    ranges are a non-negative int's) in ``expr``. (Asked at each question, sizes' too: the
+    names first, which cost least.)"""
+    names = [s.name.lower() for s in getattr(expr, "free_symbols", ())]
+    if any(name.startswith(_FLOAT) for name in names):
         return True
-    bits = [a for a in expr.atoms(sympy.Function) if type(a).__name__.startswith("BitwiseFn_")] if symbols else ()
+    if not any(name.startswith(_INT) for name in names):
+        return False
+    bits = [a for a in expr.atoms(sympy.Function) if type(a).__name__.startswith("BitwiseFn_")]
     return any(symbol_is_type(s, SymT.UNBACKED_INT) for a in bits for s in a.free_symbols)
