@@ -216,3 +216,71 @@ def test_hugging_face_sdpa_packs_a_one_token_querys_heads_as_eager(model, cache)
             got = jitted(input_ids=ids, attention_mask=mask, past_key_values=caches[1]).logits
             assert torch.equal(got, expected)
             ids, mask = expected[:, -1:].argmax(-1), torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+
+
+def _tiny_bert_classifier():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        num_labels=3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return BertForSequenceClassification(config).eval()
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_config_attribute_set_from_none_at_the_first_call_runs_eagerly_once(cache):
+    # A classification model's first call with labels sets ``config.problem_type`` (from
+    # None): it was refused as a change of Python state at every call. It runs eagerly once
+    # (setting it, as eager's), and the next call compiles with it set.
+    model, reference = _tiny_bert_classifier(), _tiny_bert_classifier()
+    jitted, ids, labels = dtcompile.jit(model, cache=cache), torch.randint(1, 128, (2, 9)), torch.tensor([0, 2])
+    with torch.no_grad():
+        for call in range(3):
+            with pytest.warns(UserWarning, match="problem_type from None") if call == 0 else contextlib.nullcontext():
+                got = jitted(input_ids=ids, labels=labels)
+            expected = reference(input_ids=ids, labels=labels)
+            assert torch.equal(got.loss, expected.loss) and torch.equal(got.logits, expected.logits)
+            assert model.config.problem_type == reference.config.problem_type == "single_label_classification"
+    assert len(dtcompile.compile_seconds(jitted)) == 1
+
+
+class _Configured(torch.nn.Module):
+    def __init__(self, settings):
+        super().__init__()
+        self.settings = settings
+
+    def forward(self, x):
+        if self.settings.mode is None:
+            self.settings.mode = "scaled"  # (once: later calls find it set)
+        self.settings.calls += 1  # (at every call: refused)
+        return x * 2
+
+
+class _SetUpOnce(torch.nn.Module):
+    def __init__(self, settings):
+        super().__init__()
+        self.settings = settings
+
+    def forward(self, x):
+        if self.settings.mode is None:
+            self.settings.mode = "scaled"
+        return x * (2 if self.settings.mode == "scaled" else 3)
+
+
+def test_only_attributes_set_from_none_count_as_a_first_calls_setup():
+    import types
+
+    settings = types.SimpleNamespace(mode=None)
+    jitted = dtcompile.jit(_SetUpOnce(settings))
+    with pytest.warns(UserWarning, match="mode from None"):
+        assert torch.equal(jitted(torch.ones(2)), torch.full((2,), 2.0))
+    assert settings.mode == "scaled"
+    assert torch.equal(jitted(torch.ones(2)), torch.full((2,), 2.0)) and dtcompile.cache_misses(jitted) == 1
+    settings.mode = "plain"  # (guarded: a new entry)
+    assert torch.equal(jitted(torch.ones(2)), torch.full((2,), 3.0))
+    settings = types.SimpleNamespace(mode=None, calls=0)
+    with pytest.raises(dtcompile.TracingError, match="the traced code changed"):
+        dtcompile.jit(_Configured(settings))(torch.ones(2))
+    assert settings.mode is None and settings.calls == 0

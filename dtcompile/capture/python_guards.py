@@ -26,6 +26,8 @@ class AfterTracing:
         1``, a class attribute, a closure variable): that happens once, while tracing, and
         the program bakes in what it read. Each is put back as it was."""
         changed = [read for read in self.reads if not read.contents and not read.unchanged()]
+        plain = (str, int, float, bool)
+        self._set_once = [r for r in changed if (r.value is None or r.value is ABSENT) and type(r.current()) in plain]
         for read in changed:
             klass = self._classes.get(id(read.holder))
             if read.key is None and isinstance(getattr(type(read.holder), read.attribute, None), property):
@@ -42,6 +44,16 @@ class AfterTracing:
             else:
                 read.holder[read.key] = read.value
         return [read.where for read in changed]
+
+    def changes_put_back(self, changed: list[str]) -> tuple[list[str], list[str]]:
+        """``changed`` with where the traced code rebound a value (put back: see
+        :meth:`put_back_changed`), and apart, where each it set from None (or unset) to a
+        plain constant (``if cfg.mode is None: cfg.mode = "x"``), if all were: a first
+        call's setup, which one eager run makes as eager's first call does."""
+        rebound, reads = self.put_back_changed(), self._set_once
+        if rebound and len(reads) == len(rebound):
+            return changed, [f"set {read.where} from None" for read in reads]
+        return changed + rebound, []
 
     def after_tracing(self, module_updates: list, recording) -> None:
         """The guards only the traced call tells: what the forward assigns

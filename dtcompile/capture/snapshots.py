@@ -294,7 +294,10 @@ class DataSnapshot:
         changed = []
         for value, path in self._empty:
             if value:
-                (self.library_setup if _library_hooks(value, path) else changed).append(_path(path))
+                setup = _library_hooks(value, path)
+                (self.library_setup if setup else changed).append(
+                    f"registered hooks on {_path(path)}" if setup else _path(path)
+                )
                 value.clear()
         for value, path, state in self._taken.values():
             if _same(_state(value), state):
@@ -303,7 +306,11 @@ class DataSnapshot:
             if kind == "iterator":  # moved on by the trace: it cannot be moved back
                 changed.append(f"{_path(path)}, an iterator it advanced (not put back)")
                 continue
-            changed.append(_path(path))
+            set_once = _set_from_none(value, items) if kind == "object" else None
+            if set_once:
+                self.library_setup.append(f"set {_path(path)}.{set_once} from None")
+            else:
+                changed.append(_path(path))
             if kind == "buffer" and raw_memory(value):  # its bytes written back
                 memoryview(value).cast("B")[:] = items
             elif kind in ("list", "buffer"):
@@ -340,10 +347,24 @@ def _library_hooks(table: dict, path) -> bool:
     return all(type(v) is bool or is_library(getattr(v, "func", v)) for v in table.values())
 
 
+def _set_from_none(value: object, items: list) -> str | None:
+    """The first name, where all the traced code changed of an object is names it set from
+    None (or unset) to a plain constant (Hugging Face's ``config.problem_type``, set by a
+    classification model's first call with labels): eager's first call sets them once, and
+    a later call finds them set, so one eager run gives eager's state. None otherwise."""
+    before, now = dict(items), object_state(value)
+    if not before.keys() <= now.keys():
+        return None
+    set_now = [name for name, item in now.items() if name not in before or item is not before[name]]
+    plain = all(before.get(name) is None and type(now[name]) in (str, int, float, bool) for name in set_now)
+    return set_now[0] if set_now and plain else None
+
+
 class LibrarySetUp(TracingError):
-    """Library code registered module hooks while the call was traced, once, as at eager's
-    first call (transformers' for ``output_hidden_states``): the call runs eagerly, which
-    registers them, and the next call is traced with them in place."""
+    """The call's first run sets something up, once, as at eager's first call: library code
+    registered module hooks (transformers' for ``output_hidden_states``), or the code set an
+    object's attributes from None to constants: the call runs eagerly, which sets them up,
+    and the next call is traced with them in place."""
 
 
 _NOT_SNAPSHOTTED = frozenset({bool, int, float, str, type(None)})  # a module's flags and sizes: nothing held

@@ -328,9 +328,9 @@ def _capture(
             "runs the Python code once, while tracing, so it would not change it at each call: set it before "
             "the call, or restore it inside (a with block)"
         )
-    changed += inputs.python_state.put_back_changed()
-    if snapshot.library_setup and not changed:
-        raise LibrarySetUp(f"library code the call runs registered hooks on {snapshot.library_setup[0]}")
+    changed, set_once = inputs.python_state.changes_put_back(changed)
+    if (setup := snapshot.library_setup + set_once) and not changed:
+        raise LibrarySetUp(f"the call's first run {setup[0]}, once, as eager's does")
     if changed:
         hook = "hook" in changed[0]  # (one in the backward: no assignment of it is replayed)
         where = "" if hook else ", a Python value outside its inputs"
