@@ -262,6 +262,17 @@ def _bits(x, t):
     return x * float(n & -3) + (1.0 if (n & m) < 0 else 0.0) + (1.0 if n | 4 > 5 else 0.0)
 
 
+def _ints_and_bools(x, t):
+    n = t.to(torch.int64)[0].item()
+    flags = (t > 0).tolist()
+    same = 1.0 if (t == t[0]).all().item() == 1 else 0.0
+    return x * round(n, -1) + same, n // 0.1, divmod(n, 0.3)[0], flags.count(1), 1 in flags
+
+
+def _indexed_by_a_flag(x, t):
+    return x[(t[0] > 0).item()] * 2
+
+
 def _vectors(*rows):
     return [(torch.ones(2), torch.tensor(row, dtype=torch.float64)) for row in rows]
 
@@ -270,7 +281,7 @@ def _vectors(*rows):
 @pytest.mark.parametrize(
     "fn",
     [_over_negated, _over_a_remainder, _improvements, _self_less, _fraction, _squared, _int_reciprocal]
-    + [_remainders, _ratio_of_maxima, _bits],
+    + [_remainders, _ratio_of_maxima, _bits, _ints_and_bools, _indexed_by_a_flag],
 )
 def test_branches_on_floats_read_from_data_are_decided_by_their_values(fn, cache):
     """A branch on floats read from data is decided by their values and checked at run time:
@@ -279,8 +290,10 @@ def test_branches_on_floats_read_from_data_are_decided_by_their_values(fn, cache
     ``w / (-1)*v``; ``v ** 2`` of a negative ``v`` raised (torch's ``v >= 0``); a float's
     ``%`` and ``//`` were an integer's (``float(v % w)`` baked in, ``2.5 // 0.1`` 25); a
     check divided by a number before the check that it is not zero; ``n & -3`` of a negative
-    int was decided by a non-negative int's ranges."""
+    int was decided by a non-negative int's ranges; a bool read from data never equalled 1;
+    ``round(n, -1)`` was ``n``; ``n // 0.1`` was ``floor(n / 0.1)``; ``x[flag]`` indexed by 1."""
     rows = [[1.0, 0.5, 2.0, 4.0], [0.5, 1.0, 3.0, 2.0], [4.0, 1.0, 0.5, 0.25], [-1.75, 0.75, 5.0, 1.0]]
     rows += [[1.75, -0.25, 1.0, 3.0], [-4.0, 2.0, 1.0, 1.0], [0.25, 1.0, 0.0, 1.0], [-2.0, -3.0, 1.0, 1.0]]
     rows += [[0.75, -3.0, 1.0, 1.0], [0.0, 4.0, 1.0, 1.0], [2.5, 2.0, 1.0, 1.0], [2.0, 0.0, 1.0, 1.0]]
+    rows += [[7.0, 7.0, 7.0, 7.0], [25.0, 1.0, 1.0, 1.0], [-3.0, -3.0, -3.0, -3.0], [123.0, 123.0, 123.0, 123.0]]
     _compare(fn, cache, _vectors(*rows))

@@ -44,7 +44,7 @@ from .method_checks import (
     received,
     received_base,
 )
-from .number_tensors import FACTORIES, holds_traced_numbers, tensor_of_numbers
+from .number_tensors import FACTORIES, bools_as_bools, holds_traced_numbers, tensor_of_numbers
 from .op_memo import MISSED, OpMemo, state
 from .placements import describe_argument, describe_output
 from .recorder import Recording
@@ -284,6 +284,7 @@ class CallAnnotator(TorchFunctionMode):
             raise data_dependent_error(
                 _short_name(func), "it reads the values of the traced tensors in its data; use torch.stack"
             )
+        args = bools_as_bools(func, args)
         if func in FACTORIES and holds_traced_numbers(func, args, kwargs):
             func = tensor_of_numbers(func)  # (a size, a number read from data: computed at run time)
         if func in _HOOK_REGISTRATIONS and _is_traced(args[0]):

@@ -92,3 +92,21 @@ def _number(leaf):
     if not is_symbolic(leaf):  # a constant (a Python number, a symbol's specialized value: -0.0 kept)
         return {torch.SymBool: bool, torch.SymInt: int, torch.SymFloat: float}.get(type(leaf), type(leaf))(leaf)
     return torch.sym_ite(leaf, 1, 0) if isinstance(leaf, torch.SymBool) else leaf
+
+
+_INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
+
+
+def bools_as_bools(func, args: tuple) -> tuple:
+    """A tensor indexed by a bool read from data (``x[b.item()]``): the index as Python's
+    bool, which torch takes as a mask (a new dim of 1 or 0), where a SymBool is taken as
+    the int 1 or 0. ``bool()`` of it is a branch on the value, traced and checked."""
+    if func not in _INDEXING or len(args) < 2:
+        return args
+    index = args[1]
+    if isinstance(index, torch.SymBool):
+        return (args[0], bool(index), *args[2:])
+    if type(index) is tuple and any(isinstance(i, torch.SymBool) for i in index):
+        index = tuple(bool(i) if isinstance(i, torch.SymBool) else i for i in index)
+        return (args[0], index, *args[2:])
+    return args

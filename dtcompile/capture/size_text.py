@@ -35,13 +35,26 @@ from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from ..core import TracingError
 from ..core.code_origin import library_code
-from ..core.symbolic import python_float
+from ..core.symbolic import as_constant, python_float
 from ..core.torch_internals import symbol_values
 
 
 def _from_user_code() -> bool:
     frame = sys._getframe(2)  # the caller of the SymInt method
+    if frame.f_code in _PASSING:  # (``divmod`` of the user's: its ``//`` and ``%`` are the user's)
+        frame = frame.f_back
     return not library_code(frame.f_globals.get("__name__", ""), frame.f_code.co_filename)
+
+
+def _divmod_of(self, other):
+    return (self // other, self % other)
+
+
+def _rdivmod_of(self, other):
+    return (other // self, other % self)
+
+
+_PASSING = frozenset({_divmod_of.__code__, _rdivmod_of.__code__})
 
 
 @contextlib.contextmanager
@@ -63,8 +76,7 @@ def _divmod(cls: type):
     """``divmod`` of a size or a number read from data: torch's SymInt and SymFloat have
     none (a TypeError, where eager's numbers give ``(a // b, a % b)``)."""
     saved = {name: vars(cls)[name] for name in ("__divmod__", "__rdivmod__") if name in vars(cls)}
-    cls.__divmod__ = lambda self, other: (self // other, self % other)
-    cls.__rdivmod__ = lambda self, other: (other // self, other % self)
+    cls.__divmod__, cls.__rdivmod__ = _divmod_of, _rdivmod_of
     try:
         yield
     finally:
@@ -131,8 +143,9 @@ def _exact_float_arithmetic():
     saved = {name: vars(cls)[name] for name in methods if name in vars(cls)}
     for name, original in saved.items():
         setattr(cls, name, _exact(original, *methods[name]))
-    int_pow = vars(torch.SymInt)["__pow__"]
-    torch.SymInt.__pow__ = _negative_power(int_pow)
+    int_methods = {name: vars(torch.SymInt)[name] for name in _INT_METHODS}
+    for name, original in int_methods.items():
+        setattr(torch.SymInt, name, _INT_METHODS[name](original))
     guards = {name: vars(SymNode)[name] for name in ("guard_int", "guard_bool", "guard_float", "expect_true")}
     for name, original in guards.items():
         setattr(SymNode, name, _nonzero(_signed(original) if name == "guard_float" else original))
@@ -141,7 +154,8 @@ def _exact_float_arithmetic():
     finally:
         for name, original in saved.items():
             setattr(cls, name, original)
-        torch.SymInt.__pow__ = int_pow
+        for name, original in int_methods.items():
+            setattr(torch.SymInt, name, original)
         for name, original in guards.items():
             setattr(SymNode, name, original)
 
@@ -183,6 +197,44 @@ def _negative_power(original):
     return method
 
 
+def _by_a_float(original, op, reflected: bool):
+    """A SymInt's ``//`` or ``%`` with a float, from the user's code: Python's float
+    operation (torch's ``//`` is ``floor(n / f)``: 10.0 for ``1 // 0.1``, where Python's is
+    9.0; its ``%`` an integer's)."""
+
+    def method(self, other):
+        if type(other) is float and _from_user_code():
+            a, b = (other, self) if reflected else (self, other)
+            found = _in_python_order(self, op, a, b)
+            if found is not None:
+                return found
+        return original(self, other)
+
+    return method
+
+
+def _rounded(original):
+    """``round(n, k)`` of a SymInt with ``k < 0``, from the user's code: Python's, on its
+    value (torch's returns ``n`` itself whatever ``k``); ``int(n)`` guards on it."""
+
+    def method(self, ndigits=None):
+        if ndigits is not None and ndigits < 0 and _from_user_code():
+            return round(int(self), ndigits)
+        return original(self, ndigits)
+
+    return method
+
+
+_INT_METHODS = {
+    "__pow__": _negative_power,
+    "__floordiv__": lambda original: _by_a_float(original, operator.floordiv, False),
+    "__rfloordiv__": lambda original: _by_a_float(original, operator.floordiv, True),
+    "__mod__": lambda original: _by_a_float(original, operator.mod, False),
+    "__rmod__": lambda original: _by_a_float(original, operator.mod, True),
+    "__round__": _rounded,
+}
+
+
 class DataZeroDivisionError(RuntimeError, ZeroDivisionError):
     """A size or branch that divides by a number read from tensor data that is zero
     (``x.split(k)`` with ``k == 0``): eager raises too, in the op or in Python."""
@@ -215,9 +267,12 @@ def _in_python_order(self, op, a, b):
     None where sympy's own is kept (comparisons, ``//`` and ``%`` but of a data float, ``**`` but
     a data float's to a whole number, a literal 0 divisor)."""
     names = ("add", "sub", "mul", "truediv", "pow", "mod", "floordiv")
-    if op.__name__ not in names or not (_free_symbols(a) or _free_symbols(b)):
+    if op.__name__ not in names:
         return None
-    if op in (operator.mod, operator.floordiv) and (not (_data_floats(a) or _data_floats(b)) or b == 0):
+    if not (_free_symbols(a) or _free_symbols(b)):  # (specialized: its value, as Python computes with it)
+        return op(*map(as_constant, (a, b))) if {type(a), type(b)} & set(_SYMBOLIC) else None
+    floats = _data_floats(a) or _data_floats(b) or float in (type(a), type(b))
+    if op in (operator.mod, operator.floordiv) and (not floats or (not isinstance(b, _SYMBOLIC) and b == 0)):
         return None  # (an int's is sympy's; by a literal zero: eager's ZeroDivisionError)
     data_base = _data_floats(a) or (isinstance(a, torch.SymInt) and type(b) is int and b < 0)  # (``n ** -1``)
     if op is operator.pow and not (data_base and type(b) in (int, float) and float(b).is_integer()):

@@ -129,6 +129,18 @@ _BOOL_AS_INT = (
 )
 
 
+def _bool_equal(original):
+    """A SymBool ``==`` a number (``(x == y).all().item() == 1``, ``1 in flags``): Python's
+    bool equals 1 or 0, where sympy's never equals a number (False, with no check)."""
+
+    def __eq__(value, other):
+        if type(other) in (int, float):
+            return int(bool(value)) == other  # (a branch on the value: traced as taken, checked at each call)
+        return original(value, other)
+
+    return __eq__
+
+
 def _as_int(name: str):
     def method(value, *args):
         return getattr(bool(value), name)(*args)  # (Python's bool's own: ``b ^ True`` is a bool)
@@ -167,6 +179,8 @@ def compiling():
             replaced[name], namespace[name] = namespace.get(name), answer
     for cls, original in hashes.items():
         cls.__hash__ = _hash_unless_from_data(original)
+    equal = vars(torch.SymBool)["__eq__"]
+    torch.SymBool.__eq__ = _bool_equal(equal)
     own = {name: vars(torch.SymBool).get(name) for name in _BOOL_AS_INT}
     for name in _BOOL_AS_INT:  # (``float(b)``, ``-b``, ``b / 2`` of a Python bool: as of 1 or 0)
         if own[name] is None:
@@ -181,6 +195,7 @@ def compiling():
             namespace.update(replaced)
         for cls, original in hashes.items():
             cls.__hash__ = original
+        torch.SymBool.__eq__ = equal
         for name, method in own.items():
             if method is None:
                 delattr(torch.SymBool, name)
