@@ -15,7 +15,8 @@ import keyword
 import re
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from ..core import InputPath, TensorProxy, TracingError
@@ -198,7 +199,9 @@ class InputProxifier:
             return proxy, node
         if isinstance(value, CONSTANT_TYPES) or type(value) is torch.Size or _constant_slice(value):
             return value, ConstantInput(path, value)
-        if isinstance(value, enum.Enum):  # a member: guarded as that very object
+        if isinstance(value, (enum.Enum, DeviceMesh)):  # guarded as that very object
+            return value, ConstantInput(path, value)
+        if isinstance(value, Placement):  # (``Shard(0)``: guarded by value, as DTensor compares them)
             return value, ConstantInput(path, value)
         container = type(value) in (tuple, list, dict) or pytree.is_namedtuple_instance(value)
         if container and path.steps and id(value) in self._stand_ins:  # (``f(l, l)``: one list, seen twice)

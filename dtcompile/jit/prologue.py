@@ -12,7 +12,7 @@ import operator
 
 import sympy
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement
 
 from ..capture import (
     CallInputs,
@@ -319,7 +319,7 @@ class _Builder:
         elif kind in (bool, int, str) or (kind is float and value == value and value != 0.0):
             self.fail_if(f"type({expr}) is not {kind.__name__} or {expr} != {self.constant(value, 'CONST')}")
         else:
-            by_value = kind in _EQUAL_BY_VALUE  # (a dtype, a device: equal only to their like)
+            by_value = kind in _EQUAL_BY_VALUE or isinstance(value, Placement)  # (a dtype, ``Shard(0)``)
             compared = (
                 f"{expr} != {self.constant(value, 'CONST')}"
                 if by_value

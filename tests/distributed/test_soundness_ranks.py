@@ -979,3 +979,30 @@ def dtensor_outputs_written_before_backward(cache: str) -> list:
 def test_a_dtensor_output_the_backward_reads_written_in_place_raises_as_eager(ranks2, cache):
     for seen in ranks2.run(dtensor_outputs_written_before_backward, cache):
         assert seen == list(_OUTPUTS_WRITTEN)
+
+
+def _redistributed(x, placements):
+    return x.redistribute(x.device_mesh, placements).to_local()
+
+
+def _distributed(t, config):
+    return distribute_tensor(t, config.mesh, config.placements).to_local() * 2
+
+
+def meshes_and_placements_as_arguments():
+    """A mesh or placements given to the call (or held by an object it is given) were
+    refused; eager runs. A mesh is guarded as that object, a placement by value."""
+    import types
+
+    mesh = _mesh()
+    x = distribute_tensor(torch.arange(12.0).view(4, 3), mesh, [Replicate()])
+    redistributed, distributed = dtcompile.jit(_redistributed), dtcompile.jit(_distributed)
+    for placements in ([Shard(0)], [Shard(1)], [Shard(0)], (Replicate(),)):
+        assert_same(redistributed(x, placements), _redistributed(x, placements))
+        config = types.SimpleNamespace(mesh=mesh, placements=list(placements))
+        assert_same(distributed(torch.ones(4, 3), config), _distributed(torch.ones(4, 3), config))
+    return dtcompile.cache_misses(redistributed), dtcompile.cache_misses(distributed)
+
+
+def test_meshes_and_placements_as_arguments(ranks2):
+    assert ranks2.run(meshes_and_placements_as_arguments) == [(3, 3), (3, 3)]
