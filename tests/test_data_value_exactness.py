@@ -269,6 +269,11 @@ def _ints_and_bools(x, t):
     return x * round(n, -1) + same, n // 0.1, divmod(n, 0.3)[0], flags.count(1), 1 in flags
 
 
+def _flags_compared(x, t):
+    flag, n = (t[0] > 0).item(), t.to(torch.int64)[1].item()
+    return flag == True, flag == n, flag == 1.0, x * (2 if flag == True else 3)  # noqa: E712
+
+
 def _indexed_by_a_flag(x, t):
     return x[(t[0] > 0).item()] * 2
 
@@ -281,7 +286,7 @@ def _vectors(*rows):
 @pytest.mark.parametrize(
     "fn",
     [_over_negated, _over_a_remainder, _improvements, _self_less, _fraction, _squared, _int_reciprocal]
-    + [_remainders, _ratio_of_maxima, _bits, _ints_and_bools, _indexed_by_a_flag],
+    + [_remainders, _ratio_of_maxima, _bits, _ints_and_bools, _indexed_by_a_flag, _flags_compared],
 )
 def test_branches_on_floats_read_from_data_are_decided_by_their_values(fn, cache):
     """A branch on floats read from data is decided by their values and checked at run time:

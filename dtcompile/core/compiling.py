@@ -134,7 +134,7 @@ def _bool_equal(original):
     bool equals 1 or 0, where sympy's never equals a number (False, with no check)."""
 
     def __eq__(value, other):
-        if type(other) in (int, float):
+        if type(other) in (int, float, bool, torch.SymInt, torch.SymFloat):
             return int(bool(value)) == other  # (a branch on the value: traced as taken, checked at each call)
         return original(value, other)
 
