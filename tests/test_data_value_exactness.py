@@ -274,6 +274,11 @@ def _flags_compared(x, t):
     return flag == True, flag == n, flag == 1.0, x * (2 if flag == True else 3)  # noqa: E712
 
 
+def _shifted(x, t):
+    n, m = t.to(torch.int64)[0].item(), t.to(torch.int64)[1].item()
+    return n << m, n >> m, 5 << m
+
+
 def _indexed_by_a_flag(x, t):
     return x[(t[0] > 0).item()] * 2
 
@@ -286,7 +291,7 @@ def _vectors(*rows):
 @pytest.mark.parametrize(
     "fn",
     [_over_negated, _over_a_remainder, _improvements, _self_less, _fraction, _squared, _int_reciprocal]
-    + [_remainders, _ratio_of_maxima, _bits, _ints_and_bools, _indexed_by_a_flag, _flags_compared],
+    + [_remainders, _ratio_of_maxima, _bits, _ints_and_bools, _indexed_by_a_flag, _flags_compared, _shifted],
 )
 def test_branches_on_floats_read_from_data_are_decided_by_their_values(fn, cache):
     """A branch on floats read from data is decided by their values and checked at run time:

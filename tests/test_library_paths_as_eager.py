@@ -258,11 +258,7 @@ class _Configured(torch.nn.Module):
         return x * 2
 
 
-class _SetUpOnce(torch.nn.Module):
-    def __init__(self, settings):
-        super().__init__()
-        self.settings = settings
-
+class _SetUpOnce(_Configured):
     def forward(self, x):
         if self.settings.mode is None:
             self.settings.mode = "scaled"

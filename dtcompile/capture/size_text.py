@@ -225,6 +225,20 @@ def _rounded(original):
     return method
 
 
+def _shift(original, reflected: bool):
+    """A SymInt's ``<<`` or ``>>`` from the user's code: a negative count raises Python's
+    ``ValueError`` (torch's computes ``n * 2 ** m``, a float). The count's sign is a branch
+    on its value: traced as taken, checked at each call."""
+
+    def method(self, other):
+        count = self if reflected else other
+        if isinstance(count, torch.SymInt) and _from_user_code() and count < 0:
+            raise ValueError("negative shift count")
+        return original(self, other)
+
+    return method
+
+
 _INT_METHODS = {
     "__pow__": _negative_power,
     "__floordiv__": lambda original: _by_a_float(original, operator.floordiv, False),
@@ -232,6 +246,10 @@ _INT_METHODS = {
     "__mod__": lambda original: _by_a_float(original, operator.mod, False),
     "__rmod__": lambda original: _by_a_float(original, operator.mod, True),
     "__round__": _rounded,
+    "__lshift__": lambda original: _shift(original, False),
+    "__rshift__": lambda original: _shift(original, False),
+    "__rlshift__": lambda original: _shift(original, True),
+    "__rrshift__": lambda original: _shift(original, True),
 }
 
 
