@@ -96,6 +96,28 @@ def test_nan_read_from_data_is_checked_exactly(fn, cache):
     _compare(fn, cache, _scalars(1.5, NAN, 2.0, 7.0, NAN, -1.0))
 
 
+_SELF_COMPARISONS = {
+    "ge": lambda k: k >= k,
+    "le": lambda k: k <= k,
+    "negated": lambda k: -k <= -k,
+    "plus one": lambda k: k + 1 > k,
+    "minus one": lambda k: k - 1 < k,
+}
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("comparison", list(_SELF_COMPARISONS))
+def test_float_compared_with_itself_follows_nan_and_infinity(comparison, cache):
+    # ``k >= k`` and ``k + 1 > k``, which sympy decides for finite numbers, were True for a
+    # NaN (and the latter for inf), with no check.
+    decided = _SELF_COMPARISONS[comparison]
+
+    def fn(x, t):
+        return x * 2 if decided(t.item()) else x
+
+    _compare(fn, cache, _scalars(1.5, NAN, 2.0, INF, NAN, -INF))
+
+
 def _sign_of_zero(x, t):
     k = t.item()
     return x * math.copysign(1.0, k), str(k), float(k), x / torch.tensor(k), math.atan2(k, -1.0)

@@ -116,6 +116,7 @@ def _values_in_user_text(cls: type, kind: type):
 
 _BINARY = {name: getattr(operator, name) for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow")}
 _COMPARISONS = {name: getattr(operator, name) for name in ("eq", "ne", "lt", "le", "gt", "ge")}
+_RELATIONS = {"eq": sympy.Eq, "ne": sympy.Ne, "lt": sympy.Lt, "le": sympy.Le, "gt": sympy.Gt, "ge": sympy.Ge}
 
 
 def negative_zeros(shape_env) -> set:
@@ -174,6 +175,8 @@ def _exact(original, op, reflected: bool):
         result = _in_python_order(self, op, a, b)
         result = original(self, other) if result is None else result
         lost = data - _free_symbols(result)
+        if op.__name__ in _RELATIONS and _decided_for_finite(op, a, b):
+            lost = data  # (``k >= k``, ``k + 1 > k``: sympy's answer, wrong for a NaN or an infinity)
         if any(not math.isfinite(float(values.get(s, 0.0))) for s in lost):
             raise TracingError(
                 f"dtcompile.jit: {a} {op.__name__} {b}, on floats read from tensor data, one of them NaN or "
@@ -183,6 +186,16 @@ def _exact(original, op, reflected: bool):
         return result
 
     return method
+
+
+def _decided_for_finite(op, a, b) -> bool:
+    """Whether sympy decides ``a op b`` from the expressions alone, as it may for finite
+    numbers only (``k >= k`` is True, False for a NaN; ``k + 1 > k``, False for inf)."""
+    exprs = [_float_expr(x) if isinstance(x, _SYMBOLIC) or type(x) in (int, float) else None for x in (a, b)]
+    if None in exprs:
+        return False
+    finite = {s: sympy.Dummy(finite=True, real=True) for e in exprs for s in e.free_symbols}
+    return _RELATIONS[op.__name__](*(e.xreplace(finite) for e in exprs)) in (sympy.true, sympy.false)
 
 
 def _negative_power(original):
