@@ -189,6 +189,7 @@ class CallAnnotator(TorchFunctionMode):
 
     def __exit__(self, *exc):
         self._entry_points.__exit__(*exc)
+        self.code_ran.release()
         return super().__exit__(*exc)
 
     def _check_hook(self, func, args) -> None:

@@ -77,31 +77,31 @@ def _held_objects(module: torch.nn.Module) -> dict[int, object]:
     than modules, tensors, classes and scalars."""
     found: dict[int, object] = {}
     seen: set[int] = set()
-
-    def walk(value, levels: int) -> None:
-        if not levels or id(value) in seen or type(value) in SCALARS or isinstance(value, _NOT_HELD):
-            return
-        seen.add(id(value))
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(key, levels - 1)
-                walk(item, levels - 1)
-        elif isinstance(value, (list, tuple, set, frozenset, collections.deque)):
-            for item in value:
-                walk(item, levels - 1)
-        elif hasattr(value, "__dict__") and not is_buffer(value):
-            found[id(value)] = value
-            if not is_library(type(value)):  # a library's object: itself, not what it holds
-                for item in vars(value).values():
-                    walk(item, levels - 1)
-        elif slot_names(type(value)) and not is_library(type(value)):
-            for name in slot_names(type(value)):
-                walk(getattr(value, name, None), levels - 1)
-
     for name, value in vars(module).items():
         if name not in _MODULE_ATTRIBUTES:
-            walk(value, _HELD_LEVELS)
+            _walk_held(value, _HELD_LEVELS, found, seen)
     return found
+
+
+def _walk_held(value, levels: int, found: dict, seen: set) -> None:
+    if not levels or id(value) in seen or type(value) in SCALARS or isinstance(value, _NOT_HELD):
+        return
+    seen.add(id(value))
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _walk_held(key, levels - 1, found, seen)
+            _walk_held(item, levels - 1, found, seen)
+    elif isinstance(value, (list, tuple, set, frozenset, collections.deque)):
+        for item in value:
+            _walk_held(item, levels - 1, found, seen)
+    elif hasattr(value, "__dict__") and not is_buffer(value):
+        found[id(value)] = value
+        if not is_library(type(value)):  # a library's object: itself, not what it holds
+            for item in vars(value).values():
+                _walk_held(item, levels - 1, found, seen)
+    elif slot_names(type(value)) and not is_library(type(value)):
+        for name in slot_names(type(value)):
+            _walk_held(getattr(value, name, None), levels - 1, found, seen)
 
 
 def _distinct_held(modules: list) -> list:

@@ -89,6 +89,7 @@ class RepeatedBlocks:
 
     def __exit__(self, *exc) -> None:
         torch.nn.Module.__call__ = self._original
+        self.stretches.layers.blocks = None  # (read only while tracing: a cycle would keep the recording)
 
     def call(self, original, module, args: tuple, kwargs: dict):
         if (

@@ -48,6 +48,13 @@ class CodeRan:
                     self._on_entry(frame)
             frame = caller
 
+    def release(self) -> None:
+        """Drop the frames walked (when tracing ends): they hold the traced code's locals,
+        and the tracer's frame holds this (a cycle that would keep them for the collector);
+        and the annotator's method called at an entry (it holds the recording, which holds this)."""
+        self._frames.clear()
+        self._on_entry = None
+
     def _is_user(self, frame) -> bool:
         known = self._user.get(frame.f_code)
         if known is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_is_leaf, tree_map
 
 from .printing import call_source, output_target
 from .proxy import PROXY_TYPES, TensorProxy, is_proxy
@@ -162,24 +162,26 @@ def leaves(value) -> list:
     symbols and ops hold) are walked here, without pytree's per-node overhead; anything
     else by torch's pytree."""
     found = []
-
-    def walk(x):
-        kind = type(x)
-        if kind in _LEAF_TYPES:
-            found.append(x)
-        elif kind is tuple or kind is list:
-            for item in x:
-                walk(item)
-        elif kind is dict:
-            for item in x.values():
-                walk(item)
-        elif _is_leaf(x):
-            found.append(x)
-        else:
-            found.extend(tree_flatten(x)[0])
-
-    walk(value)
+    _walk_leaves(value, found)
     return found
+
+
+# (The walkers are module functions, not closures: a recursive closure is a reference
+# cycle, left for the cyclic collector, and tracing calls these thousands of times.)
+def _walk_leaves(x, found: list) -> None:
+    kind = type(x)
+    if kind in _LEAF_TYPES:
+        found.append(x)
+    elif kind is tuple or kind is list:
+        for item in x:
+            _walk_leaves(item, found)
+    elif kind is dict:
+        for item in x.values():
+            _walk_leaves(item, found)
+    elif _is_leaf(x) or tree_is_leaf(x):  # (a slice, a placement: pytree's leaves, without its walk)
+        found.append(x)
+    else:
+        found.extend(tree_flatten(x)[0])
 
 
 def flatten(value) -> tuple[list, object]:
@@ -187,25 +189,31 @@ def flatten(value) -> tuple[list, object]:
     another's: the container types, dict keys and where leaves are (None), a pytree spec
     where torch's pytree flattens. For comparing structures, not for rebuilding them."""
     found = []
-
-    def walk(x):
-        kind = type(x)
-        if kind in _LEAF_TYPES:
-            found.append(x)
-            return None
-        if kind is tuple or kind is list:
-            return (kind, tuple(map(walk, x)))
-        if kind is dict:
-            return (dict, tuple(map(_exact_key, x)), tuple(map(walk, x.values())))
-        if _is_leaf(x):
-            found.append(x)
-            return None
-        items, spec = tree_flatten(x)
-        found.extend(items)
-        return spec
-
-    structure = walk(value)
+    structure = _walk_structure(value, found)
     return found, structure
+
+
+_PYTREE_LEAF = tree_flatten(object())[1]  # (the spec pytree gives any leaf)
+
+
+def _walk_structure(x, found: list):
+    kind = type(x)
+    if kind in _LEAF_TYPES:
+        found.append(x)
+        return None
+    if kind is tuple or kind is list:
+        return (kind, tuple([_walk_structure(item, found) for item in x]))
+    if kind is dict:
+        return (dict, tuple(map(_exact_key, x)), tuple([_walk_structure(item, found) for item in x.values()]))
+    if _is_leaf(x):
+        found.append(x)
+        return None
+    if tree_is_leaf(x):  # (a slice, a placement)
+        found.append(x)
+        return _PYTREE_LEAF
+    items, spec = tree_flatten(x)
+    found.extend(items)
+    return spec
 
 
 def _exact_key(key) -> object:
