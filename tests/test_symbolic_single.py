@@ -412,6 +412,31 @@ def test_math_of_sizes_runs_in_the_program_and_its_guards(fn):
         assert_same_result(jitted(x), fn(x))
 
 
+def _padded_to_four(x):
+    n = x.shape[1]
+    return F.pad(x, (0, 0, 0, -(-n // 4) * 4 - n))
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: (_padded_to_four(x).reshape(-1, 4), _padded_to_four(x).stride()),
+        lambda x: _padded_to_four(x).contiguous(),
+        lambda x: F.pad(x, (0, 0, -(x.shape[1] % 2), 0)) * 2,  # cropped by 1 at odd lengths, else a clone
+        lambda x: F.pad(x.unsqueeze(0), (0, 0, 0, (-x.shape[1]) % 3)).reshape(-1),
+    ],
+)
+def test_pad_by_sizes_that_can_be_zero_keeps_eagers_layout(fn):
+    """Where no pad is positive, eager's constant pad is a clone of the (narrowed) input,
+    a transposed one stays transposed; torch's meta makes a new row-major tensor for any
+    symbolic pad, so an entry traced at one length gave other strides (and a ``view``
+    that raised) at a length padded by 0."""
+    jitted = dtcompile.jit(fn, cache=SYMBOLIC)
+    for n in (7, 4, 8, 5, 12, 3):
+        x = torch.randn(n, 2, 4).transpose(0, 1)
+        assert_same_result(jitted(x), fn(x))
+
+
 def test_sizes_beyond_exact_floats_are_constants():
     """torch simplifies ``int(n / 3)`` to ``n // 3``, exact only below 2**53: a larger
     size is traced as a constant, and a symbol stands for sizes up to 2**53 only."""

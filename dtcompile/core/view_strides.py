@@ -3,6 +3,12 @@
 - A reshaping view: the fake mode's reshape (the Python reference, under the Python
   dispatcher) keeps a same-shaped source's strides, where eager's kernel computes them
   anew: the stride of a dim of size 1 is free, and eager gives it its own.
+- A constant pad by sizes that are symbolic: eager's kernel returns a clone of the input
+  (in its layout: a transposed input stays transposed) where no pad is positive, and a
+  tensor in the input's suggested memory format otherwise; the fake mode's meta, not to
+  specialize, takes the second for any symbolic pad. The branch is taken here as eager's
+  kernel takes it, on the traced sizes, and so guarded (``n % 4`` padded to a multiple of
+  4 is 0 at some lengths).
 - Batch norm on CPU: its kernels (forward and backward) give an output contiguous in the
   input's suggested memory format (channels-last for a channels-last 4-D or 5-D input,
   else row-major), where the fake mode keeps the input's strides (a transposed input).
@@ -42,6 +48,8 @@ def with_eager_strides(fake_mode, func, fake_args: tuple, fake_out):
     """``fake_out`` with the strides eager's kernel gives it (see the module docstring)."""
     if func in _BATCH_NORMS:
         return _batch_norm_strides(fake_mode, fake_args[1 if func is _BATCH_NORM_BACKWARD else 0], fake_out)
+    if func is _CONSTANT_PAD and any(isinstance(p, torch.SymInt) for p in fake_args[1]):
+        return _constant_pad_strides(fake_mode, fake_args[0], fake_args[1], fake_out)
     return with_eager_view_strides(fake_mode, func, fake_args, fake_out)
 
 
@@ -62,6 +70,27 @@ def _batch_norm_strides(fake_mode, source, fake_out):
 
 
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+_CONSTANT_PAD = torch.ops.aten.constant_pad_nd.default
+
+
+def _constant_pad_strides(fake_mode, source, pad, fake_out):
+    """A constant pad with symbolic pads: where none is positive (a branch on the sizes,
+    guarded), eager's kernel returns a clone of the input narrowed by the negative pads."""
+    if not all(p <= 0 for p in pad):  # (as eager's kernel asks: the first positive pad decides)
+        return fake_out
+    with fake_mode, torch._C.DisableTorchFunction(), no_python_dispatcher(), torch.no_grad():
+        narrowed = source.detach()
+        rank = source.dim()
+        for i in range(rank - len(pad) // 2, rank):
+            before, after = pad[2 * (rank - i - 1)], pad[2 * (rank - i - 1) + 1]
+            narrowed = narrowed.narrow(i, -before, narrowed.shape[i] + before)
+            narrowed = narrowed.narrow(i, 0, narrowed.shape[i] + after)
+        stride = narrowed.clone().stride()
+        if all(known_equal(a, b) for a, b in zip(stride, fake_out.stride())):
+            return fake_out
+        fake = fake_out.detach().as_strided(fake_out.shape, stride, fake_out.storage_offset())
+    return fake.requires_grad_(fake_out.requires_grad) if fake_out.requires_grad else fake
 
 
 def with_eager_view_strides(fake_mode, func, fake_args: tuple, fake_out):
