@@ -412,6 +412,27 @@ def test_math_of_sizes_runs_in_the_program_and_its_guards(fn):
         assert_same_result(jitted(x), fn(x))
 
 
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: x * float((x.shape[0] * 1.5) % 2),
+        lambda x: x * float((-x.shape[0] * 1.5) % 2),
+        lambda x: x * float(x.shape[0] // 2.5),
+        lambda x: x * float((x.shape[0] / 3) % 1),
+        lambda x: x * float((x.shape[0] * 0.7) // 1.5) if (x.shape[0] * 0.3) % 1 > 0.5 else x,
+    ],
+)
+def test_float_remainders_and_floor_quotients_of_sizes_are_pythons(fn):
+    """``%`` and ``//`` of a float computed from a size, specialized by ``float()`` or a
+    branch: sympy's ``Mod`` took ``Eq((n * 1.5) % 2, 1.5)`` to be False (the new entry's
+    guard refused its own call), and torch's range analysis raised on ``n // 2.5``."""
+    jitted = dtcompile.jit(fn, cache=SYMBOLIC)
+    for n in (4, 5, 3, 6, 7, 11, 5):
+        x = torch.randn(n, 2)
+        assert_same_result(jitted(x), fn(x))
+    assert dtcompile.cache_misses(jitted) >= 1  # compiled (not run eagerly, torch's error caught)
+
+
 def _padded_to_four(x):
     n = x.shape[1]
     return F.pad(x, (0, 0, 0, -(-n // 4) * 4 - n))

@@ -302,7 +302,7 @@ def _in_python_order(self, op, a, b):
         return None
     if not (_free_symbols(a) or _free_symbols(b)):  # (specialized: its value, as Python computes with it)
         return op(*map(as_constant, (a, b))) if {type(a), type(b)} & set(_SYMBOLIC) else None
-    floats = _data_floats(a) or _data_floats(b) or float in (type(a), type(b))
+    floats = _data_floats(a) or _data_floats(b) or {float, torch.SymFloat} & {type(a), type(b)}
     if op in (operator.mod, operator.floordiv) and (not floats or (not isinstance(b, _SYMBOLIC) and b == 0)):
         return None  # (an int's is sympy's; by a literal zero: eager's ZeroDivisionError)
     data_base = _data_floats(a) or (isinstance(a, torch.SymInt) and type(b) is int and b < 0)  # (``n ** -1``)

@@ -7,13 +7,17 @@ from __future__ import annotations
 import sympy
 from torch.utils._sympy.symbol import SymT, prefix_str, symbol_is_type
 
+from .symbolic import PYTHON_FLOAT_OPERATIONS
+
 _FLOAT, _INT = prefix_str[SymT.UNBACKED_FLOAT], prefix_str[SymT.UNBACKED_INT]  # (how their names start)
 
 
 def decided_by_values(shape_env):
-    """``shape_env``, deciding no question on a float read from data, or on a bitwise op of
-    an int read from data, but by the values (then checked at run time): its static
-    analysis, made for sizes, took ``v > v`` to be True and ``n & -3`` to be non-negative.
+    """``shape_env``, deciding no question on a float read from data, on a bitwise op of an
+    int read from data, or on one of Python's float operations (``symbolic.python_float``:
+    ``float(n // 2.5)`` of a size), but by the values (then checked at run time): its
+    static analysis, made for sizes, took ``v > v`` to be True and ``n & -3`` to be
+    non-negative, and has no ranges for Python's float operations (it raised).
     ``_maybe_evaluate_static`` is where it decides (no public API)."""
     static = shape_env._maybe_evaluate_static
 
@@ -33,6 +37,8 @@ def _data_floats_or_bits(expr) -> bool:
     names first, which cost least.)"""
     names = [s.name.lower() for s in getattr(expr, "free_symbols", ())]
     if any(name.startswith(_FLOAT) for name in names):
+        return True
+    if names and expr.atoms(*PYTHON_FLOAT_OPERATIONS):
         return True
     if not any(name.startswith(_INT) for name in names):
         return False

@@ -211,6 +211,9 @@ class PythonPow(_PythonFloat):
     _torch_handler_name, python = "pow", "**"
 
 
+PYTHON_FLOAT_OPERATIONS = (PythonAdd, PythonMul, PythonTrueDiv, PythonFloatMod, PythonFloatFloorDiv, PythonPow)
+
+
 def python_float(op: str, a, b):
     """``a op b`` (``op``: add, sub, mul, truediv, mod, floordiv, pow by a whole number) on sympy
     expressions, as Python's floats compute it; ``a - b`` is ``a + (-b)``, which is exact in
