@@ -98,6 +98,74 @@ def test_an_input_the_backward_needs_only_the_sizes_of_is_not_saved(name, cache)
     assert torch.equal(_run(fn, cache, x, w), expected)
 
 
+class _Features(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.backbone, self.head = torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = self.backbone(x)
+        return self.head(h.tanh()), h, h[0]
+
+
+# (None-safe hooks: torch calls a hook on an output of a node that got no gradient of its
+# own with None, where eager's graph would not call it: README, "Status")
+_ON_FEATURES = {
+    "reversing hook": lambda h: h.register_hook(lambda g: None if g is None else -g),
+    "zeroing hook": lambda h: h.register_hook(lambda g: None if g is None else g * 0),
+    "retain_grad": lambda h: h.retain_grad(),
+}
+_LOSSES = {
+    "head only": lambda y, h, h0: y.sum(),
+    "head and features": lambda y, h, h0: y.sum() + h.sum(),
+    "a view of the features": lambda y, h, h0: h0.sum(),
+}
+
+
+@torch.enable_grad()
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("loss", list(_LOSSES))
+@pytest.mark.parametrize("put", list(_ON_FEATURES))
+def test_a_hook_on_an_output_others_were_computed_from_is_refused_at_backward(put, loss, cache):
+    # The outputs are one node: a hook on ``h`` (a gradient reversal on returned features)
+    # saw only h's own gradient, not what came back through ``head(h.tanh())``, and the
+    # parameters' gradients differed from eager's, silently.
+    torch.manual_seed(0)
+    model, x = _Features(), torch.randn(5, 4)
+    jitted = dtcompile.jit(copy.deepcopy(model), cache=cache)
+    for _ in range(2):
+        y, h, h0 = jitted(x)
+        _ON_FEATURES[put](h)
+        with pytest.raises(RuntimeError, match="other outputs of the call were computed from it"):
+            _LOSSES[loss](y, h, h0).backward()
+
+
+@torch.enable_grad()
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("put", list(_ON_FEATURES))
+def test_a_hook_on_an_output_runs_as_eager_where_no_gradient_comes_through_others(put, cache):
+    # Only ``h``'s own gradient arrives (the head's output is unused): the hook sees what
+    # eager's sees. A hook on the head's output, which nothing else was computed from, too
+    # (the gradients accumulate over both backwards).
+    torch.manual_seed(0)
+    model, x = _Features(), torch.randn(5, 4)
+    jitted = dtcompile.jit(copy.deepcopy(model), cache=cache)
+    for _ in range(2):
+        grads = []
+        for called in (model, jitted):
+            called.zero_grad(set_to_none=True)
+            y, h, _ = called(x)
+            _ON_FEATURES[put](h)
+            (h.sum() * 2).backward()
+            y, h, _ = called(x)
+            _ON_FEATURES[put](y)
+            (h.sum() + y.sum()).backward()
+            grads.append([p.grad for p in called.parameters()])
+        for eager, compiled in zip(*grads):
+            assert (eager is None) == (compiled is None)
+            assert eager is None or torch.equal(eager, compiled)
+
+
 def _two_heads(x, w1, w2):
     return (x * w1).sum(), (x * w2).sum()
 

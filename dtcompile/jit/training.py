@@ -38,6 +38,7 @@ from ..core.torch_internals import (
 )
 from ..core.trace import Zeros
 from .epilogue import build_epilogue, build_output_wrapper, dtensor_outputs, views_made_own, with_sizes
+from .output_hooks import feeding_outputs, hooked_feeding_output, watched
 from .saved_hooks import same_saved_hooks
 from .saved_reads import SAVED_INFERENCE, live_saved, read_back, saved_dtensor_outputs
 
@@ -85,9 +86,8 @@ class Gradient:
     position: int  # the input it is the gradient of
     spec: DTensorSpec | None  # as traced, for a DTensor input; None: a plain tensor
     sizes_per_call: bool  # the spec has symbolic sizes: rebuilt from each gradient
-    # The cotangents (bit i: program.cotangents[i]) whose outputs reach the input in
-    # autograd's graph: where none arrives, the gradient is None, as eager's (0: unknown,
-    # always given).
+    # The cotangents (bit i: program.cotangents[i]) whose outputs reach the input in autograd's
+    # graph: where none arrives, the gradient is None, as eager's (0: unknown, always given).
     sources: int = 0
 
     def wrap(self, grad: torch.Tensor, shape: torch.Size | None):
@@ -135,6 +135,7 @@ class TrainingProgram:
     # recompute updates): read as they are at the backward, as eager's recompute reads them.
     live_saved: frozenset = frozenset()
     saved_dtensor_outputs: tuple = ()  # ``saved_reads.saved_dtensor_outputs``
+    feeding_outputs: tuple = ()  # ``output_hooks.feeding_outputs``
     graph_saves: bool = True  # ``BackwardCapture.graph_saves``
     # The Python values the call's code read while traced (``Read``), where its backward
     # runs code of the user's: checked before each backward, since eager's backward reads
@@ -189,6 +190,7 @@ class TrainingProgram:
             saved_dtensor_outputs=saved_dtensor_outputs(
                 backward, trace_output, {n.index for n in dtensor_outputs(output)}, len(backward_capture.cotangents)
             ),
+            feeding_outputs=feeding_outputs(joint, slots, backward_capture.cotangent_slots),
             wrap_outputs=build_output_wrapper(output, slots, {p.label: i for p, i in dtensor_positions}),
             rebuild=build_epilogue(output, wrap=False),
             slots=slots,
@@ -296,13 +298,11 @@ class CompiledStep(torch.autograd.Function):
         live = program.live_saved
         ctx.numbers = [(i, v) for i, v in enumerate(saved) if not isinstance(v, torch.Tensor) or i in live]
         tensors = [v for i, v in enumerate(saved) if isinstance(v, torch.Tensor) and i not in live]
-        # (saving none, a second backward runs, as eager's through nodes saving none; where
-        # eager's saved some, a tensor of no elements is saved, for autograd to free)
+        # (none saved: a second backward runs, as eager's through nodes saving none; where eager's
+        # saved some, a tensor of no elements is saved, for autograd to free)
         ctx.saves, ctx.stand_in = bool(tensors) or program.graph_saves, not tensors
         ctx.save_for_backward(*(tensors or [torch.empty(0)] * program.graph_saves))
-        # Gradients autograd computes none for stay None (not zeros made now, alive through
-        # the whole backward): the program makes them where it first reads them.
-        ctx.set_materialize_grads(False)
+        ctx.set_materialize_grads(False)  # (None stays None: the program makes zeros where it reads them)
         ctx.local_shapes = [outs[c.slot].shape for c in program.cotangents]
         ctx.input_shapes = [inputs[g.position].shape if g.sizes_per_call else None for g in program.gradients]
         wrapped = program.wrap_outputs.fn(outs[: program.slots], inputs)
@@ -310,6 +310,7 @@ class CompiledStep(torch.autograd.Function):
         # (by weak reference: a reference would hold the output's own node; one let go
         # cannot be written, and its views hold it)
         ctx.output_versions = [(weakref.ref(wrapped[i]), wrapped[i]._version) for i in program.saved_dtensor_outputs]
+        ctx.watching = watched(program.feeding_outputs, wrapped)
         return wrapped
 
     @staticmethod
@@ -352,6 +353,8 @@ class CompiledStep(torch.autograd.Function):
         if program.dtensor_modes is not None and not program.dtensor_modes[0].active():
             raise RuntimeError(program.dtensor_modes[1])  # eager's, outside loss_parallel() say
         arrived = sum(1 << i for i, c in enumerate(program.cotangents) if grad_outputs[c.slot] is not None)
+        if (refusal := hooked_feeding_output(ctx.watching, arrived)) is not None:
+            raise RuntimeError(refusal)
         try:
             inputs = list(ctx.saved_tensors) if ctx.saves else []
             inputs = [] if ctx.stand_in else inputs
