@@ -135,8 +135,71 @@ def test_code_of_the_user_s_on_the_path_of_an_unused_output_is_refused(kind, cac
         torch.testing.assert_close(w.grad, v.grad, rtol=0, atol=0)
         w = torch.ones(4, requires_grad=True)
         got_a, _ = jitted(x, w)
-        with pytest.raises(RuntimeError, match=r"code of yours .* outputs \[1\] only, which got none"):
+        with pytest.raises(RuntimeError, match=r"code of yours .* outputs \[1\], which got none"):
             got_a.backward()
+
+
+class _TwoOutputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.linear(x)
+        return h.tanh(), h.sigmoid()
+
+
+class _ReturnsBoth(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.two, self.out = _TwoOutputs(), torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        a, b = self.two(x)
+        return self.out(a), b
+
+
+def _scaled_where_none(module, grad_input, grad_output):
+    if grad_output[1] is None:
+        return (grad_input[0] * 10,)
+    return None
+
+
+def _pre_scaled_where_none(module, grad_output):
+    return (grad_output[0] * 10, grad_output[1]) if grad_output[1] is None else None
+
+
+_MODULE_HOOKS = {
+    "full backward hook on a submodule": lambda m: m.two.register_full_backward_hook(_scaled_where_none),
+    "backward pre-hook on a submodule": lambda m: m.two.register_full_backward_pre_hook(_pre_scaled_where_none),
+}
+
+
+@torch.enable_grad()
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+@pytest.mark.parametrize("hook", list(_MODULE_HOOKS))
+def test_a_module_backward_hook_given_none_by_eager_is_refused(hook, cache):
+    """A module's output the loss does not use: eager's full backward hook (or pre-hook) gets
+    None for its gradient, the compiled backward, traced with every cotangent, gave it
+    zeros, and a hook branching on None took the other branch (x's gradient 10x off). With
+    both outputs used, eager's gradients."""
+    torch.manual_seed(0)
+    model = _ReturnsBoth()
+    _MODULE_HOOKS[hook](model)
+    jitted = dtcompile.jit(copy.deepcopy(model), cache=cache)
+    for _ in range(2):
+        grads = []
+        for called in (model, jitted):
+            x = torch.ones(5, 4, requires_grad=True)
+            y, b = called(x)
+            (y.sum() + b.sum()).backward()
+            grads.append([x.grad, *(p.grad for p in called.parameters())])
+            called.zero_grad(set_to_none=True)
+        for eager, compiled in zip(*grads):
+            torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+        y, _ = jitted(torch.ones(5, 4, requires_grad=True))
+        with pytest.raises(RuntimeError, match="pass a module's backward hook None"):
+            y.sum().backward()
 
 
 @torch.enable_grad()

@@ -19,6 +19,7 @@ from ..core import InputPath, TensorProxy, TracingError
 from ..core.op_classes import draws_random_numbers
 from ..core.proxy import contiguous_strides
 from ..core.torch_internals import DTensorSpec, TensorMeta, make_dtensor, saved_tensors_hooks
+from .backward_users import grad_outputs_noted, users_code
 from .global_state import autocast_off
 from .graph_reach import reached_by_none, reaching, saves_a_tensor
 from .recorder import Recording
@@ -42,10 +43,8 @@ class BackwardCapture:
     # Per differentiable input, the cotangents (bit i: cotangents[i]) whose outputs reach it
     # in autograd's graph: its gradient is None, as eager's, where none of them arrives.
     grad_sources: list[int] | None = None
-    # For each symbol the user's code recorded in the backward (a hook, a Function's
-    # ``backward``), the cotangents (bit i: cotangents[i]) its inputs come from: eager runs
-    # that code only where one of them arrives (``users_code_reached``).
-    users_code: frozenset[int] = frozenset()
+    # The cotangents the user's code in the backward sees (``backward_users.users_code``).
+    users_code: frozenset = frozenset()
     # Whether the user's code called torch in the backward: it read Python values then,
     # which the compiled backward holds as they were (``TrainingProgram.backward_reads``).
     users_code_ran: bool = False
@@ -120,7 +119,7 @@ def capture_backward(
     modes, needed = recording.dtensor_modes, None
     graph_saves = saves_a_tensor(outputs)  # (before the backward frees what the nodes saved)
     # Outside autocast, as torch asks of a backward: run under it, its ops are cast as eager's are.
-    with _rng_state_reads() as state_reads, autocast_off(), _modules_called() as called:
+    with _rng_state_reads() as state_reads, autocast_off(), _modules_called() as called, grad_outputs_noted() as noted:
         start = len(recording.bound_symbols)
         try:
             grads = _grad(outputs, wrt, cotangents, retain=modes.seen()) if outputs else [None] * len(wrt)
@@ -145,7 +144,6 @@ def capture_backward(
             )
     grads = [None if unreached else grad for grad, unreached in zip(grads, reached_by_none(wrt, sources))]
     _saved_alias_written(recording, forward_symbols, saving)
-    users_code = _users_code(recording, forward_symbols, proxies)
     grad_locals, grad_specs = [], []
     for grad in grads:
         if isinstance(grad, torch.Tensor) and not isinstance(grad, (DTensor, TensorProxy)):
@@ -165,7 +163,7 @@ def capture_backward(
         grad_locals,
         grad_specs,
         grad_sources=sources,
-        users_code=users_code,
+        users_code=users_code(recording, forward_symbols, proxies, noted),
         users_code_ran=recording.users_backward_ran,
         modules_called=tuple({id(m): m for m in called}.values()),
         graph_saves=graph_saves,
@@ -198,23 +196,6 @@ def _modules_called():
         yield called
     finally:
         torch.nn.Module.__call__ = original
-
-
-def _users_code(recording: Recording, start: int, cotangents: list[TensorProxy]) -> frozenset[int]:
-    """The masks of cotangents each symbol the user's code recorded in the backward reads
-    from (through the symbols before it; see ``BackwardCapture.users_code``)."""
-    users = {id(b) for b in recording.users_backward}
-    masks = {p.label: 1 << i for i, p in enumerate(cotangents)}
-    found = set()
-    for bsym in recording.bound_symbols[start:]:
-        mask = 0
-        for proxy in bsym.input_proxies():
-            mask |= masks.get(proxy.label, 0)
-        if mask:
-            masks.update((proxy.label, mask | masks.get(proxy.label, 0)) for proxy in bsym.output_proxies())
-            if id(bsym) in users:
-                found.add(mask)
-    return frozenset(found)
 
 
 def _saving_reads(recording: Recording) -> dict[str, int]:
@@ -295,14 +276,6 @@ def _holds(node, proxy: TensorProxy) -> bool:
             if any(v is proxy for v in (value if isinstance(value, (tuple, list)) else (value,))):
                 return True
     return False
-
-
-def users_code_reached(users_code: frozenset[int], arrived: int) -> bool:
-    """Whether the user's code in a backward is all reached by the cotangents that
-    ``arrived`` (bit i: cotangents[i]). Where some is reached only by others, eager's
-    autograd would not run it, and a compiled backward would, on zeros: a hook ``g + 1``,
-    a Function that branches on ``g is None``."""
-    return all(mask & arrived for mask in users_code)
 
 
 _MIXED = "got mixed torch.Tensor and DTensor"  # DTensor's error for a plain tensor among DTensors

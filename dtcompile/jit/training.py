@@ -22,7 +22,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from ..capture import with_plain_sizes
-from ..capture.autograd import users_code_reached
+from ..capture.backward_users import unreached_refusal
 from ..capture.fake_calls import functorch_refusal
 from ..capture.global_state import autocast_devices, autocast_off
 from ..core import TensorProxy, TracingError
@@ -382,14 +382,10 @@ class CompiledStep(torch.autograd.Function):
         inputs += [c.prepare(grad_outputs[c.slot], shape) for c, shape in zip(program.cotangents, ctx.local_shapes)]
         # The cotangents that arrived: an input only outputs without one reach gets no
         # gradient (None, not zeros), as in eager.
-        if not users_code_reached(program.users_code, arrived):
-            missing = [c.slot for i, c in enumerate(program.cotangents) if not arrived >> i & 1]
-            raise RuntimeError(
-                f"dtcompile: the backward of a compiled call runs code of yours (a tensor hook, a module's backward "
-                f"hook, an autograd.Function's backward) on the gradient of outputs {missing} only, which got none "
-                "(the loss does not use them): eager would not run it, the compiled backward would run it on zeros. "
-                "Return only the outputs the loss uses, or give each a gradient (loss + out.sum() * 0)"
-            )
+        if (
+            refusal := unreached_refusal(program.users_code, arrived, [c.slot for c in program.cotangents])
+        ) is not None:
+            raise RuntimeError(refusal)
         # (autograd's own backward runs none of the modes; traced outside autocast, it runs so)
         with function_modes_off(), autocast_off():
             grads = program.backward(inputs)
