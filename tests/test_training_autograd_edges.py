@@ -66,6 +66,33 @@ def test_an_inference_tensor_autograd_would_save_raises_eagers_error(cache):
     assert isinstance(expected, RuntimeError) and type(got) is RuntimeError and str(got) == str(expected)
 
 
+_MADE_UNDER_INFERENCE_MODE = {
+    "a slice": lambda c, w: (c[:, :3] * w).sum(),
+    "a transposed slice": lambda c, w: (c.t()[:3].t() * w).sum(),
+    "a view, second": lambda c, w: (w * c.view(4, 5)[:, :3]).sum(),
+    "an unsqueezed row": lambda c, w: (c[0, :3].unsqueeze(0) * w).sum(),
+}
+
+
+@torch.enable_grad()
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("use", list(_MADE_UNDER_INFERENCE_MODE))
+def test_a_view_of_an_inference_tensor_made_inside_raises_eagers_error_when_saved(use, cache):
+    # A view (outside the mode) of a tensor made under inference mode inside the call is an
+    # inference tensor, which autograd refuses to save: the compiled call ran and gave
+    # gradients, where eager raises.
+    def fn(x, w):
+        with torch.inference_mode():
+            c = x * 2
+        return _MADE_UNDER_INFERENCE_MODE[use](c, w)
+
+    x, w = torch.randn(5, 4), torch.randn(3, requires_grad=True)
+    expected = _run(fn, None, x, w)
+    for _ in range(2):
+        got = _run(fn, cache, x, w)
+        assert isinstance(expected, RuntimeError) and type(got) is RuntimeError and str(got) == str(expected)
+
+
 _SIZES_ONLY = {
     "(x + w).sum()": lambda x, w: (x + w).sum(),
     "cat([x, w]).sin()": lambda x, w: torch.cat([x, w], 0).sin(),

@@ -40,8 +40,11 @@ def run_on_fakes(fake_mode: FakeTensorMode, func, args: tuple, kwargs: dict, cal
     """``func`` on fake ``args``: its fake outputs, with eager's strides. ``call``: the
     torch-level call that ran it, for the errors."""
     call = call or str(func)
+    # A view of an inference tensor is one, as eager makes it, outside inference mode too
+    # (autograd refuses to save it); a fake made outside the mode would not be.
+    inference = _views_an_inference_tensor(func, args) and not torch.is_inference_mode_enabled()
     try:
-        with fake_mode, fake_errors_unlogged():
+        with fake_mode, fake_errors_unlogged(), torch.inference_mode() if inference else contextlib.nullcontext():
             out = func(*args, **kwargs)
     except (DataDependentOutputException, DynamicOutputShapeException) as error:
         raise data_dependent_error(call, f"the output of {func}, whose shape or value depends on the data") from error
@@ -63,6 +66,13 @@ def run_on_fakes(fake_mode: FakeTensorMode, func, args: tuple, kwargs: dict, cal
             "(only strided tensors)"
         )
     return with_eager_strides(fake_mode, func, args, out)
+
+
+def _views_an_inference_tensor(func, args: tuple) -> bool:
+    if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_inference():
+        return False
+    returns = getattr(func, "_schema", None) and func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
 def _raised_in_torchs_decompositions(error: BaseException) -> bool:

@@ -278,9 +278,10 @@ def _wrapping(cls, like: torch.Tensor, requires_grad: bool) -> TensorProxy:
     # A proxy holds no data, so the size of its storage is given, not computed: with
     # symbolic sizes, computing it is a dozen sympy operations (most of a proxy's cost).
     # Under inference mode, one like a normal tensor (a view of one) is made normal, as
-    # eager's is: autograd then gives a view its base's version counter.
-    if torch.is_inference_mode_enabled() and not like.is_inference():
-        with torch.inference_mode(False):
+    # eager's is: autograd then gives a view its base's version counter. Outside it, one
+    # like an inference tensor (a view of one) is one: autograd refuses to save it.
+    if torch.is_inference_mode_enabled() is not like.is_inference():
+        with torch.inference_mode(like.is_inference()):
             return _wrapping(cls, like, requires_grad)
     return torch.Tensor._make_wrapper_subclass(
         cls,
