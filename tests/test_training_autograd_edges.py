@@ -767,3 +767,17 @@ def test_a_checkpoint_around_a_compiled_call_gives_eagers_gradients(cache, aroun
         for got, expected in zip(grads[1], grads[0]):
             assert_same(got, expected)
     assert dtcompile.cache_misses(jitted) == (1 if cache == "symbolic values" else 3)
+
+
+@torch.enable_grad()
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_training_call_under_allow_mutation_on_saved_tensors_is_refused(cache):
+    # Eager clones a saved tensor written after the call; the compiled step's own saves are
+    # not seen by that context: its backward raised autograd's raw in-place error.
+    jitted = dtcompile.jit(lambda x, w: (x * w).sin().sum(), cache=cache)
+    x, w = torch.randn(4), torch.randn(4, requires_grad=True)
+    with torch.autograd.graph.allow_mutation_on_saved_tensors():
+        with pytest.raises(dtcompile.TracingError, match="allow_mutation_on_saved_tensors"):
+            jitted(x, w)
+    jitted(x, w).backward()  # outside it, the call runs
+    torch.testing.assert_close(w.grad, x * (x * w).cos(), rtol=0, atol=0)

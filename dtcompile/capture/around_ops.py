@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ..core.torch_internals import function_modes, saved_tensors_hooks
+from ..core import TracingError
+from ..core.torch_internals import function_modes, mutation_on_saved_allowed, saved_tensors_hooks
 from .python_reads import value_key
 from .user_code import is_library
 
@@ -63,7 +64,23 @@ def user_function_modes() -> list:
 def code_around_ops() -> list[tuple[str, object]]:
     """``(description, code)`` for what torch's global state runs around the call's ops, whose
     reads are guarded: the global module hooks, the user's torch function modes' classes,
-    the saved tensors hooks."""
+    the saved tensors hooks (those of ``allow_mutation_on_saved_tensors()``, with gradients,
+    refused: ``refuse_mutation_on_saved``)."""
+    if torch.is_grad_enabled():
+        refuse_mutation_on_saved()
     modes = [(f"the torch function mode {type(mode).__qualname__}", type(mode)) for mode in user_function_modes()]
     saved = [(f"the saved tensors hook {hook}", hook) for hook in saved_tensors_hooks() or ()]
     return user_global_hook_functions() + modes + saved
+
+
+def refuse_mutation_on_saved() -> None:
+    """A call that needs gradients under ``allow_mutation_on_saved_tensors()``: eager's saved
+    tensors are cloned when written after the call; a compiled step saves its own, which
+    that context does not see (its backward would raise autograd's in-place error), and
+    its hooks cannot be traced with symbolic sizes."""
+    if mutation_on_saved_allowed():
+        raise TracingError(
+            "dtcompile.jit: a call that needs gradients under torch.autograd.graph.allow_mutation_on_saved_tensors() "
+            "is not supported: the compiled step saves its tensors itself, which that context does not clone "
+            "when they are written. Call it outside the context"
+        )

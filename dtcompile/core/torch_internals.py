@@ -223,6 +223,12 @@ def dispatch_modes() -> list:
     return [torch._C._get_dispatch_stack_at(i) for i in range(count)] if count else []
 
 
+def mutation_on_saved_allowed() -> bool:
+    """Whether ``torch.autograd.graph.allow_mutation_on_saved_tensors()`` is active (its flag
+    is a private global of that module; no public API tells)."""
+    return bool(getattr(torch.autograd.graph, "_allow_mutation_on_saved_tensors_enabled", False))
+
+
 def saved_tensors_hooks() -> tuple | None:
     """The innermost ``saved_tensors_hooks`` (pack, unpack) active now; None without."""
     return torch._C._autograd._top_saved_tensors_default_hooks(True)

@@ -22,6 +22,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from ..capture import with_plain_sizes
+from ..capture.around_ops import refuse_mutation_on_saved
 from ..capture.backward_users import unreached_refusal
 from ..capture.fake_calls import functorch_refusal
 from ..capture.global_state import autocast_devices, autocast_off
@@ -250,6 +251,7 @@ class TrainingProgram:
         under a torch.func transform, whose wrapped tensors a custom Function cannot take.)"""
         if (transform := functorch_transform()) is not None:
             raise functorch_refusal(f"torch.func.{transform} around a call with gradients")
+        refuse_mutation_on_saved()
         if not same_saved_hooks(hooks, self.saved_hooks):
             raise TracingError(
                 "dtcompile.jit: this training call was compiled "
