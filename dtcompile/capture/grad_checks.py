@@ -86,7 +86,8 @@ def gradient_refusal(
             raise TracingError(
                 "dtcompile.jit: the call returns (or assigns to a module's attribute) a tensor that requires grad, "
                 "made so inside it (torch.enable_grad() in a call made without gradients, requires_grad_(), "
-                "a factory with requires_grad=True, nn.Parameter) while no input needs gradients; it is compiled without autograd. Call it "
+                "a factory with requires_grad=True, nn.Parameter) in a call that needs no gradients (made with "
+                "gradients off, or with no input that requires grad); it is compiled without autograd. Call it "
                 "with gradients enabled and an input that requires grad, or turn gradients on outside"
             )
         if tensor._is_view() and torch._C._autograd._get_creation_meta(tensor) == _NO_GRAD_VIEW:

@@ -142,8 +142,8 @@ class ModuleState:
             path = f"{prefix}.{key}" if prefix else key
             if needs_gradients:
                 raise TracingError(
-                    f"dtcompile.jit: the forward assigns the module attribute {path!r}; that is replayed after "
-                    "each call only in calls that need no gradients"
+                    f"dtcompile.jit: the call (its forward, or a backward hook traced with it) assigns the module "
+                    f"attribute {path!r}; that is replayed after each call only in calls that need no gradients"
                 )
             if value is _MISSING:
                 described = None
