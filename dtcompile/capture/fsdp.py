@@ -102,6 +102,11 @@ def _refuse(what: str, where: str) -> UnsupportedFSDPError:
     )
 
 
+def info_name(fsdp_param) -> str:
+    info = fsdp_param._module_info
+    return f"{type(info.module).__name__}.{info.param_name}"
+
+
 def _fsdp_groups(root: torch.nn.Module) -> list[ManagedModule]:
     """The modules under ``root`` that ``fully_shard`` manages, outermost first, read from
     FSDP2's private state (the one place that does)."""
@@ -147,6 +152,12 @@ def _fsdp_groups(root: torch.nn.Module) -> list[ManagedModule]:
             for fsdp_param in group.fsdp_params:
                 if hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather"):
                     raise _refuse("an all-gather extension (fsdp_pre_all_gather)", path)
+                if fsdp_param.sharded_param._backward_hooks and torch.is_grad_enabled():
+                    raise TracingError(
+                        f"dtcompile.jit: a tensor hook (register_hook) on the parameter {info_name(fsdp_param)} that "
+                        "FSDP2 shards: eager's FSDP2 never calls it (its autograd graph holds the unsharded "
+                        "parameter), a compiled step would. Remove it, or use register_post_accumulate_grad_hook"
+                    )
                 info_ = fsdp_param._module_info
                 orig = fsdp_param.sharded_param.dtype
                 # FSDP2's clamping (FSDPParam.init_dtype_attrs): no cast to the dtype one has.
@@ -202,6 +213,10 @@ def option_reads(root: torch.nn.Module) -> list[Read]:
         for param in managed.params:
             owner, name = param.owners[0]
             reads.append(Read(owner._parameters, name, param.sharded, f"FSDP2's parameter {param.name}"))
+            hooks = param.sharded._backward_hooks  # (one registered later compiles anew: refused with gradients)
+            reads.append(
+                Read(param.sharded, None, hooks, f"the tensor hooks of {param.name}", attribute="_backward_hooks")
+            )
             if owner._parameters.get(name) is not param.sharded and isinstance(owner._parameters.get(name), DTensor):
                 raise TracingError(
                     f"dtcompile.jit: the FSDP2 parameter {param.name} was replaced by another Parameter; eager's "

@@ -266,6 +266,46 @@ def test_unsupported_fsdp_options_are_refused(ranks2):
         assert "not supported" in messages[0]
 
 
+def tensor_hooks_on_sharded_parameters():
+    """A tensor hook on a parameter FSDP2 shards: eager's FSDP2 never calls it (its graph
+    holds the unsharded parameter); the compiled step called it (the gradient doubled).
+    Refused, registered before compiling or after; a post-accumulate-grad hook runs in both."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    x = torch.ones(2, 4) * (dist.get_rank() + 1)
+    found = {}
+    for when in ("before", "after"):
+        torch.manual_seed(0)
+        model = fully_shard(torch.nn.Linear(4, 4), mesh=mesh)
+        jitted = dtcompile.jit(model)
+        if when == "after":
+            jitted(x).sum().backward()
+        handle = model.weight.register_hook(lambda g: g * 2)
+        with pytest.raises(dtcompile.TracingError, match="eager's FSDP2 never calls it"):
+            jitted(x).sum().backward()
+        handle.remove()
+        model.zero_grad()
+        jitted(x).sum().backward()  # without it, the step runs
+    counts = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = fully_shard(torch.nn.Linear(4, 4), mesh=mesh)
+        seen = []
+        model.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.to_local().clone()))
+        call = dtcompile.jit(model) if compiled else model
+        for _ in range(2):
+            call(x).sum().backward()
+        counts.append(seen)
+    found["post-accumulate hooks"] = len(counts[0]) == len(counts[1]) == 2 and all(
+        torch.equal(a, b) for a, b in zip(*counts)
+    )
+    return found
+
+
+def test_a_tensor_hook_on_a_sharded_parameter_is_refused(ranks2):
+    for found in ranks2.run(tensor_hooks_on_sharded_parameters):
+        assert found == {"post-accumulate hooks": True}
+
+
 class _TwoHeads(torch.nn.Module):
     """Two linears in one FSDP2 group (the root's), bucketed into one all-gather: the loss
     uses only the first's output in ``unused_head_trained``."""
