@@ -9,6 +9,13 @@
   specialize, takes the second for any symbolic pad. The branch is taken here as eager's
   kernel takes it, on the traced sizes, and so guarded (``n % 4`` padded to a multiple of
   4 is 0 at some lengths).
+- A fresh result whose layout the fake mode's reference computes otherwise than eager's
+  kernel: an elementwise op (``x // y``, ``copysign``, ``xlogy`` of a transposed ``x``)
+  laid out as its operands are, by TensorIterator's rule (torch's
+  ``compute_elementwise_output_strides``), where the reference composes other ops; and
+  ops whose kernel makes a row-major result (``log_sigmoid``, ``isin``, ``rrelu``, a
+  complex ``angle``) or one in the input's suggested memory format (``roll``). Only where
+  every size is known (under symbolic sizes the fake's stand: README).
 - Batch norm on CPU: its kernels (forward and backward) give an output contiguous in the
   input's suggested memory format (channels-last for a channels-last 4-D or 5-D input,
   else row-major), where the fake mode keeps the input's strides (a transposed input).
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import torch
 from torch._dispatch.python import no_python_dispatcher
+from torch._prims_common import compute_elementwise_output_strides, suggest_memory_format
 
 from .symbol import leaves
 from .symbolic import is_symbolic, known_equal, size_hint, symbolic_expr
@@ -50,7 +58,69 @@ def with_eager_strides(fake_mode, func, fake_args: tuple, fake_out):
         return _batch_norm_strides(fake_mode, fake_args[1 if func is _BATCH_NORM_BACKWARD else 0], fake_out)
     if func is _CONSTANT_PAD and any(isinstance(p, torch.SymInt) for p in fake_args[1]):
         return _constant_pad_strides(fake_mode, fake_args[0], fake_args[1], fake_out)
+    if func in _ROW_MAJOR or func in _SUGGESTED or func in _ELEMENTWISE:
+        return _fresh_result_strides(fake_mode, func, fake_args, fake_out)
     return with_eager_view_strides(fake_mode, func, fake_args, fake_out)
+
+
+def _overloads(*packets) -> frozenset:
+    return frozenset(getattr(p, o) for p in packets for o in p.overloads() if o != "out" and not o.endswith("_out"))
+
+
+aten = torch.ops.aten
+# Ops whose eager kernel lays out a fresh result otherwise than the fake mode's reference.
+_ROW_MAJOR = _overloads(aten.log_sigmoid_forward, aten.isin, aten.rrelu_with_noise, aten.angle)
+_SUGGESTED = _overloads(aten.roll)  # (in the input's suggested memory format)
+_ELEMENTWISE = _overloads(aten.floor_divide, aten.copysign, aten.xlogy, aten.special_xlog1py, aten.special_xlogy)
+_ELEMENTWISE |= _overloads(aten.div)  # (its rounding modes)
+
+
+def _fresh_result_strides(fake_mode, func, fake_args: tuple, fake_out):
+    """A fresh result's strides as eager's kernel lays it out (see the module docstring)."""
+    out = fake_out[0] if isinstance(fake_out, tuple) else fake_out
+    tensors = [a for a in fake_args if isinstance(a, torch.Tensor)]
+    if not isinstance(out, torch.Tensor) or not tensors or out._is_view():
+        return fake_out
+    hints = [[size_hint(x) for x in (*t.shape, *t.stride())] for t in (*tensors, out)]
+    if any(h is None for sizes in hints for h in sizes):
+        return fake_out
+    rank = [t.dim() for t in (*tensors, out)]
+    shapes = [h[:n] for h, n in zip(hints, rank)]
+    with torch._C.DisableTorchFunction(), dispatch_modes_off(), no_python_dispatcher():
+        metas = [
+            torch.empty_strided(h[:n], h[n:], dtype=t.dtype, device="meta") for h, n, t in zip(hints, rank, tensors)
+        ]
+        if func in _ROW_MAJOR and not (func.overloadpacket is aten.angle and not metas[0].is_complex()):
+            stride = torch.empty(shapes[-1], device="meta").stride()  # (a real angle is elementwise)
+        elif func in _SUGGESTED:
+            stride = torch.empty(shapes[-1], device="meta", memory_format=suggest_memory_format(metas[0])).stride()
+        else:
+            try:
+                broadcast = torch.broadcast_tensors(*metas)
+            except RuntimeError:
+                return fake_out
+            if list(broadcast[0].shape) != shapes[-1]:
+                return fake_out
+            stride = tuple(compute_elementwise_output_strides(*broadcast))
+    if list(stride) == hints[-1][rank[-1] :]:
+        return fake_out
+    symbolic = _dense_strides(list(out.shape), stride)  # (under symbolic sizes: their expressions)
+    if [size_hint(x) for x in symbolic] != list(stride):
+        return fake_out
+    with fake_mode, torch._C.DisableTorchFunction(), no_python_dispatcher(), torch.no_grad():
+        fake = out.detach().as_strided(out.shape, symbolic, out.storage_offset())
+    fake = fake.requires_grad_(out.requires_grad) if out.requires_grad else fake
+    return (fake, *fake_out[1:]) if isinstance(fake_out, tuple) else fake
+
+
+def _dense_strides(shape: list, traced: tuple) -> list:
+    """Dense strides of ``shape`` in the order of the ``traced`` strides, innermost first."""
+    order = sorted(range(len(shape)), key=lambda d: (traced[d], -d))
+    strides, step = [0] * len(shape), 1
+    for d in order:
+        strides[d] = step
+        step = step * shape[d]
+    return strides
 
 
 def _batch_norm_strides(fake_mode, source, fake_out):
