@@ -113,7 +113,7 @@ def _fsdp_groups(root: torch.nn.Module) -> list[ManagedModule]:
     from torch.distributed.fsdp import CPUOffloadPolicy
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
-    managed = []
+    managed, grad = [], torch.is_grad_enabled()
     for path, module in root.named_modules():
         if not _is_managed(module):
             continue
@@ -152,7 +152,14 @@ def _fsdp_groups(root: torch.nn.Module) -> list[ManagedModule]:
             for fsdp_param in group.fsdp_params:
                 if hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather"):
                     raise _refuse("an all-gather extension (fsdp_pre_all_gather)", path)
-                if fsdp_param.sharded_param._backward_hooks and torch.is_grad_enabled():
+                if not group.reduce_grads and fsdp_param.sharded_param._post_accumulate_grad_hooks and grad:
+                    raise TracingError(
+                        f"dtcompile.jit: a post-accumulate-grad hook on the parameter {info_name(fsdp_param)} while "
+                        "FSDP2 accumulates without sync (set_requires_gradient_sync(False)): eager's FSDP2 calls it "
+                        "at the synced backward only, a compiled step at every one (it reduces each micro-batch). "
+                        "Register it for the synced step, or keep gradient sync on"
+                    )
+                if fsdp_param.sharded_param._backward_hooks and grad:
                     raise TracingError(
                         f"dtcompile.jit: a tensor hook (register_hook) on the parameter {info_name(fsdp_param)} that "
                         "FSDP2 shards: eager's FSDP2 never calls it (its autograd graph holds the unsharded "
@@ -213,10 +220,9 @@ def option_reads(root: torch.nn.Module) -> list[Read]:
         for param in managed.params:
             owner, name = param.owners[0]
             reads.append(Read(owner._parameters, name, param.sharded, f"FSDP2's parameter {param.name}"))
-            hooks = param.sharded._backward_hooks  # (one registered later compiles anew: refused with gradients)
-            reads.append(
-                Read(param.sharded, None, hooks, f"the tensor hooks of {param.name}", attribute="_backward_hooks")
-            )
+            for hooks in ("_backward_hooks", "_post_accumulate_grad_hooks"):  # (registered later: compiled anew)
+                where = f"the {hooks.strip('_').replace('_', ' ')} of {param.name}"
+                reads.append(Read(param.sharded, None, getattr(param.sharded, hooks), where, attribute=hooks))
             if owner._parameters.get(name) is not param.sharded and isinstance(owner._parameters.get(name), DTensor):
                 raise TracingError(
                     f"dtcompile.jit: the FSDP2 parameter {param.name} was replaced by another Parameter; eager's "
@@ -327,9 +333,9 @@ class FSDPTracing:
                 if not isinstance(value, DTensor):
                     raise TracingError(
                         f"dtcompile.jit: the FSDP2 parameter {param.name} is not sharded when its module's forward "
-                        "starts: its module was unsharded before the call (unshard(), an explicit prefetch; call "
-                        "reshard() first: the compiled program gathers the parameters itself), or it is called "
-                        "within itself"
+                        "starts: its module was unsharded before the call (unshard(), an explicit prefetch, or an "
+                        "eager call of the module, whose root FSDP2 leaves unsharded; call reshard() first: the "
+                        "compiled program gathers the parameters itself), or it is called within itself"
                     )
                 sharded.append(value)
                 if managed.reshard_after_forward:

@@ -290,7 +290,7 @@ def tensor_hooks_on_sharded_parameters():
         torch.manual_seed(0)
         model = fully_shard(torch.nn.Linear(4, 4), mesh=mesh)
         seen = []
-        model.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.to_local().clone()))
+        model.weight.register_post_accumulate_grad_hook(lambda p, seen=seen: seen.append(p.grad.to_local().clone()))
         call = dtcompile.jit(model) if compiled else model
         for _ in range(2):
             call(x).sum().backward()
@@ -298,10 +298,22 @@ def tensor_hooks_on_sharded_parameters():
     found["post-accumulate hooks"] = len(counts[0]) == len(counts[1]) == 2 and all(
         torch.equal(a, b) for a, b in zip(*counts)
     )
+    # Without sync, eager's FSDP2 calls it at the synced backward only; a compiled step
+    # reduces (and accumulates) each micro-batch: refused.
+    torch.manual_seed(0)
+    model = fully_shard(torch.nn.Linear(4, 4), mesh=mesh)
+    jitted = dtcompile.jit(model)
+    model.set_requires_gradient_sync(False)
+    jitted(x).sum().backward()
+    model.weight.register_post_accumulate_grad_hook(lambda p: None)
+    with pytest.raises(dtcompile.TracingError, match="accumulates without sync"):
+        jitted(x).sum().backward()
+    model.set_requires_gradient_sync(True)
+    jitted(x).sum().backward()
     return found
 
 
-def test_a_tensor_hook_on_a_sharded_parameter_is_refused(ranks2):
+def test_hooks_on_sharded_parameters_eager_fsdp2_would_not_call_are_refused(ranks2):
     for found in ranks2.run(tensor_hooks_on_sharded_parameters):
         assert found == {"post-accumulate hooks": True}
 
