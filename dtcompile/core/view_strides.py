@@ -64,7 +64,9 @@ def with_eager_strides(fake_mode, func, fake_args: tuple, fake_out):
 
 
 def _overloads(*packets) -> frozenset:
-    return frozenset(getattr(p, o) for p in packets for o in p.overloads() if o != "out" and not o.endswith("_out"))
+    """The overloads of ``packets`` that return fresh tensors (not ``out=``'s, nor in place)."""
+    found = (getattr(p, o) for p in packets for o in p.overloads())
+    return frozenset(op for op in found if not any(r.alias_info is not None for r in op._schema.returns))
 
 
 aten = torch.ops.aten
@@ -72,7 +74,7 @@ aten = torch.ops.aten
 _ROW_MAJOR = _overloads(aten.log_sigmoid_forward, aten.isin, aten.rrelu_with_noise, aten.angle)
 _SUGGESTED = _overloads(aten.roll)  # (in the input's suggested memory format)
 _ELEMENTWISE = _overloads(aten.floor_divide, aten.copysign, aten.xlogy, aten.special_xlog1py, aten.special_xlogy)
-_ELEMENTWISE |= _overloads(aten.div)  # (its rounding modes)
+_ELEMENTWISE |= frozenset(o for o in _overloads(aten.div) if "mode" in o._overloadname)  # (rounding modes)
 
 
 def _fresh_result_strides(fake_mode, func, fake_args: tuple, fake_out):
@@ -80,6 +82,8 @@ def _fresh_result_strides(fake_mode, func, fake_args: tuple, fake_out):
     out = fake_out[0] if isinstance(fake_out, tuple) else fake_out
     tensors = [a for a in fake_args if isinstance(a, torch.Tensor)]
     if not isinstance(out, torch.Tensor) or not tensors or out._is_view():
+        return fake_out
+    if func not in _ELEMENTWISE and out.device.type != "cpu":  # (TensorIterator's rule holds on any device)
         return fake_out
     hints = [[size_hint(x) for x in (*t.shape, *t.stride())] for t in (*tensors, out)]
     if any(h is None for sizes in hints for h in sizes):
