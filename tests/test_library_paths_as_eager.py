@@ -172,12 +172,15 @@ def _tiny_llama():
 
 
 @pytest.mark.parametrize("cache", CACHES)
-def test_hugging_face_outputs_set_up_at_their_first_use_run_eagerly_once_then_compile(cache):
+@pytest.mark.parametrize("form", ["the model", "its bound forward"])
+def test_hugging_face_outputs_set_up_at_their_first_use_run_eagerly_once_then_compile(form, cache):
     # transformers registers its output-capturing hooks on the layers at the first call that
-    # asks for hidden states: taken for the call changing module state, it was refused at
-    # every call. That call now runs eagerly (registering them, as eager's), the next compiles.
+    # asks for hidden states (and marks the model): taken for the call changing module state,
+    # it was refused at every call. That call now runs eagerly (registering them, as eager's),
+    # the next compiles; also where ``model.forward`` is compiled (its model a reached module).
     model, reference = _tiny_llama(), _tiny_llama()
-    jitted, ids = dtcompile.jit(model, cache=cache), torch.randint(0, 128, (1, 6))
+    compiled = model if form == "the model" else model.forward
+    jitted, ids = dtcompile.jit(compiled, cache=cache), torch.randint(0, 128, (1, 6))
     with torch.no_grad():
         for call in range(3):
             with pytest.warns(UserWarning, match="LibrarySetUp") if call == 0 else contextlib.nullcontext():

@@ -306,7 +306,8 @@ class DataSnapshot:
             if kind == "iterator":  # moved on by the trace: it cannot be moved back
                 changed.append(f"{_path(path)}, an iterator it advanced (not put back)")
                 continue
-            set_once = _set_from_none(value, items) if kind == "object" else None
+            module = kind == "dict" and str(path).startswith("the attributes of the module")  # (a reached one's)
+            set_once = _set_from_none(value, items) if kind == "object" or module else None
             if set_once:
                 self.library_setup.append(f"set {_path(path)}.{set_once} from None")
             else:
@@ -341,7 +342,8 @@ _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "
 def _library_hooks(table: dict, path) -> bool:
     """Whether ``table``, empty before the trace, is a module's hook table (or one of its
     flags' tables) that library code filled: each hook in it a library's function."""
-    name = path[1][1] if isinstance(path, tuple) else str(path).rpartition(" ")[2].rpartition(".")[2]
+    # (a path as text: "the contents of the _forward_hooks of m.layers.0", a reached module's table)
+    name = path[1][1] if isinstance(path, tuple) else next((w for w in str(path).split() if w[0] == "_"), "")
     if not (name.startswith(("_forward", "_backward")) and "hooks" in name):
         return False
     return all(type(v) is bool or is_library(getattr(v, "func", v)) for v in table.values())
@@ -352,7 +354,7 @@ def _set_from_none(value: object, items: list) -> str | None:
     None (or unset) to a plain constant (Hugging Face's ``config.problem_type``, set by a
     classification model's first call with labels): eager's first call sets them once, and
     a later call finds them set, so one eager run gives eager's state. None otherwise."""
-    before, now = dict(items), object_state(value)
+    before, now = dict(items), value if type(value) is dict else object_state(value)
     if not before.keys() <= now.keys():
         return None
     set_now = [name for name, item in now.items() if name not in before or item is not before[name]]
@@ -361,10 +363,9 @@ def _set_from_none(value: object, items: list) -> str | None:
 
 
 class LibrarySetUp(TracingError):
-    """The call's first run sets something up, once, as at eager's first call: library code
-    registered module hooks (transformers' for ``output_hidden_states``), or the code set an
-    object's attributes from None to constants: the call runs eagerly, which sets them up,
-    and the next call is traced with them in place."""
+    """The call's first run sets something up, once, as at eager's first call (library code
+    registered module hooks, the code set attributes from None to constants): the call runs
+    eagerly, which sets them up, and the next call is traced with them in place."""
 
 
 _NOT_SNAPSHOTTED = frozenset({bool, int, float, str, type(None)})  # a module's flags and sizes: nothing held
