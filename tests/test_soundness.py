@@ -515,6 +515,30 @@ def test_check_eager_tells_a_tracing_difference_and_passes_otherwise(monkeypatch
         dtcompile.jit(writes, check="sometimes")
 
 
+class _Made:
+    """An object a call makes (a KV cache): no ``==`` of its own."""
+
+    def __init__(self, keys, step):
+        self.keys, self.step = keys, step
+
+
+def test_check_eager_compares_a_made_object_by_what_it_holds():
+    # A new object the call makes, eager's too, was a difference by identity: an HF model's
+    # DynamicCache raised EagerMismatchError at every call. Its tensors still are compared.
+    jitted = dtcompile.jit(lambda x: _Made([x * 2, x + 1], 3), check="eager")
+    out = jitted(torch.ones(2))
+    assert isinstance(out, _Made) and out.step == 3
+
+    # A module's attribute reached through a name made at run time is not guarded.
+    settings, name = types.ModuleType("settings"), "".join(["sca", "le"])
+    settings.scale = 2.0
+    jitted = dtcompile.jit(lambda x: _Made([x * getattr(settings, name)], 1), check="eager")
+    jitted(torch.ones(2))
+    settings.scale = 3.0
+    with pytest.raises(dtcompile.EagerMismatchError, match=r"_Made\.keys: list\[0\]: values differ"):
+        jitted(torch.ones(2))
+
+
 def test_tensor_hooks_registered_by_the_function():
     store = []
 

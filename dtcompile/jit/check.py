@@ -134,8 +134,9 @@ def _version(tensor: torch.Tensor):
     return None if tensor.is_inference() else tensor._version
 
 
-def _difference(got, expected) -> str | None:
-    """Why two values differ, or None: type, placements, metadata, then values."""
+def _difference(got, expected, depth: int = 4) -> str | None:
+    """Why two values differ, or None: type, placements, metadata, then values; objects
+    and containers by what they hold, ``depth`` levels down."""
     if isinstance(expected, DTensor) or isinstance(got, DTensor):
         if type(got) is not type(expected):
             return f"a {type(got).__name__} where eager gives a {type(expected).__name__}"
@@ -159,11 +160,38 @@ def _difference(got, expected) -> str | None:
             largest = (a - b).abs().nan_to_num(float("inf")).max()
             return f"values differ at {int(wrong.sum())} of {got.numel()} elements (largest difference {largest.item():.4g})"
         return None
+    if type(got) is type(expected) and got is not expected and type(got).__eq__ is object.__eq__:
+        return _held_difference(got, expected, depth)  # (a new object eager makes too: a KV cache)
+    if type(got) is type(expected) and type(got) in (list, tuple, dict) and depth:
+        return _held_difference(got, expected, depth)
     try:
         same = type(got) is type(expected) and (got is expected or got == expected or got != got)
     except (RuntimeError, TypeError):  # objects holding tensors: compared by their tensors elsewhere
         same = type(got) is type(expected)
     return None if same else f"{got!r} where eager gives {expected!r}"
+
+
+def _held_difference(got, expected, depth: int) -> str | None:
+    """Why two objects of one class with no ``==`` of their own (or two containers) differ
+    in what they hold, a few levels down; None where they do not (or cannot be told)."""
+    if not depth:
+        return None
+    if isinstance(got, dict) or hasattr(got, "__dict__"):
+        a, b = (got, expected) if isinstance(got, dict) else (vars(got), vars(expected))
+        if list(a) != list(b):
+            return f"a {type(got).__name__} holding {list(a)} where eager's holds {list(b)}"
+        pairs = [(f"[{key!r}]" if isinstance(got, dict) else f".{key}", a[key], b[key]) for key in a]
+    elif isinstance(got, (list, tuple)):
+        if len(got) != len(expected):
+            return f"a {type(got).__name__} of {len(got)} where eager's has {len(expected)}"
+        pairs = [(f"[{i}]", x, y) for i, (x, y) in enumerate(zip(got, expected))]
+    else:
+        return None
+    for where, x, y in pairs:
+        why = _difference(x, y, depth - 1)
+        if why is not None:
+            return f"{type(got).__name__}{where}: {why}"
+    return None
 
 
 def _waited(t):
