@@ -25,7 +25,7 @@ from ..core import Note, TensorProxy, TracingError, data_dependent_error
 from ..core.proxy import PASSING_FRAMES
 from ..core.symbol import leaves as leaves_of
 from ..core.torch_internals import dtensor_implicit_replication
-from . import closed_over
+from . import closed_over, traced_errors
 from .block_training import BlockReplayFailed
 from .code_ran import CodeRan
 from .data_branches import branch_refused
@@ -321,7 +321,7 @@ class CallAnnotator(TorchFunctionMode):
         self.recording.current_call, self.recording.call_start = _short_name(func), len(self.recording.bound_symbols)
         outs = out_tensors(func, kwargs)
         try:
-            out = func(*args, **kwargs)
+            out = traced_errors.operator_call(func, args, kwargs, handled_by_dtensor)
         except GuardOnDataDependentSymNode as error:  # ``bool(x.sum() > 0)``: named by this call
             raise data_dependent_error(_short_name(func), branch_refused(self.recording, error.cond)) from error
         except ValueError as error:

@@ -9,9 +9,12 @@ import re
 
 import torch
 from torch._subclasses.fake_tensor import UnsupportedOperatorException
+from torch.distributed.tensor import DTensor
 
 from ..core import TensorProxy, TracingError, data_dependent_error
+from ..core.errors import SymbolsRefused
 from ..core.op_classes import written_tensors
+from ..core.symbolic import is_symbolic
 
 # torch's messages, each the sign of one case below
 _RESIZED = "directly modify sizes for customized tensor"
@@ -122,3 +125,22 @@ def data_read_refusal(call: str, func, args: tuple, kwargs: dict) -> BaseExcepti
             "themselves, or compile the code after the check)"
         )
     return data_dependent_error(call, "the data leaves torch")
+
+
+def operator_call(func, args: tuple, kwargs: dict, handled_by_dtensor: bool):
+    """``func(*args, **kwargs)``, where DTensor cannot run it with symbolic sizes (it cannot
+    hash a spec of symbolic strides: a TypeError, or NotImplemented from a tensor operator)
+    raising ``SymbolsRefused``: the call is traced again with its sizes as they are. A
+    TypeError or NotImplemented would reach a tensor operator (``x * 2``, ``x != 0``), which
+    answers NotImplemented, and Python's fallback: ``x != 0`` True, silently."""
+    try:
+        out = func(*args, **kwargs)
+    except TypeError as error:
+        if handled_by_dtensor and "non-nested SymInt" in str(error):
+            raise SymbolsRefused(f"DTensor cannot run {getattr(func, '__name__', func)} with symbolic sizes") from error
+        raise
+    if out is NotImplemented and handled_by_dtensor and getattr(func, "__name__", "").startswith("__"):
+        symbolic = [a for a in args if isinstance(a, DTensor) and any(map(is_symbolic, (*a.shape, *a.stride())))]
+        if symbolic:
+            raise SymbolsRefused(f"DTensor gave {func.__name__} NotImplemented with symbolic sizes")
+    return out

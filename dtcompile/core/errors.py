@@ -17,6 +17,12 @@ class TracingError(RuntimeError):
             TracingError.made.append(self)
 
 
+class SymbolsRefused(RuntimeError):
+    """DTensor could not run an op with symbolic sizes (a tensor operator it gave
+    NotImplemented, which Python would answer with its fallback): the call is traced again
+    with its sizes as they are (``tracer.capture_call``)."""
+
+
 class DataCheckFailed(Exception):
     """A compiled program's check of a branch it traced on tensor data failed: the call
     takes another branch, so it goes to another cache entry, or is traced again (raised

@@ -32,6 +32,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # no
 from torch.distributed.tensor._utils import compute_global_tensor_info  # noqa: F401
 
 from dtcompile.core.dict_changes import dict_changes
+from dtcompile.core.errors import SymbolsRefused
 
 __all__ = [
     "TensorGuards",
@@ -240,6 +241,8 @@ def dtensor_refused_symbols(error: BaseException) -> bool:
     ints): what eager, with no symbols, never meets. (Traced again with the call's sizes,
     an error that is not about symbols is met again, and raised.)"""
     words = ("symbolic", "SymInt", "Size must be int")  # (the last: torch 2.10's reshape under inference_mode)
+    if isinstance(error, SymbolsRefused):
+        return True
     if not isinstance(error, AssertionError) and not any(word in str(error) for word in words):
         return False
     frame = error.__traceback__

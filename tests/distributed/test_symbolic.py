@@ -522,3 +522,34 @@ def test_a_loss_parallel_cross_entropy_inside_with_gradients_compiles_once(ranks
     """Its backward's ``arange(n)`` (DTensor's own code) ran on real values and fixed the
     length: a compile per length."""
     assert ranks2.run(loss_parallel_inside_with_gradients, reduction) == [1, 1]
+
+
+_OPERATORS = {
+    "x[:, :1] == 0": lambda x: x[:, :1] == 0,
+    "x[:, :1] != 0": lambda x: x[:, :1] != 0,
+    "x[:, 1:3] == 0": lambda x: x[:, 1:3] == 0,
+    "x[:, :1] * 2": lambda x: x[:, :1] * 2,
+    "x[:, :2] > x[:, 1:3]": lambda x: x[:, :2] > x[:, 1:3],
+    "x[:, 0] + 1": lambda x: x[:, 0] + 1,
+}
+
+
+def operators_on_column_slices():
+    """A column slice of a DTensor whose spec DTensor cannot hash with symbolic strides:
+    a tensor operator (``==``, ``*``) got DTensor's TypeError as NotImplemented, and Python's
+    fallback answered (``x[:, :1] == 0`` was False, ``* 2`` raised an unsupported-operand
+    TypeError). Traced again with the sizes as they are, each is eager's."""
+    mesh = init_device_mesh("cpu", (2,))
+    checked = []
+    for name, fn in _OPERATORS.items():
+        jitted = dtcompile.jit(fn, cache="symbolic values")
+        for rows, placement in ((2, Shard(0)), (4, Shard(0)), (1, Replicate())):
+            x = distribute_tensor(torch.arange(rows * 6.0).reshape(rows, 6) % 3, mesh, [placement])
+            assert_same(jitted(x), fn(x))
+        checked.append(name)
+    return checked
+
+
+def test_tensor_operators_on_column_slices_under_symbolic_values(ranks2):
+    for checked in ranks2.run(operators_on_column_slices):
+        assert checked == list(_OPERATORS)
