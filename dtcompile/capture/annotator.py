@@ -395,4 +395,4 @@ class CallAnnotator(TorchFunctionMode):
         return out
 
 
-PASSING_FRAMES.add(CallAnnotator._dispatch.__code__)
+PASSING_FRAMES.update((CallAnnotator._dispatch.__code__, traced_errors.operator_call.__code__))
