@@ -193,6 +193,50 @@ def test_a_hook_on_an_output_runs_as_eager_where_no_gradient_comes_through_other
             assert eager is None or torch.equal(eager, compiled)
 
 
+_TAKEN_AT_FEATURES = {
+    "grad of the head and features at the features": lambda y, h: torch.autograd.grad(y.sum() + h.sum(), h),
+    "grad of the head at the features": lambda y, h: torch.autograd.grad(y.sum(), h, allow_unused=True),
+    "grad at the features and the head": lambda y, h: torch.autograd.grad(y.sum() + h.sum(), [h, y]),
+    "backward with the features as inputs": lambda y, h: (y.sum() + h.sum()).backward(inputs=[h]),
+}
+
+
+@torch.enable_grad()
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("taken", list(_TAKEN_AT_FEATURES))
+def test_a_gradient_taken_at_an_output_others_were_computed_from_is_refused(taken, cache):
+    # A saliency map at returned features (torch.autograd.grad of the head's output at
+    # them): the outputs are one node, so autograd took the gradient that reached ``h``
+    # directly, without what came back through the head: ones, or None, silently.
+    torch.manual_seed(0)
+    model, x = _Features(), torch.randn(5, 4)
+    jitted = dtcompile.jit(copy.deepcopy(model), cache=cache)
+    for _ in range(2):
+        y, h, _ = jitted(x)
+        with pytest.raises(RuntimeError, match="asked for the gradient of an output|keeps its gradient"):
+            _TAKEN_AT_FEATURES[taken](y, h)
+
+
+@torch.enable_grad()
+@pytest.mark.parametrize("cache", CACHES)
+def test_gradients_taken_where_nothing_came_through_other_outputs_are_eager_s(cache):
+    # At the parameters (the node runs), and at the features where the head's output got
+    # no gradient: as eager's, and the hooks watching the head's output leave no trace.
+    torch.manual_seed(0)
+    model, x = _Features(), torch.randn(5, 4)
+    jitted = dtcompile.jit(copy.deepcopy(model), cache=cache)
+    for _ in range(2):
+        results = []
+        for called in (model, jitted):
+            y, h, _ = called(x)
+            at_params = torch.autograd.grad(y.sum() + h.sum(), list(called.parameters()))
+            y, h, _ = called(x)
+            at_features = torch.autograd.grad((h * h).sum(), h)
+            results.append([*at_params, *at_features, called(x)[0].grad_fn is not None])
+        for eager, compiled in zip(*results):
+            assert eager == compiled if isinstance(eager, bool) else torch.equal(eager, compiled)
+
+
 def _two_heads(x, w1, w2):
     return (x * w1).sum(), (x * w2).sum()
 

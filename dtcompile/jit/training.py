@@ -39,7 +39,7 @@ from ..core.torch_internals import (
 )
 from ..core.trace import Zeros
 from .epilogue import build_epilogue, build_output_wrapper, dtensor_outputs, views_made_own, with_sizes
-from .output_hooks import feeding_outputs, hooked_feeding_output, watched
+from .output_hooks import Watching, feeding_outputs, hook_later_outputs, hooked_feeding_output
 from .saved_hooks import same_saved_hooks
 from .saved_reads import SAVED_INFERENCE, live_saved, read_back, saved_dtensor_outputs
 
@@ -228,7 +228,7 @@ class TrainingProgram:
             raise functorch_refusal(
                 "forward-mode AD (torch.autograd.forward_ad) through a call with gradients"
             ) from error
-        outs = list(outs)
+        hook_later_outputs(outs := list(outs))
         for slot in self.non_differentiable:
             if outs[slot].requires_grad and slot not in self.returned_slots:
                 # A view of an input that requires grad, which the code detached first
@@ -312,7 +312,7 @@ class CompiledStep(torch.autograd.Function):
         # (by weak reference: a reference would hold the output's own node; one let go
         # cannot be written, and its views hold it)
         ctx.output_versions = [(weakref.ref(wrapped[i]), wrapped[i]._version) for i in program.saved_dtensor_outputs]
-        ctx.watching = watched(program.feeding_outputs, wrapped)
+        ctx.watching = Watching(program.feeding_outputs, wrapped, [c.slot for c in program.cotangents])
         return wrapped
 
     @staticmethod
@@ -355,6 +355,7 @@ class CompiledStep(torch.autograd.Function):
         if program.dtensor_modes is not None and not program.dtensor_modes[0].active():
             raise RuntimeError(program.dtensor_modes[1])  # eager's, outside loss_parallel() say
         arrived = sum(1 << i for i, c in enumerate(program.cotangents) if grad_outputs[c.slot] is not None)
+        ctx.watching.ran()
         if (refusal := hooked_feeding_output(ctx.watching, arrived)) is not None:
             raise RuntimeError(refusal)
         try:
