@@ -391,11 +391,11 @@ def test_bool_of_a_tensor_of_several_elements_raises_eagers_error(cache):
         dtcompile.jit(fn, cache=cache)(torch.randn(4, 3))
 
 
-_BOOLS_READ = {
-    "returned": lambda x: (x * 2, (x.sum() > 0).item()),
-    "a factor": lambda x: x * (x.sum() > 0).item(),
-    "any, returned": lambda x: (x.exp(), (x > 1).any().item()),
-    "tolist of a mask": lambda x: ((x * 3).sum(), (x[0] > 0).tolist()),
+_BOOLS_READ = {  # the function, and the bools it reads
+    "returned": (lambda x: (x * 2, (x.sum() > 0).item()), lambda x: (x.sum() > 0).item()),
+    "a factor": (lambda x: x * (x.sum() > 0).item(), lambda x: (x.sum() > 0).item()),
+    "any, returned": (lambda x: (x.exp(), (x > 1).any().item()), lambda x: (x > 1).any().item()),
+    "tolist of a mask": (lambda x: ((x * 3).sum(), (x[0] > 0).tolist()), lambda x: tuple((x[0] > 0).tolist())),
 }
 
 
@@ -408,11 +408,14 @@ def _first(result):
 def test_a_bool_read_from_data_in_a_call_with_gradients(case, cache):
     # A bool read is Eq(u0, 1): dead-code elimination and the forward's saved numbers looked
     # it up by its expression where they knew symbols, and the call raised that u0 was held
-    # by no tensor.
-    fn = _BOOLS_READ[case]
+    # by no tensor. A bool read is Python's bool, as eager's (its value checked at run
+    # time): a compilation for each value read.
+    fn, read = _BOOLS_READ[case]
     jf = dtcompile.jit(fn, cache=cache)
-    for seed in range(3):
+    values = set()
+    for seed in [0, 1, 2, 0, 1]:
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed))
+        values.add(read(x))
         xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
         expected, got = fn(xe), jf(xc)
         assert_same(_first(got).detach(), _first(expected).detach())
@@ -421,7 +424,23 @@ def test_a_bool_read_from_data_in_a_call_with_gradients(case, cache):
         _first(expected).sum().backward()
         _first(got).sum().backward()
         assert_same(xc.grad, xe.grad)
-    assert dtcompile.cache_misses(jf) == 1
+    assert dtcompile.cache_misses(jf) == len(values)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_bool_read_from_data_is_pythons_bool(cache):
+    # ``flag is True`` (as linters write ``== True``), ``isinstance``: a SymBool is neither
+    # the True singleton nor a bool, and the traced code took the other branch, silently.
+    def fn(x):
+        flag = (x > 0).all().item()
+        first = (x[0] > 0).tolist()
+        if flag is True and isinstance(first, bool) and type(first) is bool:
+            return x + 1
+        return x - 1 if first is False else x * 3
+
+    jf = dtcompile.jit(fn, cache=cache)
+    for x in [torch.ones(3), -torch.ones(3), torch.tensor([1.0, -1.0, 2.0]), torch.ones(3), -torch.ones(3)]:
+        assert torch.equal(jf(x), fn(x))
 
 
 def _bool_read_as_numbers(x):

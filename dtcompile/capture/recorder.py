@@ -345,15 +345,15 @@ class Recording:
         """``.item()`` of a tensor whose value is not known while tracing: a number of the
         trace with no trace-time value (an unbacked symbol of the ShapeEnv), read by the
         program at each call. The traced code goes on with the symbol; sizes that follow
-        from it are symbolic in it."""
+        from it are symbolic in it. A bool is Python's, as eager's (``flag is True``): a
+        question on its value, checked at run time."""
         (source,) = args
         with self.fake_mode, fake_errors_unlogged():
             symbol = func(source.fake, **kwargs)
         self.data_reads.after(func, (source.fake,), kwargs, True)
         number = NumberProxy(self.new_name(), symbolic_expr(symbol), None, FromData(str(func)))
         self.read_by[number.expr] = self.current_call or str(func)
-        # Its value now, for the traced code to branch on (``data_branches.py``).
-        computed = value_now(self, source)
+        computed = value_now(self, source)  # its value now, to branch on (``data_branches.py``)
         unbacked = free_unbacked_symbols(symbol)
         if computed is not None and len(unbacked) == 1:
             value, cone = computed
@@ -362,7 +362,7 @@ class Recording:
             self.cones[len(self.bound_symbols)] = cone
         note = backward_note()
         self.bound_symbols.append(BoundSymbol(aten_symbol(func), tuple(args), dict(kwargs), number, note, op=func))
-        return symbol
+        return bool(symbol) if isinstance(symbol, torch.SymBool) and computed is not None else symbol
 
 
 def _closed_over(real: torch.Tensor) -> str:
