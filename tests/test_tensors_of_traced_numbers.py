@@ -85,3 +85,47 @@ def test_a_tensor_of_numbers_read_from_data_has_eagers_dtype(cache, name):
     jitted = dtcompile.jit(fn, cache=cache)
     for x in (torch.full((3,), 3.0), torch.full((4,), 2.0)):
         assert_same(jitted(x), fn(x), rtol=0, atol=0)
+
+
+def _outcome(fn, *args):
+    try:
+        return fn(*args)
+    except RuntimeError as error:
+        return str(error)
+
+
+_NARROW = {  # dtype, the numbers read (each twice: first and cached calls), ints then floats
+    torch.int8: [3, 100, 200, 3, -300, 127, 100.5, 127.5, -128.0],
+    torch.int16: [7, 40000, 7, -32768],
+    torch.int32: [5, 2**31, 5, -(2**31)],
+    torch.uint8: [3, 255, 256, -1, -255, -256],
+}
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("dtype", list(_NARROW), ids=str)
+def test_a_number_that_does_not_fit_a_narrow_integer_dtype_raises_as_eager(cache, dtype):
+    # torch.tensor([n], dtype=torch.int8) of a number read from data wrapped (200 -> -56)
+    # where eager raises "value cannot be converted to type int8 without overflow".
+    def fn(x):
+        return torch.tensor([x.sum().item(), 1], dtype=dtype) * 2
+
+    jitted = dtcompile.jit(fn, cache=cache)
+    for value in _NARROW[dtype] * 2:
+        x = torch.tensor([value], dtype=torch.float64 if isinstance(value, float) else torch.int64)
+        expected, got = _outcome(fn, x), _outcome(jitted, x)
+        if isinstance(expected, str):
+            assert got == expected
+        else:
+            assert_same(got, expected)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_size_that_does_not_fit_a_narrow_integer_dtype_raises_as_eager(cache):
+    def fn(x):
+        return torch.tensor([x.shape[0] * 20], dtype=torch.int8)
+
+    jitted = dtcompile.jit(fn, cache=cache)
+    for n in [2, 6, 7, 3, 7]:
+        expected, got = _outcome(fn, torch.ones(n)), _outcome(jitted, torch.ones(n))
+        assert got == expected if isinstance(expected, str) else torch.equal(got, expected)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
 
 from ..core.symbolic import is_symbolic
 
@@ -84,8 +84,31 @@ def _inferred(leaves: list) -> torch.dtype:
 def _scalar(leaf, dtype: torch.dtype, device) -> torch.Tensor:
     """A 0-d tensor of ``leaf``, made in 64 bits and cast to ``dtype`` as torch's factory
     casts (``1e300`` as float32: inf)."""
+    _refuse_overflow(leaf, dtype)
     wide = torch.float64 if isinstance(leaf, (float, torch.SymFloat)) else torch.int64
     return torch.full((), _number(leaf), dtype=wide, device=device).to(dtype)
+
+
+# Integer dtypes torch's factory checks a number against (``torch.tensor([300], dtype=torch.int8)``
+# raises); a cast would wrap it.
+_CHECKED_INTS = (torch.int8, torch.int16, torch.int32, torch.uint8)
+
+
+def _refuse_overflow(leaf, dtype: torch.dtype) -> None:
+    """Eager's error where a number the trace computes does not fit ``dtype``: a question on
+    its value, so a size is guarded, a number read from data checked at run time (where
+    tracing cannot know that value, the cast is left as it is)."""
+    if dtype not in _CHECKED_INTS or not is_symbolic(leaf) or isinstance(leaf, torch.SymBool):
+        return
+    info = torch.iinfo(dtype)
+    # (uint8 takes a negative int down to -255, wrapped: eager's two's complement rule)
+    low = -info.max if dtype is torch.uint8 and isinstance(leaf, torch.SymInt) else info.min
+    try:
+        fits = low <= leaf <= info.max
+    except GuardOnDataDependentSymNode:
+        return
+    if not fits:
+        raise RuntimeError(f"value cannot be converted to type {str(dtype).removeprefix('torch.')} without overflow")
 
 
 def _number(leaf):
