@@ -242,6 +242,13 @@ def _saved_alias_written(recording: Recording, forward_end: int, saving: dict[st
                 saved = inputs[label]
                 if label != value.label and saved.memory == value.memory and saving.get(label, index) < index:
                     written = value.provenance if isinstance(value.provenance, InputPath) else "a view it made"
+                    if (collective := str(bsym.note or "")).startswith(("dist.", "a torch.distributed")):
+                        raise TracingError(  # (a c10d kernel bumps no version counter: eager's runs)
+                            f"dtcompile.jit: {collective.partition('(')[0]} writes {saved.provenance} in place after "
+                            "autograd saved it for the backward: c10d's kernels count no write, so eager's backward "
+                            "silently reads the written values, where the program's would read those saved. Call "
+                            "the collective on a copy, or before the op that saves the tensor"
+                        )
                     raise TracingError(
                         f"dtcompile.jit: the call changes {written} in place (one of the variables needed "
                         "for gradient computation has been modified by an inplace operation): it shares memory "

@@ -208,6 +208,12 @@ def record_c10d(recording, func, args: tuple, kwargs: dict):
     start = len(recording.bound_symbols)
     written = args[0]
     flat = _tensors(written)
+    if not torch.is_inference_mode_enabled() and any(isinstance(t, torch.Tensor) and t.is_inference() for t in flat):
+        raise TracingError(  # (an in-place copy into one raises torch's error at each call)
+            f"dtcompile.jit: {call} writes an inference tensor outside inference mode: c10d's kernel writes it, "
+            "the program's copy cannot. Call the compiled function under torch.inference_mode(), or pass a tensor "
+            "made outside it"
+        )
     # c10d ops have no autograd kernel: eager's in-place collectives (and all_to_all_single)
     # write a leaf that requires grad as a plain tensor (its gradient then as if they had
     # not run); the others raise autograd's error, as the recorded copy does.

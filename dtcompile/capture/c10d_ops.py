@@ -80,10 +80,12 @@ class Recorder:
 def _all_reduce(r: Recorder, tensors, pg, reduce_op, *rest):
     group, _ = r.group(pg)
     op = r.reduce_op(reduce_op)
-    if _overlapping(tensors):  # ``[y, y]``, overlapping slices (disjoint pieces of one buffer are fine)
-        raise TracingError(f"dtcompile.jit: {r.call} of tensors that share memory: reduced once in eager, twice here")
-    for t in tensors:
-        r.write(t, r.waited(functional.all_reduce.default, r.memory(t), op, group), memory=True)
+    # Each reduced before any is written, as Gloo reduces a flat copy of them all: tensors
+    # that share memory (``[y, y[:]]``, overlapping slices, at this call or a later one's)
+    # are each reduced once.
+    results = [r.waited(functional.all_reduce.default, r.memory(t), op, group) for t in tensors]
+    for t, result in zip(tensors, results):
+        r.write(t, result, memory=True)
 
 
 def _all_gather_base(r: Recorder, output, input, pg, *rest):

@@ -575,6 +575,57 @@ def test_collectives_whose_eager_gradient_is_the_backends_are_refused_with_gradi
     assert all(ranks2.run(collectives_whose_eager_gradient_is_the_backends))
 
 
+def _reduced_after_saved(x, w):
+    y = x @ w  # autograd saves w
+    dist.all_reduce(w)
+    return y.sum()
+
+
+def _broadcast_after_saved(x, w):
+    y = (x @ w).tanh()
+    dist.broadcast(w, src=1)
+    return y.sum()
+
+
+def collectives_writing_a_saved_leaf():
+    """c10d's kernels count no write: eager's backward reads the written values, silently;
+    the program's would read those saved. Refused, saying so (it said eager raises)."""
+    for fn in (_reduced_after_saved, _broadcast_after_saved):
+        x, w = torch.ones(2, 3, requires_grad=True), (torch.arange(6.0).view(3, 2) + dist.get_rank()).requires_grad_()
+        with pytest.raises(dtcompile.TracingError, match="c10d's kernels count no write"):
+            dtcompile.jit(fn)(x, w)
+    return True
+
+
+def test_a_collective_writing_a_leaf_autograd_saved_is_refused_clearly(ranks2):
+    assert all(ranks2.run(collectives_writing_a_saved_leaf))
+
+
+def _reduced_in_place(x):
+    dist.all_reduce(x)
+    return x * 2
+
+
+def collectives_writing_an_inference_tensor():
+    """An inference tensor passed outside inference mode: c10d's kernel writes it, the
+    program's copy raised torch's raw in-place error at each call. Refused clearly, also
+    where a normal tensor compiled the entry first; under inference mode, eager's."""
+    jitted = dtcompile.jit(_reduced_in_place)
+    with torch.inference_mode():
+        x = torch.ones(3) * (dist.get_rank() + 1)
+    assert torch.equal(jitted(torch.ones(3)), _reduced_in_place(torch.ones(3)))
+    with pytest.raises(dtcompile.TracingError, match="writes an inference tensor outside inference mode"):
+        jitted(x)
+    with torch.inference_mode():
+        expected, got = _reduced_in_place(x.clone()), jitted(x.clone())
+    assert torch.equal(got, expected)
+    return True
+
+
+def test_a_collective_writing_an_inference_tensor_outside_inference_mode_is_refused(ranks2):
+    assert all(ranks2.run(collectives_writing_an_inference_tensor))
+
+
 def test_all_to_all_with_split_sizes_a_collective_exchanged(ranks2):
     # c10d's all_to_all_single takes only ints: a raw TypeError before.
     assert ranks2.run(splits_a_collective_exchanged)[1] == [5, 3, 6] * 3
@@ -589,17 +640,41 @@ def _coalesced(pieces):
     return fn
 
 
+def _two_coalesced(a, b):
+    dist.all_reduce_coalesced([a, b])
+    return a + 0, b + 0
+
+
 def coalesced_all_reduces():
+    # Gloo reduces a flat copy of them all: an element two tensors share is reduced once.
     x = torch.arange(4.0) + dist.get_rank()
-    disjoint = _coalesced(lambda y: [y[0:2], y[2:4]])  # pieces of one buffer, as buckets are
-    assert torch.equal(dtcompile.jit(disjoint)(x.clone()), disjoint(x.clone()))
-    for pieces in (lambda y: [y, y], lambda y: [y[0:3], y[1:4]]):  # eager reduces each element once
-        with pytest.raises(dtcompile.TracingError, match="share memory"):
-            dtcompile.jit(_coalesced(pieces))(x.clone())
+    for pieces in (
+        lambda y: [y[0:2], y[2:4]],  # pieces of one buffer, as buckets are
+        lambda y: [y, y],
+        lambda y: [y[0:3], y[1:4]],
+        lambda y: [y, y.view(2, 2).view(4)],
+    ):
+        fn = _coalesced(pieces)
+        assert torch.equal(dtcompile.jit(fn)(x.clone()), fn(x.clone()))
+    # Sharing memory only at a cached call (its inputs' metadata as the first call's): they
+    # were reduced one after the other, the shared elements twice.
+    jitted = dtcompile.jit(_two_coalesced)
+    for share in (False, True, False, True):
+
+        def inputs(share=share):
+            base, other = torch.arange(6.0) + 10 * dist.get_rank(), torch.arange(6.0) - dist.get_rank()
+            return base, base if share else other
+
+        eager_base, eager_second = inputs()
+        expected = _two_coalesced(eager_base[0:4], eager_second[2:6])
+        base, second = inputs()
+        got = jitted(base[0:4], second[2:6])
+        assert all(map(torch.equal, got, expected))
+        assert torch.equal(base, eager_base) and torch.equal(second, eager_second)
     return True
 
 
-def test_coalesced_all_reduces_of_overlapping_tensors_are_refused(ranks2):
+def test_coalesced_all_reduces_of_tensors_that_share_memory_reduce_each_element_once(ranks2):
     assert all(ranks2.run(coalesced_all_reduces))
 
 
