@@ -14,6 +14,7 @@ import itertools
 import os
 import types
 import weakref
+from os import getenv
 
 import pytest
 import torch
@@ -363,7 +364,15 @@ def _scale_from_environ(x):
     return x * float(os.environ.get("DTCOMPILE_TEST_SCALE", "1"))
 
 
-@pytest.mark.parametrize("fn", [_scale_from_getenv, _scale_from_environ], ids=["os.getenv", "os.environ"])
+def _scale_from_getenv_by_name(x):
+    return x * float(getenv("DTCOMPILE_TEST_SCALE", "1"))
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [_scale_from_getenv, _scale_from_environ, _scale_from_getenv_by_name],
+    ids=["os.getenv", "os.environ", "from os import getenv"],
+)
 def test_the_environment_read_is_guarded(fn, monkeypatch):
     jitted = dtcompile.jit(fn)
     x = torch.ones(2)

@@ -133,6 +133,36 @@ def test_a_model_output_result_is_rebuilt():
         assert got[0] is got.last_hidden_state
 
 
+def _filled_by_key(x):
+    out = BaseModelOutputWithPast(last_hidden_state=x * 2)
+    out["attentions"] = (x.mean(),)
+    return out
+
+
+def _filled_by_attribute(x):
+    out = BaseModelOutputWithPast(last_hidden_state=x * 2)
+    out.hidden_states = (x + 1, x - 1)
+    return out
+
+
+def _fields_given_out_of_order(x):
+    return BaseModelOutputWithPast(attentions=(x.mean(),), last_hidden_state=x * 2)
+
+
+@pytest.mark.parametrize("fn", [_filled_by_key, _filled_by_attribute, _fields_given_out_of_order])
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_a_model_output_filled_after_it_was_made_keeps_eager_s_key_order(fn, cache):
+    # Rebuilt by its constructor, its keys came back in field order: out[0], to_tuple()
+    # and iteration gave another tensor than eager's (a loss set after the logits).
+    jitted = dtcompile.jit(fn, cache=cache)
+    for n in (2, 3, 2):
+        x = torch.randn(n, 4)
+        expected, got = fn(x), jitted(x)
+        assert list(got.keys()) == list(expected.keys())
+        for a, b in zip(got.to_tuple(), expected.to_tuple()):
+            assert_same_result(a, b)
+
+
 def test_a_changed_object_guards_its_entry():
     jitted = dtcompile.jit(step)
     first, second = Buffer(8), Buffer(12)

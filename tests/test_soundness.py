@@ -12,6 +12,7 @@ import types
 import numpy
 import pytest
 import torch
+from numpy.random import rand as _rand
 from support import assert_same_result
 
 import dtcompile
@@ -810,6 +811,10 @@ def _numpy_random(x):
     return x * float(numpy.random.rand())
 
 
+def _numpy_random_by_name(x):  # (``from numpy.random import rand``: a raw AttributeError walking its class)
+    return x * float(_rand())
+
+
 @pytest.mark.parametrize(
     "fn, generator",
     [
@@ -820,6 +825,7 @@ def _numpy_random(x):
         (_python_random, "Python's random module"),
         (_python_seed, "Python's random module"),
         (_numpy_random, "NumPy's global random generator"),
+        (_numpy_random_by_name, "NumPy's global random generator"),
     ],
 )
 def test_random_generators_used_by_python_code_are_refused_and_put_back(fn, generator):

@@ -1050,3 +1050,38 @@ def test_a_function_mode_counting_the_ops_is_refused():
     with _CountsOps():
         with pytest.raises(dtcompile.TracingError, match="torch function mode _CountsOps"):
             dtcompile.jit(_adds)(torch.ones(2))
+
+
+_ADDED_TO_A_REACHED_MODULE = {
+    "a layer appended": lambda net: net.append(nn.Sigmoid()),
+    "a parameter registered": lambda net: net[0].register_parameter("extra", nn.Parameter(torch.ones(3))),
+    "a buffer registered": lambda net: net[0].register_buffer("extra", torch.full((3,), 2.0)),
+    "an adapter set": lambda net: setattr(net[0], "adapter", nn.Linear(3, 3)),
+}
+
+
+class _Adapted(nn.Linear):
+    def forward(self, x):
+        y = super().forward(x)
+        for extra in (getattr(self, "extra", None), getattr(self, "adapter", None)):
+            y = y + (extra(x) if isinstance(extra, nn.Module) else 0 if extra is None else extra)
+        return y
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("change", list(_ADDED_TO_A_REACHED_MODULE))
+def test_an_entry_added_to_a_module_the_function_reaches_is_seen(change, cache):
+    # A global model a loss function calls: its existing entries were guarded one by one,
+    # but one added under a new name (``append``, ``register_parameter``) was not seen.
+    torch.manual_seed(0)
+    net = nn.Sequential(_Adapted(3, 3), nn.Tanh())
+
+    def loss(x):
+        return net(x).sum() + sum(p.square().sum() for p in net.parameters())
+
+    jitted = dtcompile.jit(loss, cache=cache)
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(jitted(x), loss(x), rtol=0, atol=0)
+        _ADDED_TO_A_REACHED_MODULE[change](net)
+        torch.testing.assert_close(jitted(x), loss(x), rtol=0, atol=0)

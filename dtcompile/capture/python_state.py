@@ -17,7 +17,7 @@ hook), so what is guarded is what the code *can* read, found before tracing:
   (``f.scale``); a ``functools.partial``'s arguments, keywords and attributes; the
   attributes a Python module holds (imported at the top or inside the function) under the
   other names its code uses (``cfg.SCALE``; of a library module, by identity: ``F.relu``
-  patched is seen); where the code names ``os``, the environment's contents.
+  patched is seen); where the code names ``os`` or ``getenv``, the environment's contents.
 - **Module attributes** of the jitted module's tree, and of any module the code reaches
   (a global model a loss function calls; for those also the training flag and which
   parameters, buffers, submodules and tensor attributes they hold): every entry of each
@@ -157,6 +157,7 @@ class PythonState(AfterTracing):
                 for table in _HOOK_TABLES:  # (the jitted module's are guarded with its tree)
                     self._read(vars(module), table, getattr(module, table), f"the {table} of {owner}")
                 for table in (module._parameters, module._buffers, module._modules, vars(module)):
+                    self._namespace(table)  # (an entry added later: ``net.append(...)``, ``register_parameter``)
                     for name, value in table.items():
                         if value is None or isinstance(value, (torch.Tensor, torch.nn.Module)):
                             self._read(table, name, value, f"{name!r} of {owner}")
@@ -192,6 +193,8 @@ class PythonState(AfterTracing):
         value = referent(value)  # (through a weak proxy)
         if id(value) in self._walked or by_value(value) or isinstance(value, _NOT_FOLLOWED):
             return
+        if value is os.getenv:  # (``from os import getenv``: the environment it reads)
+            self._python_module(os, frozenset())
         self._held.append(value)
         if isinstance(value, torch.Tensor):  # a closed-over tensor's Python attributes (``w.scale``)
             self._walked.add(id(value))
@@ -317,8 +320,7 @@ class PythonState(AfterTracing):
             for name in sorted(set(module_globals) - global_names):
                 if not name.startswith("__"):
                     self._read(module_globals, name, module_globals[name], f"global {name!r} read by {fn.__qualname__}")
-        builtins = module_globals.get("__builtins__", {})
-        builtins = vars(builtins) if isinstance(builtins, types.ModuleType) else builtins
+        builtins = vars(b) if isinstance(b := module_globals.get("__builtins__", {}), types.ModuleType) else b
         for name in sorted(global_names):
             where = f"global {name!r} read by {fn.__qualname__}"
             # Absent: a builtin (read from the builtins then: ``builtins.abs`` patched is seen), or a NameError
@@ -357,8 +359,7 @@ class PythonState(AfterTracing):
             if id(klass) in self._walked or (library and not module_class):
                 continue
             self._walked.add(id(klass))
-            if not library and "__slotnames__" not in vars(klass):
-                # Added by copy and pickle at the first copy of an instance (``deepcopy(cache)``): added now.
+            if not library and "__slotnames__" not in vars(klass):  # (set by copy at a first ``deepcopy``)
                 copyreg._slotnames(klass)
             names = class_namespace(klass)
             self._classes[id(names)] = klass
@@ -367,11 +368,10 @@ class PythonState(AfterTracing):
             if not library:  # (assignable: another base's attributes would be read)
                 self._read(klass, None, klass.__bases__, f"the bases of {owner}", attribute="__bases__")
             for name, attr in names.items():
+                if not library or name == "forward":
+                    self._read(names, name, attr, f"{name!r} of {owner}")
                 if library:
-                    if name == "forward":
-                        self._read(names, name, attr, f"{name!r} of {owner}")
                     continue
-                self._read(names, name, attr, f"{name!r} of {owner}")
                 attr = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
                 attr = attr.fget if isinstance(attr, property) else attr
                 # Its methods' code, and what other attributes hold: a descriptor's state, a

@@ -24,7 +24,8 @@ def is_library(obj: object) -> bool:
     if isinstance(obj, types.ModuleType):
         module = obj.__name__
     else:
-        module = getattr(obj, "__module__", None) or ""
+        module = getattr(obj, "__module__", None)
+        module = module if isinstance(module, str) else ""  # (a metaclass's descriptor, Cython's)
     code = getattr(obj, "__code__", None)
     if isinstance(code, types.CodeType):  # (the class of functions has a descriptor there)
         filename = code.co_filename

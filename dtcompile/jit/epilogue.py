@@ -195,8 +195,21 @@ class _Builder:
         if isinstance(node, PytreeOutput):
             unflatten = self.constant(torch.utils._pytree.SUPPORTED_NODES[node.type].unflatten_fn, "UNFLATTEN")
             children = ", ".join(self.rebuild(c, wrap) for c in node.children)
-            return f"{unflatten}([{children}], {self.constant(node.context, 'CONTEXT')})"
+            made = f"{unflatten}([{children}], {self.constant(node.context, 'CONTEXT')})"
+            if issubclass(node.type, collections.OrderedDict) and isinstance(node.context, list):
+                return f"{self.constant(keys_in_order, 'IN_ORDER')}({made}, {self.constant(node.context, 'CONTEXT')})"
+            return made
         raise TypeError(f"unknown output node {node!r}")
+
+
+def keys_in_order(made: collections.OrderedDict, keys: list) -> collections.OrderedDict:
+    """An OrderedDict node (a Hugging Face ``ModelOutput``) with its keys in the traced order:
+    its constructor sets them in field order, where the code may have added one later
+    (``out["loss"] = ...``), after the others, as eager's holds it."""
+    if list(made.keys()) != keys:
+        for key in keys:
+            made.move_to_end(key)
+    return made
 
 
 def _uses(nodes: list) -> dict[int, int]:
