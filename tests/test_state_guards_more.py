@@ -5,6 +5,7 @@ stale or wrong result, or an internal error, with no TracingError."""
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import math
 import types
@@ -1085,3 +1086,34 @@ def test_an_entry_added_to_a_module_the_function_reaches_is_seen(change, cache):
         torch.testing.assert_close(jitted(x), loss(x), rtol=0, atol=0)
         _ADDED_TO_A_REACHED_MODULE[change](net)
         torch.testing.assert_close(jitted(x), loss(x), rtol=0, atol=0)
+
+
+def _step(model, x, scale=1.0):
+    return model(x).square().mean() * scale
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_module_passed_as_an_argument_is_that_module(cache):
+    # ``train_step(model, batch)``: refused (a Module was no input); now the very module,
+    # guarded by identity (another module compiles anew), its state as one the code reaches.
+    torch.manual_seed(0)
+    first = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    second = copy.deepcopy(first)
+    with torch.no_grad():
+        second[0].weight.mul_(2)
+    jitted = dtcompile.jit(_step, cache=cache)
+    for model in (first, first, second, first, second):
+        x = torch.randn(5, 3)
+        reference = copy.deepcopy(model)
+        expected, got = _step(reference, x), jitted(model, x)
+        expected.backward()
+        got.backward()
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+        model.zero_grad()
+    assert dtcompile.cache_misses(jitted) == 2
+    first.append(nn.Sigmoid())  # its state, as a reached module's
+    x = torch.randn(5, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(jitted(first, x), _step(first, x), rtol=0, atol=0)

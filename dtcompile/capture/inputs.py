@@ -199,8 +199,8 @@ class InputProxifier:
             return proxy, node
         if isinstance(value, CONSTANT_TYPES) or type(value) is torch.Size or _constant_slice(value):
             return value, ConstantInput(path, value)
-        if isinstance(value, (enum.Enum, DeviceMesh)):  # guarded as that very object
-            return value, ConstantInput(path, value)
+        if isinstance(value, (enum.Enum, DeviceMesh, torch.nn.Module)):  # guarded as that very object
+            return value, ConstantInput(path, value)  # (a module's tensors: closed over, read at each call)
         if isinstance(value, Placement):  # (``Shard(0)``: guarded by value, as DTensor compares them)
             return value, ConstantInput(path, value)
         container = type(value) in (tuple, list, dict) or pytree.is_namedtuple_instance(value)

@@ -176,12 +176,12 @@ class PythonState(AfterTracing):
     def follow_inputs(self, roots: list) -> None:
         """What the code reads through the call's objects and tensors (guarded as inputs): a class's attributes
         (``cfg.scale``), what a tensor's attributes hold (``w.info.scale``), an enum member's (``mode.scale``), a
-        dict's keys (``{cfg: t}``)."""
+        dict's keys (``{cfg: t}``), a module passed (``step(model, x)``: as one the code reaches)."""
         for node in (n for root in roots for n in iter_nodes(root)):
             if isinstance(node, ObjectInput):
                 self.follow(node.type, f"the class of {node.path}")
-            enum_member = [node.value] if isinstance(getattr(node, "value", None), enum.Enum) else []
-            for value in (*enum_member, *getattr(node, "keys", ())):
+            held = [node.value] if isinstance(getattr(node, "value", None), (enum.Enum, torch.nn.Module)) else []
+            for value in (*held, *getattr(node, "keys", ())):
                 self.follow(value, f"{node.path} (an enum member, or a key)")
             for name, value in getattr(node, "attributes", {}).items():
                 self.follow(value, f"attribute {name!r} of {node.path}")

@@ -207,12 +207,13 @@ def _capture(
         inputs.python_state.reads += option_reads(module)
     else:
         inputs.python_state = PythonState.of_function(fn)
-        refuse_fsdp_reached([reached for _, reached in inputs.python_state.modules])
-    reached = [module] if module is not None else [m for _, m in inputs.python_state.modules]
-    refuse_data_parallel(reached, "the module" if module is not None else "a module the function calls")
     for where, hook in code_around_ops():
         inputs.python_state.follow(hook, where)
     inputs.python_state.follow_inputs(inputs.nodes())
+    if module_state is None:
+        refuse_fsdp_reached([reached for _, reached in inputs.python_state.modules])
+    reached = [module] if module is not None else [m for _, m in inputs.python_state.modules]
+    refuse_data_parallel(reached, "the module" if module is not None else "a module the function calls")
     collector.reads = inputs.python_state.reads
     proxifier.refuse_other_paths(inputs.python_state.reads, inputs.python_state)
     for read in inputs.python_state.reads:
