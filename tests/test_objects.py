@@ -467,3 +467,47 @@ def test_an_argument_object_holding_values_in_slots_is_refused_naming_it(make):
     # getattr's default silently.
     with pytest.raises(UnsupportedInputError, match=r"args\[0\] is a .*none in __slots__"):
         dtcompile.jit(_reads_slots)(make(torch.ones(2)))
+
+
+def _policy(x, w):
+    h = x @ w
+    return torch.distributions.Normal(h, h.exp())
+
+
+def _categorical(x, w):
+    return torch.distributions.Categorical(logits=x @ w)
+
+
+def _squashed(x, w):
+    base = torch.distributions.Normal(x @ w, torch.ones(3))
+    return torch.distributions.TransformedDistribution(base, [torch.distributions.transforms.TanhTransform()])
+
+
+def _multivariate(x, w):
+    return torch.distributions.MultivariateNormal(x @ w, scale_tril=torch.eye(3))
+
+
+@torch.enable_grad()
+@pytest.mark.parametrize("fn", [_policy, _categorical, _squashed, _multivariate])
+def test_a_distribution_returned_is_made_anew_with_eager_s_values_and_gradients(fn):
+    # An RL policy's head returns a distribution: it was refused (a torch object). Its
+    # state is its attributes; its argument checks are data branches, checked at each call.
+    jitted = dtcompile.jit(fn)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x, w = torch.randn(4, 3), torch.randn(3, 3)
+        we, wc = w.clone().requires_grad_(), w.clone().requires_grad_()
+        expected, got = fn(x, we), jitted(x, wc)
+        assert type(got) is type(expected) and got.batch_shape == expected.batch_shape
+        value = torch.zeros(4, dtype=torch.long) if fn is _categorical else torch.rand(4, 3) * 1.8 - 0.9
+        torch.testing.assert_close(got.log_prob(value), expected.log_prob(value), rtol=0, atol=0)
+        expected.log_prob(value).sum().backward()
+        got.log_prob(value).sum().backward()
+        torch.testing.assert_close(wc.grad, we.grad, rtol=0, atol=0)
+
+
+def test_a_distribution_s_argument_check_runs_at_each_call():
+    jitted = dtcompile.jit(lambda x, s: torch.distributions.Normal(x, s))
+    jitted(torch.zeros(3), torch.ones(3))
+    with pytest.raises(ValueError, match="Expected parameter scale"):
+        jitted(torch.zeros(3), -torch.ones(3))

@@ -108,7 +108,8 @@ def is_rebuildable_object(value: object) -> bool:
         return False
     if isinstance(value, (list, tuple, dict, set, frozenset, str, bytes)) or type(value).__new__ is not object.__new__:
         return False
-    return not type(value).__module__.startswith("torch")
+    module = type(value).__module__  # (torch's objects hold state of their own: but a distribution, all attributes)
+    return not module.startswith("torch") or module.startswith("torch.distributions.")
 
 
 WEAK_PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
