@@ -1117,3 +1117,21 @@ def test_a_module_passed_as_an_argument_is_that_module(cache):
     x = torch.randn(5, 3)
     with torch.no_grad():
         torch.testing.assert_close(jitted(first, x), _step(first, x), rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:dtcompile. tracing")
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_lazy_module_s_first_call_runs_eagerly_and_the_next_compiles(cache):
+    # Its parameters are uninitialized until its first call (which removes its hook): the
+    # compiled module raised UnsupportedInputError at every call.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.LazyLinear(2))
+    reference = copy.deepcopy(model)
+    jitted = dtcompile.jit(model, cache=cache)
+    for n in (3, 3, 5):
+        x = torch.randn(n, 5)
+        torch.manual_seed(1)  # (the first call draws the initial weights)
+        got = jitted(x)
+        torch.manual_seed(1)
+        torch.testing.assert_close(got, reference(x), rtol=0, atol=0)
+    assert dtcompile.cache_misses(jitted) >= 1

@@ -40,6 +40,7 @@ from .input_nodes import (
 from .objects import WEAK_PROXIES, StateObjects, is_state_object, new_stand_in, optimizer_table, referent
 from .placements import same_spec
 from .recorder import Recording
+from .snapshots import LibrarySetUp
 from .tensor_attributes import carry_attributes
 from .user_code import is_library
 
@@ -178,6 +179,10 @@ class InputProxifier:
         if isinstance(value, DTensor):
             return self._dtensor(value, path, name_hint, dynamic)
         if isinstance(value, torch.Tensor):
+            if torch.nn.parameter.is_lazy(value):  # (a lazy module's first call sets it, and removes its hook)
+                raise LibrarySetUp(
+                    f"the call's first run sets {path}, a lazy module's parameter, once, as eager's does"
+                )
             if type(value) not in PLAIN_TENSOR_TYPES:
                 raise UnsupportedInputError(
                     f"dtcompile.jit: {path} is a {type(value).__name__}; tensor subclasses other "
