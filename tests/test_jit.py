@@ -606,3 +606,41 @@ def test_keyword_arguments_named_as_dtcompiles_own_parameters(cache):
     model = _PassesModule()
     assert torch.equal(dtcompile.jit(model, cache=cache)(torch.ones(2), module=3.0, fn=0.5), torch.full((2,), 1.5))
     assert torch.equal(dtcompile.jit(_takes_self, cache=cache)(torch.ones(2), self=3.0, cls=1.0), torch.full((2,), 4.0))
+
+
+def _repoint_a_detached_alias(x, y):
+    z = x.detach()
+    z.set_(y)
+    return z * 1
+
+
+def _repoint_a_whole_slice_then_write(x, y):
+    z = x[:]
+    z.set_(y)
+    z.add_(1)
+    return y * 2, x + 0
+
+
+def _repoint_a_view_then_write_the_source(x, y):
+    z = x.view_as(x)
+    z.set_(y)
+    w = z * 3
+    y.mul_(2)
+    return w, z + 0
+
+
+@pytest.mark.parametrize(
+    "fn", [_repoint_a_detached_alias, _repoint_a_whole_slice_then_write, _repoint_a_view_then_write_the_source]
+)
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_set_on_an_alias_of_an_argument_leaves_the_argument(fn, cache):
+    # The alias is an identity view, which the passes removed: set_ then re-pointed the
+    # caller's own x at y's memory, silently.
+    jitted = dtcompile.jit(fn, cache=cache)
+    for n in (3, 3, 4):
+        xe, ye = torch.zeros(n), torch.arange(n) + 1.0
+        xc, yc = xe.clone(), ye.clone()
+        assert_same_result(jitted(xc, yc), fn(xe, ye))
+        assert torch.equal(xc, xe) and torch.equal(yc, ye)
+        xc.add_(100)  # not y's memory
+        assert torch.equal(yc, ye)

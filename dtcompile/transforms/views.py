@@ -68,6 +68,13 @@ def _is_identity_view(bsym) -> bool:
     )
 
 
+_REPOINTING = (aten.set_, aten.resize_, aten.resize_as_, aten.as_strided_)
+
+
+def _repoints(bsym) -> bool:
+    return getattr(bsym.op, "overloadpacket", None) in _REPOINTING and bool(bsym.args)
+
+
 def remove_identity_views(trace: Trace) -> Trace:
     """Replace each identity view by its source. A returned view stays when its source is
     a trace input or is returned too, so that the caller never gets its own input back, or
@@ -75,11 +82,14 @@ def remove_identity_views(trace: Trace) -> Trace:
     leaves, _ = tree_flatten(trace.output)
     returned = {x.label for x in leaves if isinstance(x, TensorProxy)}
     inputs = {p.label for p in trace.inputs}
+    # A view whose own storage the code re-points (``x.detach().set_(y)``) is a tensor of its
+    # own: on its source, the caller's ``x`` would be re-pointed.
+    repointed = {b.args[0].label for b in trace.bound_symbols if _repoints(b) and isinstance(b.args[0], TensorProxy)}
     renames: dict[str, TensorProxy] = {}
     kept = []
     for bsym in trace.bound_symbols:
         bsym = bsym.with_inputs_renamed(renames) if renames else bsym
-        if _is_identity_view(bsym):
+        if _is_identity_view(bsym) and bsym.output.label not in repointed:
             source, label = bsym.args[0], bsym.output.label
             if label not in returned:
                 renames[label] = source
