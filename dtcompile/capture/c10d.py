@@ -35,6 +35,9 @@ from ..core import Note, TracingError
 from ..core.torch_internals import ProcessGroup, completed_work, work_done
 from .c10d_ops import RECORDED, Recorder, dense
 
+# The ops whose first argument lists one tensor (or list) per device of the rank.
+_ONE_PER_RANK = frozenset({"allreduce_", "broadcast_", "reduce_", "allgather_", "reduce_scatter_", "scatter_"})
+
 _C10D_MODULE = "torch.distributed.distributed_c10d"
 _DTENSOR_API = "torch.distributed.tensor._api"  # (where DTensor.from_local is)
 _REFUSED = {
@@ -188,6 +191,11 @@ def record_c10d(recording, func, args: tuple, kwargs: dict):
         raise TracingError(f"dtcompile.jit: {call} (c10d.{op_name}) cannot be recorded in a compiled program")
     schema = func._schema.arguments
     arguments = list(args) + [kwargs[a.name] for a in schema[len(args) :] if a.name in kwargs]
+    if op_name in _ONE_PER_RANK and len(arguments[0]) > 1:  # (torch.distributed's own pass one)
+        raise TracingError(
+            f"dtcompile.jit: {call} with {len(arguments[0])} tensors per rank (a ProcessGroup method given a list): "
+            "c10d's multi-tensor form, which reduces or gathers across them, is not recorded. Pass one tensor"
+        )
     if (
         _backend_gradient(op_name, arguments)
         and torch.is_grad_enabled()

@@ -626,6 +626,33 @@ def test_a_collective_writing_an_inference_tensor_outside_inference_mode_is_refu
     assert all(ranks2.run(collectives_writing_an_inference_tensor))
 
 
+def _group_all_reduce_of_two(a, b):
+    dist.group.WORLD.allreduce([a, b]).wait()
+    return a, b
+
+
+def _group_broadcast_of_two(a, b):
+    options = dist.BroadcastOptions()
+    options.rootRank, options.rootTensor = 1, 1
+    dist.group.WORLD.broadcast([a, b], options).wait()
+    return a, b
+
+
+def collectives_of_several_tensors_per_rank():
+    """A ProcessGroup method given several tensors per rank reduces (or broadcasts) across
+    them all, as devices of the rank: each was reduced on its own, silently. Refused."""
+    for fn in (_group_all_reduce_of_two, _group_broadcast_of_two):
+        with pytest.raises(dtcompile.TracingError, match="2 tensors per rank"):
+            dtcompile.jit(fn)(torch.ones(2), torch.ones(2) * 10)
+    one = dtcompile.jit(lambda a: dist.group.WORLD.allreduce([a]).wait() and a)  # one, as dist.all_reduce's
+    assert torch.equal(one(torch.ones(2) * (dist.get_rank() + 1)), torch.full((2,), 3.0))
+    return True
+
+
+def test_collectives_of_several_tensors_per_rank_are_refused(ranks2):
+    assert all(ranks2.run(collectives_of_several_tensors_per_rank))
+
+
 def test_all_to_all_with_split_sizes_a_collective_exchanged(ranks2):
     # c10d's all_to_all_single takes only ints: a raw TypeError before.
     assert ranks2.run(splits_a_collective_exchanged)[1] == [5, 3, 6] * 3
