@@ -253,7 +253,8 @@ def _saved_alias_written(recording: Recording, forward_end: int, saving: dict[st
                         f"dtcompile.jit: the call changes {written} in place (one of the variables needed "
                         "for gradient computation has been modified by an inplace operation): it shares memory "
                         f"with {saved.provenance}, which the backward reads as it was before; eager raises "
-                        "autograd's error at the backward. Change a copy, or pass tensors that do not share memory"
+                        "autograd's error at the backward (or, where the write counts none, through .data, reads "
+                        "the new values). Change a copy, or pass tensors that do not share memory"
                     )
 
 
