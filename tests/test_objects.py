@@ -511,3 +511,24 @@ def test_a_distribution_s_argument_check_runs_at_each_call():
     jitted(torch.zeros(3), torch.ones(3))
     with pytest.raises(ValueError, match="Expected parameter scale"):
         jitted(torch.zeros(3), -torch.ones(3))
+
+
+def _a_key_that_is_no_field(x):
+    out = BaseModelOutputWithPast(last_hidden_state=x * 2)
+    out["custom"] = x + 1
+    return out
+
+
+def _a_field_set_to_none_after(x):
+    out = BaseModelOutputWithPast(last_hidden_state=x * 2, attentions=(x.sum(),))
+    out.last_hidden_state = None  # (its key stays, its attribute is None)
+    return out
+
+
+@pytest.mark.parametrize("fn", [_a_key_that_is_no_field, _a_field_set_to_none_after])
+def test_a_model_output_whose_items_and_attributes_differ_is_refused(fn):
+    # Made anew by its constructor: a raw TypeError (no such argument), or the attribute
+    # set to None came back as the tensor, silently.
+    fn(torch.ones(2))  # (eager runs)
+    with pytest.raises(dtcompile.TracingError, match="is no field or not its attribute"):
+        dtcompile.jit(fn)(torch.ones(2))

@@ -25,6 +25,7 @@ from ..core.symbolic import SYMBOLIC_TYPES, as_constant, is_symbolic
 from ..core.torch_internals import TensorMeta, mask_buffer
 from .made_callables import check_remakable, made_in_call
 from .made_copies import kept_in
+from .model_outputs import refuse_unrebuildable_record
 from .objects import MODULES_MADE, StateObjects, holds_proxies, is_rebuildable_object, object_state, plain_object
 from .user_code import is_library
 
@@ -234,6 +235,7 @@ class OutputCollector:
             self._keys.update(map(id, value))  # (constants of the epilogue: a function there is not made anew)
             return DictOutput(tuple(value.keys()), [self.describe(v, where) for v in value.values()])
         if type(value) in pytree.SUPPORTED_NODES:
+            refuse_unrebuildable_record(value, where)
             node = pytree.SUPPORTED_NODES[type(value)]
             children, context = node.flatten_fn(value)
             return PytreeOutput(type(value), context, [self.describe(v, where) for v in children])
@@ -370,8 +372,7 @@ class OutputCollector:
         return Slot(self._slot(value)) if is_symbolic(value) else value
 
     def release_masks(self) -> None:
-        """Empty the mask buffers tracing filled with proxies: at run time the epilogue
-        fills them with each call's real mask, as eager DTensor does."""
+        """Empty the mask buffers tracing filled (the epilogue fills them at each call, as DTensor)."""
         for buffer in self.mask_buffers:
             buffer.data, buffer.refcount = None, 0
 
