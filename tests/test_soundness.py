@@ -14,6 +14,8 @@ import pytest
 import torch
 from numpy.random import rand as _rand
 from support import assert_same_result
+from torch import initial_seed as _initial_seed
+from torch.random import fork_rng as _fork_rng
 
 import dtcompile
 from dtcompile.core import TensorProxy
@@ -798,6 +800,15 @@ def _forks_the_generator(x):
         return x + torch.rand(3)
 
 
+def _forks_by_name(x):  # (``from torch.random import fork_rng``: a name the patch of torch's missed)
+    with _fork_rng():
+        return x + torch.rand(3)
+
+
+def _reads_the_seed_by_name(x):
+    return x * (_initial_seed() % 5)
+
+
 def _python_random(x):
     return x * random.random()
 
@@ -822,6 +833,8 @@ def _numpy_random_by_name(x):  # (``from numpy.random import rand``: a raw Attri
         (_restores_generator_state, "torch.get_rng_state"),  # (its state read, to be set back)
         (_seeds_the_generator_object, "torch's default random generator"),
         (_forks_the_generator, "torch.fork_rng"),
+        (_forks_by_name, "torch.fork_rng"),
+        (_reads_the_seed_by_name, "torch.initial_seed"),
         (_python_random, "Python's random module"),
         (_python_seed, "Python's random module"),
         (_numpy_random, "NumPy's global random generator"),

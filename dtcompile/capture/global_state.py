@@ -308,7 +308,7 @@ def _ours(module: str) -> bool:
 
 
 @contextlib.contextmanager
-def seeding_refused():
+def seeding_refused(reads: list = ()):
     """While tracing, torch's seeding functions raise where the user's code calls them:
     code that seeds, or restores the generator's state to draw the same numbers again
     (``fork_rng``), would do so once, while tracing, not at each call. Torch's own calls
@@ -340,10 +340,25 @@ def seeding_refused():
 
         return refused
 
+    # Also where the user's code holds one under its own name (``from torch import initial_seed``,
+    # a global or a closure cell ``reads`` found).
+    names = {id(original): name for _, name, original in saved}
+    held = [r for r in reads if id(r.value) in names and (r.key is not None or r.attribute == "cell_contents")]
     for owner, name, original in saved:
         setattr(owner, name, refuse(name, original))
+    for read in held:
+        _hold(read, refuse(names[id(read.value)], read.value))
     try:
         yield
     finally:
         for owner, name, original in saved:
             setattr(owner, name, original)
+        for read in held:
+            _hold(read, read.value)
+
+
+def _hold(read, value) -> None:
+    if read.key is not None:
+        read.holder[read.key] = value
+    else:
+        read.holder.cell_contents = value

@@ -237,7 +237,7 @@ def _capture(
         eager_paths(),
         CallAnnotator(recording, replay),  # (traced again where a replay or check failed: no alias made again)
         OpRecorder(recording),
-        seeding_refused(),
+        seeding_refused(inputs.python_state.reads),
         torch_caches_off(),
         decomposed_strategies_untraced(),
         autocast_regions(autocast_entered := []),
