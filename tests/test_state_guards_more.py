@@ -1135,3 +1135,33 @@ def test_a_lazy_module_s_first_call_runs_eagerly_and_the_next_compiles(cache):
         torch.manual_seed(1)
         torch.testing.assert_close(got, reference(x), rtol=0, atol=0)
     assert dtcompile.cache_misses(jitted) >= 1
+
+
+class _KeepsATransposedWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 3)
+
+    def forward(self, x):
+        self.wt = self.lin.weight.t()
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_view_made_without_grad_whose_base_is_written_is_read_as_eager(cache):
+    # Autograd refuses to say whether such a view is a leaf: reading it, the guards raised
+    # its error at every call (eager's code never asks).
+    torch.manual_seed(0)
+    model = _KeepsATransposedWeight()
+    jitted = dtcompile.jit(model, cache=cache)
+    x = torch.ones(2, 2)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(jitted(x), model.lin(x), rtol=0, atol=0)
+            model.lin.weight.add_(1)  # an optimizer's step
+        assert torch.equal(model.wt, model.lin.weight.t())
+    weight = torch.randn(3, requires_grad=True)
+    with torch.no_grad():
+        view = weight[:2]
+        weight.add_(1)
+        assert torch.equal(dtcompile.jit(lambda v: v * 2, cache=cache)(view), view * 2)

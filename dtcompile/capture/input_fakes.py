@@ -99,6 +99,8 @@ class InputFakes:
                 raise TracingError(f"dtcompile: a {real.layout} tensor shares memory with another input; not supported")
             return self._made(real, first)
         self._storages[storage_id(real)] = _CONVERTED
+        if _history_refused(real):  # (as a leaf, as made: eager's code runs on it)
+            return self.fake_mode.from_tensor(real.detach(), **options).requires_grad_(real.requires_grad)
         return self.fake_mode.from_tensor(real, **options)
 
     def _first(self, real: torch.Tensor):
@@ -139,11 +141,21 @@ class _Pending:
         return self.fake
 
 
+def _history_refused(t: torch.Tensor) -> bool:
+    """A view made under no_grad whose base was written since: autograd refuses its history."""
+    try:
+        _ = t.grad_fn
+    except RuntimeError:
+        return True
+    return False
+
+
 def _plain(t: torch.Tensor) -> bool:
     """A dense leaf tensor whose fake is its metadata: no bits, grad history or nesting."""
     return (
         type(t) in (torch.Tensor, torch.nn.Parameter)
         and t.layout is torch.strided
+        and not _history_refused(t)
         and t.is_leaf
         and not t.is_nested
         and not t.is_quantized

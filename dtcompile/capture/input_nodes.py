@@ -32,6 +32,15 @@ class LocalTensorMeta:
     leaf: bool = True  # guarded where it requires grad: code may ask ``is_leaf``
 
     @staticmethod
+    def leaf_of(t: torch.Tensor) -> bool:
+        """``t.is_leaf``; True for a view made under no_grad whose base was written since,
+        of which autograd refuses to say (it was made with no grad_fn; eager's code runs)."""
+        try:
+            return t.is_leaf
+        except RuntimeError:
+            return True
+
+    @staticmethod
     def of(t: torch.Tensor) -> LocalTensorMeta:
         return LocalTensorMeta(
             type(t),
@@ -43,14 +52,14 @@ class LocalTensorMeta:
             t.is_conj(),
             t.is_neg(),
             t.is_inference(),
-            t.is_leaf,
+            LocalTensorMeta.leaf_of(t),
         )
 
     def bits_check(self, var: str) -> str:
         """A condition true when the tensor ``var`` has other conjugate, negative or
         inference bits (or, requiring grad, is a leaf where it was not)."""
         conj = f" or {var}.is_conj() is not {self.conj}" if self.dtype.is_complex else ""
-        leaf = f" or {var}.is_leaf is not {self.leaf}" if self.requires_grad else ""
+        leaf = f" or LEAF({var}) is not {self.leaf}" if self.requires_grad else ""
         return f"{var}.is_neg() is not {self.neg}{conj} or {var}.is_inference() is not {self.inference}{leaf}"
 
 

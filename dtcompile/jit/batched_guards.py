@@ -140,7 +140,7 @@ def _expected(t: Batched) -> LocalTensorMeta:
         e.is_conj(),
         e.is_neg(),
         e.is_inference(),
-        e.is_leaf,
+        LocalTensorMeta.leaf_of(e),
     )
 
 

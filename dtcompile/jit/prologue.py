@@ -63,6 +63,7 @@ class _Builder:
         self.lines: list[str] = []
         self.globals: dict[str, object] = {name: obj for name, obj, _ in SOURCE_GLOBALS}
         self.globals.update(DTensor=DTensor, spec_matches=spec_matches, meshes_match=meshes_match, VALUE_KEY=value_key)
+        self.globals["LEAF"] = LocalTensorMeta.leaf_of
         self.results: list[str] = []
         self.result_labels: list[str] = []  # the trace input each result binds, in order
         self.object_vars: dict[int, str] = {}  # id of an ObjectInput -> the variable bound to it
@@ -81,8 +82,7 @@ class _Builder:
         self.held_ids = False  # the ids of the module's tensors read in one pass are bound (HELD_IDS)
         # Tensors with static metadata, checked together by one TensorGuards call (C++).
         self.batched: list[Batched] = []
-        # The module's tensors read in one pass (``batched_guards.module_tensors``): the
-        # list of them all, and where each list bound before starts in it.
+        # The module's tensors read in one pass (``module_tensors``): all, and where each list bound starts.
         self.pickable: tuple[str, dict[str, int]] | None = None
         self.held_examples: dict[str, torch.Tensor] = {}  # ``HELD[i]``: the module's tensor traced
         self._count = 0
