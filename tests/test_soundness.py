@@ -809,6 +809,14 @@ def _reads_the_seed_by_name(x):
     return x * (_initial_seed() % 5)
 
 
+def _reads_python_s_state(x):  # (no draw: the state is unchanged, and was baked in)
+    return x + random.getstate()[1][5] % 7
+
+
+def _reads_numpy_s_state(x):
+    return x + float(numpy.random.get_state()[1][0] % 7)
+
+
 def _python_random(x):
     return x * random.random()
 
@@ -835,6 +843,8 @@ def _numpy_random_by_name(x):  # (``from numpy.random import rand``: a raw Attri
         (_forks_the_generator, "torch.fork_rng"),
         (_forks_by_name, "torch.fork_rng"),
         (_reads_the_seed_by_name, "torch.initial_seed"),
+        (_reads_python_s_state, "random.getstate"),
+        (_reads_numpy_s_state, "numpy.random.get_state"),
         (_python_random, "Python's random module"),
         (_python_seed, "Python's random module"),
         (_numpy_random, "NumPy's global random generator"),

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import TracingError
+from ..core.code_origin import library_code
 from ..core.torch_internals import (
     dispatch_modes,
     dispatch_modes_off,
@@ -319,10 +320,22 @@ def seeding_refused(reads: list = ()):
         for name in (*_SEEDING, *_SEED_READS)
         if hasattr(owner, name)
     ]
+    # Python's and NumPy's global generators' states, read by the user's code itself (a draw
+    # is seen as a change of the state; one read, and set back, is not).
+    numpy = sys.modules.get("numpy")
+    saved += [(random, "getstate", random.getstate)]
+    saved += [(numpy.random, "get_state", numpy.random.get_state)] if numpy is not None else []
 
     def refuse(name, original):
         def refused(*args, **kwargs):
             caller = sys._getframe(1)
+            if name in ("getstate", "get_state"):
+                if not library_code(caller.f_globals.get("__name__", ""), caller.f_code.co_filename):
+                    raise TracingError(
+                        f"dtcompile.jit: the traced code called {original.__module__}.{name}: a compiled program "
+                        "runs the Python code once, while tracing, so it would hold the state read then"
+                    )
+                return original(*args, **kwargs)
             while _ours(caller.f_globals.get("__name__", "")):  # (a wrapper of ours)
                 caller = caller.f_back
             if caller.f_globals.get("__name__", "").startswith(_SEEDS_WHILE_TRACED):
