@@ -644,3 +644,17 @@ def test_set_on_an_alias_of_an_argument_leaves_the_argument(fn, cache):
         assert torch.equal(xc, xe) and torch.equal(yc, ye)
         xc.add_(100)  # not y's memory
         assert torch.equal(yc, ye)
+
+
+_SCRATCH = torch.zeros(3)
+
+
+def _adds_to_its_default(x, scratch=_SCRATCH):
+    scratch.add_(1)
+    return x * 2
+
+
+def test_a_default_argument_also_passed_is_refused_naming_both_ways():
+    # The message spoke of a lookup in a table the code never made.
+    with pytest.raises(dtcompile.TracingError, match="a default argument, a global, a table"):
+        dtcompile.jit(_adds_to_its_default)(_SCRATCH)

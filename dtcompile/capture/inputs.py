@@ -159,8 +159,10 @@ class InputProxifier:
                 )
             if held is not None:
                 raise TracingError(
-                    f"dtcompile.jit: {read.where} holds {held}, a tensor of the call; the traced code gets a "
-                    "stand-in for it, which a lookup by the tensor (or is) would not find. Key the table by name"
+                    f"dtcompile.jit: {read.where} holds {held}, a tensor of the call, which the code can reach that "
+                    "way too (a default argument, a global, a table): it gets a stand-in for the argument, which a "
+                    "lookup by the tensor, `is`, or a write through the other would not meet. Pass it one way only, "
+                    "or key a table by name"
                 )
 
     def traced_tensors(self) -> list[tuple[torch.Tensor, dict]]:
