@@ -1,11 +1,10 @@
-"""Python branches on numbers read from tensor data: trace the branch taken, check it at
-run time.
+"""Python branches on numbers read from tensor data: trace the branch taken, check it at run time.
 
 A number read from data (``.item()``) has no value while tracing. When the traced code
 branches on it (``if (x > 0).all():``), the value is computed now, from the call's real
 inputs: the symbols that lead to it (its cone) are run on them, as the reference
 interpreter would. The ShapeEnv then answers the branch with that value and records the
-assumption (a deferred runtime assert, as under torch.compile's real-tensor propagation).
+assumption (a deferred runtime assert, as torch.compile's real-tensor propagation does).
 
 The program checks each assumption at run time. The cone, the read and the check go to
 the program's start, so that a failed check leaves nothing done: the call then goes to
@@ -17,12 +16,11 @@ what it reads) and no random op. Collectives in the cone run now too, on every r
 branch on a DTensor's data (``(x > 0).all()`` of a sharded ``x``) is taken alike by all
 ranks, so they trace, and fail a check, together.
 
-A float read from data is checked beyond its branches where sympy cannot tell values
-apart (``_float_checks``): NaN and infinities exactly (``math.isnan``), finite where it
-was, and a zero's sign where it was specialized (``k == 0.0`` holds for -0.0). The
-checks torch's ops defer to run time on such numbers (``narrow``'s ``0 <= length``, a
-``split``'s size) become checks that raise a RuntimeError as eager's op does
-(``_runtime_checks``), after the branches' checks unless torch made them first.
+A float read from data is checked beyond its branches where sympy cannot tell values apart
+(``_float_checks``): NaN and infinities exactly, finite where it was, a zero's sign where it
+was specialized. The checks torch's ops defer to run time on such numbers (``narrow``'s ``0
+<= length``) raise a RuntimeError as eager's op does (``_runtime_checks``), after the
+branches' checks unless torch made them first.
 """
 
 from __future__ import annotations
@@ -106,11 +104,13 @@ def _cone(symbols: list[BoundSymbol], source: TensorProxy) -> list[int] | None:
 
 def branch_refused(recording, cond) -> str:
     """What the refusal of a Python branch on ``cond`` says was asked, and why it could not be
-    checked at run time where that can be named: an in-place write before it."""
+    checked at run time: an in-place write before it, or a value tracing cannot compute."""
     what = f"Python control flow on {cond}, a number read from tensor data"
     written = next((b for b in recording.bound_symbols if b.op is not None and b.op._schema.is_mutable), None)
-    if written is None:
-        return what
+    if written is None:  # (a size read from data is computed now without collectives: its check runs first)
+        unknown = set(cond.free_symbols) - symbol_values(recording.fake_mode.shape_env).keys()
+        why = "a size (nonzero, a mask's) a collective's result decides (a DTensor's full_tensor()), a random op's"
+        return f"{what} that tracing cannot compute now: {why}" if unknown else what
     return (
         f"{what}, after an in-place write ({written.note or written.op}): a branch on data is checked at the "
         "program's start, before anything runs, and is not moved past a write, even of a tensor it does not read. "
@@ -136,9 +136,8 @@ def size_values_now(recording, index: int) -> None:
     """Give the sizes read from data of the outputs of the symbol at ``index`` (a
     ``nonzero``'s count, a mask's) their values now, so that the traced code can branch on
     them (``if idx.numel() > 0:``) as on a number read with ``.item()``; each is then
-    read at the program's start (``Recording.size_reads``) for its check. Nothing where
-    they cannot be computed now, or only by running a collective (every rank would wait on
-    the others' computing it alike): a branch on them is refused."""
+    read at the program's start (``Recording.size_reads``) for its check. Nothing where only a
+    collective computes them (each rank would wait on the others'): a branch on them is refused."""
     bsym = recording.bound_symbols[index]
     shape_env = recording.fake_mode.shape_env
     fresh = [
@@ -149,6 +148,7 @@ def size_values_now(recording, index: int) -> None:
     ]
     if not fresh:
         return
+    recording.read_by.update((symbol, recording.current_call or str(bsym.op)) for _, _, symbol in fresh)
     for proxy in dict.fromkeys(proxy for proxy, _, _ in fresh):
         computed = real_now(recording, proxy, collectives=False)  # not a collective more than eager's
         if computed is None:

@@ -36,7 +36,8 @@ def data_dependent_error(call: str | None, what: str) -> TracingError:
     return TracingError(
         f"dtcompile.jit: {call or 'the program'} depends on the values in a tensor ({what}); dtcompile "
         "traces shapes, not values: numbers read with .item() or .tolist() and ops whose sizes come from the "
-        "data (boolean masks, nonzero, split sizes) are computed at run time, but Python control flow on "
-        "them (if, bool(), int(), while) and data leaving torch (NumPy) cannot be compiled; use torch.where, "
-        "or compile the code before and after the branch separately"
+        "data (boolean masks, nonzero, split sizes) are computed at run time, and Python control flow on "
+        "them (if, bool(), int(), while) is traced as taken and checked at run time where tracing can "
+        "compute the value, not here (nor data leaving torch, NumPy); use torch.where, or compile the code "
+        "before and after the branch separately"
     )

@@ -79,6 +79,15 @@ def _max_all_reduce_beside_a_sum(x):
     return funcol.all_reduce(x * 2, "sum", dist.group.WORLD) + 1, funcol.all_reduce(x, "max", dist.group.WORLD)
 
 
+def _branch_on_a_gathered_count(d):
+    return d * 2 if d.full_tensor().nonzero().shape[0] > 5 else d + 1
+
+
+def _branch_on_a_gathered_mask(d):
+    full = d.full_tensor()
+    return d if full[full > 0].shape[0] == 0 else d * 2
+
+
 def refusals_name_the_call(cache: str):
     """What tracing cannot size or differentiate, refused naming the call, where torch's
     own error (or a misleading one) came before: a list whose length only a collective
@@ -93,6 +102,11 @@ def refusals_name_the_call(cache: str):
     n = distribute_tensor(torch.tensor([1, 2, 0, 3, 1, 2]), mesh, [Shard(0)])
     with pytest.raises(dtcompile.TracingError, match="of a DTensor with a bound read from tensor data.*narrow"):
         dtcompile.jit(_slice_by_a_bound_from_data, cache=cache)(dx, n)
+    # A branch on a size a collective's result decides: it named no call, and said no branch
+    # on such a size compiles (one on a plain tensor's does).
+    for fn, call in ((_branch_on_a_gathered_count, "Tensor.nonzero"), (_branch_on_a_gathered_mask, "__getitem__")):
+        with pytest.raises(dtcompile.TracingError, match=f"{call} depends on .* a collective's result decides"):
+            dtcompile.jit(fn, cache=cache)(dx)
     with pytest.raises(RuntimeError, match="all_reduce backward only supports .* raised by the backward of the call"):
         dtcompile.jit(_max_all_reduce_beside_a_sum, cache=cache)(x.requires_grad_())
     with torch.no_grad():
