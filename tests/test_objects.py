@@ -507,7 +507,7 @@ def test_a_distribution_returned_is_made_anew_with_eager_s_values_and_gradients(
 
 
 def test_a_distribution_s_argument_check_runs_at_each_call():
-    jitted = dtcompile.jit(lambda x, s: torch.distributions.Normal(x, s))
+    jitted = dtcompile.jit(lambda x, s: torch.distributions.Normal(x, s, validate_args=True))
     jitted(torch.zeros(3), torch.ones(3))
     with pytest.raises(ValueError, match="Expected parameter scale"):
         jitted(torch.zeros(3), -torch.ones(3))

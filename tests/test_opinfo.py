@@ -48,7 +48,6 @@ REFUSED: dict[str, str | tuple[str, ...]] = {
     **dict.fromkeys(
         ["nn.functional.linear_cross_entropy.chunked", "nn.functional.linear_cross_entropy.chunked_none"], _INPUT
     ),
-    "nn.functional.triplet_margin_with_distance_loss": _INPUT,  # (a module as the distance function)
     **dict.fromkeys(["sparse.sampled_addmm", "sparse.mm.reduce"], "only strided tensors"),
     "to_sparse": "makes a tensor of layout torch.sparse_coo",
 }
