@@ -81,8 +81,8 @@ def _slices_and_pads(x):
     return x[: x.shape[0] // 2] * 2, x[-3:] + 1, F.pad(x, (1, 2)), x.narrow(0, 1, x.shape[0] - 2).cumsum(0), x.flatten()
 
 
-def _sizes_returned(x):
-    return x.shape, x.size(1), x.shape[1:], torch.Size([x.shape[0], 3]), x.numel(), x.shape[0] > 4, list(x.shape)
+def _sizes_returned(x):  # (a comparison of sizes is Python's bool, a guard: another entry per outcome)
+    return x.shape, x.size(1), x.shape[1:], torch.Size([x.shape[0], 3]), x.numel(), list(x.shape)
 
 
 CASES = [
@@ -515,3 +515,25 @@ def test_a_size_one_dims_stride_is_eagers_inside_the_program(grad):
                 for g, e in zip(*grads):
                     assert_same_tensor(g, e)
     assert dtcompile.cache_misses(jitted) == 2  # (a batch of 2, then of another size than the heads)
+
+
+_FLAGS_FROM_SIZES = {
+    "keepdim": lambda x: x.sum(1, keepdim=x.shape[1] > 4),
+    "unbiased": lambda x: x.std(1, unbiased=x.shape[1] > 1),
+    "descending": lambda x: torch.sort(x, 1, descending=x.shape[1] % 2 == 0).values,
+    "is_causal": lambda x: torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=x.shape[1] > 1),
+    "flags combined": lambda x: x * ((x.shape[1] > 4) ^ (x.shape[1] > 8)),
+    "isinstance": lambda x: x * 2 if isinstance(x.shape[1] > 4, bool) else x,
+}
+
+
+@pytest.mark.parametrize("name", list(_FLAGS_FROM_SIZES))
+def test_a_comparison_of_sizes_is_a_bool_torch_takes_as_a_flag(name):
+    # A SymBool: torch's argument parsing refused it (a raw TypeError, raised on every rank;
+    # in one process the call ran eagerly, traced again at every call).
+    fn = _FLAGS_FROM_SIZES[name]
+    jitted = dtcompile.jit(fn, cache=SYMBOLIC)
+    for n in (6, 7, 9, 3, 6):
+        x = torch.randn(2, n, 8)
+        assert_same_result(jitted(x), fn(x))
+    assert dtcompile.cache_hits(jitted) >= 1

@@ -19,8 +19,6 @@ CASES = {
     "new_tensor": lambda x: x.new_tensor([x.shape[0] * 10**9]),
     "float64": lambda x: torch.tensor([x.shape[0] * 10**9 + 1], dtype=torch.float64),
     "a float": lambda x: torch.tensor([[x.shape[0] / 2, 1.0], [2.0, x.shape[0] * 1.5]]),
-    "a comparison": lambda x: torch.tensor([x.shape[0] > 3, x.shape[0] % 2 == 0]),
-    "a comparison as float": lambda x: torch.tensor(x.shape[0] == 3, dtype=torch.float32),
     "added to the input": lambda x: x.sum() + torch.tensor([x.shape[0], 2 * x.shape[0]]),
 }
 
@@ -35,6 +33,28 @@ def test_a_tensor_of_sizes(cache, name):
         assert_same(jitted(x), fn(x), rtol=0, atol=0)
     if cache == "symbolic values":
         assert jitted._dtcompile.stats.misses == 1
+
+
+# A comparison of sizes in the user's code is Python's bool, as eager's (torch's ops refuse a
+# SymBool as a flag: ``keepdim=n > 4``): a guard, so an entry for each outcome.
+COMPARISONS = {
+    "a comparison": lambda x: torch.tensor([x.shape[0] > 3, x.shape[0] % 2 == 0]),
+    "a comparison as float": lambda x: torch.tensor(x.shape[0] == 3, dtype=torch.float32),
+}
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("name", list(COMPARISONS))
+def test_a_tensor_of_size_comparisons(cache, name):
+    fn = COMPARISONS[name]
+    jitted = dtcompile.jit(fn, cache=cache)
+    outcomes = set()
+    for n in (3, 4, 5, 3, 4):
+        x = torch.ones(n)
+        assert_same(jitted(x), fn(x), rtol=0, atol=0)
+        outcomes.add(tuple(fn(x).tolist()) if fn(x).dim() else fn(x).item())
+    if cache == "symbolic values":
+        assert jitted._dtcompile.stats.misses == len(outcomes)
 
 
 @pytest.mark.parametrize("cache", CACHES)

@@ -12,6 +12,7 @@ import functools
 
 import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..core.symbolic import is_symbolic
 
@@ -117,19 +118,16 @@ def _number(leaf):
     return torch.sym_ite(leaf, 1, 0) if isinstance(leaf, torch.SymBool) else leaf
 
 
-_INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
-
-
-def bools_as_bools(func, args: tuple) -> tuple:
-    """A tensor indexed by a bool read from data (``x[b.item()]``): the index as Python's
-    bool, which torch takes as a mask (a new dim of 1 or 0), where a SymBool is taken as
-    the int 1 or 0. ``bool()`` of it is a branch on the value, traced and checked."""
-    if func not in _INDEXING or len(args) < 2:
-        return args
-    index = args[1]
-    if isinstance(index, torch.SymBool):
-        return (args[0], bool(index), *args[2:])
-    if type(index) is tuple and any(isinstance(i, torch.SymBool) for i in index):
-        index = tuple(bool(i) if isinstance(i, torch.SymBool) else i for i in index)
-        return (args[0], index, *args[2:])
-    return args
+def bools_as_bools(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A SymBool among a torch-level call's arguments (a comparison of sizes under symbolic
+    values, ``sum(keepdim=n > 4)``, ``is_causal=n > 1``; a tensor indexed by one): Python's
+    bool, as eager's code has, which torch's ops take where they refuse a SymBool (and an
+    index as a mask, a new dim of 1 or 0, where a SymBool is the int 1 or 0). ``bool()`` of
+    it is a guard on the sizes, or a branch on data, traced and checked. Not where torch
+    takes the SymBool itself (``torch._check``, ``sym_not``) or a factory computes it."""
+    leaves = tree_flatten((args, kwargs))[0]
+    if func in FACTORIES or getattr(func, "__name__", "").startswith(("sym_", "_check")):
+        return args, kwargs
+    if not any(isinstance(leaf, torch.SymBool) for leaf in leaves):
+        return args, kwargs
+    return tree_map(lambda v: bool(v) if isinstance(v, torch.SymBool) else v, (args, kwargs))

@@ -67,8 +67,38 @@ def sizes_as_values_in_user_text():
             stack.enter_context(_values_in_user_text(cls, kind))
         for cls in (torch.SymInt, torch.SymFloat):
             stack.enter_context(_divmod(cls))
+        stack.enter_context(_comparisons_as_bools(torch.SymInt))
         stack.enter_context(_exact_float_arithmetic())
         yield
+
+
+_SIZE_COMPARISONS = ("__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__")
+
+
+@contextlib.contextmanager
+def _comparisons_as_bools(cls: type):
+    """A comparison of sizes in the user's code (``keepdim=x.shape[1] > 4``, ``is_causal=n >
+    1``): Python's bool, as eager's code gets, a guard on the sizes (as a branch on it is),
+    where a SymBool is refused by torch's ops' argument parsing (a TypeError) and is not
+    ``isinstance(.., bool)``. torch's own code keeps its SymBools (it asks without guards)."""
+    saved = {name: vars(cls)[name] for name in _SIZE_COMPARISONS}
+
+    def as_bool(name):
+        compare = saved[name]
+
+        def compared(self, other):
+            result = compare(self, other)
+            return bool(result) if isinstance(result, torch.SymBool) and _from_user_code() else result
+
+        return compared
+
+    for name in _SIZE_COMPARISONS:
+        setattr(cls, name, as_bool(name))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(cls, name, method)
 
 
 @contextlib.contextmanager
