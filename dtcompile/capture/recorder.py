@@ -56,12 +56,11 @@ _LIFT_FRESH_COPY = torch.ops.aten.lift_fresh_copy.default
 class Recording:
     """The state of one trace being recorded: its symbols, names and captured constants."""
 
-    def __init__(self, fake_mode: FakeTensorMode):
-        self.fake_mode = fake_mode
+    def __init__(self, fake_mode: FakeTensorMode, static_dims: frozenset = frozenset()):
+        self.fake_mode, self.static_dims = fake_mode, static_dims  # ((input path, dim)s whose sizes stay)
         self.fakes = InputFakes(fake_mode)  # the fake of each real tensor entering the trace
         self.data_reads = DataReads()  # fakes torch holds a number read from their data on
-        # The call's default dtype and kernel settings: the compiled program runs every op under them.
-        self.default_dtype, self.kernel_settings = torch.get_default_dtype(), kernel_settings()
+        self.default_dtype, self.kernel_settings = torch.get_default_dtype(), kernel_settings()  # (every op's)
         self.bound_symbols: list[BoundSymbol] = []
         self.captured: list[torch.Tensor] = []  # real tensors the program closes over
         self.captured_proxies: list[TensorProxy] = []
@@ -137,16 +136,17 @@ class Recording:
         return proxy
 
     def _input_proxy(self, real: torch.Tensor, name: str, provenance: InputPath, dynamic: bool) -> TensorProxy:
-        """A proxy for a real tensor entering the trace; with ``dynamic`` its sizes are
-        symbols of the fake mode's ShapeEnv (sizes 0 and 1 stay constants), at most
-        ``LARGEST_SYMBOLIC_SIZE`` (the prologue checks it): ``x[:, 3]``'s full slice of a sharded dim is one.
-
-        Duck sizing: equal sizes share one symbol (``DimDynamic.DUCK``, torch.compile's
-        default), so a program traced with two equal sizes may assume they are equal."""
+        """A proxy for a real tensor entering the trace; with ``dynamic`` its sizes are symbols of the
+        fake mode's ShapeEnv (but 0s and 1s, and ``static_dims``), at most ``LARGEST_SYMBOLIC_SIZE``
+        (the prologue checks it: ``x[:, 3]``'s full slice of a sharded dim is one). Duck sizing:
+        equal sizes share one symbol (torch.compile's default): a program may assume them equal."""
         self.used_names.add(name)
         self.real_of[name] = real
         if dynamic and self.fake_mode.shape_env is not None:
-            sizes = [DimDynamic.STATIC if size > LARGEST_SYMBOLIC_SIZE else DimDynamic.DUCK for size in real.shape]
+            static = {d for p, d in self.static_dims if p == str(provenance)} | {
+                d for d, n in enumerate(real.shape) if n > LARGEST_SYMBOLIC_SIZE
+            }
+            sizes = [DimDynamic.STATIC if d in static else DimDynamic.DUCK for d in range(real.dim())]
             fake = self.fakes.symbolic(real, StatelessSymbolicContext(dynamic_sizes=sizes))
             if not isinstance(fake, torch.Tensor):  # (one like an earlier tensor: that one's symbols, made later)
                 return TensorProxy.deferred(fake.like, fake, name, provenance, real.requires_grad)

@@ -144,3 +144,19 @@ def operator_call(func, args: tuple, kwargs: dict, handled_by_dtensor: bool):
         if symbolic:
             raise SymbolsRefused(f"DTensor gave {func.__name__} NotImplemented with symbolic sizes")
     return out
+
+
+def refused_input_dims(error: BaseException) -> frozenset:
+    """The ``(input path, dim)`` of each size symbol named in DTensor's refusal of symbolic
+    sizes (``split_factor=s26``: a batch folded into a sharded dim), where the failed trace
+    noted its symbols' input dims (``error.input_sizes``): traced again with those as they
+    are, the other sizes stay symbolic (one entry per batch size, not per length)."""
+    sizes = getattr(error, "input_sizes", {})
+    texts = []
+    while error is not None:
+        texts.append(str(error))
+        error = error.__cause__ or error.__context__
+    text = " ".join(texts)
+    factor = re.search(r"split_factor=([^,]*)", text)  # (the symbol refused; the shapes after it are not)
+    named = set(re.findall(r"\bs\d+\b", factor.group(1) if factor else text))
+    return frozenset((str(proxy.provenance), dim) for symbol, (proxy, dim) in sizes.items() if str(symbol) in named)

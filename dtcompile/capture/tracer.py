@@ -60,6 +60,7 @@ from .recorder import OpRecorder, Recording
 from .size_text import sizes_as_values_in_user_text
 from .snapshots import ALL_LEVELS, LibrarySetUp, user_data
 from .tensor_attributes import attribute_writes_refused
+from .traced_errors import refused_input_dims
 from .verified import VerifyFailed
 
 
@@ -114,8 +115,7 @@ _tracing: list[object] = []  # the recordings of the calls being traced now (nes
 
 
 def is_tracing() -> bool:
-    """Whether a call is being traced now: a jitted function called by the traced code then
-    runs inline, as part of the outer program."""
+    """Whether a call is being traced now (a jitted function it calls runs inline, then)."""
     return bool(_tracing)
 
 
@@ -136,37 +136,39 @@ def _rank_line() -> str:
 def capture_call(
     fn, args: tuple, kwargs: dict, module: torch.nn.Module | None = None, symbolic: bool = False
 ) -> CapturedCall:
-    """Trace ``fn(*args, **kwargs)`` (or ``module(*args, **kwargs)``) into a per-rank trace.
-    With ``symbolic`` the sizes of the call's tensors are symbols of a ShapeEnv (the
-    module's parameters, buffers and attributes keep theirs). Repeated blocks are recorded
-    once (``blocks.py``); where a replayed block's backward cannot be recorded, the call is
-    traced again with every block traced. Where DTensor cannot propagate a sharding with
-    symbolic sizes (a flatten through a ``_StridedShard`` whose split factor is a symbol),
-    the call is traced again with its sizes as they are: a narrower entry, guarded exactly."""
-    try:
-        return _capture_replaying(fn, args, kwargs, module, symbolic)
-    except Exception as error:
-        refusal = storage_refusal(error)  # (``torch.func.vmap`` over the call: its inputs have no storage)
-        if refusal is not None:
-            raise refusal from error
-        if not symbolic or isinstance(error, TracingError) or not dtensor_refused_symbols(error):
-            raise
-    return _capture_replaying(fn, args, kwargs, module, False)
+    """Trace ``fn(*args, **kwargs)`` (or ``module(*args, **kwargs)``) into a per-rank trace; with
+    ``symbolic`` the call's tensors' sizes are symbols (not the module's). Repeated blocks are
+    recorded once (``blocks.py``; traced again with every block traced where one's backward cannot
+    be). Where DTensor cannot propagate a sharding with a symbolic size (a ``_StridedShard``'s split
+    factor), traced again with the input dims of the symbols it named as they are (a batch), then,
+    where that is not enough, with all sizes as they are: narrower entries, guarded exactly."""
+    static: frozenset = frozenset()
+    while True:
+        try:
+            return _capture_replaying(fn, args, kwargs, module, symbolic, static)
+        except Exception as error:
+            if (refusal := storage_refusal(error)) is not None:  # (``vmap`` over the call: no storage)
+                raise refusal from error
+            if not symbolic or isinstance(error, TracingError) or not dtensor_refused_symbols(error):
+                raise
+            if (named := refused_input_dims(error)) <= static:
+                return _capture_replaying(fn, args, kwargs, module, False)
+            static |= named
 
 
-def _capture_replaying(fn, args: tuple, kwargs: dict, module, symbolic: bool) -> CapturedCall:
+def _capture_replaying(fn, args: tuple, kwargs: dict, module, symbolic: bool, static=frozenset()) -> CapturedCall:
     try:
-        return _capture(fn, args, kwargs, module, symbolic, REPLAY_BLOCKS)
+        return _capture(fn, args, kwargs, module, symbolic, REPLAY_BLOCKS, static)
     except (BlockReplayFailed, VerifyFailed):
-        return _capture(fn, args, kwargs, module, symbolic, False)
+        return _capture(fn, args, kwargs, module, symbolic, False, static)
 
 
 def _capture(
-    fn, args: tuple, kwargs: dict, module: torch.nn.Module | None, symbolic: bool, replay: bool
+    fn, args: tuple, kwargs: dict, module: torch.nn.Module | None, symbolic: bool, replay: bool, static=frozenset()
 ) -> CapturedCall:
     # A ShapeEnv under either cache option: numbers read from tensor data are its
     # (unbacked) symbols. Only under symbolic values do the inputs' sizes get symbols.
-    recording = Recording(FakeTensorMode(shape_env=decided_by_values(ShapeEnv())))
+    recording = Recording(FakeTensorMode(shape_env=decided_by_values(ShapeEnv())), static)
     proxifier = InputProxifier(recording, symbolic)
     names = _parameter_names(module.forward if module is not None else fn)
     arg_pairs = [
@@ -302,8 +304,8 @@ def _capture(
                 branch_refused(recording, error.cond),
             ) from error
         except Exception as error:
-            refusal = object_collective_refusal(error) or storage_refusal(error)
-            if refusal is None:
+            if (refusal := object_collective_refusal(error) or storage_refusal(error)) is None:
+                error.input_sizes = recording.input_sizes  # (a symbol DTensor refuses: its input dim, kept next)
                 raise
             raise refusal from error
         finally:
@@ -382,8 +384,7 @@ def _capture(
 
 
 def _repeated_blocks(recording: Recording, module_state: ModuleState, fsdp: FSDPTracing, replay: bool):
-    """Repeated blocks recorded once (``blocks.py``); not under FSDP2, whose hooks swap
-    the modules' parameters while they run."""
+    """Repeated blocks recorded once (``blocks.py``); not under FSDP2 (its hooks swap parameters)."""
     if not replay or fsdp.managed:
         return contextlib.nullcontext()
     return RepeatedBlocks(recording, module_state)
@@ -394,7 +395,6 @@ REPLAY_BLOCKS = True  # False traces every block (tests compare the two programs
 
 def _input_note(node) -> str:
     if isinstance(node, DTensorInput):
-        meta = node.spec.tensor_meta
-        shape = ", ".join(str(s) for s in meta.shape)
+        shape = ", ".join(str(s) for s in node.spec.tensor_meta.shape)
         return f"{node.proxy.provenance}  local of DTensor[{shape}] {describe_placements(node.spec.placements)}"
     return str(node.proxy.provenance)

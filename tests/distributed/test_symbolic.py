@@ -553,3 +553,30 @@ def operators_on_column_slices():
 def test_tensor_operators_on_column_slices_under_symbolic_values(ranks2):
     for checked in ranks2.run(operators_on_column_slices):
         assert checked == list(_OPERATORS)
+
+
+def _heads_attention(x):
+    q = x.view(x.shape[0], x.shape[1], 4, 6).transpose(1, 2)
+    return (q @ q.transpose(-1, -2)).softmax(-1) @ q
+
+
+def heads_of_a_column_sharded_dtensor():
+    """A DTensor sharded on its hidden dim viewed into heads (q/k/v of
+    ``ColwiseParallel(use_local_output=False)``), then two matmuls: DTensor cannot propagate
+    the flatten of a ``_StridedShard`` whose split factor is the symbolic batch, and every
+    size was made static: an entry per length. Now only the batch's dim is."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    jitted = dtcompile.jit(_heads_attention, cache=SYMBOLIC)
+    seen = []
+    for batch, n in ((2, 16), (2, 7), (2, 5), (3, 9), (2, 9), (3, 11)):
+        x = distribute_tensor(data(batch, n, 24, seed=n), mesh, [Shard(2)])
+        got, expected = jitted(x), _heads_attention(x)
+        assert got.placements == expected.placements
+        assert_all_same((got,), (expected,), f"({batch}, {n}, 24)")
+        seen.append(counts(jitted)[0])
+    return seen
+
+
+def test_heads_of_a_column_sharded_dtensor_compile_once_per_batch_size(ranks2):
+    for seen in ranks2.run(heads_of_a_column_sharded_dtensor):
+        assert seen == [1, 1, 1, 2, 2, 2]
