@@ -35,9 +35,10 @@ class RankAgreement:
 
     def __init__(self, identity: str, what: str, args: tuple, kwargs: dict, module, compiled=None):
         self.identity = identity
-        # The sequences of collectives the ranks agreed on for this compiled function (not
-        # for its code: another jit of it, under other options, compiles other programs).
-        self.agreed = vars(compiled).setdefault("agreed_sequences", AgreedSequences()) if compiled else None
+        # The sequences of collectives the ranks agreed on for this code, by any jit of it (one
+        # rank jits the function anew, the other keeps its jitted one: its cached programs
+        # pair with the new one's where all agreed on one sequence, whatever the options).
+        self.agreed = _AGREED.setdefault(identity, AgreedSequences()) if compiled else None
         self.what = what
         self.signature = input_signature(args, kwargs, module) if _multi_process() else []
         self.key: str | None = None  # taken by the exchange, a meeting or the failure report
@@ -104,8 +105,9 @@ class RankAgreement:
         alone = _sequence(collectives) if self.agreed is not None and not guards and not calls_checked() else None
         if self.agreed is not None and self.agreed.alone(alone) is not None:
             return self.agreed.alone(alone)  # (no key taken: the ranks' next compilation together keeps its number)
-        inputs = [_INPUTS + " " + line for line in self.signature]
-        common = [*inputs, *(_PROGRAM + " " + c.line for c in collectives)]
+        # Their inputs, where a collective could pair them wrongly (a program with none runs as eager's).
+        signature = [_INPUTS + " " + line for line in self.signature]
+        common = [*(signature if collectives else []), *(_PROGRAM + " " + c.line for c in collectives)]
         sized: dict[tuple[int, ...], list[str]] = defaultdict(list)  # group -> its collectives with shapes
         for c in collectives:
             sized[c.group or ranks].append(c.sized)
@@ -121,7 +123,7 @@ class RankAgreement:
                 self.agreed.add(alone, agreed)
             return agreed
         text = "\n".join(
-            [*inputs, *(f"{_PROGRAM} {c.line}\t{c.sized}\t{_ranks_text(c.group or ranks)}" for c in collectives)]
+            [*signature, *(f"{_PROGRAM} {c.line}\t{c.sized}\t{_ranks_text(c.group or ranks)}" for c in collectives)]
         )
         texts = self._exchange(store, f"{key}/text", ranks, text)
         release(store, key, ranks, [f"{key}/{kind}/{r}" for kind in ("hash", "text") for r in ranks])
@@ -173,6 +175,9 @@ class RankAgreement:
                 "Ranks that run different collectives hang at the first one that differs."
             )
         return None
+
+
+_AGREED: dict[str, AgreedSequences] = {}  # by code identity
 
 
 class AgreedSequences:
