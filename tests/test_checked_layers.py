@@ -92,9 +92,9 @@ def test_a_later_layer_that_differs_is_traced(how, cache, monkeypatch):
     traced = []
     capture = tracer._capture
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         traced.append(args[-1])  # replay, or every block traced
-        return capture(*args)
+        return capture(*args, **kwargs)
 
     monkeypatch.setattr(tracer, "_capture", counted)
     assert_like_eager(Model(6, layer=Differs), 6, mode=cache)

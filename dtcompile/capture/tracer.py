@@ -158,9 +158,9 @@ def capture_call(
 
 def _capture_replaying(fn, args: tuple, kwargs: dict, module, symbolic: bool, static=frozenset()) -> CapturedCall:
     try:
-        return _capture(fn, args, kwargs, module, symbolic, REPLAY_BLOCKS, static)
+        return _capture(fn, args, kwargs, module, symbolic, REPLAY_BLOCKS, static=static)
     except (BlockReplayFailed, VerifyFailed):
-        return _capture(fn, args, kwargs, module, symbolic, False, static)
+        return _capture(fn, args, kwargs, module, symbolic, False, static=static)
 
 
 def _capture(

@@ -402,33 +402,6 @@ def test_a_rank_that_comes_after_its_peer_gave_up_does_not_run_alone(ranks2_shor
 # --- 14. ranks that jit or call a function a different number of times ------------------
 
 
-def _gathered(mesh):
-    return lambda d: d.redistribute(mesh, [Replicate()]).to_local() * 2
-
-
-def jitted_anew_on_one_rank():
-    """Rank 0 wraps the function with ``dtcompile.jit`` at each step, rank 1 keeps its
-    jitted object: rank 0's compilations met no one (rank 1 hit its cache), and each
-    waited DTCOMPILE_SYNC_TIMEOUT. The sequences of collectives agreed on are the code's,
-    so a new jit of it compiling the agreed program runs alone."""
-    mesh = init_device_mesh("cpu", (2,))
-    fn, rank = _gathered(mesh), dist.get_rank()
-    once = dtcompile.jit(fn)
-    results = []
-    with sync_timeout(SYNC_TIMEOUT):
-        for step in range(3):
-            jitted = dtcompile.jit(fn) if rank == 0 else once
-            d = DTensor.from_local(torch.full((1, 2), 10.0 * step + rank), mesh, [Shard(0)], run_check=False)
-            kind, value, seconds = _timed(jitted, d)
-            results.append((kind, seconds < FAST, kind == "ok" and torch.equal(value, fn(d))))
-    return results
-
-
-def test_a_function_jitted_anew_on_one_rank_runs_as_eager(ranks2):
-    for results in ranks2.run(jitted_anew_on_one_rank, timeout=TIMEOUT):
-        assert results == [("ok", True, True)] * 3
-
-
 def called_once_more_on_one_rank():
     """A function with no collective, which rank 0 calls once more, with DTensors of
     another shape (a metric): the ranks paired rank 0's extra compilation with rank 1's,

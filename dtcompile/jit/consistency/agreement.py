@@ -35,10 +35,9 @@ class RankAgreement:
 
     def __init__(self, identity: str, what: str, args: tuple, kwargs: dict, module, compiled=None):
         self.identity = identity
-        # The sequences of collectives the ranks agreed on for this code, by any jit of it (one
-        # rank jits the function anew, the other keeps its jitted one: its cached programs
-        # pair with the new one's where all agreed on one sequence, whatever the options).
-        self.agreed = _AGREED.setdefault(identity, AgreedSequences()) if compiled else None
+        # The sequences of collectives the ranks agreed on for this compiled function (not
+        # for its code: another jit of it, under other options, compiles other programs).
+        self.agreed = vars(compiled).setdefault("agreed_sequences", AgreedSequences()) if compiled else None
         self.what = what
         self.signature = input_signature(args, kwargs, module) if _multi_process() else []
         self.key: str | None = None  # taken by the exchange, a meeting or the failure report
@@ -175,9 +174,6 @@ class RankAgreement:
                 "Ranks that run different collectives hang at the first one that differs."
             )
         return None
-
-
-_AGREED: dict[str, AgreedSequences] = {}  # by code identity
 
 
 class AgreedSequences:
