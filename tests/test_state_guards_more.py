@@ -1165,3 +1165,66 @@ def test_a_view_made_without_grad_whose_base_is_written_is_read_as_eager(cache):
         view = weight[:2]
         weight.add_(1)
         assert torch.equal(dtcompile.jit(lambda v: v * 2, cache=cache)(view), view * 2)
+
+
+class _Steps(nn.Module):
+    """Applies its steps in the order its table iterates: the order is part of the result."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self.steps = steps
+
+    def forward(self, x):
+        for name in self.steps:
+            x = x * 2.0 if name == "mul" else x + 1.0
+        return x
+
+
+@pytest.mark.parametrize("kind", ["dict", "OrderedDict", "set"])
+def test_a_table_reordered_in_place_is_seen(kind):
+    """The same keys, iterated in another order after a change in place (``pop`` then set
+    again, ``move_to_end``, a set emptied and refilled): ``==`` holds, the result differs."""
+    if kind == "set":
+        steps = {1, 9}
+        names = {1: "mul", 9: "add"}
+        module = _Steps(steps)
+        module.forward = lambda x: [x := (x * 2.0 if names[k] == "mul" else x + 1.0) for k in module.steps][-1]
+    else:
+        steps = dict(mul=2.0, add=1.0) if kind == "dict" else collections.OrderedDict(mul=2.0, add=1.0)
+        module = _Steps(steps)
+    jitted = dtcompile.jit(module)
+    x = torch.ones(3)
+    assert torch.equal(jitted(x), module.forward(x))
+    if kind == "dict":
+        steps["mul"] = steps.pop("mul")
+    elif kind == "OrderedDict":
+        steps.move_to_end("mul")
+    else:
+        steps.clear()
+        steps.update([9])
+        steps.add(1)
+        assert list(steps) == [9, 1]
+    assert torch.equal(jitted(x), module.forward(x))
+
+
+def test_layers_whose_sets_iterate_apart_are_not_alike():
+    """Blocks holding equal sets that iterate in another order (``{1, 9}``, ``{9, 1}``) run
+    their steps in another order: each its own."""
+
+    class Block(nn.Module):
+        def __init__(self, order):
+            super().__init__()
+            self.lin, self.order = nn.Linear(4, 4), order
+
+        def forward(self, x):
+            y = self.lin(x)
+            for k in self.order:
+                y = y * 2 if k == 1 else y + 9
+            return y * 0.01
+
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*(Block({1, 9} if i != 2 else {9, 1}) for i in range(4)))
+    assert [list(b.order) for b in blocks][1:3] == [[1, 9], [9, 1]]
+    x = torch.ones(1, 4)
+    with torch.no_grad():
+        assert torch.equal(dtcompile.jit(blocks)(x), blocks(x))

@@ -60,7 +60,8 @@ class Equivalence:
         ):
             return False  # a subclass's own state differs (a defaultdict's factory, a list's attributes)
         if category is _SET:
-            return all(type(x) in SCALARS for x in (*a, *b)) and set(map(value_key, a)) == set(map(value_key, b))
+            # (in order: code iterating one meets its items in that order)
+            return all(type(x) in SCALARS for x in (*a, *b)) and list(map(value_key, a)) == list(map(value_key, b))
         if category is _SEQUENCE:
             return len(a) == len(b) and all(self(x, y, depth) for x, y in zip(a, b))
         if category is _DICT:

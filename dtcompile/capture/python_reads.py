@@ -65,8 +65,8 @@ def _container_key(value: object) -> object:
     identity (their contents are read at run time, not baked in); anything else by
     identity (its attributes are guarded apart), but dtypes, devices and the like."""
     kind = type(value)
-    if isinstance(value, (set, frozenset)):
-        key = (kind, frozenset(map(value_key, value)))
+    if isinstance(value, (set, frozenset)):  # in the order code iterating it meets them
+        key = (kind, tuple(map(value_key, value)))
     elif isinstance(value, collections.deque):
         key = (kind, tuple(map(value_key, value)), value.maxlen)
     elif isinstance(value, (list, tuple)):

@@ -275,6 +275,9 @@ def python_state_checks(b, guards: PythonGuards, tag: str) -> None:
                 f"list(map(type, {values})) != {name}_TYPES or {values} != {name}"
                 f" or list(map(type, {items.format(values)})) != {name}_ITEM_TYPES"
             )
+            if group is guards.dicts:  # (``==`` of dicts ignores the order code iterating one meets)
+                b.globals[f"{name}_ORDER"] = [key for d in group.expected for key in d]
+                compare += f" or list(chain({values})) != {name}_ORDER"
             if group is guards.dicts and None not in guards.dict_versions:
                 # The very dicts read while tracing, unchanged since (a big TP plan read by
                 # every call): their contents need no comparing.
