@@ -1121,3 +1121,63 @@ def test_views_that_require_grad_later_blocks_return_without_gradients(kind, of,
             torch.testing.assert_close(got, want, rtol=0, atol=0)
             for a, b in zip(got_views, want_views):
                 assert a.requires_grad == b.requires_grad and a.stride() == b.stride() and torch.equal(a, b)
+
+
+class _Body(nn.Module):
+    def __init__(self, n: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(i) for i in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _WithHead(nn.Module):
+    """A model's body under its head, as a Hugging Face ``*ForCausalLM`` holds its ``model``."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = _Body(), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+@pytest.mark.parametrize("wrap", ["attribute", "Sequential"])
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_blocks_inside_a_body_under_a_head_are_replayed(wrap, cache):
+    """The body, the one module of its class, is traced as it is, so its layers are one
+    program called per layer, as when the body is jitted alone; with gradients it is as it
+    was (traced whole: a replayed block's input gradient would differ in the last bits)."""
+    torch.manual_seed(0)
+    model = _WithHead() if wrap == "attribute" else nn.Sequential(_Body(), nn.Linear(8, 3))
+    x = torch.randn(2, 5, 8)
+    out, trace = compiled(model, x, cache=cache)
+    assert_eager(model, (x,), out)
+    (line,) = replay_lines(trace)  # (under symbolic values the first layer, given the call's input, apart)
+    assert re.search(r"# body\.layers\.[01] recorded once, replayed for [23] more", line) or re.search(
+        r"# 0\.layers\.[01] recorded once, replayed for [23] more", line
+    )
+    reference = type(model)() if wrap == "attribute" else nn.Sequential(_Body(), nn.Linear(8, 3))
+    reference.load_state_dict(model.state_dict())
+    jitted = dtcompile.jit(model, cache=cache)
+    with torch.enable_grad():
+        jitted(x).square().sum().backward()
+        reference(x).square().sum().backward()
+    for got, want in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(got.grad, want.grad)
+
+
+def test_a_body_called_twice_is_replayed_at_its_second_call():
+    """A unique module holding repeated blocks, called twice (its weights shared): eager's
+    results, the second call replaying the first."""
+    torch.manual_seed(0)
+    body = _Body(2)
+    model = nn.Module()
+    model.body = body
+    model.forward = lambda x: body(body(x) * 0.5)
+    x = torch.randn(2, 8)
+    out, _ = compiled(model, x)
+    assert_eager(model, (x,), out)

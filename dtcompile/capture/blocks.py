@@ -27,6 +27,7 @@ need gradients must not depend on each other (``block_checks.inputs_depend``).
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import torch
@@ -76,6 +77,8 @@ class RepeatedBlocks:
         self.program_names: set[str] = set()
         self.stretches = Stretches(recording, self)  # the blocks traced as they are (``outlining.py``)
         self._original = None
+        self._counts = collections.Counter(map(type, self.modules))  # how many modules of each class
+        self._wrapping: set[int] = set()  # ids of the modules :meth:`_wraps_repeats` was asked about
 
     def __enter__(self) -> RepeatedBlocks:
         self._original = torch.nn.Module.__call__
@@ -115,6 +118,8 @@ class RepeatedBlocks:
                 self.replayed.setdefault(self.paths[id(template.module)], []).append(self.paths[id(module)])
                 return replayed
             return self.stretches.traced(module, self.paths[id(module)], lambda: original(module, *args, **kwargs))
+        if not templates and self._wraps_repeats(module, args, kwargs):  # (a model's body, under its head)
+            return self.stretches.traced(module, self.paths[id(module)], lambda: original(module, *args, **kwargs))
         alike = [t for t in templates if t.key == key]
         tensors = tensors_key(module) if alike else None
         if alike and (len(alike) >= TEMPLATES_PER_KEY or any(t.tensors == tensors for t in alike)):
@@ -128,6 +133,19 @@ class RepeatedBlocks:
         if template.refused is not None:
             self.stretches.recorded(module, self.paths[id(module)], template.symbols)
         return out
+
+    def _wraps_repeats(self, module, args: tuple, kwargs: dict) -> bool:
+        """Whether ``module`` is traced as it is, so that its blocks are replayed: the one of
+        its class in the tree, at its first call (a later one is recorded), holding several
+        blocks of one class. Not with gradients: a replayed block's input gradient adds what
+        reaches it from outside the block in another order than eager's (last bits)."""
+        if self._counts[type(module)] > 1 or id(module) in self._wrapping:
+            return False
+        self._wrapping.add(id(module))
+        leaves = [*module.parameters(), *tree_flatten((args, kwargs))[0]]
+        if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
+            return False
+        return max(collections.Counter(type(m) for m in module.modules() if m is not module).values(), default=0) > 1
 
     def notes(self) -> list[str]:
         """The trace's header lines on what was replayed."""
