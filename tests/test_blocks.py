@@ -1181,3 +1181,31 @@ def test_a_body_called_twice_is_replayed_at_its_second_call():
     x = torch.randn(2, 8)
     out, _ = compiled(model, x)
     assert_eager(model, (x,), out)
+
+
+@pytest.mark.parametrize("slot", ["__name__", "__qualname__", "__module__", "__doc__"])
+def test_layers_holding_functions_named_apart_are_not_alike(slot):
+    """Functions of one code and one factory, renamed (``act.__name__ = "relu"``): a layer
+    branching on the name is its own."""
+
+    def make(name):
+        def act(x):
+            return x
+
+        setattr(act, slot, name)
+        return act
+
+    class Layer(nn.Module):
+        def __init__(self, act):
+            super().__init__()
+            self.lin, self.act = nn.Linear(8, 8), act
+
+        def forward(self, x):
+            h = self.lin(x)
+            return x + (torch.relu(h) if getattr(self.act, slot) == "relu" else torch.tanh(h))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Layer(make("relu" if i == 2 else "tanh")) for i in range(4)))
+    x = torch.randn(2, 8)
+    out, _ = compiled(model, x)
+    assert_eager(model, (x,), out)

@@ -1228,3 +1228,34 @@ def test_layers_whose_sets_iterate_apart_are_not_alike():
     x = torch.ones(1, 4)
     with torch.no_grad():
         assert torch.equal(dtcompile.jit(blocks)(x), blocks(x))
+
+
+@pytest.mark.parametrize("holder", ["object", "module", "class"])
+def test_attributes_iterated_in_order_and_reordered_are_seen(holder):
+    """``vars(cfg).items()`` meets the attributes in the order they were set: one deleted and
+    set again (the same values) changes the result."""
+
+    class Cfg:
+        pass
+
+    cfg = Cfg if holder == "class" else Cfg()
+    cfg.mul, cfg.add = 2.0, 1.0
+
+    class Steps(nn.Module):
+        def forward(self, x):
+            table = vars(self) if holder == "module" else vars(cfg)
+            for key, value in list(table.items()):
+                if key in ("mul", "add"):
+                    x = x * value if key == "mul" else x + value
+            return x
+
+    module = Steps()
+    if holder == "module":
+        module.mul, module.add = 2.0, 1.0
+    target = module if holder == "module" else cfg
+    jitted = dtcompile.jit(module)
+    x = torch.ones(3)
+    assert torch.equal(jitted(x), module(x))
+    delattr(target, "mul")
+    target.mul = 2.0
+    assert torch.equal(jitted(x), module(x)) and module(x)[0].item() == 4.0

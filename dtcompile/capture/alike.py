@@ -80,6 +80,7 @@ class Equivalence:
                 and self(a.__kwdefaults__, b.__kwdefaults__, depth)
                 and self._cells(a.__closure__ or (), b.__closure__ or (), depth - 1)
                 and self(vars(a), vars(b), depth)  # its own attributes (``f.alpha``)
+                and all(self(getattr(a, n), getattr(b, n), depth) for n in _FUNCTION_SLOTS)  # (``f.__name__``)
             )
         if category is _METHOD:
             return a.__func__ is b.__func__ and self(a.__self__, b.__self__, depth)
@@ -139,6 +140,7 @@ _MODULE, _PLACEMENT, _SET, _SEQUENCE, _DICT, _FUNCTION, _METHOD, _PARTIAL, _IDEN
 )
 _NUMBER = "number"  # a subclass of int, float, complex, str or bytes
 _CONTAINERS = (_SET, _SEQUENCE, _DICT)
+_FUNCTION_SLOTS = ("__name__", "__qualname__", "__module__", "__doc__")  # (set apart from ``vars(f)``)
 _BUILTIN_CONTAINERS = (set, frozenset, tuple, list, dict)
 _NUMBER_BASES = (int, float, complex, str, bytes)
 

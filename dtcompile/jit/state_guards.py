@@ -229,6 +229,9 @@ def python_state_checks(b, guards: PythonGuards, tag: str) -> None:
         b.globals[f"{tag}_NAMESPACES"] = [names for names, _ in plain]
         b.globals[f"{tag}_NAMESPACE_LENGTHS"] = [n for _, n in plain]
         b.fail_if(f"list(map(len, {tag}_NAMESPACES)) != {tag}_NAMESPACE_LENGTHS")
+        # Their names in order: code iterating ``vars(cfg)`` meets them so (``del``, then set again).
+        b.globals[f"{tag}_NAMESPACE_ORDERS"] = [tuple(names) for names, _ in plain]
+        b.fail_if(f"list(map(tuple, {tag}_NAMESPACES)) != {tag}_NAMESPACE_ORDERS")
     for names, (n, assigned) in zip(guards.namespaces, guards.namespace_lengths):
         if assigned:  # names the forward assigns (the epilogue does, after each call) are not counted
             var = b.fresh("NAMESPACE")
