@@ -283,3 +283,36 @@ def test_only_attributes_set_from_none_count_as_a_first_calls_setup():
     with pytest.raises(dtcompile.TracingError, match="the traced code changed"):
         dtcompile.jit(_Configured(settings))(torch.ones(2))
     assert settings.mode is None and settings.calls == 0
+
+
+def _small_llama(bidirectional: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    for layer in model.model.layers[1:] if bidirectional else ():
+        layer.self_attn.is_causal = False  # (an embedding model's bidirectional layer)
+    return model
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("padding", [None, 0, 2], ids=["no mask", "all-ones mask", "left padding"])
+def test_hugging_face_masks_are_eagers(bidirectional, padding, cache):
+    """Hugging Face skips a causal mask only when not traced (then SDPA takes the module's
+    ``is_causal``): its masks are built as in eager, a padding mask read as a branch on data,
+    so a layer with ``is_causal=False`` is not made causal and the logits are eager's bits."""
+    model = _small_llama(bidirectional)
+    jitted = dtcompile.jit(model, cache=cache)
+    for length in (5, 7):
+        ids = torch.randint(0, 128, (2, length))
+        kwargs = dict(input_ids=ids, use_cache=False)
+        if padding is not None:
+            kwargs["attention_mask"] = torch.ones(2, length, dtype=torch.long)
+            kwargs["attention_mask"][0, :padding] = 0
+        with torch.no_grad():
+            assert torch.equal(jitted(**kwargs).logits, model(**kwargs).logits)

@@ -98,10 +98,19 @@ def _not_compiling() -> bool:
     return False
 
 
+def _not_tracing(tensor=None) -> bool:
+    return False
+
+
 # Functions of libraries' modules that answer as in eager while dtcompile traces: Hugging
 # Face's SDPA attention packs a one-token query's heads (GQA) only when not compiling, and
-# eager's rounding is that path's.
-_EAGER_ANSWERS = {"transformers.integrations.sdpa_attention": {"is_torchdynamo_compiling": _not_compiling}}
+# eager's rounding is that path's; its masks skip a causal mask only when not traced
+# (reading the padding mask, a branch on data checked at each call), and then take the
+# attention module's own ``is_causal`` (False in a bidirectional model), else always causal.
+_EAGER_ANSWERS = {
+    "transformers.integrations.sdpa_attention": {"is_torchdynamo_compiling": _not_compiling},
+    "transformers.masking_utils": {"is_tracing": _not_tracing},
+}
 
 _CALLERS_MODES = [False]  # whether the call began under a torch function mode of the caller's
 _found: list = [0, []]  # (how many modules were loaded, the namespaces then found)
