@@ -7,14 +7,13 @@ interpreter would. The ShapeEnv then answers the branch with that value and reco
 assumption (a deferred runtime assert, as torch.compile's real-tensor propagation does).
 
 The program checks each assumption at run time. The cone, the read and the check go to
-the program's start, so that a failed check leaves nothing done: the call then goes to
-another entry of the cache, or is traced again, and never returns a wrong result.
+the program's start, so that a failed check leaves nothing done: the call goes to another
+entry, or is traced again, and never returns a wrong result.
 
 What can be computed now: a cone of ops that read the call's inputs (and numbers read
-before), with no in-place op anywhere before it (moving it to the start must not change
-what it reads) and no random op. Collectives in the cone run now too, on every rank: a
-branch on a DTensor's data (``(x > 0).all()`` of a sharded ``x``) is taken alike by all
-ranks, so they trace, and fail a check, together.
+before), no random op, and no in-place op before it writing memory it reads or makes
+(``write_before``). Collectives in it run now, on every rank: a branch on a DTensor's
+data (``(x > 0).all()``, ``x`` sharded) is taken, and a check failed, by all ranks alike.
 
 A float read from data is checked beyond its branches where sympy cannot tell values apart
 (``_float_checks``): NaN and infinities exactly, finite where it was, a zero's sign where it
@@ -102,9 +101,17 @@ def _cone(symbols: list[BoundSymbol], source: TensorProxy) -> list[int] | None:
     return cone
 
 
+def write_before(symbols: list[BoundSymbol], cone: list[int], source: TensorProxy) -> BoundSymbol | None:
+    """An in-place op (or ``out=``) recorded so far that writes memory the cone reads or
+    makes (views included): moved to the program's start, the cone would read it unwritten."""
+    tensors = [source, *(p for i in cone for p in (*symbols[i].input_tensors(), *symbols[i].output_proxies()))]
+    memories = {p.memory for p in tensors if isinstance(p, TensorProxy)}
+    mutable = (b for b in symbols if b.op is not None and b.op._schema.is_mutable)
+    return next((b for b in mutable if any(p.memory in memories for p in b.input_tensors())), None)
+
+
 def branch_refused(recording, cond) -> str:
-    """What the refusal of a Python branch on ``cond`` says was asked, and why it could not be
-    checked at run time: an in-place write before it, or a value tracing cannot compute."""
+    """Why a Python branch on ``cond`` cannot be checked at run time, for its refusal."""
     what = f"Python control flow on {cond}, a number read from tensor data"
     written = next((b for b in recording.bound_symbols if b.op is not None and b.op._schema.is_mutable), None)
     if written is None:  # (a size read from data is computed now without collectives: its check runs first)
@@ -113,8 +120,8 @@ def branch_refused(recording, cond) -> str:
         return f"{what} that tracing cannot compute now: {why}" if unknown else what
     return (
         f"{what}, after an in-place write ({written.note or written.op}): a branch on data is checked at the "
-        "program's start, before anything runs, and is not moved past a write, even of a tensor it does not read. "
-        "Write after the branch, or branch before the write"
+        "program's start, before anything runs, and is not moved past a write of memory it reads (nor past a "
+        "random op). Write after the branch, or branch before the write"
     )
 
 
@@ -133,11 +140,9 @@ def value_now(recording, source: TensorProxy):
 
 
 def size_values_now(recording, index: int) -> None:
-    """Give the sizes read from data of the outputs of the symbol at ``index`` (a
-    ``nonzero``'s count, a mask's) their values now, so that the traced code can branch on
-    them (``if idx.numel() > 0:``) as on a number read with ``.item()``; each is then
-    read at the program's start (``Recording.size_reads``) for its check. Nothing where only a
-    collective computes them (each rank would wait on the others'): a branch on them is refused."""
+    """Give the sizes read from data of the outputs of the symbol at ``index`` (``nonzero``'s)
+    their values now, for branches on them (``if idx.numel() > 0:``), each read at the program's
+    start for its check (``Recording.size_reads``); not where only a collective computes them."""
     bsym = recording.bound_symbols[index]
     shape_env = recording.fake_mode.shape_env
     fresh = [
@@ -162,15 +167,14 @@ def size_values_now(recording, index: int) -> None:
 
 
 def real_now(recording, source: TensorProxy, collectives: bool = True):
-    """The real value of ``source`` computed from the call's real inputs (see the module
-    docstring), and the indices of the symbols that compute it; None when it cannot be
-    (or, without ``collectives``, when a collective is among them). What was computed
-    before is not computed again (``Recording.values_now``)."""
+    """The real value of ``source`` computed from the call's real inputs, and the indices of
+    the symbols that compute it (see the module docstring); None when it cannot be (or, without
+    ``collectives``, when a collective is among them). Nothing is computed twice (``values_now``)."""
     symbols = recording.bound_symbols
-    if any(b.op is not None and b.op._schema.is_mutable for b in symbols):
-        return None
     cone = _cone(symbols, source)
-    if cone is None or (not collectives and any(_is_collective(symbols[i].op) for i in cone)):
+    if cone is None or (not collectives and any(map(_is_collective, (symbols[i].op for i in cone)))):
+        return None
+    if write_before(symbols, cone, source) is not None:  # (then not moved to the start)
         return None
     env = recording.values_now
     for label, real_value in recording.real_of.items():
@@ -199,9 +203,7 @@ def real_now(recording, source: TensorProxy, collectives: bool = True):
         args, kwargs = tree_map(real, (bsym.args, bsym.kwargs))
         if _is_collective(bsym.op):
             ranks_meet(bsym)
-        # As eager runs them: under the Python dispatcher (on while tracing) a functional
-        # all_gather never completes.
-        with no_python_dispatcher():
+        with no_python_dispatcher():  # (as eager runs them: under it a functional all_gather never completes)
             out = bsym.op(*args, **kwargs)
         for proxy, value in zip(tree_flatten(bsym.output)[0], tree_flatten(out)[0]):
             if isinstance(proxy, (TensorProxy, NumberProxy)):
@@ -238,9 +240,8 @@ def checks_first(recording) -> None:
     reader.update((s, index) for s, (index, _, _) in recording.size_reads.items())
     expressions = [e for expr in assumptions(shape_env) for e in _divisors_first(expr)]
     expressions += _float_checks(recording, reader, expressions)
-    # Each check as early as it can be: right after what computes its numbers, so that a
-    # check of a size read from data comes before the code that assumes it (an ``unbind``
-    # into as many numbers as traced).
+    # Each check right after what computes its numbers: a size read from data's comes before
+    # the code that assumes it (an ``unbind`` into as many numbers as traced).
     first: set[int] = set()
     start, size_reads = [], {}
     for expr in expressions:
@@ -372,9 +373,8 @@ def _runtime_checks(recording, items: dict) -> None:
 
 
 def _number_of(recording, symbols: list, reader: dict, symbol, size_reads: dict) -> NumberProxy:
-    """The number a check reads for ``symbol``: the ``.item()`` that read it, or a size of
-    the tensor that has it (one read from data, or an input's), read once (``prims.shape``,
-    added to ``size_reads``)."""
+    """The number a check reads for ``symbol``: the ``.item()`` that read it, or a size of the
+    tensor that has it (read from data, or an input's), read once (``prims.shape``, ``size_reads``)."""
     if symbol not in recording.size_reads and symbol not in recording.input_sizes:
         return symbols[reader[symbol]].output
     if symbol not in size_reads:
