@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_map
 import dtcompile
 from dtcompile.capture import capture_call
 from dtcompile.core import FutureProxy, InputPath, NoProvenance, TraceError, verify
+from dtcompile.core.block_call import with_block_symbols
 from dtcompile.executors.collectives import StartCollective, WaitCollective
 from dtcompile.testing.models import parallel_block, parallel_mlp
 from dtcompile.testing.moe import parallel_moe_block
@@ -95,7 +96,9 @@ def run_eager(fn, *args):
 
 
 def trace_collectives(trace) -> list[tuple[str, str]]:
-    return [(b.op._opname, _group_name(b.op, b.args, b.kwargs)) for b in trace.bound_symbols if b.op in COLLECTIVES]
+    """Its collectives, and those of the repeated blocks it calls, in order."""
+    symbols = with_block_symbols(trace.bound_symbols, lowered=trace.title.startswith("execution"))
+    return [(b.op._opname, _group_name(b.op, b.args, b.kwargs)) for b in symbols if b.op in COLLECTIVES]
 
 
 def assert_same_metadata(got, expected):
