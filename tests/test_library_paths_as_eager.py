@@ -316,3 +316,25 @@ def test_hugging_face_masks_are_eagers(bidirectional, padding, cache):
             kwargs["attention_mask"][0, :padding] = 0
         with torch.no_grad():
             assert torch.equal(jitted(**kwargs).logits, model(**kwargs).logits)
+
+
+@torch.enable_grad()
+def test_hugging_face_training_with_hidden_states_runs_its_setup_eagerly_once():
+    """``output_hidden_states=True`` installs Hugging Face's capturing hooks at the first call
+    (and notes it in a module attribute): that call runs eagerly, in training too, and the
+    next ones compile with eager's loss and gradients."""
+    import copy
+
+    model = _small_llama(False).train()
+    reference = copy.deepcopy(model)
+    jitted = dtcompile.jit(model)
+    ids = torch.randint(0, 128, (2, 6))
+    for call in range(3):
+        got = jitted(input_ids=ids, labels=ids, output_hidden_states=True)
+        expected = reference(input_ids=ids, labels=ids, output_hidden_states=True)
+        got.loss.backward()
+        expected.loss.backward()
+        assert torch.equal(got.loss, expected.loss) and len(got.hidden_states) == len(expected.hidden_states)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad)
+    assert dtcompile.cache_misses(jitted) == 1

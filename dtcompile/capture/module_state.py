@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core import TracingError
 from .outputs import HeldOutput
 
 _TABLES = ("_parameters", "_buffers", "__dict__")
@@ -79,6 +78,7 @@ class ModuleState:
         # id of a proxy standing for a Parameter -> (the proxy, where it stood: module, table, key)
         self._parameter_stand_ins: dict[int, tuple] = {}
         self._setattr = None
+        self.refused: str | None = None  # (``updates``: told after a library's one-time setup is ruled out)
 
     def __enter__(self) -> ModuleState:
         for module in self.modules:
@@ -135,16 +135,18 @@ class ModuleState:
 
     def updates(self, describe, needs_gradients: bool) -> list[ModuleUpdate]:
         """The call's assignments as updates, their values described by ``describe`` (the
-        output collector's); an error in a call that needs gradients."""
+        output collector's); none, and :attr:`refused` said, in a call that needs gradients
+        (unless the call is a library's one-time setup, run eagerly: ``LibrarySetUp``)."""
         updates = []
         for module, table, key, value in self.assignments():
             prefix = self.paths[id(module)]
             path = f"{prefix}.{key}" if prefix else key
             if needs_gradients:
-                raise TracingError(
+                self.refused = (
                     f"dtcompile.jit: the call (its forward, or a backward hook traced with it) assigns the module "
                     f"attribute {path!r}; that is replayed after each call only in calls that need no gradients"
                 )
+                return []
             if value is _MISSING:
                 described = None
             elif id(value) in self._parameter_stand_ins:  # the Parameter itself, as eager assigns it

@@ -299,10 +299,8 @@ def _capture(
             finished = True
         except GuardOnDataDependentSymNode as error:  # a number read from data, asked about in Python
             readers = [recording.read_by[s] for s in sorted(error.cond.free_symbols, key=str) if s in recording.read_by]
-            raise data_dependent_error(
-                readers[0] if readers else recording.current_call,
-                branch_refused(recording, error.cond),
-            ) from error
+            reader = readers[0] if readers else recording.current_call
+            raise data_dependent_error(reader, branch_refused(recording, error.cond)) from error
         except Exception as error:
             if (refusal := object_collective_refusal(error) or storage_refusal(error)) is None:
                 error.input_sizes = recording.input_sizes  # (a symbol DTensor refuses: its input dim, kept next)
@@ -334,6 +332,8 @@ def _capture(
     changed, set_once = inputs.python_state.changes_put_back(changed)
     if (setup := snapshot.library_setup + set_once) and not changed:
         raise LibrarySetUp(f"the call's first run {setup[0]}, once, as eager's does")
+    if module_state is not None and module_state.refused:
+        raise TracingError(module_state.refused)
     if changed:
         hook = "hook" in changed[0]  # (one in the backward: no assignment of it is replayed)
         where = "" if hook else ", a Python value outside its inputs"
