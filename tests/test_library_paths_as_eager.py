@@ -329,7 +329,7 @@ def test_hugging_face_training_with_hidden_states_runs_its_setup_eagerly_once():
     reference = copy.deepcopy(model)
     jitted = dtcompile.jit(model)
     ids = torch.randint(0, 128, (2, 6))
-    for call in range(3):
+    for _ in range(3):
         got = jitted(input_ids=ids, labels=ids, output_hidden_states=True)
         expected = reference(input_ids=ids, labels=ids, output_hidden_states=True)
         got.loss.backward()
