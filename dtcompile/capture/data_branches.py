@@ -11,7 +11,7 @@ the program's start, so that a failed check leaves nothing done: the call goes t
 entry, or is traced again, and never returns a wrong result.
 
 What can be computed now: a cone of ops that read the call's inputs (and numbers read
-before), no random op, and no in-place op before it writing memory it reads or makes
+before), no random op, no in-place op before it writing memory it reads or makes
 (``write_before``). Collectives in it run now, on every rank: a branch on a DTensor's
 data (``(x > 0).all()``, ``x`` sharded) is taken, and a check failed, by all ranks alike.
 
@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import sympy
 import torch
 from torch._dispatch.python import no_python_dispatcher
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils._sympy.functions import CleanDiv, FloatTrueDiv, FloorDiv, IntTrueDiv, Mod
 from torch.utils._sympy.symbol import SymT, symbol_is_type
@@ -53,61 +52,11 @@ from ..core.symbolic import (
     symbolic_expr,
 )
 from ..core.torch_internals import dispatch_modes_off, runtime_asserts, set_data_value, symbol_values
+from .data_cones import cone_of, data_sizes, read_symbols, write_before
 from .live_collectives import ranks_meet
 from .size_text import folded, negative_zeros
 
 _ASSUMPTION = "propagate_real_tensors"  # how the ShapeEnv labels an assumption on a hint
-
-
-def _symbols(number: NumberProxy) -> set:
-    """The unbacked symbols a number read from data stands for (``u0`` of a bool's ``Eq(u0, 1)``)."""
-    return set(number.expr.free_symbols) if isinstance(number.provenance, FromData) else set()
-
-
-def _data_sizes(proxy, every_dim: bool = False) -> list:
-    """The sizes of a tensor that are symbols read from data (a ``nonzero``'s count);
-    with ``every_dim``, one entry per dimension, None where the size is not one."""
-    if not isinstance(proxy, TensorProxy):
-        return []
-    found = []
-    for size in proxy.fake.shape:
-        expr = size.node.expr if isinstance(size, torch.SymInt) else None
-        found.append(expr if expr is not None and expr.is_Symbol and free_unbacked_symbols(size) else None)
-    return found if every_dim else [s for s in found if s is not None]
-
-
-def _cone(symbols: list[BoundSymbol], source: TensorProxy) -> list[int] | None:
-    """The indices of the symbols ``source`` depends on (its producers, theirs, and the
-    readers of numbers they use), or None when one of them cannot run now."""
-    number_of = {s: b.output.label for b in symbols if isinstance(b.output, NumberProxy) for s in _symbols(b.output)}
-    for bsym in symbols:  # sizes read from data (``nonzero``'s): the first tensor that has each
-        for proxy in bsym.output_proxies():
-            for symbol in _data_sizes(proxy):
-                number_of.setdefault(symbol, proxy.label)
-    needed, cone = {source.label}, []
-    for index in range(len(symbols) - 1, -1, -1):
-        bsym = symbols[index]
-        if not any(p.label in needed for p in bsym.output_proxies()):
-            continue
-        op = bsym.op
-        if op is None or op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags:
-            return None
-        cone.append(index)
-        needed |= {p.label for p in bsym.input_proxies()}
-        for leaf in tree_flatten((bsym.args, bsym.kwargs))[0]:
-            if isinstance(leaf, SYMBOLIC_TYPES):
-                needed |= {number_of[s] for s in free_unbacked_symbols(leaf) if s in number_of}
-    cone.reverse()
-    return cone
-
-
-def write_before(symbols: list[BoundSymbol], cone: list[int], source: TensorProxy) -> BoundSymbol | None:
-    """An in-place op (or ``out=``) recorded so far that writes memory the cone reads or
-    makes (views included): moved to the program's start, the cone would read it unwritten."""
-    tensors = [source, *(p for i in cone for p in (*symbols[i].input_tensors(), *symbols[i].output_proxies()))]
-    memories = {p.memory for p in tensors if isinstance(p, TensorProxy)}
-    mutable = (b for b in symbols if b.op is not None and b.op._schema.is_mutable)
-    return next((b for b in mutable if any(p.memory in memories for p in b.input_tensors())), None)
 
 
 def branch_refused(recording, cond) -> str:
@@ -126,8 +75,7 @@ def branch_refused(recording, cond) -> str:
 
 
 def value_now(recording, source: TensorProxy):
-    """``source.item()`` computed from the call's real inputs (see the module docstring),
-    and the indices of the symbols that compute it; None when it cannot be."""
+    """``source.item()`` from the call's real inputs, and the indices of the symbols computing it."""
     computed = real_now(recording, source)
     if computed is None:
         return None
@@ -148,7 +96,7 @@ def size_values_now(recording, index: int) -> None:
     fresh = [
         (proxy, dim, symbol)
         for proxy in bsym.output_tensors()
-        for dim, symbol in enumerate(_data_sizes(proxy, every_dim=True))
+        for dim, symbol in enumerate(data_sizes(proxy, every_dim=True))
         if symbol is not None and symbol not in recording.size_reads and symbol not in symbol_values(shape_env)
     ]
     if not fresh:
@@ -171,10 +119,10 @@ def real_now(recording, source: TensorProxy, collectives: bool = True):
     the symbols that compute it (see the module docstring); None when it cannot be (or, without
     ``collectives``, when a collective is among them). Nothing is computed twice (``values_now``)."""
     symbols = recording.bound_symbols
-    cone = _cone(symbols, source)
+    cone = cone_of(symbols, source)
     if cone is None or (not collectives and any(map(_is_collective, (symbols[i].op for i in cone)))):
         return None
-    if write_before(symbols, cone, source) is not None:  # (then not moved to the start)
+    if write_before(recording, cone, source) is not None:  # (then not moved to the start)
         return None
     env = recording.values_now
     for label, real_value in recording.real_of.items():
@@ -208,7 +156,7 @@ def real_now(recording, source: TensorProxy, collectives: bool = True):
         for proxy, value in zip(tree_flatten(bsym.output)[0], tree_flatten(out)[0]):
             if isinstance(proxy, (TensorProxy, NumberProxy)):
                 env[proxy.label] = value
-            for symbol, size in zip(_data_sizes(proxy, every_dim=True), getattr(value, "shape", ())):
+            for symbol, size in zip(data_sizes(proxy, every_dim=True), getattr(value, "shape", ())):
                 if symbol is not None:
                     known.setdefault(symbol, sympy.Integer(size))
                     recording.sizes_now.setdefault(symbol, sympy.Integer(size))
@@ -235,7 +183,7 @@ def checks_first(recording) -> None:
     of a ``narrow``'s length read from data), which raises a RuntimeError as eager's op."""
     shape_env = recording.fake_mode.shape_env
     symbols = recording.bound_symbols
-    reader = {s: i for i, b in enumerate(symbols) if isinstance(b.output, NumberProxy) for s in _symbols(b.output)}
+    reader = {s: i for i, b in enumerate(symbols) if isinstance(b.output, NumberProxy) for s in read_symbols(b.output)}
     items = {s: symbols[i].output for s, i in reader.items()}  # before the sizes read from data join
     reader.update((s, index) for s, (index, _, _) in recording.size_reads.items())
     expressions = [e for expr in assumptions(shape_env) for e in _divisors_first(expr)]

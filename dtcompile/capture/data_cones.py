@@ -1,0 +1,73 @@
+"""The ops that compute a number read from tensor data (its cone), and whether they may run
+at the program's start: what ``data_branches.py`` computes now and checks at run time."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.utils._pytree import tree_flatten
+
+from ..core import BoundSymbol, FromData, NumberProxy, TensorProxy
+from ..core.symbolic import SYMBOLIC_TYPES
+
+
+def read_symbols(number: NumberProxy) -> set:
+    """The unbacked symbols a number read from data stands for (``u0`` of a bool's ``Eq(u0, 1)``)."""
+    return set(number.expr.free_symbols) if isinstance(number.provenance, FromData) else set()
+
+
+def data_sizes(proxy, every_dim: bool = False) -> list:
+    """The sizes of a tensor that are symbols read from data (a ``nonzero``'s count);
+    with ``every_dim``, one entry per dimension, None where the size is not one."""
+    if not isinstance(proxy, TensorProxy):
+        return []
+    found = []
+    for size in proxy.fake.shape:
+        expr = size.node.expr if isinstance(size, torch.SymInt) else None
+        found.append(expr if expr is not None and expr.is_Symbol and free_unbacked_symbols(size) else None)
+    return found if every_dim else [s for s in found if s is not None]
+
+
+def cone_of(symbols: list[BoundSymbol], source: TensorProxy) -> list[int] | None:
+    """The indices of the symbols ``source`` depends on (its producers, theirs, and the
+    readers of numbers they use), or None when one of them cannot run now."""
+    number_of = {
+        s: b.output.label for b in symbols if isinstance(b.output, NumberProxy) for s in read_symbols(b.output)
+    }
+    for bsym in symbols:  # sizes read from data (``nonzero``'s): the first tensor that has each
+        for proxy in bsym.output_proxies():
+            for symbol in data_sizes(proxy):
+                number_of.setdefault(symbol, proxy.label)
+    needed, cone = {source.label}, []
+    for index in range(len(symbols) - 1, -1, -1):
+        bsym = symbols[index]
+        if not any(p.label in needed for p in bsym.output_proxies()):
+            continue
+        op = bsym.op
+        if op is None or op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags:
+            return None
+        cone.append(index)
+        needed |= {p.label for p in bsym.input_proxies()}
+        for leaf in tree_flatten((bsym.args, bsym.kwargs))[0]:
+            if isinstance(leaf, SYMBOLIC_TYPES):
+                needed |= {number_of[s] for s in free_unbacked_symbols(leaf) if s in number_of}
+    cone.reverse()
+    return cone
+
+
+def write_before(recording, cone: list[int], source: TensorProxy) -> BoundSymbol | None:
+    """An in-place op (or ``out=``) so far writing memory the cone reads or makes (views too;
+    where it reads an input, any input's: they may share memory the trace did not see)."""
+    symbols, inputs = recording.bound_symbols, {p.memory for p in recording.input_proxies}
+    tensors = [source, *(p for i in cone for p in (*symbols[i].input_tensors(), *symbols[i].output_proxies()))]
+    memories = {p.memory for p in tensors if isinstance(p, TensorProxy)}
+    memories |= inputs if memories & inputs else set()
+    written = (b for b in symbols if b.op is not None and b.op._schema.is_mutable)
+    return next((b for b in written if any(p.memory in memories for p in _written(b))), None)
+
+
+def _written(bsym: BoundSymbol) -> list:
+    """The tensors an in-place op writes: its arguments the schema marks written."""
+    arguments = [(i, a.name) for i, a in enumerate(bsym.op._schema.arguments) if a.alias_info and a.alias_info.is_write]
+    values = [bsym.args[i] if i < len(bsym.args) else bsym.kwargs.get(name) for i, name in arguments]
+    return [t for t in tree_flatten(values)[0] if isinstance(t, TensorProxy)] or bsym.input_tensors()
