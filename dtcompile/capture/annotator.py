@@ -198,7 +198,8 @@ class CallAnnotator(TorchFunctionMode):
         if func is not torch.Tensor.register_hook:
             raise TracingError(
                 f"dtcompile.jit: {_short_name(func)} inside the call (a forward pre-hook's: Hugging Face's "
-                "ReplicatedWithGradAllReduce) is not supported; one registered on a parameter before the call runs"
+                "ReplicatedWithGradAllReduce, whose Qwen3 and Gemma3 plans train only eagerly) is not supported; "
+                "one the caller registered on a parameter before the call runs"
             )
         self.recording.tensor_hooks += 1  # (no block registering one is replayed)
         if self.recording.snapshot is not None and (hook := args[1] if len(args) > 1 else None) is not None:
