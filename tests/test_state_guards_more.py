@@ -1259,3 +1259,35 @@ def test_attributes_iterated_in_order_and_reordered_are_seen(holder):
     delattr(target, "mul")
     target.mul = 2.0
     assert torch.equal(jitted(x), module(x)) and module(x)[0].item() == 4.0
+
+
+@pytest.mark.parametrize("table", ["parameter", "buffer"])
+def test_a_parameter_or_buffer_registered_again_comes_last_as_in_eager(table):
+    """``del m.w1; m.w1 = w`` keeps the values and moves ``w1`` after ``w2`` in
+    ``parameters()``: code packing them in order (``x * 10 + p``) gives another result."""
+
+    class Packs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            for i, value in ((1, 1.0), (2, 2.0)):
+                if table == "parameter":
+                    setattr(self, f"t{i}", nn.Parameter(torch.full((2,), value), requires_grad=False))
+                else:
+                    self.register_buffer(f"t{i}", torch.full((2,), value))
+
+        def forward(self, x):
+            for t in self.parameters() if table == "parameter" else self.buffers():
+                x = x * 10 + t
+            return x
+
+    module = Packs()
+    jitted = dtcompile.jit(module)
+    x = torch.ones(2)
+    assert torch.equal(jitted(x), module(x))
+    moved = module.t1
+    del module.t1
+    if table == "parameter":
+        module.t1 = moved
+    else:
+        module.register_buffer("t1", moved)
+    assert torch.equal(jitted(x), module(x)) and module(x)[0].item() == 121.0

@@ -194,11 +194,13 @@ def module_table_checks(b, modules: list[torch.nn.Module]) -> None:
     # the modules with hooks: each flag changes how a hook is called.
     flags = [vars(m)[f] for m in modules for hooks, f in _FLAG_TABLES if vars(m).get(hooks) and f in vars(m)]
     hook_tables += flags
-    # Told of changes, these need not run while none of the tables has changed; else a
-    # ``len`` costs less than a dict's version, and they run at every call.
+    # Told of changes, these need not run while none of the tables has changed; else (a ``len``
+    # costs less than a version) at every call. Parameters and buffers in order: ``parameters()``.
+    several = [t for m in modules for t in (m._parameters, m._buffers) if len(t) > 1]
     with unless_dicts_changed(b, tables + hook_tables) if dict_watch.available else nullcontext():
-        b.globals.update(STATE_TABLES=tables, STATE_LENGTHS=lengths)
-        b.fail_if("list(map(len, STATE_TABLES)) != STATE_LENGTHS")
+        b.globals.update(STATE_TABLES=tables, STATE_LENGTHS=lengths, TENSOR_TABLES=several)
+        b.globals["TENSOR_ORDERS"] = [tuple(t) for t in several]
+        b.fail_if("list(map(len, STATE_TABLES)) != STATE_LENGTHS or list(map(tuple, TENSOR_TABLES)) != TENSOR_ORDERS")
         if empty_keys:
             b.globals.update(EMPTY_TABLES=empty_tables, EMPTY_KEYS=empty_keys, NONES=[None] * len(empty_keys))
             b.fail_if("list(map(dict.get, EMPTY_TABLES, EMPTY_KEYS)) != NONES")
