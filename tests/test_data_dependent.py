@@ -606,3 +606,17 @@ def test_a_gradient_sized_by_a_mask_count_is_refused_clearly():
     _masked_rows_set(*args()).backward()  # eager runs
     with pytest.raises(dtcompile.TracingError, match="a gradient sized by a number read from data"):
         dtcompile.jit(_masked_rows_set)(*args())
+
+
+def test_a_refused_branch_names_the_write_that_bars_it():
+    """Not the call's first in-place write (of memory made in the call, which no branch reads)."""
+
+    def fn(x):
+        scratch = torch.zeros(3)
+        scratch.fill_(7.0)
+        y = x * 1
+        y.neg_()
+        return x + 1 if y.sum() > 0 else x - 1
+
+    with pytest.raises(dtcompile.TracingError, match=r"after an in-place write \(Tensor.neg_\("):
+        dtcompile.jit(fn)(torch.ones(3))

@@ -52,7 +52,7 @@ from ..core.symbolic import (
     symbolic_expr,
 )
 from ..core.torch_internals import dispatch_modes_off, runtime_asserts, set_data_value, symbol_values
-from .data_cones import cone_of, data_sizes, read_symbols, write_before
+from .data_cones import barring_write, cone_of, data_sizes, read_symbols, write_before
 from .live_collectives import ranks_meet
 from .size_text import folded, negative_zeros
 
@@ -62,7 +62,9 @@ _ASSUMPTION = "propagate_real_tensors"  # how the ShapeEnv labels an assumption 
 def branch_refused(recording, cond) -> str:
     """Why a Python branch on ``cond`` cannot be checked at run time, for its refusal."""
     what = f"Python control flow on {cond}, a number read from tensor data"
-    written = next((b for b in recording.bound_symbols if b.op is not None and b.op._schema.is_mutable), None)
+    written = barring_write(recording, cond.free_symbols) or next(
+        (b for b in recording.bound_symbols if b.op is not None and b.op._schema.is_mutable), None
+    )
     if written is None:  # (a size read from data is computed now without collectives: its check runs first)
         unknown = set(cond.free_symbols) - symbol_values(recording.fake_mode.shape_env).keys()
         why = "a size (nonzero, a mask's) a collective's result decides (a DTensor's full_tensor()), a random op's"

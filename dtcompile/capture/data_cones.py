@@ -71,3 +71,14 @@ def _written(bsym: BoundSymbol) -> list:
     arguments = [(i, a.name) for i, a in enumerate(bsym.op._schema.arguments) if a.alias_info and a.alias_info.is_write]
     values = [bsym.args[i] if i < len(bsym.args) else bsym.kwargs.get(name) for i, name in arguments]
     return [t for t in tree_flatten(values)[0] if isinstance(t, TensorProxy)] or bsym.input_tensors()
+
+
+def barring_write(recording, symbols: set) -> BoundSymbol | None:
+    """The write that bars computing now the number read from data standing for one of
+    ``symbols`` (``write_before`` of its read's cone), for the refusal to name; None if none."""
+    for bsym in recording.bound_symbols:
+        if isinstance(bsym.output, NumberProxy) and read_symbols(bsym.output) & symbols and bsym.input_tensors():
+            source = bsym.input_tensors()[0]
+            cone = cone_of(recording.bound_symbols, source)
+            return None if cone is None else write_before(recording, cone, source)
+    return None
