@@ -1291,3 +1291,29 @@ def test_a_parameter_or_buffer_registered_again_comes_last_as_in_eager(table):
     else:
         module.register_buffer("t1", moved)
     assert torch.equal(jitted(x), module(x)) and module(x)[0].item() == 121.0
+
+
+def test_a_refused_call_puts_an_objects_attributes_back_in_order():
+    """``del cfg.a; cfg.a = 1.0`` inside the call (refused: it changes an object the module
+    holds) leaves ``cfg`` as it was, its attributes' order too: the next call is refused again."""
+
+    class Cfg:
+        def __init__(self):
+            self.a, self.b = 1.0, 2.0
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cfg = Cfg()
+
+        def forward(self, x):
+            del self.cfg.a
+            self.cfg.a = 1.0
+            return x + 1
+
+    module = Holder()
+    jitted = dtcompile.jit(module)
+    for _ in range(2):
+        with pytest.raises(dtcompile.TracingError, match="changed the module attribute cfg"):
+            jitted(torch.zeros(1))
+        assert list(vars(module.cfg)) == ["a", "b"]

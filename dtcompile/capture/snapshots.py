@@ -5,8 +5,7 @@ the call's inputs (a list a hook appends to, a counter object a module holds, a 
 activations) happens that once, with proxies, and never again at run time: eager would do
 it at every call, with real tensors. A :class:`DataSnapshot` records the state of such
 data before the trace; afterwards it tells which of it changed, and puts it back as it
-was, so that no proxy is left in user data and a failed compile changes nothing.
-"""
+was (in order), so that no proxy is left in user data and a failed compile changes nothing."""
 
 from __future__ import annotations
 
@@ -327,9 +326,10 @@ class DataSnapshot:
                 value.clear()
                 value.update(items)
             else:
-                names = {name for name, _ in items}
-                for name in list(object_state(value)):
-                    if name not in names:
+                names, now = [name for name, _ in items], list(object_state(value))
+                reordered = [n for n in now if n in names] != names  # (``del cfg.a; cfg.a = 1``: set again in order)
+                for name in now:
+                    if reordered or name not in names:
                         object.__delattr__(value, name)
                 for name, item in items:
                     object.__setattr__(value, name, item)
