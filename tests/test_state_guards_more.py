@@ -1317,3 +1317,28 @@ def test_a_refused_call_puts_an_objects_attributes_back_in_order():
         with pytest.raises(dtcompile.TracingError, match="changed the module attribute cfg"):
             jitted(torch.zeros(1))
         assert list(vars(module.cfg)) == ["a", "b"]
+
+
+@pytest.mark.parametrize("reads", ["vars", "__dict__"])
+def test_an_attribute_the_forward_assigns_and_reads_through_vars_stays_guarded(reads):
+    """``for k, v in vars(self).items()`` reads ``a`` with no load of the name, then the
+    forward assigns it: the next call reads the new value, as eager's does."""
+
+    class Sums(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = 1.0, 2.0
+
+        def forward(self, x):
+            table = vars(self) if reads == "vars" else self.__dict__
+            for key, value in list(table.items()):
+                if key in ("a", "b"):
+                    x = x * 10 + value
+            self.a = 4.0
+            return x
+
+    module, reference = Sums(), Sums()
+    jitted = dtcompile.jit(module)
+    for _ in range(3):
+        x = torch.zeros(1, dtype=torch.float64)
+        assert torch.equal(jitted(x), reference(x))

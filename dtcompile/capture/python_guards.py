@@ -122,7 +122,7 @@ class AfterTracing:
             (id(vars(u.module)), u.key)
             for u in module_updates
             if u.table == "__dict__"
-            and u.key not in self._attribute_loads
+            and not self._attribute_loads & {u.key, "*"}  # ("*": the code iterates ``vars(self)``)
             and not any(map(is_library, type(u.module).__mro__[: type(u.module).__mro__.index(torch.nn.Module)]))
             # Absent before the call, it stays guarded: a name made at run time
             # (``getattr(self, f"state_{i}", None)``) may read it; the next call compiles

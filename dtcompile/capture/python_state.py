@@ -110,7 +110,7 @@ class PythonState(AfterTracing):
     # (id of a module's dict, name) the forward assigns or removes: made after each call.
     _assigned_names: dict = field(default_factory=dict, repr=False)
     _classes: dict = field(default_factory=dict, repr=False)  # id of a class's namespace -> the class
-    # The attribute names the user code followed may read (``self.pos``, ``getattr``).
+    # The attribute names the user code followed may read (``self.pos``, ``getattr``); "*": any (``vars``).
     _attribute_loads: set = field(default_factory=set, repr=False)
 
     @classmethod
@@ -292,7 +292,7 @@ class PythonState(AfterTracing):
             return
         code = fn.__code__
         global_names, imported, attributes, loaded = code_names(code)
-        self._attribute_loads |= loaded
+        self._attribute_loads |= loaded | ({"*"} if "vars" in global_names or "__dict__" in loaded else set())
         for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
             try:
                 value = cell.cell_contents
