@@ -12,7 +12,7 @@ import functools
 
 import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from ..core.symbolic import is_symbolic
 
@@ -118,14 +118,14 @@ def _number(leaf):
     return torch.sym_ite(leaf, 1, 0) if isinstance(leaf, torch.SymBool) else leaf
 
 
-def bools_as_bools(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def bools_as_bools(func, args: tuple, kwargs: dict, leaves: list) -> tuple[tuple, dict]:
     """A SymBool among a torch-level call's arguments (a comparison of sizes under symbolic
     values, ``sum(keepdim=n > 4)``, ``is_causal=n > 1``; a tensor indexed by one): Python's
     bool, as eager's code has, which torch's ops take where they refuse a SymBool (and an
     index as a mask, a new dim of 1 or 0, where a SymBool is the int 1 or 0). ``bool()`` of
     it is a guard on the sizes, or a branch on data, traced and checked. Not where torch
-    takes the SymBool itself (``torch._check``, ``sym_not``) or a factory computes it."""
-    leaves = tree_flatten((args, kwargs))[0]
+    takes the SymBool itself (``torch._check``, ``sym_not``) or a factory computes it.
+    ``leaves``: those of ``(args, kwargs)``, which the caller has."""
     if func in FACTORIES or getattr(func, "__name__", "").startswith(("sym_", "_check")):
         return args, kwargs
     if not any(isinstance(leaf, torch.SymBool) for leaf in leaves):
