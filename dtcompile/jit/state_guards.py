@@ -1,12 +1,8 @@
-"""Guards of the state a call reads besides its arguments, emitted into a prologue: the
-torch state it was traced under (grad mode aside), the module tree (submodules, training flags, hooks, table sizes, empty slots) and the Python
-values the program read (globals, closure cells, attributes). Each is a few C-level
-passes over lists prepared at build time, not a line of Python per value. Most of them
-read dicts only (module tables, instance dicts, globals): they run when one of those
-dicts has a new version since a call that passed them, and are otherwise provably
-unnecessary (:func:`unless_dicts_changed`). ``b`` is the prologue's builder
-(``prologue.py``): ``fresh``, ``bind``, ``fail_if``, ``lines`` and its ``globals``.
-"""
+"""Guards of the state a call reads besides its arguments, emitted into a prologue (``b``, its
+builder): the torch state it was traced under (grad mode aside), the module tree and the
+Python values the program read. Each is a few C-level passes over lists prepared at build
+time; most read dicts only, and run when one changed since a call that passed them
+(:func:`unless_dicts_changed`)."""
 
 from __future__ import annotations
 
@@ -172,7 +168,8 @@ def module_table_checks(b, modules: list[torch.nn.Module]) -> None:
     """Each module's parameter, buffer and submodule tables hold as many entries as traced
     (none added or removed), the empty slots (``Linear(bias=False)``'s ``bias``) are still
     empty, a parameter assigned there later must be used; the empty hook tables are still
-    empty (at every call, unless dict watchers tell the changes); each module's class is
+    empty (at every call, unless dict watchers tell the changes; the order of parameters
+    and buffers, else, when the tables' versions changed); each module's class is
     as traced, and the tables with several hooks (or tables of submodules, parameters or
     buffers that are OrderedDicts) hold them in the order traced, at every call (an
     OrderedDict's order changes without a new version or a watcher's notice:
@@ -195,12 +192,15 @@ def module_table_checks(b, modules: list[torch.nn.Module]) -> None:
     flags = [vars(m)[f] for m in modules for hooks, f in _FLAG_TABLES if vars(m).get(hooks) and f in vars(m)]
     hook_tables += flags
     # Told of changes, these need not run while none of the tables has changed; else (a ``len``
-    # costs less than a version) at every call. Parameters and buffers in order: ``parameters()``.
+    # costs less than a version) at every call, but for the order of parameters and buffers
+    # (``parameters()``), read when their tables' versions changed (cheaper than their keys).
     several = [t for m in modules for t in (m._parameters, m._buffers) if len(t) > 1]
     with unless_dicts_changed(b, tables + hook_tables) if dict_watch.available else nullcontext():
-        b.globals.update(STATE_TABLES=tables, STATE_LENGTHS=lengths, TENSOR_TABLES=several)
-        b.globals["TENSOR_ORDERS"] = [tuple(t) for t in several]
-        b.fail_if("list(map(len, STATE_TABLES)) != STATE_LENGTHS or list(map(tuple, TENSOR_TABLES)) != TENSOR_ORDERS")
+        b.globals.update(STATE_TABLES=tables, STATE_LENGTHS=lengths)
+        b.fail_if("list(map(len, STATE_TABLES)) != STATE_LENGTHS")
+        with nullcontext() if dict_watch.available or not several else unless_dicts_changed(b, several):
+            b.globals.update(TENSOR_TABLES=several, TENSOR_ORDERS=[tuple(t) for t in several])
+            b.fail_if("list(map(tuple, TENSOR_TABLES)) != TENSOR_ORDERS")
         if empty_keys:
             b.globals.update(EMPTY_TABLES=empty_tables, EMPTY_KEYS=empty_keys, NONES=[None] * len(empty_keys))
             b.fail_if("list(map(dict.get, EMPTY_TABLES, EMPTY_KEYS)) != NONES")
