@@ -114,6 +114,7 @@ def _fsdp_groups(root: torch.nn.Module) -> list[ManagedModule]:
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
     managed, grad = [], torch.is_grad_enabled()
+    in_tree = set(map(id, root.modules()))
     for path, module in root.named_modules():
         if not _is_managed(module):
             continue
@@ -176,6 +177,11 @@ def _fsdp_groups(root: torch.nn.Module) -> list[ManagedModule]:
                     reduce_dtype = param_dtype  # FSDP2 reduces in the gradient's dtype
                 owners = [(info_.module, info_.param_name)]
                 owners += list(zip(info_.shared_modules, info_.shared_param_names))
+                if not all(id(owner) in in_tree for owner, _ in owners):  # (eager's FSDP2 gathers it, unused)
+                    raise TracingError(
+                        f"dtcompile.jit: the FSDP2 parameter {info_name(fsdp_param)} of {path or 'the root'!r} belongs to a module no "
+                        "longer in the model (replaced after fully_shard); apply fully_shard to the model as it is now"
+                    )
                 size, dim = fsdp_param._orig_size, fsdp_param.fsdp_placement.dim
                 params.append(
                     ShardedParameter(

@@ -215,6 +215,17 @@ def refusals():
         model.down.weight = torch.nn.Parameter(model.down.weight.detach() * 0)
         with pytest.raises(dtcompile.TracingError, match="down.weight was replaced by another Parameter"):
             jitted(torch.randn(4, DIM))
+    # A module FSDP2 manages the parameters of, replaced after fully_shard (an AttributeError before).
+    torch.manual_seed(0)
+    model = fully_shard(
+        torch.nn.Sequential(fully_shard(MLP(DIM, HIDDEN), mesh=mesh), torch.nn.Linear(DIM, 2)), mesh=mesh
+    )
+    jitted = dtcompile.jit(model)
+    jitted(torch.randn(4, DIM)).sum().backward()
+    model[0].down = torch.nn.Linear(HIDDEN, DIM)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), pytest.raises(dtcompile.TracingError, match="'0' belongs to a module no"):
+            jitted(torch.randn(4, DIM))
     # check="eager": its eager run goes through FSDP2's own hooks (a false mismatch before).
     with pytest.raises(dtcompile.TracingError, match="check='eager' does not run modules fully_shard manages"):
         dtcompile.jit(_model("mlp", mesh, None), check="eager")(torch.randn(4, DIM))
