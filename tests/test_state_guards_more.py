@@ -1342,3 +1342,63 @@ def test_an_attribute_the_forward_assigns_and_reads_through_vars_stays_guarded(r
     for _ in range(3):
         x = torch.zeros(1, dtype=torch.float64)
         assert torch.equal(jitted(x), reference(x))
+
+
+class _Reinserts(nn.Module):
+    """Its forward deletes an entry of one of its tables and sets it again (a value moves
+    last: ``parameters()``, ``buffers()`` and ``vars()`` then list it last)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.a, self.b = how, 1.0, 2.0
+        self.lin = nn.Linear(2, 2)
+        self.register_buffer("buf", torch.ones(2))
+        self.register_buffer("other", torch.zeros(2))
+        self.t, self.u = torch.full((2,), 5.0), torch.full((2,), 6.0)
+
+    def forward(self, x):
+        if self.how == "number":
+            value = self.a
+            del self.a
+            self.a = value
+        elif self.how == "new number":
+            del self.a
+            self.a = 7.0
+        elif self.how == "parameter":
+            weight = self.lin.weight
+            del self.lin.weight
+            self.lin.weight = weight
+        elif self.how == "buffer":
+            buf = self.buf
+            del self.buf
+            self.register_buffer("buf", buf)
+        elif self.how == "tensor":
+            t = self.t
+            del self.t
+            self.t = t
+        return self.lin(x) + self.buf + self.t
+
+
+def _tables(module: nn.Module) -> list:
+    return [
+        list(vars(module)),
+        list(vars(module.lin)),
+        [n for n, _ in module.named_parameters()],
+        list(module._buffers),
+    ]
+
+
+@pytest.mark.parametrize("how", ["number", "new number", "parameter", "buffer", "tensor"])
+def test_an_entry_the_forward_deletes_and_sets_again_moves_last_as_in_eager(how):
+    """The epilogue set such an entry where it was (or, its value unchanged, not at all):
+    code iterating the module's attributes, parameters or buffers after the call met
+    eager's old order."""
+    torch.manual_seed(0)
+    module = _Reinserts(how)
+    reference = copy.deepcopy(module)
+    jitted = dtcompile.jit(module)
+    x = torch.ones(2)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(jitted(x), reference(x))
+            assert _tables(module) == _tables(reference)

@@ -38,6 +38,7 @@ class ModuleUpdate:
     key: str
     value: object | None
     path: str  # where it is, for messages: ``layers.0.last``
+    moved: bool = False  # removed first, so that it is set last (``del self.a; self.a = v``)
 
 
 def _table(module: torch.nn.Module, name: str) -> dict:
@@ -122,15 +123,21 @@ class ModuleState:
                 table.clear()
                 table.update(items)
 
-    def assignments(self) -> list[tuple[torch.nn.Module, str, str, object]]:
-        """``(module, table, key, new value or _MISSING)`` for each entry the call changed."""
+    def assignments(self) -> list[tuple[torch.nn.Module, str, str, object, bool]]:
+        """``(module, table, key, new value or _MISSING, moved)`` for each entry the call
+        changed, in the table's order; where setting the changed ones would leave another
+        order than the call's (an entry deleted and set again moves last), each entry from
+        the first out of place on is moved: removed, then set again."""
         changed = []
         for module, name, traced in self._traced:
             table = _table(module, name)
-            for key, value in table.items():
-                if traced.get(key, _MISSING) is not value:
-                    changed.append((module, name, key, value))
-            changed += [(module, name, key, _MISSING) for key in traced if key not in table]
+            order = list(table)
+            expected = [key for key in traced if key in table] + [key for key in order if key not in traced]
+            moved = next((i for i, (now, kept) in enumerate(zip(order, expected)) if now != kept), len(order))
+            for i, (key, value) in enumerate(table.items()):
+                if i >= moved or traced.get(key, _MISSING) is not value:
+                    changed.append((module, name, key, value, i >= moved))
+            changed += [(module, name, key, _MISSING, False) for key in traced if key not in table]
         return changed
 
     def updates(self, describe, needs_gradients: bool) -> list[ModuleUpdate]:
@@ -138,7 +145,7 @@ class ModuleState:
         output collector's); none, and :attr:`refused` said, in a call that needs gradients
         (unless the call is a library's one-time setup, run eagerly: ``LibrarySetUp``)."""
         updates = []
-        for module, table, key, value in self.assignments():
+        for module, table, key, value, moved in self.assignments():
             prefix = self.paths[id(module)]
             path = f"{prefix}.{key}" if prefix else key
             if needs_gradients:
@@ -153,7 +160,7 @@ class ModuleState:
                 described = HeldOutput(*self._parameter_stand_ins[id(value)][1:])
             else:
                 described = describe(value, f"the module attribute {path!r}")
-            updates.append(ModuleUpdate(module, table, key, described, path))
+            updates.append(ModuleUpdate(module, table, key, described, path, moved))
         return updates
 
 

@@ -249,9 +249,9 @@ def build_epilogue(output: OutputNode, wrap: bool = True, updates=(), module_upd
         b.statements.append(f"    objs[{update.index}].__dict__[{update.name!r}] = {value}")
     for update in module_updates:
         table = f"{b.constant(update.module, 'MODULE')}.{update.table}"
-        if update.value is None:
+        if update.value is None or update.moved:
             b.statements.append(f"    {table}.pop({update.key!r}, None)")
-        else:
+        if update.value is not None:
             value = held.get(id(update)) or b.rebuild(update.value, wrap)
             b.statements.append(f"    {table}[{update.key!r}] = {value}")
     result = b.rebuild(output, wrap)
