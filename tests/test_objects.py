@@ -194,6 +194,18 @@ def test_changes_that_cannot_be_replayed_are_errors():
     with pytest.raises(dtcompile.TracingError, match="deleted args"):
         dtcompile.jit(deletes)(torch.randn(2), Buffer(4))
 
+    def sets_again(x, buffer):  # (eager's moves it last; replayed as an assignment it kept its place)
+        history = buffer.history
+        del buffer.history
+        buffer.history = history
+        return x
+
+    buffer = Buffer(4)
+    names = list(vars(buffer))
+    with pytest.raises(dtcompile.TracingError, match=r"deleted args\[1\]\.history"):
+        dtcompile.jit(sets_again)(torch.randn(2), buffer)
+    assert list(vars(buffer)) == names  # (put back as it was)
+
 
 def test_a_new_object_holding_tensors_is_made_anew_after_each_call():
     def makes(x, buffer):

@@ -376,9 +376,11 @@ class StateObjects:
         for traced in self.traced:
             state = traced.stand_in.__dict__
             removed = [name for name in traced.given if name not in state]
-            if removed:
+            # (one deleted and set again moved last: ``vars(obj)`` after the call would tell)
+            moved = [b for a, b in zip([name for name in state if name in traced.given], traced.given) if a != b]
+            if removed or moved:
                 raise TracingError(
-                    f"dtcompile.jit: the call deleted {traced.node.path}.{removed[0]}; deleting an input "
+                    f"dtcompile.jit: the call deleted {traced.node.path}.{(removed or moved)[0]}; deleting an input "
                     "object's attributes is not supported"
                 )
             changed = [n for n, v in state.items() if traced.given.get(n, _MISSING) is not v]
