@@ -1402,3 +1402,27 @@ def test_an_entry_the_forward_deletes_and_sets_again_moves_last_as_in_eager(how)
         for _ in range(3):
             assert torch.equal(jitted(x), reference(x))
             assert _tables(module) == _tables(reference)
+
+
+def test_an_entry_moved_last_keeps_its_object():
+    """A container the forward deletes and sets again is the same object after each call
+    (not one the epilogue rebuilds), as are the tensors it holds."""
+
+    class Moves(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.log, self.scale, self.t = [torch.ones(2)], 2.0, torch.zeros(2)
+
+        def forward(self, x):
+            log = self.log
+            del self.log
+            self.log = log
+            return x * 2
+
+    module = Moves()
+    log, tensor = module.log, module.log[0]
+    jitted = dtcompile.jit(module)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(jitted(torch.ones(2)), torch.full((2,), 2.0))
+            assert list(vars(module))[-1] == "log" and module.log is log and module.log[0] is tensor

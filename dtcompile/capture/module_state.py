@@ -28,6 +28,7 @@ from .outputs import HeldOutput
 
 _TABLES = ("_parameters", "_buffers", "__dict__")
 _MISSING = object()
+_KEPT = object()  # an entry moved, holding what it held
 
 
 @dataclass
@@ -126,10 +127,11 @@ class ModuleState:
                 table.update(items)
 
     def assignments(self) -> list[tuple[torch.nn.Module, str, str, object, bool]]:
-        """``(module, table, key, new value or _MISSING, moved)`` for each entry the call
-        changed, in the table's order; where setting the changed ones would leave another
-        order than the call's (an entry deleted and set again moves last), each entry from
-        the first out of place on is moved: removed, then set again."""
+        """``(module, table, key, new value, moved)`` for each entry the call changed, in the
+        table's order (the value ``_MISSING`` where removed); where setting the changed ones
+        would leave another order than the call's (an entry deleted and set again moves
+        last), each entry from the first out of place on is moved: removed, then set again
+        (the value ``_KEPT`` where it holds what it held: the same object is set again)."""
         changed = []
         for module, name, traced in self._traced:
             table = _table(module, name)
@@ -137,8 +139,9 @@ class ModuleState:
             expected = [key for key in traced if key in table] + [key for key in order if key not in traced]
             moved = next((i for i, (now, kept) in enumerate(zip(order, expected)) if now != kept), len(order))
             for i, (key, value) in enumerate(table.items()):
-                if i >= moved or traced.get(key, _MISSING) is not value:
-                    changed.append((module, name, key, value, i >= moved))
+                kept = traced.get(key, _MISSING) is value
+                if i >= moved or not kept:
+                    changed.append((module, name, key, _KEPT if kept else value, i >= moved))
             changed += [(module, name, key, _MISSING, False) for key in traced if key not in table]
         return changed
 
@@ -158,6 +161,8 @@ class ModuleState:
                 return []
             if value is _MISSING:
                 described = None
+            elif value is _KEPT:  # (what it holds at run time: the real tensor, the same container)
+                described = HeldOutput(module, table, key)
             elif id(value) in self._parameter_stand_ins:  # the Parameter itself, as eager assigns it
                 described = HeldOutput(*self._parameter_stand_ins[id(value)][1:])
             else:
