@@ -340,11 +340,10 @@ def _dicts_read(group: ReadGroup) -> list[dict]:
 
 def _same_objects(b, group: ReadGroup, values: list[str], prefix: str) -> str | None:
     """For values compared by :func:`value_key` (containers, read at every call): an
-    expression true when each is still the object it is now, holding the very objects it
-    holds now, container by container (lengths, then items by identity). The same objects
-    have the same keys, so the keys need computing only when this fails: a few C-level
-    passes instead of a recursive key per value. None where a value now is not what was
-    traced (the forward changed it) or holds what identity does not pin (an array)."""
+    expression true when each is the object it is now, holding the very objects it holds
+    now (lengths, then items by identity), so that their keys need computing only when it
+    fails. None where a value now is not what was traced (the forward changed it) or holds
+    what identity does not pin (an array)."""
     now = [dict.get(d, k, ABSENT) for d, k in zip(group.dicts, group.keys)]
     now += [getattr(o, a, ABSENT) for o, a in zip(group.objects, group.attributes)]
     if list(map(value_key, now)) != group.expected:
@@ -355,11 +354,12 @@ def _same_objects(b, group: ReadGroup, values: list[str], prefix: str) -> str | 
     b.globals.update({f"{prefix}_NOW": now, f"{prefix}_CONTAINERS": containers})
     b.globals[f"{prefix}_LENGTHS"] = list(map(len, containers))
     b.globals[f"{prefix}_ITEMS"] = list(itertools.chain.from_iterable(containers))
+    b.globals[f"{prefix}_FILLED"] = [c for c in containers if c]  # (empty ones: their lengths tell)
     read = values[0] if len(values) == 1 else f"chain(({', '.join(values)},))"
     same = f"all(map(is_, {read}, {prefix}_NOW))"
     expression = (
         f"{same} and list(map(len, {prefix}_CONTAINERS)) == {prefix}_LENGTHS"
-        f" and all(map(is_, chain({prefix}_CONTAINERS), {prefix}_ITEMS))"
+        f" and all(map(is_, chain({prefix}_FILLED), {prefix}_ITEMS))"
     )
     return expression
 
