@@ -29,6 +29,7 @@ from . import closed_over, traced_errors
 from .block_training import BlockReplayFailed
 from .code_ran import CodeRan
 from .data_branches import branch_refused
+from .data_sized_calls import sizes_decided
 from .eager_errors import dtype_checked, eager_error, eager_failure, out_with_grad
 from .graph_reach import tag_backward_nodes
 from .method_checks import (
@@ -70,7 +71,6 @@ _METADATA_READS = {
     torch.Tensor.size,
     torch.Tensor.dim,
 }
-
 
 _SYMBOLIC_NUMEL = "Cannot call numel() on tensor with symbolic sizes/strides"
 
@@ -286,6 +286,7 @@ class CallAnnotator(TorchFunctionMode):
             raise data_dependent_error(
                 _short_name(func), "it reads the values of the traced tensors in its data; use torch.stack"
             )
+        sizes_decided(func, args, kwargs)  # (``squeeze`` of a size read from data, ``.item()`` of its elements)
         args, kwargs = bools_as_bools(func, args, kwargs, leaves)
         if func in FACTORIES and holds_traced_numbers(func, args, kwargs):
             func = tensor_of_numbers(func)  # (a size, a number read from data: computed at run time)

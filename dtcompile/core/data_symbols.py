@@ -28,7 +28,34 @@ def decided_by_values(shape_env):
 
     maybe_evaluate_static.cache_clear = static.cache_clear  # (the ShapeEnv clears its cache of answers)
     shape_env._maybe_evaluate_static = maybe_evaluate_static
+    guard_rel = shape_env._maybe_guard_rel
+
+    def maybe_guard_rel(expr) -> None:
+        guard_rel(expr)
+        _replaced_where_decided(shape_env, expr)
+
+    shape_env._maybe_guard_rel = maybe_guard_rel
     return shape_env
+
+
+def _replaced_where_decided(shape_env, expr) -> None:
+    """A size read from data found equal to a number (``if len(sel) == 1``, ``bool(n == 1)``
+    checked at run time, ``torch._check(n == 1)``) is that number from then on, also where
+    torch's ops reason "size-obliviously" (a ``nonzero``'s count taken to be 2 or more:
+    ``squeeze``, ``unbind``, broadcasting would keep a dim of 1 that eager's drops).
+    ``_maybe_guard_rel`` skips such a replacement for a size-like symbol; here the symbol
+    stops being size-like, since the entry holds only where it has this value."""
+    if not isinstance(expr, sympy.Eq):
+        return
+    for symbol, number in ((expr.lhs, expr.rhs), (expr.rhs, expr.lhs)):
+        if (
+            isinstance(symbol, sympy.Symbol)
+            and symbol_is_type(symbol, SymT.UNBACKED_INT)
+            and number.is_Integer
+            and symbol not in shape_env.replacements
+        ):
+            shape_env.size_like.discard(symbol)
+            shape_env._set_replacement(symbol, number, "a size read from data, decided")
 
 
 def _data_floats_or_bits(expr) -> bool:

@@ -1,0 +1,117 @@
+"""Calls whose result turns on whether a size read from data is 1 (``capture/data_sized_calls.py``,
+``core/data_symbols.py``): torch's ops take such a size to be 2 or more, where eager's look
+at it. Each function is called with data that selects 2 rows, then 1, then 0 or 2 again,
+and must give eager's result, shapes and gradients, or eager's error."""
+
+import pytest
+import torch
+
+import dtcompile
+
+CACHES = ["constant values", "symbolic values"]
+ROWS = {2: [[1.0, 2.0], [3.0, 4.0]], 1: [[1.0, 2.0], [-3.0, -4.0]], 0: [[-1.0, -2.0], [-3.0, -4.0]]}
+
+
+def _selected(x):
+    return x[x.sum(1) > 0]
+
+
+def squeezed(x):
+    s = _selected(x).squeeze(0)
+    return (s * 100 if s.dim() == 1 else s * 1), s.shape[-1]
+
+
+def squeezed_all(x):
+    return _selected(x)[:, :1].squeeze() + 1
+
+
+def squeezed_where_one(x):
+    s = _selected(x)
+    if s.shape[0] == 1:  # the user's branch: the squeeze then drops the dim
+        s = s.squeeze(0)
+    return s.t() * 2 if s.dim() == 2 else s - 1
+
+
+def rows_iterated(x):
+    return torch.stack([r * (i + 2) for i, r in enumerate(_selected(x))]).sum(0)
+
+
+def item(x):
+    return _selected(x)[:, 0].item()
+
+
+def as_float(x):
+    return float(_selected(x)[:, 1])
+
+
+def as_index(x):
+    return torch.arange(5)[_selected(x)[:, 0].long()]
+
+
+def as_bool(x):
+    return x * 2 if _selected(x)[:, 0] < 3 else x - 1
+
+
+def _run(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as error:  # (eager's error, and the compiled call's, compared)
+        return type(error), str(error)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize(
+    "fn, order",
+    [
+        (squeezed, (2, 1, 2, 1)),
+        (squeezed, (1, 2)),
+        (squeezed_all, (2, 1, 2)),
+        (squeezed_where_one, (2, 1, 2, 1)),
+        (rows_iterated, (2, 1, 2)),
+        (item, (1, 2, 0, 1)),
+        (as_float, (2, 1, 0)),
+        (as_index, (1, 2, 1)),
+        (as_bool, (1, 2, 0, 1)),
+    ],
+)
+def test_a_size_read_from_data_that_is_one_is_decided_as_in_eager(fn, order, cache):
+    jitted = dtcompile.jit(fn, cache=cache)
+    for rows in order:
+        expected, got = _run(fn, torch.tensor(ROWS[rows])), _run(jitted, torch.tensor(ROWS[rows]))
+        if isinstance(expected, tuple) and isinstance(expected[0], type):
+            assert got == expected, rows
+            continue
+        for e, g in zip(
+            expected if isinstance(expected, tuple) else (expected,), got if isinstance(got, tuple) else (got,)
+        ):
+            if isinstance(e, torch.Tensor):
+                assert g.shape == e.shape and g.stride() == e.stride() and torch.equal(g, e), rows
+            else:
+                assert g == e, rows
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("how", ["iterated", "unbind", "squeezed"])
+def test_gradients_through_one_selected_row(how, cache):
+    """With one row selected, the backward was compiled for the selection's whole shape
+    (its rows taken to be 2 or more) and raised where eager's runs."""
+
+    def fn(x):
+        sel = _selected(x)
+        if how == "iterated":
+            return [r * 2 for r in sel]
+        if how == "unbind":
+            return list(sel.unbind(0))
+        return [sel.squeeze(0) * 3]
+
+    jitted = dtcompile.jit(fn, cache=cache)
+    for rows in (2, 1, 2, 1):
+        if how == "squeezed" and rows == 2:
+            continue
+        xe = torch.tensor(ROWS[rows], requires_grad=True)
+        xc = torch.tensor(ROWS[rows], requires_grad=True)
+        expected, got = fn(xe), jitted(xc)
+        assert [g.shape for g in got] == [e.shape for e in expected]
+        sum(t.sum() for t in expected).backward()
+        sum(t.sum() for t in got).backward()
+        assert torch.equal(xc.grad, xe.grad)
