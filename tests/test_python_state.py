@@ -3,7 +3,6 @@ functions, Python modules and module attributes are guarded like arguments. A ch
 compiles a new entry (a cache miss) and gives eager's result; calling again with the
 same values hits."""
 
-import copy
 import enum
 import functools
 import sys
@@ -907,36 +906,6 @@ def test_a_forward_storing_a_tensor_and_a_container_of_it(cls, misses, cache):
         assert_same_tensor(jitted(x), reference(x))
         assert torch.equal(model.a, reference.a) and model.pair[0] is model.a and model.pair[1] is x
     assert dtcompile.cache_misses(jitted) == misses
-
-
-class _KeepsItsLastOutput(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 4)
-
-    def forward(self, x):
-        y = self.lin(x)
-        self.last = y  # a tensor assigned, never read: no input of the program
-        return y * 2
-
-
-def test_a_tensor_the_forward_keeps_on_the_module_does_not_compile_per_length():
-    """``self.last`` held the last call's tensor, an input of the program whose sizes
-    were guarded: each new length compiled anew under symbolic values. Now the first call
-    (absent before) and the second compile; then the stored tensor is eager's at every
-    length, also where the next call's argument is that tensor."""
-    torch.manual_seed(0)
-    model = _KeepsItsLastOutput()
-    reference = copy.deepcopy(model)
-    jitted = dtcompile.jit(model, cache="symbolic values")
-    with torch.no_grad():
-        for n in (3, 5, 6, 7, 9):
-            x = torch.randn(n, 4)
-            assert_same_tensor(jitted(x), reference(x))
-            assert_same_tensor(model.last, reference.last)
-        assert dtcompile.cache_misses(jitted) == 2
-        assert_same_tensor(jitted(model.last[:, :4]), reference(reference.last[:, :4]))
-        assert_same_tensor(model.last, reference.last)
 
 
 def test_a_simple_namespace_config_is_followed():

@@ -22,8 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core import TensorProxy
-from ..core.symbol import leaves
 from .outputs import HeldOutput
 
 _TABLES = ("_parameters", "_buffers", "__dict__")
@@ -179,32 +177,3 @@ def tensor_attributes(module: torch.nn.Module):
         for attr, value in vars(owner).items():
             if issubclass(type(value), torch.Tensor):  # (not ``isinstance``: a dead weak proxy raises)
                 yield (f"{owner_name}.{attr}" if owner_name else attr), value
-
-
-def unread_attributes_dropped(inputs, module: torch.nn.Module, updates: list, symbols: list, outputs) -> None:
-    """Drop from ``inputs.attributes`` each tensor attribute the forward assigns (``updates``)
-    and no code loads by name (``python_guards.unread_assigned``), that nothing traced
-    reads: ``self.last = y`` held from the call before. Its sizes are then not guarded, so a
-    new length does not compile anew under symbolic values (nor its dtype, device or count
-    of Python attributes, which no code of the call reads)."""
-    from .input_nodes import brings_proxy, iter_leaves
-
-    unread = inputs.python_state.unread_assigned(updates) if inputs.attributes else set()
-    if not unread:
-        return
-    owners = dict(module.named_modules(remove_duplicate=False))
-    labels = lambda node: {n.proxy.label for n in iter_leaves(node) if brings_proxy(n)}  # noqa: E731
-    dropped = set()
-    for name, node in inputs.attributes:
-        prefix, _, key = name.rpartition(".")
-        if (id(vars(owners[prefix])), key) in unread:
-            dropped |= labels(node)
-    if not dropped:
-        return
-    kept = [node for name, node in inputs.attributes if not labels(node) <= dropped]
-    for node in [inputs.args, inputs.kwargs, *(n for _, n in inputs.params + inputs.buffers), *kept]:
-        dropped -= labels(node)  # (the same tensor an argument, a parameter, or under another name)
-    for bsym in symbols:
-        dropped -= {p.label for p in bsym.input_proxies()}
-    dropped -= {p.label for p in leaves(outputs) if isinstance(p, TensorProxy)}
-    inputs.attributes[:] = [(name, node) for name, node in inputs.attributes if not labels(node) & dropped]

@@ -118,20 +118,7 @@ class AfterTracing:
         new entry. Not guarded: an attribute no code loads by name (``self.last = n * 2``
         in user classes whose code never loads ``last``), which would compile at every call,
         once it exists (absent before, it is guarded absent: ``getattr(self, f"s{i}", None)``)."""
-        unread = self.unread_assigned(module_updates)
-        self.forget(lambda read: (id(read.holder), read.key) not in unread)
-        for u in module_updates:
-            if u.table == "__dict__":
-                self._assigned_names[(id(vars(u.module)), u.key)] = None
-                if (id(vars(u.module)), u.key) not in unread:  # absent before: ``hasattr`` was False
-                    self._read(
-                        vars(u.module), u.key, vars(u.module).get(u.key, ABSENT), f"attribute {u.key!r} of {u.path}"
-                    )
-
-    def unread_assigned(self, module_updates: list) -> set[tuple[int, str]]:
-        """``(id of the module's dict, name)`` of each attribute the forward assigns, of a user
-        class, that held a value before the call and that no code loads by name."""
-        return {
+        unread = {
             (id(vars(u.module)), u.key)
             for u in module_updates
             if u.table == "__dict__"
@@ -142,6 +129,14 @@ class AfterTracing:
             # once more, with what this call assigned.
             and u.key in vars(u.module)
         }
+        self.forget(lambda read: (id(read.holder), read.key) not in unread)
+        for u in module_updates:
+            if u.table == "__dict__":
+                self._assigned_names[(id(vars(u.module)), u.key)] = None
+                if (id(vars(u.module)), u.key) not in unread:  # absent before: ``hasattr`` was False
+                    self._read(
+                        vars(u.module), u.key, vars(u.module).get(u.key, ABSENT), f"attribute {u.key!r} of {u.path}"
+                    )
 
     def namespace_lengths(self) -> list[tuple[int, tuple[str, ...]]]:
         """How many names each namespace holds, not counting the names the forward assigns

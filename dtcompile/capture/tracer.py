@@ -49,7 +49,7 @@ from .input_fakes import InputFakes
 from .input_nodes import DictInput, DTensorInput, InputNode, ObjectInput, SequenceInput, brings_proxy, iter_leaves
 from .inputs import InputProxifier
 from .method_checks import effects_refused, retained_outputs
-from .module_state import ModuleState, ModuleUpdate, tensor_attributes, unread_attributes_dropped
+from .module_state import ModuleState, ModuleUpdate, tensor_attributes
 from .objects import AttributeUpdate
 from .outlining import outline
 from .outputs import OutputCollector, OutputNode
@@ -100,7 +100,8 @@ class CapturedCall:
     # The input objects the epilogue receives (to update or to return), and the updates.
     objects: list[ObjectInput] = field(default_factory=list)
     updates: list[AttributeUpdate] = field(default_factory=list)
-    module_updates: list[ModuleUpdate] = field(default_factory=list)  # the forward's assignments, made again
+    # Attributes the forward assigned on the module's submodules, made again after each call.
+    module_updates: list[ModuleUpdate] = field(default_factory=list)
     input_fakes: InputFakes | None = None  # the fakes of the real tensors that entered the trace
     dtensor_writes: list = field(default_factory=list)  # (``Proxifier.written_dtensors``): versions to count
 
@@ -343,7 +344,6 @@ def _capture(
             f"{'' if 'not put back' in changed[0] else ' (the change was undone)'}. Return the values instead{instead}"
         )
     inputs.python_state.after_tracing(module_updates, recording)
-    unread_attributes_dropped(inputs, module, module_updates, recording.bound_symbols, collector.proxies)
 
     leaves = [n for top in inputs.nodes() for n in iter_leaves(top) if brings_proxy(n)]
     proxies = [n.proxy for n in leaves] + recording.captured_proxies
