@@ -1426,3 +1426,29 @@ def test_an_entry_moved_last_keeps_its_object():
         for _ in range(3):
             assert torch.equal(jitted(torch.ones(2)), torch.full((2,), 2.0))
             assert list(vars(module))[-1] == "log" and module.log is log and module.log[0] is tensor
+
+
+def test_entries_the_caller_reorders_between_calls_stay_as_eager_leaves_them():
+    """The forward moves ``a`` last; the caller moves ``b`` last between calls (no guard
+    sees the order of a namespace the forward assigns to): only ``a`` is moved again."""
+
+    class Moves(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = 1.0, 2.0, 3.0
+
+        def forward(self, x):
+            del self.a
+            self.a = 5.0
+            return x + 1
+
+    module, reference = Moves(), Moves()
+    jitted = dtcompile.jit(module)
+    for step in range(4):
+        if step == 2:
+            for m in (module, reference):
+                b = m.b
+                del m.b
+                m.b = b
+        assert torch.equal(jitted(torch.ones(1)), reference(torch.ones(1)))
+        assert list(vars(module))[-3:] == list(vars(reference))[-3:]

@@ -126,20 +126,19 @@ class ModuleState:
 
     def assignments(self) -> list[tuple[torch.nn.Module, str, str, object, bool]]:
         """``(module, table, key, new value, moved)`` for each entry the call changed, in the
-        table's order (the value ``_MISSING`` where removed); where setting the changed ones
-        would leave another order than the call's (an entry deleted and set again moves
-        last), each entry from the first out of place on is moved: removed, then set again
-        (the value ``_KEPT`` where it holds what it held: the same object is set again)."""
+        table's order (the value ``_MISSING`` where removed). An entry the call deleted and
+        set again moved last: it is removed, then set again (the value ``_KEPT`` where it
+        holds what it held: the same object is set again), so that entries the caller
+        reordered between calls stay as eager's code leaves them. Those are the entries
+        after the longest start of the table's order that kept the order traced."""
         changed = []
         for module, name, traced in self._traced:
             table = _table(module, name)
-            order = list(table)
-            expected = [key for key in traced if key in table] + [key for key in order if key not in traced]
-            moved = next((i for i, (now, kept) in enumerate(zip(order, expected)) if now != kept), len(order))
+            stayed = _kept_order(list(traced), list(table))
             for i, (key, value) in enumerate(table.items()):
-                kept = traced.get(key, _MISSING) is value
-                if i >= moved or not kept:
-                    changed.append((module, name, key, _KEPT if kept else value, i >= moved))
+                kept, moved = traced.get(key, _MISSING) is value, i >= stayed and key in traced
+                if moved or not kept:
+                    changed.append((module, name, key, _KEPT if kept else value, moved))
             changed += [(module, name, key, _MISSING, False) for key in traced if key not in table]
         return changed
 
@@ -167,6 +166,18 @@ class ModuleState:
                 described = describe(value, f"the module attribute {path!r}")
             updates.append(ModuleUpdate(module, table, key, described, path, moved))
         return updates
+
+
+def _kept_order(before: list, after: list) -> int:
+    """How many of the first keys of ``after`` appear in ``before`` in the same order."""
+    at = 0
+    for i, key in enumerate(after):
+        while at < len(before) and before[at] != key:
+            at += 1
+        if at == len(before):
+            return i
+        at += 1
+    return len(after)
 
 
 def tensor_attributes(module: torch.nn.Module):
