@@ -620,3 +620,30 @@ def test_a_refused_branch_names_the_write_that_bars_it():
 
     with pytest.raises(dtcompile.TracingError, match=r"after an in-place write \(Tensor.neg_\("):
         dtcompile.jit(fn)(torch.ones(3))
+
+
+class _ClipsBig(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.clamp(-1, 1) if g.abs().max() > 1 else g
+
+
+@pytest.mark.parametrize("where", ["custom backward", "tensor hook"])
+def test_a_branch_on_gradient_data_is_refused_naming_the_backward(where):
+    """The message blamed collectives and random ops: a branch in the backward reads the
+    gradients, whose values tracing does not have."""
+
+    def fn(x, w):
+        if where == "custom backward":
+            return _ClipsBig.apply(x) * w
+        y = x * 1
+        y.register_hook(lambda g: g * 0 if g.isnan().any() else g)
+        return y * w
+
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    with pytest.raises(dtcompile.TracingError, match="branch on tensor data in the backward"):
+        dtcompile.jit(fn)(x, torch.tensor([5.0, 0.2])).sum().backward()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ..core import InputPath, TensorProxy, TracingError
 from ..core.op_classes import draws_random_numbers
@@ -123,6 +124,14 @@ def capture_backward(
         start = len(recording.bound_symbols)
         try:
             grads = _grad(outputs, wrt, cotangents, retain=modes.seen()) if outputs else [None] * len(wrt)
+        except TracingError as error:  # (a branch on data refused: the gradients' values are not known now)
+            if not isinstance(error.__cause__, GuardOnDataDependentSymNode):
+                raise
+            raise TracingError(
+                "dtcompile.jit: a Python branch on tensor data in the backward (a custom Function's backward, a "
+                f"tensor hook: {error.__cause__.cond}): the backward is traced without the gradients' values, so "
+                "the branch cannot be computed now and checked at run time. Use torch.where or clamp instead"
+            ) from error
         except RuntimeError as error:
             if not modes.seen() or _MIXED not in str(error):
                 raise
