@@ -1452,3 +1452,31 @@ def test_entries_the_caller_reorders_between_calls_stay_as_eager_leaves_them():
                 m.b = b
         assert torch.equal(jitted(torch.ones(1)), reference(torch.ones(1)))
         assert list(vars(module))[-3:] == list(vars(reference))[-3:]
+
+
+def test_entries_deleted_and_set_again_where_they_were_last_move_at_each_call():
+    """Deleting and setting again the last entries leaves the order traced unchanged; at a
+    call where the other entry's trace moved ``a`` after them, eager's moves them last."""
+
+    class Moves(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.d, self.b, self.c = 1, 0, 2, 3
+
+        def forward(self, x):
+            if x.shape[0] == 1:
+                del self.b
+                self.b = 2
+                del self.c
+                self.c = 3
+                self.d = 7
+            else:
+                del self.a
+                self.a = 1
+            return x + 1
+
+    module, reference = Moves(), Moves()
+    jitted = dtcompile.jit(module)
+    for n in (1, 2, 1, 2, 1):
+        assert torch.equal(jitted(torch.ones(n)), reference(torch.ones(n)))
+        assert list(vars(module))[-4:] == list(vars(reference))[-4:]

@@ -79,7 +79,8 @@ class ModuleState:
         self._traced: list[tuple[torch.nn.Module, str, dict]] = []  # (module, table name, items as traced)
         # id of a proxy standing for a Parameter -> (the proxy, where it stood: module, table, key)
         self._parameter_stand_ins: dict[int, tuple] = {}
-        self._setattr = None
+        self._setattr = self._delattr = None
+        self.deleted: set[tuple[int, str]] = set()  # (id of a module, name) the call deleted: set again, it moves last
         self.refused: str | None = None  # (``updates``: told after a library's one-time setup is ruled out)
 
     def __enter__(self) -> ModuleState:
@@ -96,12 +97,13 @@ class ModuleState:
                         if isinstance(value, torch.nn.Parameter):
                             self._parameter_stand_ins.setdefault(id(stand_in), (stand_in, module, name, key))
                 self._traced.append((module, name, dict(table)))
-        self._setattr = torch.nn.Module.__setattr__
+        self._setattr, self._delattr = torch.nn.Module.__setattr__, torch.nn.Module.__delattr__
         torch.nn.Module.__setattr__ = _setattr_with_stand_ins(self._setattr, self._parameter_stand_ins)
+        torch.nn.Module.__delattr__ = _delattr_noted(self._delattr, self.deleted)
         return self
 
     def __exit__(self, *exc) -> None:
-        torch.nn.Module.__setattr__ = self._setattr
+        torch.nn.Module.__setattr__, torch.nn.Module.__delattr__ = self._setattr, self._delattr
         self.restore()
 
     @contextlib.contextmanager
@@ -129,14 +131,16 @@ class ModuleState:
         table's order (the value ``_MISSING`` where removed). An entry the call deleted and
         set again moved last: it is removed, then set again (the value ``_KEPT`` where it
         holds what it held: the same object is set again), so that entries the caller
-        reordered between calls stay as eager's code leaves them. Those are the entries
-        after the longest start of the table's order that kept the order traced."""
+        reordered between calls stay as eager's code leaves them. Those are the entries it
+        deleted (``del self.a``), and those after the longest start of the table's order
+        that kept the order traced (deleted otherwise: ``vars(self).pop``)."""
         changed = []
         for module, name, traced in self._traced:
             table = _table(module, name)
             stayed = _kept_order(list(traced), list(table))
             for i, (key, value) in enumerate(table.items()):
-                kept, moved = traced.get(key, _MISSING) is value, i >= stayed and key in traced
+                kept = traced.get(key, _MISSING) is value
+                moved = key in traced and (i >= stayed or (id(module), key) in self.deleted)
                 if moved or not kept:
                     changed.append((module, name, key, _KEPT if kept else value, moved))
             changed += [(module, name, key, _MISSING, False) for key in traced if key not in table]
@@ -166,6 +170,16 @@ class ModuleState:
                 described = describe(value, f"the module attribute {path!r}")
             updates.append(ModuleUpdate(module, table, key, described, path, moved))
         return updates
+
+
+def _delattr_noted(original, deleted: set):
+    """``nn.Module.__delattr__`` while a module is traced, noting what it deletes."""
+
+    def __delattr__(module, name):
+        deleted.add((id(module), name))
+        return original(module, name)
+
+    return __delattr__
 
 
 def _kept_order(before: list, after: list) -> int:
