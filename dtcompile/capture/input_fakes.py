@@ -49,6 +49,7 @@ class InputFakes:
         describer = self.fake_mode.fake_tensor_converter.meta_converter.describer
         describer.lookup_tensor.clear()
         describer.lookup_storage.clear()
+        self._storages.clear()  # (its pending fakes refer back to it: no cycle left for the collector)
 
     def deferred(self, real: torch.Tensor, like: torch.Tensor | None = None):
         """For a tensor whose fake :meth:`static` would make from its metadata (or that of
