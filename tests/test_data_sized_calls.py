@@ -52,6 +52,22 @@ def as_bool(x):
     return x * 2 if _selected(x)[:, 0] < 3 else x - 1
 
 
+def broadcast(x):
+    a = _selected(x)
+    b = a + torch.ones(2, 2)  # one row selected: broadcast to 2, as eager's
+    n = a.shape[0]
+    return b, n, (a * 10 if n == 1 else a)
+
+
+def broadcast_made(x):
+    a = _selected(x)
+    return (a * torch.ones(2, 2)).sum() + torch.arange(a.shape[0]).sum()
+
+
+def expanded(x):
+    return _selected(x).expand(2, 2) * torch.arange(2.0)
+
+
 def _run(fn, *args):
     try:
         return fn(*args)
@@ -72,6 +88,9 @@ def _run(fn, *args):
         (as_float, (2, 1, 0)),
         (as_index, (1, 2, 1)),
         (as_bool, (1, 2, 0, 1)),
+        (broadcast, (1, 2, 1, 0)),
+        (broadcast_made, (1, 2, 1)),
+        (expanded, (1, 2, 1)),
     ],
 )
 def test_a_size_read_from_data_that_is_one_is_decided_as_in_eager(fn, order, cache):

@@ -12,7 +12,9 @@ decides as eager's does, and an entry traced so serves only calls where it is 1.
 from __future__ import annotations
 
 import torch
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
+
+from ..core.symbol import leaves
 
 _SQUEEZES = {torch.squeeze, torch.Tensor.squeeze, torch.Tensor.squeeze_}
 # What eager raises where the tensor does not hold one element: (type, message of a count)
@@ -31,6 +33,53 @@ _ONE_ELEMENT = {
 }
 
 
+# Calls that broadcast their tensors' sizes against each other (or against sizes given).
+_BROADCASTING = {
+    *(getattr(torch, n) for n in ("add", "sub", "mul", "div", "true_divide", "pow", "maximum", "minimum", "where")),
+    *(getattr(torch, n) for n in ("lerp", "atan2", "remainder", "fmod", "eq", "ne", "lt", "le", "gt", "ge")),
+    *(getattr(torch, n) for n in ("logical_and", "logical_or", "logical_xor", "broadcast_tensors", "broadcast_to")),
+    *(getattr(torch.Tensor, n) for n in ("add", "sub", "mul", "div", "pow", "add_", "sub_", "mul_", "div_", "copy_")),
+    *(getattr(torch.Tensor, n) for n in ("expand", "expand_as", "broadcast_to", "masked_fill", "lerp", "where")),
+    *(getattr(torch.Tensor, f"__{n}__") for n in ("add", "radd", "iadd", "sub", "rsub", "isub", "mul", "rmul")),
+    *(getattr(torch.Tensor, f"__{n}__") for n in ("imul", "truediv", "rtruediv", "itruediv", "pow", "rpow")),
+    *(getattr(torch.Tensor, f"__{n}__") for n in ("eq", "ne", "lt", "le", "gt", "ge", "and", "or", "xor", "mod")),
+    *(getattr(torch.Tensor, f"__{n}__") for n in ("floordiv", "rfloordiv")),
+}
+
+
+def _broadcast_questions(func, args: tuple, kwargs: dict) -> list:
+    """The sizes read from data that broadcasting in ``func`` may stretch: each aligned
+    (from the last dim) with a size that is neither 1 nor the same number."""
+    shapes = [tuple(x.shape) for x in leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    if func in (torch.Tensor.expand, torch.Tensor.broadcast_to, torch.broadcast_to) and len(args) > 1:
+        sizes = args[1:] if isinstance(args[1], int | torch.SymInt) else args[1]
+        shapes.append(tuple(s for s in sizes))
+    asked = []
+    for shape in shapes:
+        for back, size in enumerate(reversed(shape)):
+            if not _read_from_data(size) or any(size is q for q in asked):
+                continue
+            others = [other[-1 - back] for other in shapes if other is not shape and back < len(other)]
+            if any(_other_than(size, other) for other in others):
+                asked.append(size)
+    return asked
+
+
+def _other_than(size, other) -> bool:
+    expression = other.node.expr if isinstance(other, torch.SymInt) else other
+    return expression != size.node.expr and expression not in (1, -1)
+
+
+def _asked(question) -> bool | None:
+    """The answer to a question on sizes read from data, as a branch on data checked at run
+    time; None where tracing cannot compute it now (a write before it: data_branches.py),
+    and the op then decides as torch's does."""
+    try:
+        return bool(question)
+    except GuardOnDataDependentSymNode:
+        return None
+
+
 def _read_from_data(size) -> bool:
     return isinstance(size, torch.SymInt) and bool(free_unbacked_symbols(size))
 
@@ -40,14 +89,17 @@ def sizes_decided(func, args: tuple, kwargs: dict) -> None:
     turns on (see the module docstring); raise eager's error where its answer is one."""
     if not args or not isinstance(args[0], torch.Tensor):
         return
-    if func in _SQUEEZES:
+    if func in _BROADCASTING:
+        for size in _broadcast_questions(func, args, kwargs):
+            _asked(size == 1)  # (where True: 1 from then on, and broadcast as eager's)
+    elif func in _SQUEEZES:
         x = args[0]
         dims = args[1] if len(args) > 1 else kwargs.get("dim")
         dims = range(x.dim()) if dims is None else (dims,) if isinstance(dims, int) else dims
         for dim in dims:
             if _read_from_data(size := x.shape[dim]):
-                bool(size == 1)  # (a branch on data: where True, the size is 1 from then on)
+                _asked(size == 1)  # (a branch on data: where True, the size is 1 from then on)
     elif func in _ONE_ELEMENT and _read_from_data(count := args[0].numel()):
-        if not bool(count == 1):
+        if _asked(count == 1) is False:
             error, message = _ONE_ELEMENT[func]
             raise error(message(int(count)))
