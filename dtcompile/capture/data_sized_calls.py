@@ -15,6 +15,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
 
 from ..core.symbol import leaves
+from ..core.torch_internals import data_values_known
 
 _SQUEEZES = {torch.squeeze, torch.Tensor.squeeze, torch.Tensor.squeeze_}
 # What eager raises where the tensor does not hold one element: (type, message of a count)
@@ -84,10 +85,11 @@ def _read_from_data(size) -> bool:
     return isinstance(size, torch.SymInt) and bool(free_unbacked_symbols(size))
 
 
-def sizes_decided(func, args: tuple, kwargs: dict) -> None:
+def sizes_decided(func, args: tuple, kwargs: dict, shape_env) -> None:
     """Ask, before ``func`` runs, each question on a size read from data that its result
-    turns on (see the module docstring); raise eager's error where its answer is one."""
-    if not args or not isinstance(args[0], torch.Tensor):
+    turns on (see the module docstring); raise eager's error where its answer is one.
+    Nothing to ask while no such value is known (most calls of most programs)."""
+    if not args or not isinstance(args[0], torch.Tensor) or not data_values_known(shape_env):
         return
     if func in _BROADCASTING:
         for size in _broadcast_questions(func, args, kwargs):
