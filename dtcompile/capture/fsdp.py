@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ..core import TracingError
+from ..core import TracingError, fsdp_internals
 from ..core.fsdp_internals import fsdp_cast_inputs, fsdp_cast_output, fsdp_param_groups, fsdp_unsharded_spec
 from .graph_reach import reached_through
 from .python_reads import ABSENT, Read
@@ -312,8 +312,10 @@ class FSDPTracing:
         # The labels of the sharded parameters' local proxies whose modules reshard after
         # forward: the backward all-gathers them again (transforms/split.py).
         self.recompute_from: set[str] = set()
+        self._methods = fsdp_internals.forward_methods_refused(bool(self.managed))
 
     def __enter__(self) -> FSDPTracing:
+        self._methods.__enter__()
         for managed in self.managed:
             pre_id, post_id = managed.hook_ids
             for table, key, hook in (
@@ -328,6 +330,7 @@ class FSDPTracing:
         for table, key, hook in reversed(self._saved):
             table[key] = hook
         self._saved.clear()
+        self._methods.__exit__(*exc)
 
     def _pre_forward(self, managed: ManagedModule):
         def hook(module, args, kwargs):

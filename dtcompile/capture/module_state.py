@@ -26,7 +26,7 @@ from .outputs import HeldOutput
 
 _TABLES = ("_parameters", "_buffers", "__dict__")
 _MISSING = object()
-_KEPT = object()  # an entry moved, holding what it held
+_HELD = object()  # an entry moved, not assigned: what it holds at run time
 
 
 @dataclass
@@ -80,7 +80,9 @@ class ModuleState:
         # id of a proxy standing for a Parameter -> (the proxy, where it stood: module, table, key)
         self._parameter_stand_ins: dict[int, tuple] = {}
         self._setattr = self._delattr = None
-        self.deleted: set[tuple[int, str]] = set()  # (id of a module, name) the call deleted: set again, it moves last
+        # (id of a module, name) the call set or deleted, and deleted (set again, it moves last)
+        self.assigned: set[tuple[int, str]] = set()
+        self.deleted: set[tuple[int, str]] = set()
         self.refused: str | None = None  # (``updates``: told after a library's one-time setup is ruled out)
 
     def __enter__(self) -> ModuleState:
@@ -98,8 +100,9 @@ class ModuleState:
                             self._parameter_stand_ins.setdefault(id(stand_in), (stand_in, module, name, key))
                 self._traced.append((module, name, dict(table)))
         self._setattr, self._delattr = torch.nn.Module.__setattr__, torch.nn.Module.__delattr__
-        torch.nn.Module.__setattr__ = _setattr_with_stand_ins(self._setattr, self._parameter_stand_ins)
-        torch.nn.Module.__delattr__ = _delattr_noted(self._delattr, self.deleted)
+        setattr_ = _setattr_with_stand_ins(self._setattr, self._parameter_stand_ins)
+        torch.nn.Module.__setattr__ = _noted(setattr_, self.assigned)
+        torch.nn.Module.__delattr__ = _noted(self._delattr, self.assigned, self.deleted)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -129,20 +132,20 @@ class ModuleState:
     def assignments(self) -> list[tuple[torch.nn.Module, str, str, object, bool]]:
         """``(module, table, key, new value, moved)`` for each entry the call changed, in the
         table's order (the value ``_MISSING`` where removed). An entry the call deleted and
-        set again moved last: it is removed, then set again (the value ``_KEPT`` where it
-        holds what it held: the same object is set again), so that entries the caller
+        set again moved last: it is removed, then set again, so that entries the caller
         reordered between calls stay as eager's code leaves them. Those are the entries it
         deleted (``del self.a``), and those after the longest start of the table's order
-        that kept the order traced (deleted otherwise: ``vars(self).pop``)."""
+        that kept the order traced (deleted otherwise: ``vars(self).pop``); one of these the
+        call neither set nor deleted is set again to what it holds at run time (``_HELD``)."""
         changed = []
         for module, name, traced in self._traced:
             table = _table(module, name)
             stayed = _kept_order(list(traced), list(table))
             for i, (key, value) in enumerate(table.items()):
-                kept = traced.get(key, _MISSING) is value
+                assigned, kept = (id(module), key) in self.assigned, traced.get(key, _MISSING) is value
                 moved = key in traced and (i >= stayed or (id(module), key) in self.deleted)
-                if moved or not kept:
-                    changed.append((module, name, key, _KEPT if kept else value, moved))
+                if moved or not kept:  # (one only moved holds at run time what it holds then)
+                    changed.append((module, name, key, _HELD if kept and not assigned else value, moved))
             changed += [(module, name, key, _MISSING, False) for key in traced if key not in table]
         return changed
 
@@ -162,7 +165,7 @@ class ModuleState:
                 return []
             if value is _MISSING:
                 described = None
-            elif value is _KEPT:  # (what it holds at run time: the real tensor, the same container)
+            elif value is _HELD:
                 described = HeldOutput(module, table, key)
             elif id(value) in self._parameter_stand_ins:  # the Parameter itself, as eager assigns it
                 described = HeldOutput(*self._parameter_stand_ins[id(value)][1:])
@@ -172,14 +175,15 @@ class ModuleState:
         return updates
 
 
-def _delattr_noted(original, deleted: set):
-    """``nn.Module.__delattr__`` while a module is traced, noting what it deletes."""
+def _noted(original, *names: set):
+    """``nn.Module.__setattr__`` or ``__delattr__`` while a module is traced, noting the names."""
 
-    def __delattr__(module, name):
-        deleted.add((id(module), name))
-        return original(module, name)
+    def noted(module, name, *value):
+        for noted_names in names:
+            noted_names.add((id(module), name))
+        return original(module, name, *value)
 
-    return __delattr__
+    return noted
 
 
 def _kept_order(before: list, after: list) -> int:

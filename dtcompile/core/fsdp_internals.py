@@ -4,7 +4,10 @@ forward hooks make."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+
+from .errors import TracingError
 
 
 def fsdp_param_groups(state) -> list:
@@ -59,3 +62,28 @@ def holds_composable_state(module) -> bool:
     from torch.distributed._composable_state import _get_module_state
 
     return _get_module_state(module) is not None
+
+
+@contextlib.contextmanager
+def forward_methods_refused(active: bool = True):
+    """While FSDP2 modules are traced (their forward hooks swapped for dtcompile's), FSDP2's
+    own pre-forward, which a method that ``register_fsdp_forward_method`` wrapped calls, raises
+    a TracingError before it changes anything (it would unshard the traced stand-ins)."""
+    if not active:
+        yield
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    original = FSDPState.__dict__["_pre_forward"]
+
+    def _pre_forward(self, module, args, kwargs):
+        raise TracingError(
+            "dtcompile.jit: a method register_fsdp_forward_method wrapped (FSDP2 runs its pre- and post-forward "
+            f"around it) is called inside the call, on {type(module).__name__}; not supported yet: call it from forward()"
+        )
+
+    FSDPState._pre_forward = _pre_forward
+    try:
+        yield
+    finally:
+        FSDPState._pre_forward = original

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
 import dtcompile
@@ -226,6 +226,19 @@ def refusals():
     for grad in (True, False):
         with torch.set_grad_enabled(grad), pytest.raises(dtcompile.TracingError, match="'0' belongs to a module no"):
             jitted(torch.randn(4, DIM))
+    # A method register_fsdp_forward_method wrapped, called in the forward: refused before
+    # FSDP2's own pre-forward unshards the stand-ins (a raw error that left the model broken).
+    torch.manual_seed(0)
+    model = _EncodedHead()
+    fully_shard(model.encoder, mesh=mesh)
+    register_fsdp_forward_method(model.encoder, "encode")
+    model = fully_shard(model, mesh=mesh)
+    jitted = dtcompile.jit(model)
+    for _ in range(2):
+        with pytest.raises(dtcompile.TracingError, match="register_fsdp_forward_method"):
+            jitted(torch.randn(4, DIM))
+    with torch.no_grad():
+        assert model(torch.randn(4, DIM)).shape == (4, 2)  # (eager's FSDP2 state as it was)
     # check="eager": its eager run goes through FSDP2's own hooks (a false mismatch before).
     with pytest.raises(dtcompile.TracingError, match="check='eager' does not run modules fully_shard manages"):
         dtcompile.jit(_model("mlp", mesh, None), check="eager")(torch.randn(4, DIM))
@@ -235,6 +248,23 @@ def refusals():
     with pytest.raises(dtcompile.TracingError, match="activation checkpointing's recompute"):
         dtcompile.jit(fully_shard(layers, mesh=mesh))(torch.randn(4, DIM))
     return messages
+
+
+class _Encodes(MLP):
+    def __init__(self):
+        super().__init__(DIM, HIDDEN)
+
+    def encode(self, x):
+        return torch.tanh(self(x))
+
+
+class _EncodedHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.head = _Encodes(), torch.nn.Linear(DIM, 2)
+
+    def forward(self, x):
+        return self.head(self.encoder.encode(x))
 
 
 class _CheckpointedMLP(MLP):
