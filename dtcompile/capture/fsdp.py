@@ -31,10 +31,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from ..core import TracingError, fsdp_internals
 from ..core.fsdp_internals import fsdp_cast_inputs, fsdp_cast_output, fsdp_param_groups, fsdp_unsharded_spec
+from .fsdp_gather import buckets, unshard, unshard_group
 from .graph_reach import reached_through
 from .python_reads import ABSENT, Read
 
@@ -244,63 +245,6 @@ def option_reads(root: torch.nn.Module) -> list[Read]:
     return reads
 
 
-def unshard(sharded: DTensor, param: ShardedParameter) -> torch.Tensor:
-    """The unsharded parameter of ``sharded`` (a DTensor sharded over mesh dim 0, the dp
-    dim): DTensor's all-gather of it, and in backward DTensor's reduce-scatter (an
-    average over dp) of its gradient."""
-    placements = [Replicate(), *sharded.placements[1:]]
-    full = sharded.redistribute(
-        sharded.device_mesh, placements, forward_dtype=param.param_dtype, backward_dtype=param.reduce_dtype
-    )
-    local = full.to_local(grad_placements=[Partial("avg"), *placements[1:]])
-    return _as_tp_dtensor(local, param)
-
-
-def _as_tp_dtensor(local: torch.Tensor, param: ShardedParameter) -> torch.Tensor:
-    spec = param.tp_spec
-    if spec is None:
-        return local
-    return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
-
-
-def unshard_group(sharded: list[DTensor], params: list[ShardedParameter]) -> list[torch.Tensor]:
-    """The unsharded parameters of ``sharded`` (alike: evenly sharded on dim 0, one dtype,
-    one mixed-precision policy, one dp mesh) with one all-gather and, in backward, one
-    reduce-scatter, as FSDP2 buckets a group's parameters.
-
-    The local shards are flattened and concatenated (FSDP2's copy-in) into one 1-D
-    DTensor sharded over dp, which DTensor redistributes to Replicate (the all-gather);
-    its gradient is declared ``Partial("avg")``, so DTensor's backward is one
-    reduce-scatter of the concatenated gradients. The gathered buffer holds each rank's
-    concatenation in rank order: viewed as ``(ranks, n)`` and split by columns, each
-    parameter's column block, rows concatenated, is its unsharded tensor (FSDP2's
-    copy-out). Each value is the one :func:`unshard` gives: the same elements are
-    gathered, and the same elements averaged."""
-    first = params[0]
-    mesh, ranks = first.dp_mesh, first.dp_mesh.size()
-    locals_ = [value.to_local() for value in sharded]  # gradients: DTensors sharded as ``sharded``
-    flat_local = torch.cat([local.reshape(-1) for local in locals_])
-    n = flat_local.numel()
-    flat = DTensor.from_local(flat_local, mesh, [Shard(0)], run_check=False, shape=(ranks * n,), stride=(1,))
-    full = flat.redistribute(mesh, [Replicate()], forward_dtype=first.param_dtype, backward_dtype=first.reduce_dtype)
-    gathered = full.to_local(grad_placements=[Partial("avg")])
-    columns = gathered.view(ranks, n).split([local.numel() for local in locals_], dim=1)
-    unsharded = [column.reshape(ranks * local.shape[0], *local.shape[1:]) for column, local in zip(columns, locals_)]
-    # A frozen member's needs no gradient, as eager's does not (the buffer needs one where any member does).
-    unsharded = [u if value.requires_grad else u.detach() for u, value in zip(unsharded, sharded)]
-    return [_as_tp_dtensor(u, param) for u, param in zip(unsharded, params)]
-
-
-def _buckets(params: list[ShardedParameter]) -> list[list[int]]:
-    """The parameters of a module (by index) that share an all-gather: those evenly
-    sharded on dim 0 with the same dtypes, in FSDP2's order; every other one alone."""
-    buckets: dict[object, list[int]] = {}
-    for i, param in enumerate(params):
-        key = (param.dtype, param.param_dtype, param.reduce_dtype, id(param.dp_mesh)) if param.even_on_dim0 else i
-        buckets.setdefault(key, []).append(i)
-    return list(buckets.values())
-
-
 class FSDPTracing:
     """While entered, the FSDP hooks of the managed modules under ``root`` are replaced by
     unsharding with DTensor (see the module docstring); on exit they are put back."""
@@ -313,6 +257,10 @@ class FSDPTracing:
         # forward: the backward all-gathers them again (transforms/split.py).
         self.recompute_from: set[str] = set()
         self._methods = fsdp_internals.forward_methods_refused(bool(self.managed))
+        # Eager's FSDP2 leaves a module that does not reshard after forward unsharded, its
+        # parameters full tensors until the root's forward ends: (managed, sharded) to put back then.
+        self._root = self.managed[0] if self.managed and self.managed[0].module is root else None
+        self._unsharded: dict[int, tuple] = {}
 
     def __enter__(self) -> FSDPTracing:
         self._methods.__enter__()
@@ -335,6 +283,9 @@ class FSDPTracing:
     def _pre_forward(self, managed: ManagedModule):
         def hook(module, args, kwargs):
             args, kwargs = fsdp_cast_inputs(managed.state, args, kwargs)
+            if id(managed) in self._unsharded:  # (called again in the call: still unsharded, as in eager)
+                self._sharded.setdefault(id(managed), []).append(self._unsharded.pop(id(managed))[1])
+                return args, kwargs
             sharded = []
             for param in managed.params:
                 owner, name = param.owners[0]
@@ -349,7 +300,7 @@ class FSDPTracing:
                 sharded.append(value)
                 if managed.reshard_after_forward:
                     self.recompute_from.add(value._local_tensor.label)
-            for bucket in _buckets(managed.params):
+            for bucket in buckets(managed.params):
                 params = [managed.params[i] for i in bucket]
                 values = [sharded[i] for i in bucket]
                 fulls = unshard_group(values, params) if len(bucket) > 1 else [unshard(values[0], params[0])]
@@ -365,10 +316,15 @@ class FSDPTracing:
 
     def _post_forward(self, managed: ManagedModule):
         def hook(module, args, output):
-            sharded = self._sharded[id(managed)].pop()
-            for param, value in zip(managed.params, sharded):
-                for owner, name in param.owners:
-                    owner._parameters[name] = value
+            sharded, restored = self._sharded[id(managed)].pop(), []
+            if managed is self._root:
+                restored, self._unsharded = [*self._unsharded.values()], {}
+            elif not managed.reshard_after_forward and self._root is not None:
+                self._unsharded[id(managed)], sharded = (managed, sharded), None
+            for held, values in [*restored, (managed, sharded)] if sharded is not None else ():
+                for param, value in zip(held.params, values):
+                    for owner, name in param.owners:
+                        owner._parameters[name] = value
             return fsdp_cast_output(managed.state, output)
 
         return hook

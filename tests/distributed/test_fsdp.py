@@ -519,3 +519,46 @@ def lengths_of_their_own():
 
 def test_ranks_with_batches_of_their_own_lengths_compile_alone(ranks2):
     assert ranks2.run(lengths_of_their_own) == [2, 3]
+
+
+class _ReadsItsBlock(torch.nn.Module):
+    """The root's forward reads a block's weight after the block ran (and the block runs twice)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block, self.head = torch.nn.Linear(DIM, DIM), torch.nn.Linear(DIM, 2)
+
+    def forward(self, x):
+        h = self.block(self.block(x))
+        return self.head(h) / self.block.weight.norm() + self.block.weight.sum()
+
+
+def reads_an_unsharded_block(grad: bool):
+    """With reshard_after_forward=False, eager's FSDP2 leaves the block unsharded until the
+    root's forward ends: its weight read there is the full tensor. The compiled call read
+    the sharded DTensor (a Partial norm: each rank's own value, silently)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = _ReadsItsBlock()
+        fully_shard(model.block, mesh=mesh, reshard_after_forward=False)
+        models.append(fully_shard(model, mesh=mesh))
+    compiled, eager = models
+    jitted = dtcompile.jit(compiled)
+    for step in range(2):
+        x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(step + dist.get_rank()))
+        with torch.set_grad_enabled(grad):
+            got, expected = jitted(x), eager(x)
+        assert type(got) is type(expected) is torch.Tensor
+        torch.testing.assert_close(got, expected)
+        if grad:
+            got.sum().backward()
+            expected.sum().backward()
+            _assert_grads(compiled, eager)
+    return True
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_block_that_does_not_reshard_is_read_unsharded_after_its_forward(grad, ranks2):
+    assert ranks2.run(reads_an_unsharded_block, grad) == [True, True]
