@@ -286,7 +286,7 @@ class CallAnnotator(TorchFunctionMode):
             raise data_dependent_error(
                 _short_name(func), "it reads the values of the traced tensors in its data; use torch.stack"
             )
-        sizes_decided(func, args, kwargs, self.recording.fake_mode.shape_env)  # (``squeeze`` of one read from data)
+        sizes_decided(func, args, kwargs, bool(self.recording.read_by))  # (``squeeze`` of a size read from data)
         args, kwargs = bools_as_bools(func, args, kwargs, leaves)
         if func in FACTORIES and holds_traced_numbers(func, args, kwargs):
             func = tensor_of_numbers(func)  # (a size, a number read from data: computed at run time)

@@ -15,7 +15,6 @@ import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
 
 from ..core.symbol import leaves
-from ..core.torch_internals import data_values_known
 
 _SQUEEZES = {torch.squeeze, torch.Tensor.squeeze, torch.Tensor.squeeze_}
 # What eager raises where the tensor does not hold one element: (type, message of a count)
@@ -73,8 +72,10 @@ def _other_than(size, other) -> bool:
 
 def _asked(question) -> bool | None:
     """The answer to a question on sizes read from data, as a branch on data checked at run
-    time; None where tracing cannot compute it now (a write before it: data_branches.py),
-    and the op then decides as torch's does."""
+    time; None where tracing cannot compute it now (a write before it: data_branches.py):
+    a one-element read (a library's ``.item()`` after a write) or a broadcast (an MoE's
+    tokens, back from an all_to_all, times their weights) then goes as torch's does (README,
+    "Not yet"). A squeeze is refused there (it would keep a dim eager's drops)."""
     try:
         return bool(question)
     except GuardOnDataDependentSymNode:
@@ -85,11 +86,12 @@ def _read_from_data(size) -> bool:
     return isinstance(size, torch.SymInt) and bool(free_unbacked_symbols(size))
 
 
-def sizes_decided(func, args: tuple, kwargs: dict, shape_env) -> None:
+def sizes_decided(func, args: tuple, kwargs: dict, read_from_data: bool) -> None:
     """Ask, before ``func`` runs, each question on a size read from data that its result
     turns on (see the module docstring); raise eager's error where its answer is one.
-    Nothing to ask while no such value is known (most calls of most programs)."""
-    if not args or not isinstance(args[0], torch.Tensor) or not data_values_known(shape_env):
+    Nothing to ask while the call has read nothing from data (``read_from_data``: most
+    calls of most programs)."""
+    if not read_from_data or not args or not isinstance(args[0], torch.Tensor):
         return
     if func in _BROADCASTING:
         for size in _broadcast_questions(func, args, kwargs):
@@ -100,7 +102,7 @@ def sizes_decided(func, args: tuple, kwargs: dict, shape_env) -> None:
         dims = range(x.dim()) if dims is None else (dims,) if isinstance(dims, int) else dims
         for dim in dims:
             if _read_from_data(size := x.shape[dim]):
-                _asked(size == 1)  # (a branch on data: where True, the size is 1 from then on)
+                bool(size == 1)  # (a branch on data: where True, the size is 1 from then on)
     elif func in _ONE_ELEMENT and _read_from_data(count := args[0].numel()):
         if _asked(count == 1) is False:
             error, message = _ONE_ELEMENT[func]

@@ -50,7 +50,6 @@ __all__ = [
     "work_done",
     "non_overlapping_and_dense",
     "set_data_value",
-    "data_values_known",
     "symbol_values",
     "default_store",
     "fake_mode_active",
@@ -282,12 +281,6 @@ def fake_mode_active() -> bool:
 def set_data_value(shape_env, symbol, value) -> None:
     setter = getattr(shape_env, "set_real_tensor_prop_unbacked_vals", None) or shape_env.set_unbacked_var_to_val
     setter(symbol, value)
-
-
-def data_values_known(shape_env) -> bool:
-    """Whether the ShapeEnv knows the value of any number or size read from data."""
-    data = getattr(shape_env, "real_tensor_prop_unbacked_vals", None)
-    return bool(shape_env.unbacked_var_to_val if data is None else data)
 
 
 def symbol_values(shape_env) -> dict:
