@@ -1480,3 +1480,26 @@ def test_entries_deleted_and_set_again_where_they_were_last_move_at_each_call():
     for n in (1, 2, 1, 2, 1):
         assert torch.equal(jitted(torch.ones(n)), reference(torch.ones(n)))
         assert list(vars(module))[-4:] == list(vars(reference))[-4:]
+
+
+def test_an_entry_the_forward_resets_to_the_object_it_held_is_reset_at_each_call():
+    """``del self.mode; self.mode = None`` traced while ``mode`` held None: the caller's
+    ``mode = "warm"`` between calls was kept (read back at run time), where eager's is None."""
+
+    class Resets(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mode, self.b = None, 1.0
+
+        def forward(self, x):
+            del self.mode
+            self.mode = None
+            return x + 1
+
+    module, reference = Resets(), Resets()
+    jitted = dtcompile.jit(module)
+    for step in range(4):
+        if step % 2:
+            module.mode = reference.mode = "warm"
+        assert torch.equal(jitted(torch.ones(1)), reference(torch.ones(1)))
+        assert module.mode is None and list(vars(module))[-2:] == list(vars(reference))[-2:]
