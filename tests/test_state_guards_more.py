@@ -1503,3 +1503,26 @@ def test_an_entry_the_forward_resets_to_the_object_it_held_is_reset_at_each_call
             module.mode = reference.mode = "warm"
         assert torch.equal(jitted(torch.ones(1)), reference(torch.ones(1)))
         assert module.mode is None and list(vars(module))[-2:] == list(vars(reference))[-2:]
+
+
+def test_a_tensor_attribute_whose_name_holds_a_dot():
+    """``setattr(self, "scale.v", t)``: its name split at the dot named a submodule that does
+    not exist (a raw KeyError while building the prologue)."""
+
+    class Dotted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            setattr(self, "scale.v", torch.ones(3) * 2)
+
+        def forward(self, x):
+            return self.lin(x) * getattr(self, "scale.v")
+
+    torch.manual_seed(0)
+    module = Dotted()
+    jitted = dtcompile.jit(module)
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        for value in (2.0, 2.0, 5.0):
+            setattr(module, "scale.v", torch.full((3,), value))
+            assert torch.equal(jitted(x), module(x))

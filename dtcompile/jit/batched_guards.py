@@ -163,6 +163,17 @@ def _matches(t, m: LocalTensorMeta) -> bool:
     )
 
 
+def _owner_and_key(name: str, owners: dict, table: str) -> tuple[str, str]:
+    """The submodule's path and the key in its ``table`` of a tensor named ``name`` (an
+    attribute's own name may hold a dot: ``setattr(self, "scale.v", t)``)."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        owner, key = ".".join(parts[:i]), ".".join(parts[i:])
+        if owner in owners and key in getattr(owners[owner], table):
+            return owner, key
+    raise KeyError(name)
+
+
 def module_tensors(b, module: torch.nn.Module, inputs: CallInputs, sources: dict[str, str]) -> None:
     """Guard and unpack the module's parameters, buffers and tensor attributes. Those
     with static metadata (nearly all) are read in one C-level pass over their tables
@@ -176,7 +187,7 @@ def module_tensors(b, module: torch.nn.Module, inputs: CallInputs, sources: dict
         ("__dict__", inputs.attributes),
     ):
         for name, node in pairs:
-            owner, _, leaf = name.rpartition(".")
+            owner, leaf = _owner_and_key(name, owners, table)
             held = getattr(owners[owner], table)
             entries.append((f"{sources[owner]}.{table}", held, leaf, node, held.get(leaf)))
     batch = [e for e in entries if TensorGuards is not None and _batchable(e[3], e[4])]
