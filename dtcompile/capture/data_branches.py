@@ -28,6 +28,7 @@ import contextlib
 import itertools
 import logging
 import math
+import re
 from dataclasses import dataclass
 
 import sympy
@@ -57,6 +58,7 @@ from .live_collectives import ranks_meet
 from .size_text import folded, negative_zeros
 
 _ASSUMPTION = "propagate_real_tensors"  # how the ShapeEnv labels an assumption on a hint
+_SOURCE_LINE = re.compile(r"\.(py|cpp|h):\d+$")
 
 
 def branch_refused(recording, cond) -> str:
@@ -95,6 +97,10 @@ def size_values_now(recording, index: int) -> None:
     start for its check (``Recording.size_reads``); not where only a collective computes them."""
     bsym = recording.bound_symbols[index]
     shape_env = recording.fake_mode.shape_env
+    for proxy in bsym.output_tensors():  # (for the checks torch defers on them: ``_runtime_checks``)
+        for dim, symbol in enumerate(data_sizes(proxy, every_dim=True)):
+            if symbol is not None:
+                recording.deferred_checks.sizes_made.setdefault(symbol, (proxy, dim))
     fresh = [
         (proxy, dim, symbol)
         for proxy in bsym.output_tensors()
@@ -261,7 +267,13 @@ class RuntimeCheck(DataCheck):
     def lines(self, bsym: BoundSymbol) -> list[str]:
         names = {symbol: arg.label for symbol, arg in zip(self.symbols, bsym.args)}
         condition = python_source(self.expr, names)
-        text = f"dtcompile: a number read from tensor data fails a check of torch's op: {condition} ({self.message})"
+        # (torch's message is often only where its op checked: ``TensorShape.cpp:1676``)
+        where = "" if _SOURCE_LINE.search(self.message) else f" ({self.message})"
+        text = f"dtcompile: a number read from tensor data fails a check of torch's op: {condition}{where}. Eager's op "
+        if isinstance(self.expr, sympy.Eq):  # (torch's broadcast took a size read from data it could not ask to be 2+)
+            text += "raises here too, unless the check is a broadcast's of a size of 1 (README, 'Not yet')"
+        else:
+            text += "raises here too"
         return [f"if not ({condition}): raise RuntimeError({text!r})"]
 
 
@@ -289,8 +301,11 @@ def _printable(expr) -> bool:
 
 
 def _runtime_checks(recording, items: dict) -> None:
-    """Insert, right after the last read of their numbers, the checks torch's ops deferred
-    to run time on numbers read from data (``.item()``) and the inputs' sizes."""
+    """Insert the checks torch's ops deferred to run time on numbers read from data
+    (``.item()``, a selection's row count: ``x[m].narrow(0, 0, 2)`` checks ``2 <= u0``,
+    ``x[m].reshape(2, 2)`` takes ``u0 == 2``) and the inputs' sizes, each right after the op
+    that deferred it (``deferred_checks.py``) and the last read of its numbers. A size read
+    from data is read (``prims.shape``) after the symbol that makes its first tensor."""
     symbols = recording.bound_symbols
     position = {id(b.output): i for i, b in enumerate(symbols) if isinstance(b.output, NumberProxy)}
     # After the branches' checks: a call that fails one goes to another entry, whose
@@ -298,28 +313,56 @@ def _runtime_checks(recording, items: dict) -> None:
     branches = max((i for i, b in enumerate(symbols) if isinstance(b.symbol, DataCheck)), default=-1)
     after: dict[int, list] = {}
     seen, early = [], _before_branches(recording.fake_mode.shape_env)
+    sizes = None  # a size read from data -> (index of the symbol making its first tensor, the tensor, dim)
+    # The op that deferred each check (deferred_checks.py), found by its first output's fake.
+    op_at = {id(p.fake): i for i, b in enumerate(symbols) for p in b.output_tensors()[:1]}
     for expr, message in runtime_asserts(recording.fake_mode.shape_env):
         numbers = sorted(expr.free_symbols, key=str)
-        if message.startswith(_ASSUMPTION) or expr in seen or not any(s in items for s in numbers):
+        if message.startswith(_ASSUMPTION) or expr in seen or not _printable(expr):
             continue
-        if not all(s in items or s in recording.input_sizes for s in numbers) or not _printable(expr):
+        if not any(symbol_is_type(s, SymT.UNBACKED_INT) or s in items for s in numbers):
+            continue  # (the inputs' sizes alone: guarded)
+        sizes = _sizes_read_from_data(recording) if sizes is None else sizes
+        if not all(s in items or s in sizes or s in recording.input_sizes for s in numbers):
             continue
         seen.append(expr)
-        made, args = [], []
+        made, args, last = [], [], -1 if expr in early else branches
         for s in numbers:
             if s in items:
                 args.append(items[s])
+                last = max(last, position[id(items[s])])
+                continue
+            if s in sizes:
+                index, proxy, dim = sizes[s]
+                last = max(last, index)
+                provenance = FromData(f"a size of {proxy.label}")
             else:
                 proxy, dim = recording.input_sizes[s]
-                args.append(NumberProxy(recording.new_name(), s, None, NoProvenance(f"a size of {proxy.label}")))
-                made.append(BoundSymbol(SHAPE, (proxy, dim), {}, args[-1]))
+                provenance = NoProvenance(f"a size of {proxy.label}")
+            args.append(NumberProxy(recording.new_name(), s, None, provenance))
+            made.append(BoundSymbol(SHAPE, (proxy, dim), {}, args[-1]))
+        last = max(last, op_at.get(id(recording.deferred_checks.made_by.get(expr)), -1))
         check = RuntimeCheck(
             "prims.runtime_check", globals=_CHECK_GLOBALS, expr=expr, symbols=tuple(numbers), message=str(message)
         )
-        last = max(-1 if expr in early else branches, *(position[id(items[s])] for s in numbers if s in items))
         after.setdefault(last, []).extend([*made, BoundSymbol(check, tuple(args), {}, None, symbols[last].note)])
     if after:
         symbols[:] = [b for i, bsym in enumerate(symbols) for b in (bsym, *after.get(i, ()))]
+
+
+def _sizes_read_from_data(recording) -> dict:
+    """Each size read from data (a ``nonzero``'s count) the recording's tensors have: the
+    index of the symbol that makes the first tensor with it, that tensor and the dim (noted
+    when it was made: a check may since have replaced it by a number, ``x[m].reshape(2, 2)``)."""
+    made_at = {}
+    for index, bsym in enumerate(recording.bound_symbols):
+        for proxy in bsym.output_proxies():
+            made_at.setdefault(proxy.label, index)
+    return {
+        symbol: (made_at[proxy.label], proxy, dim)
+        for symbol, (proxy, dim) in recording.deferred_checks.sizes_made.items()
+        if proxy.label in made_at
+    }
 
 
 def _number_of(recording, symbols: list, reader: dict, symbol, size_reads: dict) -> NumberProxy:

@@ -45,13 +45,26 @@ _BROADCASTING = {
     *(getattr(torch.Tensor, f"__{n}__") for n in ("eq", "ne", "lt", "le", "gt", "ge", "and", "or", "xor", "mod")),
     *(getattr(torch.Tensor, f"__{n}__") for n in ("floordiv", "rfloordiv")),
 }
+# The torch ops (below the calls above: a DTensor's local ops, composite ops' parts) that
+# broadcast, beside those tagged pointwise (``addcmul``, ``clamp(min=t)``).
+_ATEN_BROADCASTS = {torch.ops.aten.expand.default, torch.ops.aten.copy_.default, torch.ops.aten.copy.default}
+_EXPANDS = (torch.Tensor.expand, torch.Tensor.broadcast_to, torch.broadcast_to, torch.ops.aten.expand.default)
+# Calls that broadcast only their batch dims (all but a matrix's last two).
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__}
 
 
 def _broadcast_questions(func, args: tuple, kwargs: dict) -> list:
     """The sizes read from data that broadcasting in ``func`` may stretch: each aligned
     (from the last dim) with a size that is neither 1 nor the same number."""
     shapes = [tuple(x.shape) for x in leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-    if func in (torch.Tensor.expand, torch.Tensor.broadcast_to, torch.broadcast_to) and len(args) > 1:
+    if func in _MATMULS:
+        shapes = [shape[:-2] for shape in shapes]
+    elif func is torch.Tensor.__setitem__:  # (the value against what it is written to: not traced for the question)
+        value = args[2] if len(args) > 2 else None
+        kept = {_expr(size) for size in args[0].shape}
+        shape = value.shape if isinstance(value, torch.Tensor) else ()
+        return [size for size in shape if _read_from_data(size) and _expr(size) not in kept]
+    if func in _EXPANDS and len(args) > 1:
         sizes = args[1:] if isinstance(args[1], int | torch.SymInt) else args[1]
         shapes.append(tuple(s for s in sizes))
     asked = []
@@ -66,8 +79,12 @@ def _broadcast_questions(func, args: tuple, kwargs: dict) -> list:
 
 
 def _other_than(size, other) -> bool:
-    expression = other.node.expr if isinstance(other, torch.SymInt) else other
+    expression = _expr(other)
     return expression != size.node.expr and expression not in (1, -1)
+
+
+def _expr(size):
+    return size.node.expr if isinstance(size, torch.SymInt) else size
 
 
 def _asked(question) -> bool | None:
@@ -93,7 +110,7 @@ def sizes_decided(func, args: tuple, kwargs: dict, read_from_data: bool) -> None
     calls of most programs)."""
     if not read_from_data or not args or not isinstance(args[0], torch.Tensor):
         return
-    if func in _BROADCASTING:
+    if func in _BROADCASTING or func in _MATMULS or func is torch.Tensor.__setitem__:
         for size in _broadcast_questions(func, args, kwargs):
             _asked(size == 1)  # (where True: 1 from then on, and broadcast as eager's)
     elif func in _SQUEEZES:
@@ -107,3 +124,12 @@ def sizes_decided(func, args: tuple, kwargs: dict, read_from_data: bool) -> None
         if _asked(count == 1) is False:
             error, message = _ONE_ELEMENT[func]
             raise error(message(int(count)))
+
+
+def broadcasts_decided(func, args: tuple, kwargs: dict, read_from_data: bool) -> None:
+    """Ask, before the torch op ``func`` runs on fake tensors, whether each size read from
+    data that it may broadcast is 1 (as ``sizes_decided`` asks before a call): where torch's
+    meta takes it to be 2 or more, it would assume it equals the size it meets."""
+    if read_from_data and (func in _ATEN_BROADCASTS or torch.Tag.pointwise in getattr(func, "tags", ())):
+        for size in _broadcast_questions(func, args, kwargs):
+            _asked(size == 1)

@@ -39,8 +39,9 @@ from ..core.symbolic import LARGEST_SYMBOLIC_SIZE, is_symbolic, symbolic_expr
 from ..core.torch_internals import fake_mode_active, make_dtensor, set_data_value
 from .c10d import is_c10d_op, record_c10d
 from .data_branches import size_values_now, value_now
+from .deferred_checks import DeferredChecks
 from .dtensor_modes import DTensorModes
-from .fake_calls import DataReads, fake_errors_unlogged, refuse_metadata_changes, run_on_fakes
+from .fake_calls import DataReads, fake_errors_unlogged, refuse_metadata_changes
 from .grad_checks import grad_state
 from .input_fakes import InputFakes
 from .kernel_autograd import refuse_without_autograd
@@ -78,6 +79,7 @@ class Recording:
         self.input_proxies: list[TensorProxy] = []
         self.cones: dict[int, list[int]] = {}  # index of a read computed now -> indices of its cone
         self.size_reads: dict = {}  # a size read from data valued now (size_values_now) -> (index, output, dim)
+        self.deferred_checks = DeferredChecks()  # which op deferred each check on data to run time
         self.input_sizes: dict = {}  # a symbol of an input's size -> (the input's proxy, its dim)
         self.values_now: dict = {}  # label -> its real value, computed now (data_branches.real_now)
         self.sizes_now: dict = {}  # a size read from data met computing them -> its value
@@ -232,8 +234,7 @@ class Recording:
         found = []
         for held, proxy in zip(self.captured_held, self.captured_proxies):
             if held.requires_grad:
-                # A DTensor's stand-in; a plain tensor as it is, or its proxy where it is no
-                # leaf (``closed_over.needs_stand_in``)
+                # A DTensor's stand-in; a plain tensor, or its proxy where it is no leaf (``closed_over.needs_stand_in``)
                 traced = held if held.grad_fn is None else proxy
                 found.append((proxy, self.captured_dtensors[id(held)] if isinstance(held, DTensor) else traced))
         return found
@@ -252,11 +253,10 @@ class Recording:
         try:
             python_literal(x)
         except Unprintable:
-            for constant in self.constants.values():
-                if constant.value is x:
-                    return constant
-            constant = NamedConstant(f"const{len(self.constants)}", x)
-            self.constants[constant.label] = constant
+            constant = next((c for c in self.constants.values() if c.value is x), None)
+            if constant is None:
+                constant = NamedConstant(f"const{len(self.constants)}", x)
+                self.constants[constant.label] = constant
             return constant
         return x
 
@@ -318,7 +318,7 @@ class Recording:
             return x.fake if isinstance(x, TensorProxy) else x
 
         fake_args, fake_kwargs = map_leaves(to_fake, (args, kwargs))
-        fake_out = run_on_fakes(self.fake_mode, func, fake_args, fake_kwargs, self.current_call)
+        fake_out = self.deferred_checks.run(self, func, fake_args, fake_kwargs)  # (with run_on_fakes)
         self.data_reads.after(func, fake_args, fake_kwargs, unbacked := bool(free_unbacked_symbols(fake_out)))
         refuse_metadata_changes(func, proxies, self.current_call)
         made_by = NoProvenance(str(func))
