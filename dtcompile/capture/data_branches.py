@@ -53,7 +53,7 @@ from ..core.symbolic import (
     symbolic_expr,
 )
 from ..core.torch_internals import dispatch_modes_off, runtime_asserts, set_data_value, symbol_values
-from .data_cones import barring_write, cone_of, data_sizes, read_symbols, write_before
+from .data_cones import barring_write, cone_of, data_sizes, input_memories, read_symbols, write_before
 from .live_collectives import ranks_meet
 from .size_text import folded, negative_zeros
 
@@ -127,7 +127,7 @@ def real_now(recording, source: TensorProxy, collectives: bool = True):
     the symbols that compute it (see the module docstring); None when it cannot be (or, without
     ``collectives``, when a collective is among them). Nothing is computed twice (``values_now``)."""
     symbols = recording.bound_symbols
-    cone = cone_of(symbols, source)
+    cone = cone_of(symbols, source, input_memories(recording))
     if cone is None or (not collectives and any(map(_is_collective, (symbols[i].op for i in cone)))):
         return None
     if write_before(recording, cone, source) is not None:  # (then not moved to the start)

@@ -28,9 +28,48 @@ def data_sizes(proxy, every_dim: bool = False) -> list:
     return found if every_dim else [s for s in found if s is not None]
 
 
-def cone_of(symbols: list[BoundSymbol], source: TensorProxy) -> list[int] | None:
+def cone_of(symbols: list[BoundSymbol], source: TensorProxy, inputs: frozenset = frozenset()) -> list[int] | None:
     """The indices of the symbols ``source`` depends on (its producers, theirs, and the
-    readers of numbers they use), or None when one of them cannot run now."""
+    readers of numbers they use), or None when one of them cannot run now. With ``inputs``
+    (the memories of the call's inputs), also each in-place write before it to memory the
+    cone itself makes (a composite's own: ``isclose`` writes its fresh result with
+    ``bitwise_or_``, ``quantile`` its index with ``ceil_``) and what that write reads,
+    unless a symbol outside the cone reads that memory before the write (moved to the
+    program's start with the cone, the write would come before it)."""
+    cone = first = _cone(symbols, {source.label})
+    writes: set[int] = set()
+    while cone is not None and inputs:
+        made = {p.memory for i in cone for p in symbols[i].output_tensors()} - inputs
+        more = {
+            i
+            for i, b in enumerate(symbols)
+            if i not in writes and b.op is not None and b.op._schema.is_mutable and _writes_only(b, made)
+        }
+        if not more:
+            break
+        writes |= more
+        needed = {p.label for i in writes for p in symbols[i].input_proxies()}
+        grown = _cone(symbols, needed, allowed=writes)
+        cone = None if grown is None else sorted(set(cone) | set(grown) | writes)
+    if cone is None or not writes:
+        return cone
+    in_cone = set(cone)
+    for index in writes:
+        written = {p.memory for p in _written(symbols[index])}
+        for i in range(index):
+            if i not in in_cone and any(p.memory in written for p in symbols[i].input_tensors()):
+                return first  # (``write_before`` then bars it)
+    return cone
+
+
+def _writes_only(bsym: BoundSymbol, memories: set) -> bool:
+    written = [p.memory for p in _written(bsym)]
+    return bool(written) and all(m in memories for m in written)
+
+
+def _cone(symbols: list[BoundSymbol], needed: set, allowed: set = frozenset()) -> list[int] | None:
+    """The indices of the symbols the labels ``needed`` depend on (see ``cone_of``); None
+    where one is random or writes in place (but those ``allowed``)."""
     number_of = {
         s: b.output.label for b in symbols if isinstance(b.output, NumberProxy) for s in read_symbols(b.output)
     }
@@ -38,13 +77,17 @@ def cone_of(symbols: list[BoundSymbol], source: TensorProxy) -> list[int] | None
         for proxy in bsym.output_proxies():
             for symbol in data_sizes(proxy):
                 number_of.setdefault(symbol, proxy.label)
-    needed, cone = {source.label}, []
+    needed, cone = set(needed), []
     for index in range(len(symbols) - 1, -1, -1):
         bsym = symbols[index]
-        if not any(p.label in needed for p in bsym.output_proxies()):
+        if not any(p.label in needed for p in bsym.output_proxies()) and index not in allowed:
             continue
         op = bsym.op
-        if op is None or op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags:
+        if (
+            op is None
+            or (op._schema.is_mutable and index not in allowed)
+            or torch.Tag.nondeterministic_seeded in op.tags
+        ):
             return None
         cone.append(index)
         needed |= {p.label for p in bsym.input_proxies()}
@@ -55,15 +98,30 @@ def cone_of(symbols: list[BoundSymbol], source: TensorProxy) -> list[int] | None
     return cone
 
 
+def input_memories(recording) -> frozenset:
+    return frozenset(p.memory for p in recording.input_proxies)
+
+
 def write_before(recording, cone: list[int], source: TensorProxy) -> BoundSymbol | None:
-    """An in-place op (or ``out=``) so far writing memory the cone reads or makes (views too;
-    where it reads an input, any input's: they may share memory the trace did not see)."""
+    """An in-place op (or ``out=``) so far, outside the cone, writing memory that a symbol of
+    the cone after it reads or makes, or that ``source`` is (views too; where they touch an
+    input, any input's: they may share memory the trace did not see). A write after the
+    cone's last use of that memory leaves its values as they were: the cone may move to the
+    program's start before it (``y = x.clone()`` branched on, ``x.mul_(2)`` before the branch)."""
     symbols, inputs = recording.bound_symbols, {p.memory for p in recording.input_proxies}
-    tensors = [source, *(p for i in cone for p in (*symbols[i].input_tensors(), *symbols[i].output_proxies()))]
-    memories = {p.memory for p in tensors if isinstance(p, TensorProxy)}
-    memories |= inputs if memories & inputs else set()
-    written = (b for b in symbols if b.op is not None and b.op._schema.is_mutable)
-    return next((b for b in written if any(p.memory in memories for p in _written(b))), None)
+    touched = [(len(symbols), {source.memory})]
+    for i in cone:
+        tensors = (*symbols[i].input_tensors(), *symbols[i].output_proxies())
+        touched.append((i, {p.memory for p in tensors if isinstance(p, TensorProxy)}))
+    in_cone = set(cone)  # (its own writes to memory it makes: ``cone_of``)
+    for index, bsym in enumerate(symbols):
+        if bsym.op is None or not bsym.op._schema.is_mutable or index in in_cone:
+            continue
+        memories = set().union(*(m for i, m in touched if i > index))
+        memories |= inputs if memories & inputs else set()
+        if any(p.memory in memories for p in _written(bsym)):
+            return bsym
+    return None
 
 
 def _written(bsym: BoundSymbol) -> list:
@@ -79,6 +137,6 @@ def barring_write(recording, symbols: set) -> BoundSymbol | None:
     for bsym in recording.bound_symbols:
         if isinstance(bsym.output, NumberProxy) and read_symbols(bsym.output) & symbols and bsym.input_tensors():
             source = bsym.input_tensors()[0]
-            cone = cone_of(recording.bound_symbols, source)
+            cone = cone_of(recording.bound_symbols, source, input_memories(recording))
             return None if cone is None else write_before(recording, cone, source)
     return None
