@@ -704,3 +704,21 @@ def test_a_branch_after_writes_that_do_not_change_what_it_reads_runs_as_eager(fn
         eager_args = tuple(t.clone() for t in args)
         assert_same(jitted(*args), fn(*eager_args))
         assert all(torch.equal(t, e) for t, e in zip(args, eager_args))
+
+
+def _compared(a, b):
+    same = a * 2 if torch.equal(a, b) else a - 1
+    close = same + 1 if torch.allclose(a, b, atol=0.5) else same
+    return close, a.equal(b[:2]), a.allclose(b, equal_nan=True), torch.equal(a, b.double())
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_equal_and_allclose_are_read_from_data_as_eager(cache):
+    """Their Python bools come from the data: refused (fake tensors cannot give them) until
+    they became ops read as a number, a branch checked at each call."""
+    jitted = dtcompile.jit(_compared, cache=cache)
+    for change in (0.0, 1.0, 0.1, float("nan"), 0.0):
+        a = torch.arange(4.0)
+        b = a.clone()
+        b[1] += change
+        assert_same(jitted(a, b), _compared(a, b))

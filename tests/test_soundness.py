@@ -353,7 +353,6 @@ def _random_branch(x):
         (_write_then_branch, "Tensor.__bool__"),
         (_random_branch, "Tensor.item"),
         (lambda x: x * x.numpy().sum(), "Tensor.numpy"),
-        (lambda x: x * 2 if torch.equal(x, x) else x, "torch.equal"),
     ],
 )
 @pytest.mark.parametrize("cache", ["constant values", "symbolic values"])

@@ -29,7 +29,7 @@ from . import closed_over, traced_errors
 from .block_training import BlockReplayFailed
 from .code_ran import CodeRan
 from .data_branches import branch_refused
-from .data_sized_calls import sizes_decided
+from .data_sized_calls import READ_AS_NUMBERS, sizes_decided
 from .eager_errors import dtype_checked, eager_error, eager_failure, out_with_grad
 from .graph_reach import tag_backward_nodes
 from .method_checks import (
@@ -62,15 +62,8 @@ _HOOK_REGISTRATIONS = {torch.Tensor.register_hook, torch.Tensor.register_post_ac
 # Tensor methods that read a tensor's metadata and dispatch no op. On a proxy or a fake,
 # what dtcompile's own code asks while tracing (a replayed block's output, an equivalence
 # key), they need none of the checks, DTensor captures or memo keys of a torch-level call.
-_METADATA_READS = {
-    torch.Tensor.stride,
-    torch.Tensor.storage_offset,
-    torch.Tensor.untyped_storage,
-    torch.Tensor.is_conj,
-    torch.Tensor.is_neg,
-    torch.Tensor.size,
-    torch.Tensor.dim,
-}
+_METADATA_NAMES = ("stride", "storage_offset", "untyped_storage", "is_conj", "is_neg", "size", "dim")
+_METADATA_READS = {getattr(torch.Tensor, name) for name in _METADATA_NAMES}
 
 _SYMBOLIC_NUMEL = "Cannot call numel() on tensor with symbolic sizes/strides"
 
@@ -287,6 +280,8 @@ class CallAnnotator(TorchFunctionMode):
                 _short_name(func), "it reads the values of the traced tensors in its data; use torch.stack"
             )
         sizes_decided(func, args, kwargs, bool(self.recording.read_by))  # (``squeeze`` of a size read from data)
+        if func in READ_AS_NUMBERS and any(map(_is_traced, leaves)):
+            return READ_AS_NUMBERS[func](*args, **kwargs)  # (``torch.equal``)
         args, kwargs = bools_as_bools(func, args, kwargs, leaves)
         if func in FACTORIES and holds_traced_numbers(func, args, kwargs):
             func = tensor_of_numbers(func)  # (a size, a number read from data: computed at run time)

@@ -133,3 +133,18 @@ def broadcasts_decided(func, args: tuple, kwargs: dict, read_from_data: bool) ->
     if read_from_data and (func in _ATEN_BROADCASTS or torch.Tag.pointwise in getattr(func, "tags", ())):
         for size in _broadcast_questions(func, args, kwargs):
             _asked(size == 1)
+
+
+def _equal(a, b) -> bool:
+    """``torch.equal``: the same shape and every element equal (dtypes promoted, as eager's)."""
+    return a.shape == b.shape and bool((a == b).all())
+
+
+def _allclose(a, b, rtol: float = 1e-05, atol: float = 1e-08, equal_nan: bool = False) -> bool:
+    return bool(torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=equal_nan).all())
+
+
+# Calls whose Python result eager computes from the tensors' data: as ops whose result is
+# read as a number, a branch on data checked at run time (torch's fake tensors refuse them).
+READ_AS_NUMBERS = {torch.equal: _equal, torch.Tensor.equal: _equal, torch.allclose: _allclose}
+READ_AS_NUMBERS[torch.Tensor.allclose] = _allclose
