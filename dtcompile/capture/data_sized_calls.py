@@ -12,6 +12,7 @@ decides as eager's does, and an entry traced so serves only calls where it is 1.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, free_unbacked_symbols
 
 from ..core.symbol import leaves
@@ -136,11 +137,19 @@ def broadcasts_decided(func, args: tuple, kwargs: dict, read_from_data: bool) ->
 
 
 def _equal(a, b) -> bool:
-    """``torch.equal``: the same shape and every element equal (dtypes promoted, as eager's)."""
-    return a.shape == b.shape and bool((a == b).all())
+    """``torch.equal``: the same shape and every element equal (dtypes promoted, as eager's);
+    of two DTensors, on every rank (DTensor's all-reduces each rank's answer)."""
+    if isinstance(a, DTensor) != isinstance(b, DTensor):
+        return torch.equal(a, b)  # (DTensor's error, as eager's)
+    if a.shape != b.shape:
+        return False
+    same = (a == b).all()
+    return bool(same.full_tensor() if isinstance(same, DTensor) else same)
 
 
 def _allclose(a, b, rtol: float = 1e-05, atol: float = 1e-08, equal_nan: bool = False) -> bool:
+    if isinstance(a, DTensor) or isinstance(b, DTensor):
+        return torch.allclose(a, b, rtol, atol, equal_nan)  # (DTensor has no rule for it: its error, as eager's)
     return bool(torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=equal_nan).all())
 
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from checks import assert_same
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import dtcompile
 
@@ -30,6 +30,37 @@ def branch_on_dtensor_data(cache: str):
 @pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
 def test_branch_on_a_dtensors_data(ranks2, cache):
     assert ranks2.run(branch_on_dtensor_data, cache) == [2, 2]
+
+
+def _equal(a, b):
+    return a * 2 if torch.equal(a, b) else a - 1
+
+
+def _allclose(a, b):
+    return torch.allclose(a, b)
+
+
+def dtensors_compared(cache: str):
+    """``torch.equal`` of DTensors is every rank's answer (DTensor all-reduces them), also
+    where only one rank's shards differ; ``allclose`` has no DTensor rule: eager's error."""
+    mesh = init_device_mesh("cpu", (2,))
+    rank = dist.get_rank()
+    jitted = dtcompile.jit(_equal, cache=cache)
+    a = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+    for differs_on in (None, 1, 0, None):
+        local = torch.arange(8.0).reshape(4, 2)[2 * rank : 2 * rank + 2] + (1.0 if rank == differs_on else 0.0)
+        b = DTensor.from_local(local, mesh, [Shard(0)])
+        assert_same(jitted(a, b), _equal(a, b), f"differs on {differs_on}")
+    with pytest.raises(RuntimeError, match="aten.allclose.default"):
+        _allclose(a, a)
+    with pytest.raises(RuntimeError, match="aten.allclose.default"):
+        dtcompile.jit(_allclose, cache=cache)(a, a)
+    return dtcompile.cache_misses(jitted)
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_equal_of_dtensors_is_every_ranks_answer(ranks2, cache):
+    assert ranks2.run(dtensors_compared, cache) == [2, 2]
 
 
 def _local_branch_then_all_reduce(x):
