@@ -279,7 +279,7 @@ class CallAnnotator(TorchFunctionMode):
             raise data_dependent_error(
                 _short_name(func), "it reads the values of the traced tensors in its data; use torch.stack"
             )
-        sizes_decided(func, args, kwargs, bool(self.recording.read_by))  # (``squeeze`` of a size read from data)
+        sizes_decided(func, args, kwargs, bool(self.recording.deferred_checks.sizes_made))  # (``squeeze``)
         if func in READ_AS_NUMBERS and any(map(_is_traced, leaves)):
             return READ_AS_NUMBERS[func](*args, **kwargs)  # (``torch.equal``)
         args, kwargs = bools_as_bools(func, args, kwargs, leaves)

@@ -107,8 +107,8 @@ def _read_from_data(size) -> bool:
 def sizes_decided(func, args: tuple, kwargs: dict, read_from_data: bool) -> None:
     """Ask, before ``func`` runs, each question on a size read from data that its result
     turns on (see the module docstring); raise eager's error where its answer is one.
-    Nothing to ask while the call has read nothing from data (``read_from_data``: most
-    calls of most programs)."""
+    Nothing to ask while no tensor of the call has a size read from data (``read_from_data``:
+    most calls of most programs)."""
     if not read_from_data or not args or not isinstance(args[0], torch.Tensor):
         return
     if func in _BROADCASTING or func in _MATMULS or func is torch.Tensor.__setitem__:

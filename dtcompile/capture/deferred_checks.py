@@ -33,7 +33,7 @@ class DeferredChecks:
     def run(self, recording, func, args: tuple, kwargs: dict):
         """``func`` run on fakes (``fake_calls.run_on_fakes``), after the questions on sizes
         read from data it broadcasts; the checks it defers noted as its own."""
-        broadcasts_decided(func, args, kwargs, bool(recording.read_by))
+        broadcasts_decided(func, args, kwargs, bool(self.sizes_made))
         shape_env = recording.fake_mode.shape_env
         if shape_env is not None and shape_env.num_deferred_runtime_asserts != self._counted:
             self._new(shape_env)  # (deferred outside torch's ops: DTensor's, the user's ``torch._check``)
