@@ -84,8 +84,8 @@ def pointwise_broadcast(x):
     return torch.addcmul(torch.zeros(2, 2), a, a), torch.ones(2, 2).clamp(min=a), a.shape[0]
 
 
-# Eager's error raised by a check torch deferred where no op of the program checks it (a
-# composite's: ``matmul``'s broadcast of its batch dims): eager's type, dtcompile's message.
+# Eager's error type, another message: ``matmul`` checks its batch dims' broadcast, the
+# program's ``expand`` that it runs as checks the sizes its own way.
 _CHECKED_BY_DTCOMPILE = {batch_broadcast}
 
 
@@ -124,7 +124,7 @@ def test_a_size_read_from_data_that_is_one_is_decided_as_in_eager(fn, order, cac
         expected, got = _run(fn, torch.tensor(ROWS[rows])), _run(jitted, torch.tensor(ROWS[rows]))
         if isinstance(expected, tuple) and isinstance(expected[0], type):
             if fn in _CHECKED_BY_DTCOMPILE:
-                assert got[0] is expected[0] and "fails a check of torch's op" in got[1], rows
+                assert got[0] is expected[0], rows
             else:
                 assert got == expected, rows
             continue
@@ -216,3 +216,29 @@ def test_a_broadcast_tracing_cannot_ask_about_raises_rather_than_read_another_si
     assert torch.equal(got[0], expected[0]) and got[1] == expected[1] == 3
     with pytest.raises(RuntimeError, match="fails a check of torch's op.*a broadcast's of a size of 1"):
         jitted(x.clone(), torch.tensor(4.5))
+
+
+def _indexed(x):
+    return _selected(x)[1]
+
+
+def _indexed_then_written(x):
+    y = x.clone()
+    torch._check(_selected(x).shape[0] >= 1)  # the user's own check: before the write, as eager's
+    y.add_(1)
+    return y
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("fn", [_indexed, _indexed_then_written])
+def test_a_check_deferred_before_an_op_raises_eagers_own_error(fn, cache):
+    """``x[m][1]`` checks the index in C++ before it selects: the program's ``select``
+    raises eager's ``IndexError`` (dtcompile's check of it came first, a RuntimeError)."""
+    jitted = dtcompile.jit(fn, cache=cache)
+    for rows in (2, 1, 0, 2):
+        x = torch.tensor(ROWS[rows])
+        expected, got = _run(fn, x), _run(jitted, x)
+        if isinstance(expected, tuple):
+            assert isinstance(got, tuple) and got[0] is expected[0], (rows, got)
+        else:
+            assert torch.equal(got, expected), rows

@@ -35,11 +35,17 @@ class DeferredChecks:
         read from data it broadcasts; the checks it defers noted as its own."""
         broadcasts_decided(func, args, kwargs, bool(self.sizes_made))
         shape_env = recording.fake_mode.shape_env
+        before = []
         if shape_env is not None and shape_env.num_deferred_runtime_asserts != self._counted:
-            self._new(shape_env)  # (deferred outside torch's ops: DTensor's, the user's ``torch._check``)
+            # Deferred outside torch's ops: by a composite's C++ before the op it runs (``x[m][1]``
+            # checks the index, then selects), DTensor's propagation, the user's ``torch._check``.
+            # Made with this op, so that the program's op raises eager's own error first; not
+            # past a write, which eager's check would have stopped.
+            fresh = self._new(shape_env)
+            before = [] if func._schema.is_mutable else fresh
         out = run_on_fakes(recording.fake_mode, func, args, kwargs, recording.current_call)
-        if shape_env is not None and shape_env.num_deferred_runtime_asserts != self._counted:
+        if before or (shape_env is not None and shape_env.num_deferred_runtime_asserts != self._counted):
             first = next(iter(out), None) if isinstance(out, tuple | list) else out
-            for expr in self._new(shape_env):
+            for expr in before + self._new(shape_env):
                 self.made_by[expr] = first
         return out
