@@ -54,6 +54,7 @@ from ..core.symbolic import (
 )
 from ..core.torch_internals import dispatch_modes_off, runtime_asserts, set_data_value, symbol_values
 from .data_cones import barring_write, cone_of, data_sizes, input_memories, read_symbols, write_before
+from .deferred_checks import LENIENT_OPS
 from .live_collectives import ranks_meet
 from .size_text import folded, negative_zeros
 
@@ -97,7 +98,7 @@ def size_values_now(recording, index: int) -> None:
     start for its check (``Recording.size_reads``); not where only a collective computes them."""
     bsym = recording.bound_symbols[index]
     shape_env = recording.fake_mode.shape_env
-    for proxy in bsym.output_tensors():  # (for the checks torch defers on them: ``_runtime_checks``)
+    for proxy in bsym.output_tensors() if bsym.note is None else ():  # (the forward's: ``_runtime_checks``)
         for dim, symbol in enumerate(data_sizes(proxy, every_dim=True)):
             if symbol is not None:
                 recording.deferred_checks.sizes_made.setdefault(symbol, (proxy, dim))
@@ -269,11 +270,7 @@ class RuntimeCheck(DataCheck):
         condition = python_source(self.expr, names)
         # (torch's message is often only where its op checked: ``TensorShape.cpp:1676``)
         where = "" if _SOURCE_LINE.search(self.message) else f" ({self.message})"
-        text = f"dtcompile: a number read from tensor data fails a check of torch's op: {condition}{where}. Eager's op "
-        if isinstance(self.expr, sympy.Eq):  # (torch's broadcast took a size read from data it could not ask to be 2+)
-            text += "raises here too, unless the check is a broadcast's of a size of 1 (README, 'Not yet')"
-        else:
-            text += "raises here too"
+        text = f"dtcompile: a number read from tensor data fails a check of torch's op: {condition}{where}"
         return [f"if not ({condition}): raise RuntimeError({text!r})"]
 
 
@@ -325,6 +322,9 @@ def _runtime_checks(recording, items: dict) -> None:
         sizes = _sizes_read_from_data(recording) if sizes is None else sizes
         if not all(s in items or s in sizes or s in recording.input_sizes for s in numbers):
             continue
+        op, made_by = recording.deferred_checks.made_by.get(expr, (None, None))
+        if not any(s in items for s in numbers) and op not in LENIENT_OPS:
+            continue  # (on sizes read from data alone: torch's own assumptions too, ``deferred_checks.py``)
         seen.append(expr)
         made, args, last = [], [], -1 if expr in early else branches
         for s in numbers:
@@ -341,7 +341,7 @@ def _runtime_checks(recording, items: dict) -> None:
                 provenance = NoProvenance(f"a size of {proxy.label}")
             args.append(NumberProxy(recording.new_name(), s, None, provenance))
             made.append(BoundSymbol(SHAPE, (proxy, dim), {}, args[-1]))
-        last = max(last, op_at.get(id(recording.deferred_checks.made_by.get(expr)), -1))
+        last = max(last, op_at.get(id(made_by), -1))
         check = RuntimeCheck(
             "prims.runtime_check", globals=_CHECK_GLOBALS, expr=expr, symbols=tuple(numbers), message=str(message)
         )

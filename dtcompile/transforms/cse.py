@@ -63,7 +63,10 @@ def cse(trace: Trace) -> Trace:
             old, _ = tree_flatten(bsym.output)
             new, _ = tree_flatten(earlier.output)
             pairs = [(o, n) for o, n in zip(old, new) if is_proxy(o)]
-            if not any(
+            # (two ``x[mask]`` of one mask: each its own size read from data, ``u0`` and ``u1``,
+            # which the symbols after them were recorded with)
+            alike = all(o.type_string() == n.type_string() for o, n in pairs if isinstance(o, TensorProxy))
+            if alike and not any(
                 (base.get(o.label) in returned and base.get(n.label) in returned)
                 or (base.get(o.label) in forward_returned and base.get(n.label) in backward_reads)
                 or (base.get(n.label) in forward_returned and base.get(o.label) in backward_reads)
