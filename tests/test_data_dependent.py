@@ -722,3 +722,15 @@ def test_equal_and_allclose_are_read_from_data_as_eager(cache):
         b = a.clone()
         b[1] += change
         assert_same(jitted(a, b), _compared(a, b))
+
+
+def _bool_of_a_selection_after_a_write(x):
+    x.add_(1)  # (the selection's rows cannot be computed while tracing)
+    a = x[x[:, 0] > 2.5]
+    return x * 2 if a[:, 0] > 2 else x
+
+
+def test_bool_of_a_selection_tracing_cannot_size_names_the_size_read_from_data():
+    """The message blamed random ops and torch.cov, and advised the cache option in use."""
+    with pytest.raises(dtcompile.TracingError, match="size is read from tensor data.*Read it before the write"):
+        dtcompile.jit(_bool_of_a_selection_after_a_write, cache="constant values")(torch.tensor([[2.0, 2], [1, 4]]))

@@ -367,7 +367,7 @@ class CallAnnotator(TorchFunctionMode):
                 if eager is not None:
                     raise eager from error
                 if _SYMBOLIC_NUMEL in str(error):  # (C++ code asking a symbolic size's value)
-                    raise symbolic_sizes_refusal(_short_name(func)) from error
+                    raise symbolic_sizes_refusal(_short_name(func), leaves) from error
                 raise
         finally:
             self.recording.dtensor_calls = outer_dtensor_calls

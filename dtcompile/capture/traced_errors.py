@@ -10,6 +10,7 @@ import re
 import torch
 from torch._subclasses.fake_tensor import UnsupportedOperatorException
 from torch.distributed.tensor import DTensor
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..core import TensorProxy, TracingError, data_dependent_error
 from ..core.errors import SymbolsRefused
@@ -75,9 +76,16 @@ def _no_fake_kernel_for_dtensor(error: RuntimeError) -> bool:
     return "Sharding propagation failed" in str(error) and isinstance(error.__cause__, UnsupportedOperatorException)
 
 
-def symbolic_sizes_refusal(call: str) -> TracingError:
+def symbolic_sizes_refusal(call: str, leaves: list = ()) -> TracingError:
     """Where torch's code for ``call`` takes concrete sizes only (a kernel, or C++ code asking
-    a tensor's element count: ``torch.cov`` with weights)."""
+    a tensor's element count: ``torch.cov`` with weights); or where a size is read from data
+    (``bool(x[m])`` whose rows tracing cannot compute now: cache options do not help)."""
+    if any(isinstance(x, torch.Tensor) and free_unbacked_symbols(x.shape) for x in leaves):
+        return TracingError(
+            f"dtcompile.jit: {call} of a tensor whose size is read from tensor data (a mask's selection, a "
+            "nonzero's) that tracing cannot compute now: what it reads was written in place before it, or a "
+            "collective or a random op decides it. Read it before the write"
+        )
     return TracingError(
         f"dtcompile.jit: {call} cannot take symbolic sizes in torch (its code, here, takes concrete "
         "ones: a random op with generator=, torch.cov with weights, torch.gradient of a DTensor, say); use "
