@@ -89,6 +89,11 @@ def pointwise_broadcast(x):
 _CHECKED_BY_DTCOMPILE = {batch_broadcast}
 
 
+def cosine_broadcast(x):
+    a = _selected(x)
+    return torch.nn.functional.cosine_similarity(a, torch.ones(2, 2)), a.shape[0]
+
+
 def _run(fn, *args):
     try:
         return fn(*args)
@@ -116,6 +121,7 @@ def _run(fn, *args):
         (slice_assigned, (1, 2)),
         (batch_broadcast, (2, 1, 0, 1)),
         (pointwise_broadcast, (2, 1, 0, 1)),
+        (cosine_broadcast, (2, 1, 2, 1)),
     ],
 )
 def test_a_size_read_from_data_that_is_one_is_decided_as_in_eager(fn, order, cache):

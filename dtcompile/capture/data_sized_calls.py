@@ -45,6 +45,9 @@ _BROADCASTING = {
     *(getattr(torch.Tensor, f"__{n}__") for n in ("imul", "truediv", "rtruediv", "itruediv", "pow", "rpow")),
     *(getattr(torch.Tensor, f"__{n}__") for n in ("eq", "ne", "lt", "le", "gt", "ge", "and", "or", "xor", "mod")),
     *(getattr(torch.Tensor, f"__{n}__") for n in ("floordiv", "rfloordiv")),
+    # (C++ composites that broadcast before any op below them: ``cosine_similarity``)
+    *(getattr(torch, n) for n in ("cosine_similarity", "pairwise_distance", "dist", "addcmul", "addcdiv", "hypot")),
+    *(getattr(torch, n) for n in ("clamp", "clip", "fmax", "fmin", "xlogy", "copysign", "float_power", "masked_fill")),
 }
 # The torch ops (below the calls above: a DTensor's local ops, composite ops' parts) that
 # broadcast, beside those tagged pointwise (``addcmul``, ``clamp(min=t)``).
