@@ -734,3 +734,34 @@ def test_bool_of_a_selection_tracing_cannot_size_names_the_size_read_from_data()
     """The message blamed random ops and torch.cov, and advised the cache option in use."""
     with pytest.raises(dtcompile.TracingError, match="size is read from tensor data.*Read it before the write"):
         dtcompile.jit(_bool_of_a_selection_after_a_write, cache="constant values")(torch.tensor([[2.0, 2], [1, 4]]))
+
+
+def _read_then_written_by_a_later_branch(x):
+    y = x.clone()
+    k = y[0].item()
+    r = x * 2 if k - k == 0 else x - 1  # (inf - inf is nan: the other branch)
+    y.mul_(-1)  # moved with the next branch's ops to the program's start
+    return r + 1 if y.sum() * k > 0 else r - 1
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_number_read_before_a_write_that_moves_with_a_later_branch_is_checked_as_read(cache):
+    """The checks of a float read from data (NaN, infinities, a zero's sign) were built from
+    its tensor computed now, which the later branch's write (run now with its ops) had
+    changed: the entry traced with inf took finite values, or its check failed at every call
+    with an internal error (probe CB)."""
+    jitted = dtcompile.jit(_read_then_written_by_a_later_branch, cache=cache)
+    for first in (float("inf"), 2.0, 0.0, -0.0, float("-inf"), float("nan"), 2.0):
+        x = torch.tensor([first, 1.0, 1.0])
+        got, expected = jitted(x.clone()), _read_then_written_by_a_later_branch(x.clone())
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True, msg=str(first))
+
+
+def _compared_by_keywords(a, b):
+    return torch.equal(input=a, other=b), a.equal(other=b), torch.allclose(a, other=b), a.allclose(other=b, atol=1)
+
+
+def test_equal_and_allclose_take_torchs_keywords():
+    a = torch.arange(3.0)
+    for b in (a.clone(), a + 0.5):
+        assert dtcompile.jit(_compared_by_keywords)(a, b) == _compared_by_keywords(a, b)

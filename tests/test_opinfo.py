@@ -39,9 +39,7 @@ _NO_FAKE = "no fake or meta kernel"
 # Refused today, with words of the refusal (``.inplace``: the in-place variant). README,
 # "Not yet", names these classes.
 REFUSED: dict[str, str | tuple[str, ...]] = {
-    **dict.fromkeys(
-        ["allclose", "equal", "nn.functional.ctc_loss", "linalg.lstsq", "linalg.lstsq.grad_oriented"], _DATA
-    ),
+    **dict.fromkeys(["nn.functional.ctc_loss", "linalg.lstsq", "linalg.lstsq.grad_oriented"], _DATA),
     **dict.fromkeys(["resize_", "resize_.inplace"], _RESTRIDES),
     **dict.fromkeys([f"{name}.inplace" for name in ("squeeze", "unsqueeze", "transpose", "t")], _RESTRIDES),
     **dict.fromkeys(["as_strided.partial_views.inplace", "nn.functional.dropout3d.inplace"], _RESTRIDES),

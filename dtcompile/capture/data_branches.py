@@ -32,7 +32,6 @@ import re
 from dataclasses import dataclass
 
 import sympy
-import torch
 from torch._dispatch.python import no_python_dispatcher
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils._sympy.functions import CleanDiv, FloatTrueDiv, FloorDiv, IntTrueDiv, Mod
@@ -52,7 +51,7 @@ from ..core.symbolic import (
     python_source,
     symbolic_expr,
 )
-from ..core.torch_internals import dispatch_modes_off, runtime_asserts, set_data_value, symbol_values
+from ..core.torch_internals import runtime_asserts, set_data_value, symbol_values
 from .data_cones import barring_write, cone_of, data_sizes, input_memories, read_symbols, write_before
 from .deferred_checks import LENIENT_OPS
 from .live_collectives import ranks_meet
@@ -79,16 +78,20 @@ def branch_refused(recording, cond) -> str:
     )
 
 
-def value_now(recording, source: TensorProxy):
-    """``source.item()`` from the call's real inputs, and the indices of the symbols computing it."""
+def value_now(recording, source: TensorProxy, read: set):
+    """``source.item()`` from the call's real inputs, and the indices of the symbols computing
+    it; noted as the value of the number read (``read``, its symbols), as read: a later
+    cone's write (moved with it: ``data_cones.cone_of``) may change ``source`` computed now."""
     computed = real_now(recording, source)
     if computed is None:
         return None
     value = computed[0].item()
-    fresh = getattr(recording.fake_mode.shape_env, "pending_fresh_unbacked_symbols", [])  # the read's is last
-    if isinstance(value, float) and value == 0.0 and math.copysign(1.0, value) < 0 and fresh:
-        if symbol_is_type(fresh[-1], SymT.UNBACKED_FLOAT):
-            negative_zeros(recording.fake_mode.shape_env).add(fresh[-1])
+    if len(read) == 1:
+        (symbol,) = read
+        recording.numbers_now[symbol] = value
+        if isinstance(value, float) and value == 0.0 and math.copysign(1.0, value) < 0:
+            if symbol_is_type(symbol, SymT.UNBACKED_FLOAT):
+                negative_zeros(recording.fake_mode.shape_env).add(symbol)
     return value, computed[1]
 
 
@@ -248,10 +251,7 @@ def _float_checks(recording, reader: dict, expressions: list) -> list:
     for symbol, index in reader.items():
         if not symbol_is_type(symbol, SymT.UNBACKED_FLOAT) or index not in recording.cones:
             continue
-        source = recording.bound_symbols[index].args[0]
-        real = recording.values_now.get(getattr(source, "label", None))
-        with dispatch_modes_off(), torch._C.DisableTorchFunction():  # (a value of its own, not the traced code's)
-            value = real.item() if isinstance(real, torch.Tensor) and real.numel() == 1 else None
+        value = recording.numbers_now.get(symbol)
         if not isinstance(value, float) or (math.isfinite(value) and symbol not in lost | assumed):
             continue
         found += exact_float_checks(symbol, value, sign=value == 0.0 and symbol in assumed)

@@ -139,21 +139,21 @@ def broadcasts_decided(func, args: tuple, kwargs: dict, read_from_data: bool) ->
             _asked(size == 1)
 
 
-def _equal(a, b) -> bool:
+def _equal(input, other) -> bool:  # (torch's names: ``torch.equal(input=a, other=b)``)
     """``torch.equal``: the same shape and every element equal (dtypes promoted, as eager's);
     of two DTensors, on every rank (DTensor's all-reduces each rank's answer)."""
-    if isinstance(a, DTensor) != isinstance(b, DTensor):
-        return torch.equal(a, b)  # (DTensor's error, as eager's)
-    if a.shape != b.shape:
+    if isinstance(input, DTensor) != isinstance(other, DTensor):
+        return torch.equal(input, other)  # (DTensor's error, as eager's)
+    if input.shape != other.shape:
         return False
-    same = (a == b).all()
+    same = (input == other).all()
     return bool(same.full_tensor() if isinstance(same, DTensor) else same)
 
 
-def _allclose(a, b, rtol: float = 1e-05, atol: float = 1e-08, equal_nan: bool = False) -> bool:
-    if isinstance(a, DTensor) or isinstance(b, DTensor):
-        return torch.allclose(a, b, rtol, atol, equal_nan)  # (DTensor has no rule for it: its error, as eager's)
-    return bool(torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=equal_nan).all())
+def _allclose(input, other, rtol: float = 1e-05, atol: float = 1e-08, equal_nan: bool = False) -> bool:
+    if isinstance(input, DTensor) or isinstance(other, DTensor):  # (DTensor has no rule for it: its error)
+        return torch.allclose(input, other, rtol, atol, equal_nan)
+    return bool(torch.isclose(input, other, rtol=rtol, atol=atol, equal_nan=equal_nan).all())
 
 
 # Calls whose Python result eager computes from the tensors' data: as ops whose result is

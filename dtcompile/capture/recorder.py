@@ -82,6 +82,7 @@ class Recording:
         self.deferred_checks = DeferredChecks()  # which op deferred each check on data to run time
         self.input_sizes: dict = {}  # a symbol of an input's size -> (the input's proxy, its dim)
         self.values_now: dict = {}  # label -> its real value, computed now (data_branches.real_now)
+        self.numbers_now: dict = {}  # symbol of a number read from data -> its value computed when read
         self.sizes_now: dict = {}  # a size read from data met computing them -> its value
         self.constants: dict[str, NamedConstant] = {}  # arguments with no literal, by name
         self.retained: set[str] = set()  # labels of the proxies the traced code called retain_grad() on
@@ -101,9 +102,8 @@ class Recording:
 
     @contextlib.contextmanager
     def names_apart(self, prefix: str):
-        """New names with ``prefix``, from a counter of their own, while recording symbols
-        that will not be in the trace (a repeated block's backward, recorded as a
-        template): the trace's own names are given as if they had not been recorded."""
+        """New names with ``prefix``, from a counter of their own, while recording symbols not in the
+        trace (a repeated block's backward, a template): the trace's names are given as if unrecorded."""
         saved = self._next_name, self._prefix
         self._next_name, self._prefix = 0, prefix
         try:
@@ -353,8 +353,8 @@ class Recording:
         self.data_reads.after(func, (source.fake,), kwargs, True)
         number = NumberProxy(self.new_name(), symbolic_expr(symbol), None, FromData(str(func)))
         self.read_by[number.expr] = self.current_call or str(func)
-        computed = value_now(self, source)  # its value now, to branch on (``data_branches.py``)
         unbacked = free_unbacked_symbols(symbol)
+        computed = value_now(self, source, unbacked)  # its value now, to branch on (``data_branches.py``)
         if computed is not None and len(unbacked) == 1:
             value, cone = computed
             value = int(value) if isinstance(value, bool) else value  # a SymBool is Eq(u, 1)
