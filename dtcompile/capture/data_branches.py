@@ -53,7 +53,6 @@ from ..core.symbolic import (
 )
 from ..core.torch_internals import runtime_asserts, set_data_value, symbol_values
 from .data_cones import barring_write, cone_of, data_sizes, input_memories, read_symbols, write_before
-from .deferred_checks import LENIENT_OPS
 from .live_collectives import ranks_meet
 from .size_text import folded, negative_zeros
 
@@ -322,9 +321,9 @@ def _runtime_checks(recording, items: dict) -> None:
         sizes = _sizes_read_from_data(recording) if sizes is None else sizes
         if not all(s in items or s in sizes or s in recording.input_sizes for s in numbers):
             continue
-        op, made_by = recording.deferred_checks.made_by.get(expr, (None, None))
-        if not any(s in items for s in numbers) and op not in LENIENT_OPS:
-            continue  # (on sizes read from data alone: torch's own assumptions too, ``deferred_checks.py``)
+        if recording.deferred_checks.assumed(expr, not any(s in items for s in numbers)):
+            continue  # (torch's own assumption: ``deferred_checks.py``)
+        _, made_by, _ = recording.deferred_checks.made_by.get(expr, (None, None, None))
         seen.append(expr)
         made, args, last = [], [], -1 if expr in early else branches
         for s in numbers:

@@ -49,19 +49,49 @@ _BROADCASTING = {
     *(getattr(torch, n) for n in ("cosine_similarity", "pairwise_distance", "dist", "addcmul", "addcdiv", "hypot")),
     *(getattr(torch, n) for n in ("clamp", "clip", "fmax", "fmin", "xlogy", "copysign", "float_power", "masked_fill")),
 }
+_BROADCASTING |= {
+    torch.broadcast_shapes,
+    torch.polar,
+    torch.cross,
+    torch.linalg.cross,
+    torch.take_along_dim,
+    torch.Tensor.take_along_dim,
+}
+aten = torch.ops.aten
 # The torch ops (below the calls above: a DTensor's local ops, composite ops' parts) that
 # broadcast, beside those tagged pointwise (``addcmul``, ``clamp(min=t)``).
-_ATEN_BROADCASTS = {torch.ops.aten.expand.default, torch.ops.aten.copy_.default, torch.ops.aten.copy.default}
-_EXPANDS = (torch.Tensor.expand, torch.Tensor.broadcast_to, torch.broadcast_to, torch.ops.aten.expand.default)
+_ATEN_BROADCASTS = {aten.expand.default, aten.copy_.default, aten.copy.default}
+_ATEN_BROADCASTS |= {aten.binary_cross_entropy_with_logits.default}
+_EXPANDS = (torch.Tensor.expand, torch.Tensor.broadcast_to, torch.broadcast_to, aten.expand.default)
 # Calls that broadcast only their batch dims (all but a matrix's last two).
-_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__}
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.cdist}
+_MATMULS |= {torch.linalg.solve, torch.cholesky_solve, torch.linalg.solve_triangular, torch.linalg.lu_solve}
+# Calls whose first tensor broadcasts against the shape the others make (``addmm``'s bias
+# against the product: ``F.linear``'s), by the other tensors; the others do not broadcast.
+_PRODUCTS = {
+    "addmm": lambda a, b: (a.shape[0], b.shape[1]),
+    "addmv": lambda a, v: (a.shape[0],),
+    "addr": lambda u, v: (u.shape[0], v.shape[0]),
+    "baddbmm": lambda a, b: (a.shape[0], a.shape[1], b.shape[2]),
+    "addbmm": lambda a, b: (a.shape[1], b.shape[2]),
+}
+_SELF_AGAINST = {
+    f: shape
+    for name, shape in _PRODUCTS.items()
+    for f in (getattr(torch, name), getattr(torch.Tensor, name), getattr(aten, name).default)
+}
 
 
 def _broadcast_questions(func, args: tuple, kwargs: dict) -> list:
     """The sizes read from data that broadcasting in ``func`` may stretch: each aligned
     (from the last dim) with a size that is neither 1 nor the same number."""
     shapes = [tuple(x.shape) for x in leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-    if func in _MATMULS:
+    if func is torch.broadcast_shapes:
+        shapes = [(shape,) if isinstance(shape, int | torch.SymInt) else tuple(shape) for shape in args]
+    elif func in _SELF_AGAINST:
+        tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+        shapes = tensors[:1] and [tuple(tensors[0].shape), _SELF_AGAINST[func](*tensors[1:3])]
+    elif func in _MATMULS:
         shapes = [shape[:-2] for shape in shapes]
     elif func is torch.Tensor.__setitem__:  # (the value against what it is written to: not traced for the question)
         value = args[2] if len(args) > 2 else None
@@ -112,9 +142,9 @@ def sizes_decided(func, args: tuple, kwargs: dict, read_from_data: bool) -> None
     turns on (see the module docstring); raise eager's error where its answer is one.
     Nothing to ask while no tensor of the call has a size read from data (``read_from_data``:
     most calls of most programs)."""
-    if not read_from_data or not args or not isinstance(args[0], torch.Tensor):
+    if not read_from_data or not args or not (isinstance(args[0], torch.Tensor) or func is torch.broadcast_shapes):
         return
-    if func in _BROADCASTING or func in _MATMULS or func is torch.Tensor.__setitem__:
+    if func in _BROADCASTING or func in _MATMULS or func in _SELF_AGAINST or func is torch.Tensor.__setitem__:
         for size in _broadcast_questions(func, args, kwargs):
             _asked(size == 1)  # (where True: 1 from then on, and broadcast as eager's)
     elif func in _SQUEEZES:
@@ -134,7 +164,8 @@ def broadcasts_decided(func, args: tuple, kwargs: dict, read_from_data: bool) ->
     """Ask, before the torch op ``func`` runs on fake tensors, whether each size read from
     data that it may broadcast is 1 (as ``sizes_decided`` asks before a call): where torch's
     meta takes it to be 2 or more, it would assume it equals the size it meets."""
-    if read_from_data and (func in _ATEN_BROADCASTS or torch.Tag.pointwise in getattr(func, "tags", ())):
+    broadcasts = func in _ATEN_BROADCASTS or func in _SELF_AGAINST or torch.Tag.pointwise in getattr(func, "tags", ())
+    if read_from_data and broadcasts:
         for size in _broadcast_questions(func, args, kwargs):
             _asked(size == 1)
 

@@ -7,33 +7,30 @@ right after the op that deferred it: where the program's op checks too, it raise
 own error first; where it does not (a ``narrow`` runs as a slice, which clamps), the check
 raises before anything reads its result.
 
-A check on sizes read from data alone is made only after the ops whose program form may
-not check (:data:`LENIENT_OPS`): elsewhere torch also defers its own assumptions (a
-broadcast takes a selection's rows to equal the size they meet, ``min(1, u0) == u0``, a
-linear algebra op's bounds that an empty tensor does not meet), which the program's op,
-run on the real sizes, does not need (README, "Not yet").
+A check on sizes read from data alone is made unless torch's meta made it as an assumption
+of its own, which eager's kernel does not check and the program's op, run on the real
+sizes, does not need (:func:`assumed`): a linear algebra op's bounds that a matrix of no
+row does not meet (``svdvals``, ``qr``), a backward's mask count equal to the forward's. (A
+broadcast's ``u0 == 2`` is genuine once ``u0 == 1`` was asked first, ``data_sized_calls.py``.)
 """
 
 from __future__ import annotations
 
-import torch
+import sympy
+from torch.utils._sympy.functions import Max, Min
 
 from ..core.symbol import backward_note
 from ..core.torch_internals import runtime_asserts
 from .data_sized_calls import broadcasts_decided
 from .fake_calls import run_on_fakes
 
-aten = torch.ops.aten
-# A narrow runs as a slice (which clamps), a reshape as a view that the program drops where
-# the sizes traced make it an identity.
-LENIENT_OPS = {aten.slice.Tensor, aten.view.default, aten._unsafe_view.default, aten.reshape.default}
-
 
 class DeferredChecks:
     """The recorded op that deferred each check, by its expression; the sizes read from data."""
 
     def __init__(self):
-        self.made_by: dict = {}  # a check's expression -> (the op, its first fake output) that deferred it
+        self.made_by: dict = {}  # a check's expression -> the op that deferred it, its first fake output, its call
+        self.in_backward: set = set()  # the expressions of the checks deferred in the backward
         self.sizes_made: dict = {}  # a size read from data -> (the first tensor with it, its dim)
         self._known: set = set()  # the expressions of the checks deferred so far
         self._counted = 0  # the ShapeEnv's count of deferred checks when last read
@@ -63,6 +60,19 @@ class DeferredChecks:
             first = next(iter(out), None) if isinstance(out, tuple | list) else out
             forward = backward_note() is None
             for expr in before + self._new(shape_env):
-                if forward:
-                    self.made_by[expr] = (func, first)
+                self.made_by[expr] = (func, first, recording.current_call)
+                if not forward:
+                    self.in_backward.add(expr)
         return out
+
+    def assumed(self, expr, sizes_alone: bool) -> bool:
+        """Whether the check ``expr`` is torch's assumption (see the module docstring), not a
+        check eager's op makes: a linear algebra op's; on sizes read from data alone, also a
+        backward's, one of ``einsum``'s broadcasts (not asked first), or one on a size made
+        of another (``a[:1]``'s ``min(1, u0)``: asked first, the answer is not one torch's
+        metas can use)."""
+        op, _, call = self.made_by.get(expr, (None, None, ""))
+        if "linalg" in getattr(op, "__name__", ""):
+            return True
+        made_of = expr.has(sympy.Min, sympy.Max, Min, Max)
+        return sizes_alone and (expr in self.in_backward or made_of or "einsum" in (call or ""))
