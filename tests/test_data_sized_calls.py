@@ -187,8 +187,18 @@ def _sliced_by_a_number(x):
     return x[: (x[:, 0] > 0).sum().item()].reshape(2, 2)
 
 
+def _first_two_reshaped(x):
+    return _selected(x)[:2].reshape(2, 2)  # (rows min(2, u0): the check is eager's all the same)
+
+
+def _rest_narrowed(x):
+    return _selected(x)[1:].narrow(0, 0, 1)
+
+
 @pytest.mark.parametrize("cache", CACHES)
-@pytest.mark.parametrize("fn", [_narrowed, _reshaped, _viewed, _sliced_by_a_number])
+@pytest.mark.parametrize(
+    "fn", [_narrowed, _reshaped, _viewed, _sliced_by_a_number, _first_two_reshaped, _rest_narrowed]
+)
 def test_a_check_torch_defers_on_a_size_read_from_data_raises_as_eager(fn, cache):
     """``narrow``'s bound and ``reshape``'s count on a selection's rows are checks torch
     defers to run time; the compiled call returned a clamped or unreshaped tensor where

@@ -17,12 +17,17 @@ broadcast's ``u0 == 2`` is genuine once ``u0 == 1`` was asked first, ``data_size
 from __future__ import annotations
 
 import sympy
+import torch
 from torch.utils._sympy.functions import Max, Min
 
 from ..core.symbol import backward_note
 from ..core.torch_internals import runtime_asserts
 from .data_sized_calls import broadcasts_decided
 from .fake_calls import run_on_fakes
+
+# A narrow runs as a slice (which clamps), a reshape as a view that the program drops where
+# the sizes traced make it an identity: their checks are eager's (``x[m][:2].reshape(2, 2)``).
+_SIZED = {torch.ops.aten.slice.Tensor, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
 
 
 class DeferredChecks:
@@ -74,5 +79,5 @@ class DeferredChecks:
         op, _, call = self.made_by.get(expr, (None, None, ""))
         if "linalg" in getattr(op, "__name__", ""):
             return True
-        made_of = expr.has(sympy.Min, sympy.Max, Min, Max)
+        made_of = expr.has(sympy.Min, sympy.Max, Min, Max) and op not in _SIZED  # (a broadcast's)
         return sizes_alone and (expr in self.in_backward or made_of or "einsum" in (call or ""))
