@@ -45,6 +45,9 @@ def cone_of(symbols: list[BoundSymbol], source: TensorProxy, inputs: frozenset =
             for i, b in enumerate(symbols)
             if i not in writes and b.op is not None and b.op._schema.is_mutable and _writes_only(b, made)
         }
+        # Only those a symbol of the cone after them reads (one after the number's last op
+        # changes nothing it computes, and moved, a collective would run before the check).
+        more = {i for i in more if _read_after(symbols, cone, i, {p.memory for p in _written(symbols[i])})}
         if not more:
             break
         writes |= more
@@ -60,6 +63,10 @@ def cone_of(symbols: list[BoundSymbol], source: TensorProxy, inputs: frozenset =
             if i not in in_cone and any(p.memory in written for p in symbols[i].input_tensors()):
                 return first  # (``write_before`` then bars it)
     return cone
+
+
+def _read_after(symbols: list[BoundSymbol], cone: list[int], index: int, memories: set) -> bool:
+    return any(i > index and any(p.memory in memories for p in symbols[i].input_tensors()) for i in cone)
 
 
 def _writes_only(bsym: BoundSymbol, memories: set) -> bool:

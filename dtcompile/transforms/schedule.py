@@ -4,7 +4,8 @@ as late as its users allow, so that local work runs while the data is on the wir
 DTensor records a collective (``_c10d_functional.all_reduce``) and its ``wait_tensor``
 where the redistribution happened, usually side by side. Here each start moves up to just
 after the last symbol it depends on: the producers of its inputs, any write to memory,
-the collective before it (every rank must issue collectives in the same order), and the
+the collective before it (every rank must issue collectives in the same order), a check of
+data (a call that fails it goes to another entry), and the
 wait of the previous collective of the same kind on the same group, as recorded. That
 last bound keeps FSDP's parameter all-gathers one group ahead: the next group's
 all-gather starts before the current group's compute (right after the current group's
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from ..core import Trace
 from ..core.op_classes import group_name, is_collective, is_wait
+from ..core.prims import DataCheck
 from ..core.symbol import proxies_in
 from .effects import has_side_effects, mutates
 
@@ -85,7 +87,9 @@ def _starts_early(symbols: list, inputs: set[str]) -> list:
         while position > 0:
             before = placed[position - 1]
             made = {p.label for p in before.output_proxies()}
-            if made & needs or mutates(before) or _is_collective(before):
+            # (nor above a check of data: a call that fails it goes to another entry, whose
+            # collectives must be the ranks' next ones)
+            if made & needs or mutates(before) or _is_collective(before) or isinstance(before.symbol, DataCheck):
                 break
             # One ahead: not above the wait of the previous collective of its kind and group.
             if _is_wait(before) and any(started.get(p.label) == kind for p in before.input_proxies()):

@@ -148,3 +148,33 @@ def refusals_name_the_call(cache: str):
 @pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
 def test_what_tracing_cannot_size_or_differentiate_is_refused_naming_the_call(ranks2, cache):
     assert ranks2.run(refusals_name_the_call, cache) == [True, True]
+
+
+def _reduced_after_a_local_read(x):
+    y = x.clone()
+    s = y.sum()  # each rank's own data: the ranks' entries are cached in different orders
+    dist.all_reduce(y)  # (writes what the branch's ops made, after they read it)
+    return y if s > 0 else -y
+
+
+def _reduced_beside_a_local_branch(x):
+    w = x * 3
+    dist.all_reduce(w)
+    return w + 1 if x.sum() > 0 else w - 1
+
+
+def collectives_after_local_branches():
+    """A rank whose first cached entry fails its branch's check goes to the next: the
+    collective must not have started before the check (the scheduler started it as early
+    as its input allowed, above the check), or the ranks' collectives pair across calls."""
+    rank = dist.get_rank()
+    for fn in (_reduced_after_a_local_read, _reduced_beside_a_local_branch):
+        jitted = dtcompile.jit(fn)
+        for call, signs in enumerate([(1, -3), (-1, 1), (1, 2), (5, 2), (-2, -1)]):
+            x = torch.tensor([1.0, 2.0, 3.0]) * signs[rank]
+            assert_same(jitted(x.clone()), fn(x.clone()), f"{fn.__name__}, call {call}")
+    return True
+
+
+def test_a_collective_does_not_start_before_a_check_on_local_data(ranks2):
+    assert ranks2.run(collectives_after_local_branches) == [True, True]
