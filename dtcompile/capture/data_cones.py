@@ -53,7 +53,9 @@ def cone_of(symbols: list[BoundSymbol], source: TensorProxy, inputs: frozenset =
         writes |= more
         needed = {p.label for i in writes for p in symbols[i].input_proxies()}
         grown = _cone(symbols, needed, allowed=writes)
-        cone = None if grown is None else sorted(set(cone) | set(grown) | writes)
+        if grown is None or any(symbols[i].op.namespace in _COLLECTIVES for i in set(grown) - set(first)):
+            return first  # (``write_before`` then bars it)
+        cone = sorted(set(cone) | set(grown) | writes)
     if cone is None or not writes:
         return cone
     in_cone = set(cone)
@@ -63,6 +65,12 @@ def cone_of(symbols: list[BoundSymbol], source: TensorProxy, inputs: frozenset =
             if i not in in_cone and any(p.memory in written for p in symbols[i].input_tensors()):
                 return first  # (``write_before`` then bars it)
     return cone
+
+
+# A collective a write brings into the cone (``dist.all_reduce(y)`` of a clone, copied into it)
+# would run at the program's start, before a check that ranks may fail apart (the branch
+# reading local data too): the write then bars the branch, as any write did.
+_COLLECTIVES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 
 
 def _read_after(symbols: list[BoundSymbol], cone: list[int], index: int, memories: set) -> bool:

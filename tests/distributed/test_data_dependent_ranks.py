@@ -163,6 +163,12 @@ def _reduced_beside_a_local_branch(x):
     return w + 1 if x.sum() > 0 else w - 1
 
 
+def _reduced_then_read_with_local_data(x):
+    y = x.clone()
+    dist.all_reduce(y)
+    return y if (y.sum() + 10 * x.sum()) > 0 else -y
+
+
 def collectives_after_local_branches():
     """A rank whose first cached entry fails its branch's check goes to the next: the
     collective must not have started before the check (the scheduler started it as early
@@ -173,6 +179,9 @@ def collectives_after_local_branches():
         for call, signs in enumerate([(1, -3), (-1, 1), (1, 2), (5, 2), (-2, -1)]):
             x = torch.tensor([1.0, 2.0, 3.0]) * signs[rank]
             assert_same(jitted(x.clone()), fn(x.clone()), f"{fn.__name__}, call {call}")
+    # The collective would run before a check the ranks may fail apart: refused, as a write.
+    with pytest.raises(dtcompile.TracingError, match=r"after an in-place write \(dist.all_reduce"):
+        dtcompile.jit(_reduced_then_read_with_local_data)(torch.ones(3) * (rank + 1))
     return True
 
 
