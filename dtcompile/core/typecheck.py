@@ -41,6 +41,12 @@ class TraceTypeError(AssertionError):
     """A symbol's recorded output types are not what its op gives."""
 
 
+def _fresh_sizes(got, recorded: TensorProxy) -> bool:
+    """Whether running the op again made new sizes read from data, not in the recorded output."""
+    made = free_unbacked_symbols(tuple(got.shape))
+    return bool(made) and not made <= free_unbacked_symbols(tuple(recorded.shape))
+
+
 def _mismatch(got, recorded: TensorProxy) -> str | None:
     if got.dtype != recorded.dtype:
         return f"dtype {got.dtype}, recorded {recorded.dtype}"
@@ -85,6 +91,8 @@ def check_types(trace) -> None:
                 f"{trace.fn_name}: symbol {index} ({bsym.symbol.name}) gives {len(got)} tensors, recorded {len(recorded)}"
             )
         for g, r in zip(got, recorded):
+            if _fresh_sizes(g, r):
+                continue  # (torch 2.10 gives a slice of a size read from data a new one: u2 for min(2, u0))
             problem = _mismatch(g, r)
             if problem is not None:
                 raise TraceTypeError(
