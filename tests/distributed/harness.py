@@ -5,13 +5,15 @@ ranks once (per pytest worker) and runs test functions in them: ``pool.run(fn, *
 calls ``fn(*args)`` on every rank and returns the list of results, rank by rank. ``fn``
 must be a module-level function of a file under ``tests/``; the ranks import that file by
 path. An exception on any rank fails the call with that rank's traceback; a call that
-does not finish within its timeout (a hang in a collective) kills the ranks, and the
-next call starts fresh ones. ``RankPool(2, pg_timeout=4)`` gives the process group a
-short timeout, for tests where a rank is left waiting in a collective on purpose.
+does not finish within its timeout (a hang in a collective), or in which a rank dies,
+kills the ranks, and the next call starts fresh ones. ``RankPool(2, pg_timeout=4)``
+gives the process group a short timeout, for tests where a rank is left waiting in a
+collective on purpose.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import importlib.util
 import multiprocessing
 import os
@@ -41,6 +43,7 @@ def _load(path: str, cache: dict):
 
 def _worker(rank: int, world_size: int, init_file: str, conn, paths: list[str], pg_timeout: float | None) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
+    faulthandler.enable()  # a crash in C++ prints the rank's Python stack into the test's output
     sys.path[:0] = paths
     from datetime import timedelta
 
@@ -98,12 +101,17 @@ class RankPool:
 
     def run(self, fn, *args, timeout: float = 300, **kwargs) -> list:
         """``fn(*args, **kwargs)`` on every rank; the results, rank by rank."""
+        if any(not proc.is_alive() for proc in self._procs):
+            self.close()  # a rank died after the last call: start afresh, not fail every later test
         if not self._procs:
             self._start()
         path = os.path.abspath(sys.modules[fn.__module__].__file__)
-        for conn in self._conns:
-            conn.send((path, fn.__qualname__, args, kwargs))
         results, errors = [], []
+        for conn in self._conns:
+            try:
+                conn.send((path, fn.__qualname__, args, kwargs))
+            except OSError:  # BrokenPipeError: the rank is gone; its recv below says so
+                pass
         for rank, conn in enumerate(self._conns):
             # Once a rank has failed, the others may be stuck in a collective: wait less.
             if not conn.poll(min(timeout, 30) if errors else timeout):
@@ -112,7 +120,11 @@ class RankPool:
                     f"{fn.__qualname__} did not finish on rank {rank} within the timeout (a hang?)\n"
                     + "\n".join(errors)
                 )
-            status, value = conn.recv()
+            try:
+                status, value = conn.recv()
+            except EOFError:  # the rank died (a crash in C++, or killed)
+                errors.append(self._died(rank))
+                continue
             if status == "ok":
                 results.append(value)
             else:
@@ -124,6 +136,11 @@ class RankPool:
                 f"{fn.__qualname__} failed on {len(errors)} of {self.world_size} ranks:\n" + "\n".join(errors)
             )
         return results
+
+    def _died(self, rank: int) -> str:
+        proc = self._procs[rank]
+        proc.join(timeout=5)
+        return f"--- rank {rank} ---\nthe rank's process died (exit code {proc.exitcode})"
 
     def close(self) -> None:
         for conn in self._conns:
