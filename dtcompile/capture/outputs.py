@@ -1,10 +1,9 @@
 """Describing what a traced call returned, so the epilogue can rebuild it.
 
-The computation returns a flat tuple of local tensors; an :class:`OutputNode` tree says
-how to rebuild the call's result from it: which leaves become DTensors (with the spec
-DTensor's propagation gave them at trace time), which stay plain tensors, which are
-constants, and the containers around them.
-"""
+The computation returns a flat tuple of local tensors; an :class:`OutputNode` tree says how
+to rebuild the call's result from it: which leaves become DTensors (with the spec DTensor's
+propagation gave them at trace time), which stay plain tensors, which are constants, and
+the containers around them."""
 
 from __future__ import annotations
 
@@ -57,9 +56,8 @@ class HeldOutput(OutputNode):
 @dataclass
 class TensorOutput(OutputNode):
     index: int  # into the computation's flat result
-    # An ``nn.Parameter`` the call made (of a traced tensor: one marked so): whether it
-    # requires grad; None: no Parameter.
-    parameter: bool | None = None
+    parameter: bool | None = None  # an ``nn.Parameter`` the call made: whether it requires grad
+    marked_parameter: bool = False  # a Tensor marked ``_is_param``: a DTensor parameter's ``to_local()``
 
 
 @dataclass
@@ -208,8 +206,10 @@ class OutputCollector:
                     "eager's is an inference tensor, the compiled call's would not be. Enter inference_mode "
                     "around the call instead"
                 )
-            parameter = value.requires_grad if made_here and vars(value).get("_is_param", False) else None
-            return TensorOutput(self._slot(value), parameter)
+            marked = made_here and vars(value).get("_is_param", False)  # ``nn.Parameter(t)``: t detached
+            if marked and getattr(value.provenance, "made_by", None) != "aten.detach.default":
+                return TensorOutput(self._slot(value), marked_parameter=True)  # a DTensor parameter's ``to_local()``
+            return TensorOutput(self._slot(value), value.requires_grad if marked else None)
         if isinstance(value, torch.Tensor):
             return ConstantOutput(value)  # a tensor the program closes over, returned as is
         if is_symbolic(value):

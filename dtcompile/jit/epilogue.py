@@ -72,6 +72,13 @@ def as_view_of(base: DTensor, made: DTensor) -> DTensor:
         return torch.ops.aten.as_strided.default(base, made.shape, made.stride(), made.storage_offset())
 
 
+def marked_parameter(local: torch.Tensor) -> torch.Tensor:
+    """Eager's ``to_local()`` of a DTensor parameter: a Tensor that ``isinstance(..,
+    nn.Parameter)`` accepts (torch marks it ``_is_param``)."""
+    local._is_param = True
+    return local
+
+
 def requiring_grad(dtensor: DTensor) -> DTensor:
     """``dtensor`` with its local tensor (its own, detached) marked as requiring grad."""
     dtensor._local_tensor.requires_grad_()
@@ -159,6 +166,9 @@ class _Builder:
             return self.dtensor(node) if wrap else f"outs[{node.index}]"
         if isinstance(node, TensorOutput) and node.parameter is not None:  # (eager's nn.Parameter(x * 2))
             return f"torch.nn.Parameter(outs[{node.index}], {node.parameter})"
+        if isinstance(node, TensorOutput) and node.marked_parameter:
+            self.globals["marked_parameter"] = marked_parameter
+            return f"marked_parameter(outs[{node.index}])"
         if isinstance(node, (TensorOutput, NumberOutput)):
             return f"outs[{node.index}]"
         if isinstance(node, ConstantOutput):

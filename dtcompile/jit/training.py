@@ -231,15 +231,16 @@ class TrainingProgram:
         hook_later_outputs(outs := list(outs))
         for slot in self.non_differentiable:
             if outs[slot].requires_grad and slot not in self.returned_slots:
-                # A view of an input that requires grad, which the code detached first
-                # (``x.detach()[1:]``): eager's needs no gradient (autograd gave it the input's flag).
+                # A view of a detached input (``x.detach()[1:]``): eager's needs no gradient.
                 outs[slot] = outs[slot].detach()
-        if self.returned_inputs:
-            for slot, position in self.returned_inputs:
-                # The caller's own tensor, as eager returns it (a DTensor that needs no gradient:
-                # the program has its local tensor, and returns it wrapped anew).
-                if inputs[position].requires_grad or not isinstance(outs[slot], DTensor):
-                    outs[slot] = inputs[position]
+        for slot, position in self.returned_inputs:
+            # The caller's own tensor, as eager returns it (a DTensor that needs no gradient: the
+            # program has its local tensor, and returns it wrapped anew; ``x._local_tensor``).
+            given = inputs[position]
+            if isinstance(given, DTensor) and not isinstance(outs[slot], DTensor):
+                outs[slot] = given._local_tensor
+            elif given.requires_grad or not isinstance(outs[slot], DTensor):
+                outs[slot] = given
         return self.rebuild.fn(outs, ())
 
     def _apply_under_hooks(self, hooks: tuple | None, inputs: tuple):

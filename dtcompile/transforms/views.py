@@ -2,7 +2,8 @@
 
 Identity views: DTensor's ``from_local`` issues ``view_as(x)``; factory ops under grad
 mode come back ``detach``ed; ``x[..., 0:]`` and ``expand(-1, ...)`` keep the whole tensor.
-Compiled programs run without autograd, so these are the same tensor.
+Compiled programs run without autograd, so these are the same tensor; but for a detach
+of an input's memory, which says that the caller gets a tensor that does not require grad.
 
 View chains: ``view(unsqueeze(view(x)))`` of a row-major ``x`` is one ``view`` of ``x``
 (DTensor's ``linear`` ends in a ``view`` that the model's ``view`` reshapes again; masks
@@ -15,7 +16,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..core import TensorProxy, Trace, aten_symbol, renamed
-from ..core.op_classes import MAYBE_IDENTITY_VIEWS, ORDER_KEEPING_VIEWS, RESHAPES, is_row_major
+from ..core.op_classes import MAYBE_IDENTITY_VIEWS, ORDER_KEEPING_VIEWS, RESHAPES, is_row_major, makes_view
 from ..core.symbolic import known_equal, known_shape_equal
 
 aten = torch.ops.aten
@@ -85,10 +86,19 @@ def remove_identity_views(trace: Trace) -> Trace:
     # A view whose own storage the code re-points (``x.detach().set_(y)``) is a tensor of its
     # own: on its source, the caller's ``x`` would be re-pointed.
     repointed = {b.args[0].label for b in trace.bound_symbols if _repoints(b) and isinstance(b.args[0], TensorProxy)}
+    # A detach of an input (or a view of one) is kept: under no_grad the caller's input may
+    # require grad, and a view of it returned without the detach would too.
+    of_inputs = set(inputs)
     renames: dict[str, TensorProxy] = {}
     kept = []
     for bsym in trace.bound_symbols:
         bsym = bsym.with_inputs_renamed(renames) if renames else bsym
+        source = bsym.args[0] if bsym.args else None
+        if isinstance(source, TensorProxy) and source.label in of_inputs and makes_view(bsym.op):
+            if bsym.op is aten.detach.default:
+                kept.append(bsym)
+                continue
+            of_inputs.add(bsym.output.label)
         if _is_identity_view(bsym) and bsym.output.label not in repointed:
             source, label = bsym.args[0], bsym.output.label
             if label not in returned:
@@ -113,7 +123,10 @@ def collapse_view_chains(trace: Trace) -> Trace:
     symbols = []
     for bsym in trace.bound_symbols:
         source = bsym.args[0] if bsym.args else None
-        if bsym.op in ORDER_KEEPING_VIEWS and isinstance(source, TensorProxy) and isinstance(bsym.output, TensorProxy):
+        # A detach left by ``remove_identity_views`` says the result does not require grad:
+        # a view of it is not a view of its source.
+        keeps_chain = bsym.op in ORDER_KEEPING_VIEWS and bsym.op is not aten.detach.default
+        if keeps_chain and isinstance(source, TensorProxy) and isinstance(bsym.output, TensorProxy):
             origin = root.get(source.label)
             if origin is None and is_row_major(source):
                 origin = source
