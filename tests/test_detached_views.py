@@ -63,3 +63,22 @@ def test_a_view_of_a_detached_input_that_requires_grad(cache):
         for out, expected in zip(outs, (x.detach().t(), x.detach()[1:])):
             assert not out.requires_grad
             assert out.stride() == expected.stride() and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_pieces_of_an_input_split_and_detached(cache):
+    # ``split`` of an input returns a list of views: the pass that keeps a detach of an
+    # input's memory followed them (it crashed on the list, as a TP head's backward met it).
+    def f(x):
+        pieces = x.split(2)
+        return pieces[0].detach().t(), sum(p.sum() for p in pieces)
+
+    jitted = dtcompile.jit(f, cache=cache)
+    for rows in (4, 5):
+        for grad in (False, True):
+            x = torch.randn(rows, 3, requires_grad=True)
+            with torch.set_grad_enabled(grad):
+                piece, total = jitted(x)
+            assert not piece.requires_grad and torch.equal(piece, x.detach()[:2].t())
+            assert total.requires_grad == grad
+            torch.testing.assert_close(total, x.sum())

@@ -98,7 +98,9 @@ def remove_identity_views(trace: Trace) -> Trace:
             if bsym.op is aten.detach.default:
                 kept.append(bsym)
                 continue
-            of_inputs.add(bsym.output.label)
+            of_inputs.update(
+                x.label for x in tree_flatten(bsym.output)[0] if isinstance(x, TensorProxy)
+            )  # (split's list)
         if _is_identity_view(bsym) and bsym.output.label not in repointed:
             source, label = bsym.args[0], bsym.output.label
             if label not in returned:
