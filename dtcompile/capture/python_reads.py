@@ -12,6 +12,7 @@ import ctypes
 import decimal
 import fractions
 import math
+import struct
 import sys
 import types
 from dataclasses import dataclass, field
@@ -34,11 +35,14 @@ def by_value(value: object) -> bool:
 
 def value_key(value: object) -> object:
     """What a value guarded by value must stay equal to: its exact type and value, floats
-    by ``repr`` (so NaN equals itself and ``-0.0`` differs from ``0.0``), tuples item by
-    item (``(1,)`` differs from ``(1.0,)``), containers by what they hold now (a copy, so
-    that a change in place shows)."""
+    by ``repr`` (so that ``-0.0`` differs from ``0.0``) and a NaN by its bits (it equals
+    itself; ``inf - inf`` has its sign set, which ``copysign`` reads), tuples item by item
+    (``(1,)`` differs from ``(1.0,)``), containers by what they hold now (a copy, so that a
+    change in place shows)."""
     kind = type(value)
     if kind is float or kind is complex:
+        if value != value:
+            return (kind, struct.pack("<dd", value.real, value.imag))
         return (kind, repr(value))
     if kind in _SCALARS:
         return (kind, value)

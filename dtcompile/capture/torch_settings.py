@@ -90,13 +90,25 @@ def _backend(path: str):
     return found
 
 
-def _matmul_precision() -> str | tuple:
+def _matmul_precision(per_backend: bool = False) -> str | tuple:
     """The float32 matmul precision: torch's summary, or, where torch refuses to give
-    one (a backend's own precision set apart from it), each backend's."""
+    one (a backend's own precision set apart from it) or ``per_backend``, each backend's."""
     try:
-        return torch.get_float32_matmul_precision()
+        if not per_backend:
+            return torch.get_float32_matmul_precision()
     except RuntimeError:
-        return tuple(getattr(_backend(path), "fp32_precision", None) for path in _PRECISION_BACKENDS)
+        pass
+    return tuple(getattr(_backend(path), "fp32_precision", None) for path in _PRECISION_BACKENDS)
+
+
+def _allow_tf32(getter) -> bool | None:
+    """cuDNN's or cuBLAS's ``allow_tf32``; None where torch refuses to read it, once a
+    precision was set by its newer API (``torch.backends.fp32_precision = "tf32"``): each
+    backend's precision then says it."""
+    try:
+        return getter()
+    except RuntimeError:
+        return None
 
 
 def _set_matmul_precision(precision: str | tuple) -> None:
@@ -123,8 +135,11 @@ def put_settings_back(settings: tuple) -> None:
     if mkldnn_deterministic is not None:
         backends.mkldnn.deterministic = mkldnn_deterministic
     for name, value in zip(("enabled", "deterministic", "benchmark", "allow_tf32"), cudnn):
-        setattr(backends.cudnn, name, value)
-    matmul.allow_tf32, matmul.allow_fp16_reduced_precision_reduction = tf32, fp16
+        if value is not None:  # (allow_tf32 unread: the precisions above put it back)
+            setattr(backends.cudnn, name, value)
+    if tf32 is not None:
+        matmul.allow_tf32 = tf32
+    matmul.allow_fp16_reduced_precision_reduction = fp16
     matmul.allow_bf16_reduced_precision_reduction = bf16
     for (_, setter), value in zip(_SDPA_FLAGS, sdpa):
         getattr(torch._C, setter)(list(value) if type(value) is tuple else value)
@@ -159,19 +174,20 @@ def kernel_settings() -> tuple:
     mkldnn's and cudnn's flags, cuBLAS's reductions); last, the attention flags, which only
     an attention recorded whole reads then (under inference mode: ``kernel_settings_differ``)."""
     C = torch._C
+    cudnn_tf32, cublas_tf32 = _allow_tf32(C._get_cudnn_allow_tf32), _allow_tf32(C._get_cublas_allow_tf32)
     return (
         C._get_deterministic_algorithms(),
         C._get_deterministic_algorithms_warn_only(),
         C._get_deterministic_fill_uninitialized_memory(),
-        _matmul_precision(),
+        _matmul_precision(per_backend=cudnn_tf32 is None or cublas_tf32 is None),
         torch.get_num_threads(),
         C._get_mkldnn_enabled(),
         C._get_mkldnn_deterministic(),
         C._get_cudnn_enabled(),
         C._get_cudnn_deterministic(),
         C._get_cudnn_benchmark(),
-        C._get_cudnn_allow_tf32(),
-        C._get_cublas_allow_tf32(),
+        cudnn_tf32,
+        cublas_tf32,
         C._get_cublas_allow_fp16_reduced_precision_reduction()[0],
         C._get_cublas_allow_bf16_reduced_precision_reduction()[0],
         sdpa_backends(),

@@ -43,7 +43,9 @@ def python_literal(value: object) -> str:
     if isinstance(value, int):
         return repr(int(value))
     if isinstance(value, float):
-        if math.isnan(value) or math.isinf(value):
+        if math.isnan(value):  # with its sign (``inf - inf`` has it set; ``copysign`` reads it)
+            return "-float('nan')" if math.copysign(1.0, value) < 0 else "float('nan')"
+        if math.isinf(value):
             return f"float('{value}')"
         return repr(value)
     if isinstance(value, complex):
