@@ -102,3 +102,26 @@ def test_the_newer_precision_api_set_by_the_caller(setting, cache, precisions_pu
     _backend(path).fp32_precision = "ieee" if value != "ieee" else "tf32"
     torch.testing.assert_close(jitted(x), x @ x, rtol=0, atol=0)
     assert dtcompile.cache_misses(jitted) == 2
+
+
+class _Signed(nn.Module):
+    def __init__(self, s):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.s = s
+
+    def forward(self, x):
+        return torch.copysign(self.lin(x).relu() + 1, self.s)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_repeated_layers_that_differ_in_a_nans_sign(cache):
+    # Later layers equivalent to the first are replayed from its recording: the floats they
+    # pass to ops are compared as the guards compare them, a NaN by its sign too.
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_Signed(s) for s in (POSITIVE_NAN, NEGATIVE_NAN, POSITIVE_NAN, NEGATIVE_NAN)))
+    jitted = dtcompile.jit(model, cache=cache)
+    with torch.no_grad():
+        for rows in (2, 3):
+            x = torch.randn(rows, 4)
+            assert torch.equal(jitted(x), model(x))

@@ -72,14 +72,14 @@ _NUMBER_KINDS = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
 def same_value(x, y) -> bool:
     """Whether two arguments that are not proxies are the same to an op: by exact type (a
     symbolic size as a number), symbolic sizes by expression, floats and complex numbers by
-    ``repr`` (``-0.0``, NaN), NumPy's scalars and arrays by their bytes."""
+    :func:`value_key` (``-0.0``, a NaN's sign), NumPy's scalars and arrays by their bytes."""
     kind = _NUMBER_KINDS.get(type(x), type(x))
     if kind is not _NUMBER_KINDS.get(type(y), type(y)):
         return False
     if kind in (int, float, bool) and (type(x) in _NUMBER_KINDS or type(y) in _NUMBER_KINDS):
         return size_key(x) == size_key(y)
     if kind is float or kind is complex:
-        return repr(x) == repr(y)
+        return value_key(x) == value_key(y)  # (a NaN by its bits: its sign)
     if isinstance(x, torch.Tensor):
         return x is y
     if hasattr(x, "tobytes") and hasattr(x, "dtype"):  # (``np.float64(-0.0) == 0.0``)
