@@ -13,7 +13,10 @@ wait as recorded), not all of them at the start of the program with every unshar
 parameter alive at once. (A bucketed all-gather's input is its group's concatenated
 shards: that copy-in, pure ops on the program's inputs that nothing else reads, moves up
 with it.) Each wait moves down to just before the first symbol that reads its result, or
-that writes to memory (the collective may still be reading its input), or the end. A
+that writes to memory (the collective may still be reading its input), or the end. An
+in-place collective (``_c10d_functional.all_reduce_(x)``, ``broadcast_``, an ``out=``
+gather) writes memory others may read: its start does not move above a symbol that reads
+or makes a tensor in that memory, nor its wait below one. A
 wait's copy-out, pure ops on its result that only the program's outputs read (a gradient
 reduce-scatter's result cut into the parameters' gradients), first moves to the end, so
 that the wait can go down with it: the reduce-scatter then runs while the backward of
@@ -23,10 +26,10 @@ the layers below it computes.
 from __future__ import annotations
 
 from ..core import Trace
-from ..core.op_classes import group_name, is_collective, is_wait
+from ..core.op_classes import group_name, is_collective, is_wait, written_tensors
 from ..core.prims import DataCheck
 from ..core.symbol import proxies_in
-from .effects import has_side_effects, mutates
+from .effects import has_side_effects, mutates, storage_bases
 
 
 def _is_wait(bsym) -> bool:
@@ -66,7 +69,12 @@ def _copy_in(placed: list, bsym, inputs: set[str], readers: dict[str, set[int]])
     return chain
 
 
-def _starts_early(symbols: list, inputs: set[str]) -> list:
+def _memory(bsym, base: dict[str, str]) -> set[str]:
+    """The memory (by first tensor in it) of every tensor a symbol reads or makes."""
+    return {base.get(p.label, p.label) for p in (*bsym.input_proxies(), *bsym.output_proxies())}
+
+
+def _starts_early(symbols: list, inputs: set[str], base: dict[str, str]) -> list:
     readers: dict[str, set[int]] = {}
     for bsym in symbols:
         for p in bsym.input_proxies():
@@ -82,6 +90,7 @@ def _starts_early(symbols: list, inputs: set[str]) -> list:
             taken = {id(b) for b in chain}
             placed = [b for b in placed if id(b) not in taken]
         needs = {p.label for b in [*chain, bsym] for p in b.input_proxies()}
+        written = {base.get(p.label, p.label) for p in written_tensors(bsym)}  # (an in-place collective's)
         kind = _kind(bsym)
         position = len(placed)
         while position > 0:
@@ -90,6 +99,8 @@ def _starts_early(symbols: list, inputs: set[str]) -> list:
             # (nor above a check of data: a call that fails it goes to another entry, whose
             # collectives must be the ranks' next ones)
             if made & needs or mutates(before) or _is_collective(before) or isinstance(before.symbol, DataCheck):
+                break
+            if written and written & _memory(before, base):  # (it would read the collective's result)
                 break
             # One ahead: not above the wait of the previous collective of its kind and group.
             if _is_wait(before) and any(started.get(p.label) == kind for p in before.input_proxies()):
@@ -142,18 +153,20 @@ def _copy_outs_last(symbols: list, outputs: set[str]) -> list:
     return [b for b in symbols if id(b) not in moved] + [b for b in symbols if id(b) in moved]
 
 
-def _waits_late(symbols: list) -> list:
+def _waits_late(symbols: list, base: dict[str, str]) -> list:
     placed: list = []
     for bsym in reversed(symbols):
         if not _is_wait(bsym):
             placed.append(bsym)
             continue
         gives = {p.label for p in bsym.output_proxies()}
+        # (the memory the collective writes: an in-place one's input, read there under other names)
+        held = {base.get(p.label, p.label) for p in bsym.input_proxies()}
         position = len(placed)  # ``placed`` is reversed: its end is the earliest symbol
         while position > 0:
             after = placed[position - 1]
             reads = {p.label for p in after.input_proxies()}
-            if reads & gives or mutates(after):
+            if reads & gives or mutates(after) or held & _memory(after, base):
                 break
             position -= 1
         placed.insert(position, bsym)
@@ -167,5 +180,7 @@ def schedule_collectives(trace: Trace) -> Trace:
         return trace
     inputs = {p.label for p in trace.inputs}
     outputs = {p.label for p in proxies_in(trace.output)}
-    symbols = _waits_late(_copy_outs_last(_starts_early(list(trace.bound_symbols), inputs), outputs))
+    base = storage_bases(trace, inputs_may_alias=True)
+    symbols = _starts_early(list(trace.bound_symbols), inputs, base)
+    symbols = _waits_late(_copy_outs_last(symbols, outputs), base)
     return trace.derive(f"{trace.fn_name}, with collectives started early and waited late", symbols, trace.output)
