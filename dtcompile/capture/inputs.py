@@ -15,6 +15,7 @@ import keyword
 import re
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.utils import _pytree as pytree
@@ -44,6 +45,8 @@ from .snapshots import LibrarySetUp
 from .tensor_attributes import carry_attributes
 from .user_code import is_library
 
+# Inputs guarded as the very object the call got (a ``dist.ReduceOp.MAX`` by value: its kind).
+IDENTITY_CONSTANTS = (enum.Enum, DeviceMesh, torch.nn.Module, dist.ProcessGroup, dist.ReduceOp, dist.ReduceOp.RedOpType)
 CONSTANT_TYPES = (
     bool,
     int,
@@ -206,7 +209,7 @@ class InputProxifier:
             return proxy, node
         if isinstance(value, CONSTANT_TYPES) or type(value) is torch.Size or _constant_slice(value):
             return value, ConstantInput(path, value)
-        if isinstance(value, (enum.Enum, DeviceMesh, torch.nn.Module)):  # guarded as that very object
+        if isinstance(value, IDENTITY_CONSTANTS):  # guarded as that very object
             return value, ConstantInput(path, value)  # (a module's tensors: closed over, read at each call)
         if isinstance(value, Placement):  # (``Shard(0)``: guarded by value, as DTensor compares them)
             return value, ConstantInput(path, value)

@@ -328,7 +328,14 @@ class _Builder:
             self.fail_if(f"type({expr}) is not {self.constant(kind, 'TYPE')} or {compared}")
 
 
-_EQUAL_BY_VALUE = (torch.dtype, torch.device, torch.layout, torch.memory_format, type(Ellipsis))
+_EQUAL_BY_VALUE = (
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    type(Ellipsis),
+    torch.distributed.ReduceOp.RedOpType,
+)
 
 
 def build_prologue(
