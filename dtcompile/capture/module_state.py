@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core import TracingError
 from .outputs import HeldOutput
 
 _TABLES = ("_parameters", "_buffers", "__dict__")
@@ -196,6 +197,33 @@ def _kept_order(before: list, after: list) -> int:
             return i
         at += 1
     return len(after)
+
+
+def module_tensors(module: torch.nn.Module) -> list[tuple[str, object]]:
+    """``(kind, (dotted name, tensor), ...)`` for the module's parameters, buffers and plain
+    tensor attributes, every name of each. A module that holds one of its ancestors (a
+    ``weakref.proxy`` to its parent passes as a module) is refused: the tree has no end."""
+    _refuse_cycles(module, [], "the module")
+    return [
+        ("params", module.named_parameters(remove_duplicate=False)),
+        ("buffers", module.named_buffers(remove_duplicate=False)),
+        ("attributes", tensor_attributes(module)),
+    ]
+
+
+def _refuse_cycles(module, path: list, where: str) -> None:
+    # (by its table of submodules: a weak proxy is another object, with its referent's tables)
+    if any(module._modules is above for above in path):
+        raise TracingError(
+            f"dtcompile.jit: {where} is a module above it (a parent held as a submodule, perhaps through "
+            "weakref.proxy): its module tree never ends, which tracing walks. Hold the parent otherwise "
+            "(a weakref.ref, or outside _modules)"
+        )
+    path.append(module._modules)
+    for name, child in module._modules.items():
+        if child is not None:
+            _refuse_cycles(child, path, f"{where}.{name}" if where != "the module" else name)
+    path.pop()
 
 
 def tensor_attributes(module: torch.nn.Module):

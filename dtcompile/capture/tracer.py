@@ -49,7 +49,7 @@ from .input_fakes import InputFakes
 from .input_nodes import DictInput, DTensorInput, InputNode, ObjectInput, SequenceInput, brings_proxy, iter_leaves
 from .inputs import InputProxifier
 from .method_checks import effects_refused, retained_outputs
-from .module_state import ModuleState, ModuleUpdate, tensor_attributes
+from .module_state import ModuleState, ModuleUpdate, module_tensors
 from .objects import AttributeUpdate
 from .outlining import outline
 from .outputs import OutputCollector, OutputNode
@@ -184,11 +184,7 @@ def _capture(
     proxy_kwargs = dict(zip(kwargs.keys(), (p for p, _ in kwarg_pairs)))
     state: dict[int, object] = {}  # id of a tensor the module holds -> what the traced module holds
     if module is not None:
-        for kind, named in (
-            ("params", module.named_parameters(remove_duplicate=False)),
-            ("buffers", module.named_buffers(remove_duplicate=False)),
-            ("attributes", tensor_attributes(module)),
-        ):
+        for kind, named in module_tensors(module):
             for name, tensor in named:
                 # A tensor under a second name (tied weights, an argument the module also
                 # holds) is the same input, guarded to be the same object at each call.
