@@ -12,6 +12,7 @@ import operator
 
 import sympy
 import torch
+from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor, Placement
 
 from ..capture import (
@@ -311,8 +312,7 @@ class _Builder:
             raise TypeError(f"unknown input node {node!r}")
 
     def _constant(self, value: object, expr: str) -> None:
-        """Guard a constant input by exact type and value: a float's zero by its sign and NaN as
-        itself, a complex number (``-0j``), a NumPy float (a float by type), an enum by its key."""
+        """Guard a constant input by exact type and value (a float's zero by its sign, a NaN by its bits)."""
         kind = type(value)
         if value is None:
             self.fail_if(f"{expr} is not None")
@@ -328,14 +328,7 @@ class _Builder:
             self.fail_if(f"type({expr}) is not {self.constant(kind, 'TYPE')} or {compared}")
 
 
-_EQUAL_BY_VALUE = (
-    torch.dtype,
-    torch.device,
-    torch.layout,
-    torch.memory_format,
-    type(Ellipsis),
-    torch.distributed.ReduceOp.RedOpType,
-)
+_EQUAL_BY_VALUE = (torch.dtype, torch.device, torch.layout, torch.memory_format, type(...), ReduceOp.RedOpType)
 
 
 def build_prologue(
