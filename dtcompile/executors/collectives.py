@@ -69,6 +69,24 @@ _OPTIONS = ("allreduce_options", ALLREDUCE_OPTIONS, "dtcompile.executors.collect
 # whatever the order (a + b == b + a exactly in IEEE arithmetic): about 25 % less time per
 # Llama decode step on 2 ranks. Dtypes whose sum Gloo might round otherwise stay.
 _EXCHANGE_COMBINE = {"sum": "add", "product": "mul"}
+_TINY, _ONE = 5e-324, 1.0  # (globals, so that Python does not fold their product)
+
+
+def exchange_combined(combine, gathered: torch.Tensor) -> torch.Tensor:
+    """An exchange's two tensors combined as Gloo's worker thread would: keeping denormals
+    where the calling thread flushes them (``torch.set_flush_denormal(True)``, which
+    Python's floats obey too), since Gloo's threads do not. (Where both ranks hold a NaN of
+    another sign, the sign of the sum is not Gloo's: Gloo's depends on where the element
+    falls among its chunks.)"""
+    if _TINY * _ONE != 0.0:
+        return combine(gathered[0], gathered[1])
+    torch.set_flush_denormal(False)
+    try:
+        return combine(gathered[0], gathered[1])
+    finally:
+        torch.set_flush_denormal(True)
+
+
 _EXCHANGE_DTYPES = {torch.float32, torch.float64, torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8}
 # Newer releases rename two collectives and deprecate the old names.
 _REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
@@ -137,7 +155,8 @@ class WaitCollective(Symbol):
     def lines(self, bsym: BoundSymbol) -> list[str]:
         work, tensor = (proxy.label for proxy in bsym.args)
         if self.combine:
-            return [f"{work}.wait()", f"{bsym.output.label} = torch.{self.combine}({tensor}[0], {tensor}[1])"]
+            combine = f"exchange_combined(torch.{self.combine}, {tensor})"
+            return [f"{work}.wait()", f"{bsym.output.label} = {combine}"]
         return [f"{work}.wait()", f"{bsym.output.label} = {tensor}"]
 
 
@@ -241,7 +260,10 @@ def _wait(bsym: BoundSymbol, start: BoundSymbol) -> BoundSymbol:
     """The wait of a started collective: it reads the start's work handle and output."""
     tensor, work = start.output
     combine = _EXCHANGE_COMBINE[start.args[1]] if start.symbol.exchange else ""
-    wait = WaitCollective("wait", globals=_TORCH, combine=combine)
+    exchange = (
+        ("exchange_combined", exchange_combined, "from dtcompile.executors.collectives import exchange_combined"),
+    )
+    wait = WaitCollective("wait", globals=_TORCH + exchange if combine else _TORCH, combine=combine)
     return BoundSymbol(wait, (work, tensor), {}, bsym.output, bsym.note, bsym.op)
 
 
