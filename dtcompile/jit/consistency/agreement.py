@@ -106,14 +106,14 @@ class RankAgreement:
             return self.agreed.alone(alone)  # (no key taken: the ranks' next compilation together keeps its number)
         # Their inputs, where a collective could pair them wrongly (a program with none runs as eager's).
         signature = [_INPUTS + " " + line for line in self.signature]
-        common = [*(signature if collectives else []), *(_PROGRAM + " " + c.line for c in collectives)]
         sized: dict[tuple[int, ...], list[str]] = defaultdict(list)  # group -> its collectives with shapes
         for c in collectives:
             sized[c.group or ranks].append(c.sized)
-        digests = [_digest(common), *(f"{_ranks_text(g)}={_digest(lines)}" for g, lines in sorted(sized.items()))]
+        peers = ",".join(_peer_digest(signature, collectives, ranks, peer) for peer in ranks)
+        digests = [peers, *(f"{_ranks_text(g)}={_digest(lines)}" for g, lines in sorted(sized.items()))]
         posted = self._exchange(store, f"{key}/hash", ranks, " ".join(digests) + _GUARDS + _digest(list(guards)))
         hashes = {r: v.partition(_GUARDS)[0] for r, v in posted.items()}
-        if _agreed(hashes):
+        if _agreed(hashes, ranks):
             release(store, key, ranks, [f"{key}/hash/{r}" for r in ranks])
             if len({v.partition(_GUARDS)[2] for v in posted.values()}) > 1:
                 raise GuardsDiffer(self.what)
@@ -208,11 +208,20 @@ def _ranks_text(ranks: tuple[int, ...]) -> str:
     return ",".join(map(str, ranks))
 
 
-def _agreed(posted: dict[int, str]) -> bool:
-    """Whether the ranks' digests (``common group=digest ...``) agree: the common part on
-    every rank, each group's on the ranks of that group."""
+def _peer_digest(signature: list[str], collectives: list, ranks: tuple[int, ...], peer: int) -> str:
+    """What ``peer`` must see alike of this rank's program: its collectives on groups that
+    hold them both, in order (a rank skips those of a group it is not in: a pipeline stage's),
+    and the DTensor inputs where there are any."""
+    shared = [_PROGRAM + " " + c.line for c in collectives if peer in (c.group or ranks)]
+    return _digest([*signature, *shared] if shared else [])[:16]
+
+
+def _agreed(posted: dict[int, str], ranks: tuple[int, ...]) -> bool:
+    """Whether the ranks' digests (``peers group=digest ...``) agree: each pair of ranks on
+    the collectives they share, each group's (with shapes) on the ranks of that group."""
     parsed = {r: value.split(" ") for r, value in posted.items()}
-    if len({common for common, *_ in parsed.values()}) != 1:
+    peers = {r: dict(zip(ranks, items[0].split(","))) for r, items in parsed.items()}
+    if any(peers[a][b] != peers[b][a] for a in peers for b in peers if a < b):
         return False
     by_group: dict[str, set[str]] = defaultdict(set)
     for _, *groups in parsed.values():
@@ -223,13 +232,14 @@ def _agreed(posted: dict[int, str]) -> bool:
 
 
 def _as_seen_by(lines: list[str], other: int) -> list[str]:
-    """A program's collectives as a peer compares them: with their shapes where the peer
-    is in the collective's group."""
+    """A program's collectives as a peer compares them: those of groups the peer is in,
+    with their shapes."""
     seen = []
     for line in lines:
         if line.startswith(_PROGRAM):
-            shapeless, sized, group = line.removeprefix(_PROGRAM + " ").split("\t")
-            seen.append(sized if str(other) in group.split(",") else shapeless)
+            _, sized, group = line.removeprefix(_PROGRAM + " ").split("\t")
+            if str(other) in group.split(","):
+                seen.append(sized)
     return seen
 
 
