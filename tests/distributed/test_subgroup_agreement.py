@@ -44,9 +44,27 @@ def own_group_then_world(x, own):
     return a
 
 
+def along_a_chain(x, pairs):
+    """Rank r reduces with r - 1, then with r + 1 (a pipeline's neighbours): each rank's own
+    ranks to agree with are fewer than the world's."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    y = x * (rank + 1)
+    if rank > 0:
+        dist.all_reduce(y, group=pairs[rank - 1])
+    if rank < n - 1:
+        dist.all_reduce(y, group=pairs[rank])
+    return y
+
+
 def groups_some_ranks_skip():
     rank, evens, own = _groups()
-    cases = [(evens_then_world, evens), (called_on_every_rank_then_world, evens), (own_group_then_world, own)]
+    pairs = [dist.new_group([r, r + 1]) for r in range(dist.get_world_size() - 1)]
+    cases = [
+        (evens_then_world, evens),
+        (called_on_every_rank_then_world, evens),
+        (own_group_then_world, own),
+        (along_a_chain, pairs),
+    ]
     for fn, group in cases:
         for cache in ("constant values", "symbolic values"):
             jitted = dtcompile.jit(fn, cache=cache)

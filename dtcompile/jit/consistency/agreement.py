@@ -109,11 +109,12 @@ class RankAgreement:
         sized: dict[tuple[int, ...], list[str]] = defaultdict(list)  # group -> its collectives with shapes
         for c in collectives:
             sized[c.group or ranks].append(c.sized)
-        peers = ",".join(_peer_digest(signature, collectives, ranks, peer) for peer in ranks)
+        shared = [(peer, _peer_digest(signature, collectives, ranks, peer)) for peer in ranks]
+        peers = ",".join(f"{peer}:{digest}" for peer, digest in shared if digest != _NOTHING_SHARED) or "-"
         digests = [peers, *(f"{_ranks_text(g)}={_digest(lines)}" for g, lines in sorted(sized.items()))]
         posted = self._exchange(store, f"{key}/hash", ranks, " ".join(digests) + _GUARDS + _digest(list(guards)))
         hashes = {r: v.partition(_GUARDS)[0] for r, v in posted.items()}
-        if _agreed(hashes, ranks):
+        if _agreed(hashes):
             release(store, key, ranks, [f"{key}/hash/{r}" for r in ranks])
             if len({v.partition(_GUARDS)[2] for v in posted.values()}) > 1:
                 raise GuardsDiffer(self.what)
@@ -213,15 +214,20 @@ def _peer_digest(signature: list[str], collectives: list, ranks: tuple[int, ...]
     hold them both, in order (a rank skips those of a group it is not in: a pipeline stage's),
     and the DTensor inputs where there are any."""
     shared = [_PROGRAM + " " + c.line for c in collectives if peer in (c.group or ranks)]
-    return _digest([*signature, *shared] if shared else [])[:16]
+    return _digest([*signature, *shared])[:16] if shared else _NOTHING_SHARED
 
 
-def _agreed(posted: dict[int, str], ranks: tuple[int, ...]) -> bool:
+_NOTHING_SHARED = "0"  # (a peer a rank names no digest for: it shares no collective with it)
+
+
+def _agreed(posted: dict[int, str]) -> bool:
     """Whether the ranks' digests (``peers group=digest ...``) agree: each pair of ranks on
     the collectives they share, each group's (with shapes) on the ranks of that group."""
     parsed = {r: value.split(" ") for r, value in posted.items()}
-    peers = {r: dict(zip(ranks, items[0].split(","))) for r, items in parsed.items()}
-    if any(peers[a][b] != peers[b][a] for a in peers for b in peers if a < b):
+    # (by the peers' ranks, not their places: a rank's own ranks may be fewer, a chain of groups)
+    peers = {r: dict(item.split(":") for item in items[0].split(",") if item != "-") for r, items in parsed.items()}
+    nothing = _NOTHING_SHARED
+    if any(peers[a].get(str(b), nothing) != peers[b].get(str(a), nothing) for a in peers for b in peers if a < b):
         return False
     by_group: dict[str, set[str]] = defaultdict(set)
     for _, *groups in parsed.values():
