@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_map
 
 from ..core import Note, TensorProxy, TracingError, data_dependent_error
+from ..core.code_origin import dtcompile_code, framework_code
 from ..core.proxy import PASSING_FRAMES
 from ..core.symbol import leaves as leaves_of
 from ..core.torch_internals import dtensor_implicit_replication
@@ -114,20 +115,20 @@ _UNRECORDED_SETS = {
 }
 
 
-def _calling_package(depth: int) -> str:
-    """The top-level package of the code running the current torch-level call (``depth`` frames up)."""
+def _calling_module(depth: int) -> str:
+    """The Python module of the code running the current torch-level call (``depth`` frames up)."""
     frame = sys._getframe(depth + 1)
     if frame.f_globals.get("__name__") == "torch.overrides" and frame.f_back is not None:
         frame = frame.f_back  # a Tensor method written in Python (``__len__``) hands the call on
         if frame.f_globals.get("__name__") == "torch._tensor" and frame.f_back is not None:
             frame = frame.f_back
-    return frame.f_globals.get("__name__", "").partition(".")[0]
+    return frame.f_globals.get("__name__", "")
 
 
 def _user_frame(depth: int = 2) -> bool:
     """Whether the Python code running the current torch-level call (``depth`` frames up:
     this mode's handler is called from it) is the user's, not torch's or dtcompile's."""
-    return _calling_package(depth) not in ("torch", "dtcompile")
+    return not framework_code(_calling_module(depth))
 
 
 def _grad_called_by_user() -> bool:
@@ -136,7 +137,7 @@ def _grad_called_by_user() -> bool:
     while frame is not None and frame.f_code is not torch.autograd.grad.__code__:
         frame = frame.f_back
     caller = frame.f_back if frame is not None else None
-    return caller is not None and caller.f_globals.get("__name__", "").partition(".")[0] not in ("torch", "dtcompile")
+    return caller is not None and not framework_code(caller.f_globals.get("__name__", ""))
 
 
 def _is_dtensor(value) -> bool:
@@ -287,7 +288,7 @@ class CallAnnotator(TorchFunctionMode):
             func = tensor_of_numbers(func)  # (a size, a number read from data: computed at run time)
         if func in _HOOK_REGISTRATIONS and _is_traced(args[0]):
             self._check_hook(func, args)
-        if any(map(closed_over.needs_stand_in, leaves)) and _calling_package(1) != "dtcompile":
+        if any(map(closed_over.needs_stand_in, leaves)) and not dtcompile_code(_calling_module(1)):
             # (dtcompile's own calls on the real ones: putting back what tracing changed)
             writes = closed_over.writes_in_place(func, kwargs)
             args, kwargs = tree_map(lambda v: closed_over.stand_in(self.recording, v, writes), (args, kwargs))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import TracingError
-from ..core.code_origin import library_code
+from ..core.code_origin import dtcompile_code, library_code
 from ..core.torch_internals import (
     dispatch_modes,
     dispatch_modes_off,
@@ -304,10 +304,6 @@ _SEEDS_WHILE_TRACED = (
 )
 
 
-def _ours(module: str) -> bool:
-    return module.startswith("dtcompile.") and not module.startswith("dtcompile.testing")
-
-
 @contextlib.contextmanager
 def seeding_refused(reads: list = ()):
     """While tracing, torch's seeding functions raise where the user's code calls them:
@@ -336,7 +332,7 @@ def seeding_refused(reads: list = ()):
                         "runs the Python code once, while tracing, so it would hold the state read then"
                     )
                 return original(*args, **kwargs)
-            while _ours(caller.f_globals.get("__name__", "")):  # (a wrapper of ours)
+            while dtcompile_code(caller.f_globals.get("__name__", "")):  # (a wrapper of ours)
                 caller = caller.f_back
             if caller.f_globals.get("__name__", "").startswith(_SEEDS_WHILE_TRACED):
                 return original(*args, **kwargs)

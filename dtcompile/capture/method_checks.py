@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ..core import TensorProxy, TracingError
-from ..core.code_origin import library_code
+from ..core.code_origin import framework_code, library_code
 from ..core.errors import data_dependent_error
 from ..core.provenance import InputPath
 from ..core.proxy import TextRefusals
@@ -344,7 +344,7 @@ def _called_by_user(func) -> bool:
     ):
         frame = frame.f_back
     module = frame.f_globals.get("__name__", "") if frame is not None else ""
-    return module.partition(".")[0] not in ("torch", "dtcompile")
+    return not framework_code(module)
 
 
 def _tensors(tree) -> list:

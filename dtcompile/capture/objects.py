@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import InputPath, TensorProxy, TracingError
+from ..core.code_origin import dtcompile_code
 from ..core.symbolic import is_symbolic
 from .placements import same_spec
 
@@ -183,7 +184,7 @@ def attribute_holder(value: object) -> bool:
     ``lru_cache`` wrapper and the function it wraps), one of torch's whose state is the
     user's (``TORCH_USER_STATE``: an optimizer); not one of dtcompile's own."""
     module = type(value).__module__
-    if module.startswith("dtcompile.") and not module.startswith("dtcompile.testing"):
+    if dtcompile_code(module):
         return False  # a compiled function's state
     if plain_object(value) or makes_attributes(value) or (slot_names(type(value)) and is_rebuildable_object(value)):
         return True

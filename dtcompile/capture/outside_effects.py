@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..core import TracingError
+from ..core.code_origin import framework_code
 
 _STORE_METHODS = (
     "set",
@@ -62,7 +63,7 @@ def outside_effects_refused():
 def _store_method(name: str, method):
     def refused_from_user_code(self, *args, **kwargs):
         module = sys._getframe(1).f_globals.get("__name__", "")
-        if module.partition(".")[0] not in ("torch", "dtcompile"):
+        if not framework_code(module):
             raise TracingError(
                 f"dtcompile.jit: the traced code calls {type(self).__name__}.{name}, a c10d store's key-value "
                 "exchange: a compiled program runs the Python code once, so it would happen once, while tracing, "

@@ -16,6 +16,18 @@ _LIBRARY_PATHS = tuple(
 )
 
 
+def dtcompile_code(module: str) -> bool:
+    """Whether Python module ``module`` is dtcompile's own code. ``dtcompile.testing`` (the
+    models the tests and scripts run) is not: it is traced as the user's code is."""
+    return (module == "dtcompile" or module.startswith("dtcompile.")) and not module.startswith("dtcompile.testing")
+
+
+def framework_code(module: str) -> bool:
+    """Whether Python module ``module`` is torch's or dtcompile's own code: what runs a
+    torch-level call for them, not for the user (whose calls are recorded and guarded)."""
+    return module == "torch" or module.startswith("torch.") or dtcompile_code(module)
+
+
 def library_code(module: str, filename: str) -> bool:
     """Whether code of Python module ``module``, in file ``filename``, is library code:
     torch, transformers, dtcompile itself (but for ``dtcompile.testing``), the standard

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from ..capture import LibrarySetUp, TracingError, UnsupportedInputError
 from ..capture.global_state import autocast_off
+from ..core.code_origin import dtcompile_code
 from ..core.torch_internals import function_mode_count, function_modes_off
 from .consistency import RankMismatchError
 
@@ -43,7 +44,7 @@ def eager_after_failing(error: BaseException) -> bool:
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     module = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else "dtcompile"
-    return not module.startswith("dtcompile.") or module.startswith("dtcompile.testing")
+    return not dtcompile_code(module)
 
 
 def run_eagerly(name: str, fn, args: tuple, kwargs: dict, error: BaseException):
