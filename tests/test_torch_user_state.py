@@ -202,3 +202,20 @@ def test_an_optimizers_state_and_groups_read_inside(cache, change):
     groups added or replaced: read as eager reads them, a parameter of the call among them."""
     for got, want in zip(_optimizer_reads(True, cache, change), _optimizer_reads(False, cache, change)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda w: torch.optim.SGD([w], lr=0.1),
+        lambda w: torch.optim.lr_scheduler.StepLR(torch.optim.SGD([w], lr=0.1), 1),
+        lambda w: torch.amp.GradScaler("cpu"),
+    ],
+    ids=["optimizer", "scheduler", "scaler"],
+)
+def test_such_an_object_passed_as_an_argument_is_refused_by_name(make):
+    weight = torch.nn.Parameter(torch.ones(4))
+    thing = make(weight)
+    compiled = dtcompile.jit(lambda w, state, x: (w * x).sum())
+    with pytest.raises(dtcompile.UnsupportedInputError, match=rf"args\[1\] is a {type(thing).__name__} .*Close over it"):
+        compiled(weight, thing, torch.ones(4))

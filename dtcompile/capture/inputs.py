@@ -38,7 +38,15 @@ from .input_nodes import (
     SequenceInput,
     TensorInput,
 )
-from .objects import WEAK_PROXIES, StateObjects, is_state_object, new_stand_in, optimizer_table, referent
+from .objects import (
+    TORCH_USER_STATE,
+    WEAK_PROXIES,
+    StateObjects,
+    is_state_object,
+    new_stand_in,
+    optimizer_table,
+    referent,
+)
 from .placements import same_spec
 from .recorder import Recording
 from .snapshots import LibrarySetUp
@@ -242,6 +250,12 @@ class InputProxifier:
             return rebuilt, PytreeInput(path, type(value), context, [n for _, n in pairs])
         if is_state_object(value):
             return self._object(value, path, name_hint)
+        if isinstance(value, TORCH_USER_STATE):  # (its tables are keyed by tensors: not taken apart)
+            raise UnsupportedInputError(
+                f"dtcompile.jit: {path} is a {type(value).__name__} (a torch optimizer, LR scheduler, GradScaler or "
+                "distribution), which is not taken as an argument. Close over it instead (a global or a "
+                "closure's variable): what the code reads of it is then guarded"
+            )
         raise UnsupportedInputError(
             f"dtcompile.jit: {path} is a {type(value).__name__}; inputs must be tensors, DTensors, "
             "numbers, strings, None, dtypes, devices, tuples, lists and dicts of those, or objects "
