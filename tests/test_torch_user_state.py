@@ -217,5 +217,7 @@ def test_such_an_object_passed_as_an_argument_is_refused_by_name(make):
     weight = torch.nn.Parameter(torch.ones(4))
     thing = make(weight)
     compiled = dtcompile.jit(lambda w, state, x: (w * x).sum())
-    with pytest.raises(dtcompile.UnsupportedInputError, match=rf"args\[1\] is a {type(thing).__name__} .*Close over it"):
+    with pytest.raises(
+        dtcompile.UnsupportedInputError, match=rf"args\[1\] is a {type(thing).__name__} .*Close over it"
+    ):
         compiled(weight, thing, torch.ones(4))
