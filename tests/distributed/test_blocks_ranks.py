@@ -77,6 +77,10 @@ def test_tensor_parallel_blocks_are_replayed(cache, ranks2):
     lines, calls = ranks2.run(llama_case, cache)[0]
     assert "layers.0 recorded once, replayed for 3 more (layers.1, layers.2, layers.3)" in lines[0]
     assert calls == ["block_layers_0"] * 4  # every layer a call of one program
+
+
+@pytest.mark.parametrize("cache", ["constant values", "symbolic values"])
+def test_sequence_parallel_blocks_are_replayed(cache, ranks2):
     lines, calls = ranks2.run(sequence_parallel_case, cache)[0]
     assert any("replayed for" in line for line in lines)
     assert len(calls) >= 2 and len(set(calls)) == 1  # the first block, taking the call's input, is keyed apart
