@@ -4,6 +4,8 @@ a mesh dim may hold different sizes; one rank's sizes may specialize while traci
 a peer's stay symbolic). And DTensors a compiled call returns are the caller's to use;
 a sharding DTensor cannot propagate with symbolic sizes is traced with its sizes."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -57,6 +59,35 @@ def groups_of_one_dim_with_different_sizes(cache):
 @pytest.mark.parametrize("cache", CACHES)
 def test_groups_of_one_mesh_dim_may_gather_different_sizes(cache, ranks4):
     assert all(ranks4.run(groups_of_one_dim_with_different_sizes, cache))
+
+
+def _replicated(x):
+    return x.redistribute(x.device_mesh, [Replicate(), Replicate()])
+
+
+def a_length_that_changes_some_groups_only(cache):
+    """Rows 5 split 3, 2 over the first mesh dim and 6 split 3, 3: ranks 0 and 1 hold the
+    same shards, and their programs the same collectives, while ranks 2 and 3 gather other
+    sizes. Ranks 0 and 1 compiled "alone" (collectives as agreed) and skipped the meeting
+    ranks 2 and 3 waited in: RankMismatchError after the sync timeout, then Gloo's abort.
+    The DTensor input's global shape changed on every rank, so every rank meets."""
+    os.environ["DTCOMPILE_SYNC_TIMEOUT"] = "30"  # (a failure here waits that long, not 120 s)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2))
+        jitted = dtcompile.jit(_replicated, cache=cache)
+        for step, rows in enumerate((5, 6, 5, 6, 7)):
+            x = distribute_tensor(data(rows, 3, seed=step), mesh, [Shard(0), Shard(0)])
+            with torch.no_grad():
+                assert_all_same(jitted(x), _replicated(x), f"{rows} rows, {cache}")
+        return dtcompile.cache_hits(jitted)
+    finally:
+        del os.environ["DTCOMPILE_SYNC_TIMEOUT"]
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_length_that_changes_some_groups_collectives_only(cache, ranks4):
+    hits = ranks4.run(a_length_that_changes_some_groups_only, cache)
+    assert len(set(hits)) == 1 and hits[0] >= 2, hits
 
 
 def _max_into(x, values, indices):

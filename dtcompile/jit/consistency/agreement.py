@@ -101,7 +101,11 @@ class RankAgreement:
             for i, trace in enumerate(traces)
             for c in collective_lines(trace, labels)
         ]
-        alone = _sequence(collectives) if self.agreed is not None and not guards and not calls_checked() else None
+        alone = (
+            _sequence(self.signature, collectives)
+            if self.agreed is not None and not guards and not calls_checked()
+            else None
+        )
         if self.agreed is not None and self.agreed.alone(alone) is not None:
             return self.agreed.alone(alone)  # (no key taken: the ranks' next compilation together keeps its number)
         # Their inputs, where a collective could pair them wrongly (a program with none runs as eager's).
@@ -180,7 +184,8 @@ class RankAgreement:
 class AgreedSequences:
     """A later compilation that one rank makes alone (its batch of another length, which
     the others' cached entries took) needs no meeting where its collectives, with their
-    shapes, are those of every program of the function the ranks agreed on so far:
+    shapes, and its DTensor inputs' global metadata are those of every program of the
+    function the ranks agreed on so far:
     whatever entry the others run, its collectives pair with this one's. Only while the
     ranks agreed on one sequence (another: a meeting each time)."""
 
@@ -197,8 +202,13 @@ class AgreedSequences:
         return self.sequences.get(sequence)
 
 
-def _sequence(collectives: list) -> str:
-    return _digest([f"{c.line}\t{c.sized}\t{c.group}" for c in collectives])
+def _sequence(signature: list[str], collectives: list) -> str:
+    """What a compilation alone must share with an agreed one: its collectives, with their
+    shapes, and its DTensor inputs' global metadata. Those are the same on every rank, so
+    where they changed every rank compiles anew and all meet: a rank whose collectives
+    stayed as agreed must not skip a meeting its peers (whose local shards, and so their
+    collectives, changed) are waiting in."""
+    return _digest([*signature, *(f"{c.line}\t{c.sized}\t{c.group}" for c in collectives)])
 
 
 def _digest(lines: list[str]) -> str:
