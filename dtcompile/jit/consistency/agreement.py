@@ -101,8 +101,11 @@ class RankAgreement:
             for i, trace in enumerate(traces)
             for c in collective_lines(trace, labels)
         ]
+        # (on groups of some of the ranks, a new length may change one group's collectives
+        # and not another's: there the inputs' global metadata must be the agreed one too)
+        subgroups = any(c.group and set(c.group) != set(ranks) for c in collectives)
         alone = (
-            _sequence(self.signature, collectives)
+            _sequence(self.signature if subgroups else [], collectives)
             if self.agreed is not None and not guards and not calls_checked()
             else None
         )
@@ -184,8 +187,8 @@ class RankAgreement:
 class AgreedSequences:
     """A later compilation that one rank makes alone (its batch of another length, which
     the others' cached entries took) needs no meeting where its collectives, with their
-    shapes, and its DTensor inputs' global metadata are those of every program of the
-    function the ranks agreed on so far:
+    shapes (and, with collectives on groups of some of the ranks, its DTensor inputs'
+    global metadata) are those of every program of the function the ranks agreed on so far:
     whatever entry the others run, its collectives pair with this one's. Only while the
     ranks agreed on one sequence (another: a meeting each time)."""
 
@@ -204,10 +207,11 @@ class AgreedSequences:
 
 def _sequence(signature: list[str], collectives: list) -> str:
     """What a compilation alone must share with an agreed one: its collectives, with their
-    shapes, and its DTensor inputs' global metadata. Those are the same on every rank, so
-    where they changed every rank compiles anew and all meet: a rank whose collectives
-    stayed as agreed must not skip a meeting its peers (whose local shards, and so their
-    collectives, changed) are waiting in."""
+    shapes, and where some run on groups of some of the ranks, its DTensor inputs' global
+    metadata (``signature``). That is the same on every rank, so where it changed every
+    rank compiles anew and all meet: a rank whose collectives stayed as agreed must not
+    skip a meeting its peers (whose shards, and so their groups' collectives, changed) are
+    waiting in."""
     return _digest([*signature, *(f"{c.line}\t{c.sized}\t{c.group}" for c in collectives)])
 
 
